@@ -1,0 +1,98 @@
+#include <fcntl.h>
+#include <omp.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "core/parallel.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace ds {
+
+static LogLevel parse_log_level() {
+  const char* v = std::getenv("DELTASTACK_LOG");
+  if (!v) return LogLevel::Info;
+  std::string s(v);
+  if (s == "quiet") return LogLevel::Quiet;
+  if (s == "debug") return LogLevel::Debug;
+  return LogLevel::Info;
+}
+static LogLevel g_level = parse_log_level();
+LogLevel log_level() { return g_level; }
+void set_log_level(LogLevel level) { g_level = level; }
+
+static int g_threads = 0;
+void set_num_threads(int n) {
+  if (n <= 0) n = omp_get_num_procs();
+  g_threads = n;
+  omp_set_num_threads(n);
+  openblas_set_num_threads(n);
+}
+int num_threads() { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
+
+std::string read_file(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) fail("{}: is a directory, expected a file", path);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open ({})", path, std::strerror(errno));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) fail("{}: read error", path);
+  return ss.str();
+}
+
+bool file_exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+void fsync_dir(const std::string& dir) {
+  int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+void write_file_atomic(const std::string& path, const void* data, size_t size) {
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) fail("{}: cannot create ({})", tmp, std::strerror(errno));
+  const char* p = static_cast<const char*>(data);
+  size_t left = size;
+  while (left > 0) {
+    ssize_t w = ::write(fd, p, left);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      int e = errno;
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      fail("{}: write failed ({})", tmp, std::strerror(e));
+    }
+    p += w;
+    left -= static_cast<size_t>(w);
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    int e = errno;
+    ::unlink(tmp.c_str());
+    fail("{}: fsync/close failed ({})", tmp, std::strerror(e));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    int e = errno;
+    ::unlink(tmp.c_str());
+    fail("{}: rename failed ({})", path, std::strerror(e));
+  }
+  fsync_dir(std::filesystem::path(path).parent_path().string());
+}
+
+}  // namespace ds

@@ -1,0 +1,37 @@
+// Byte-level BPE tokenizer loaded from a Hugging Face tokenizer.json (the Qwen2/Qwen3 family: NFC normalizer,
+// Split-regex pre-tokenizer (Isolated) + ByteLevel(use_regex=false), BPE model with merges, ByteLevel decoder,
+// added tokens matched before normalisation). Matches HF tokenizers' encode(text, add_special_tokens=False)
+// and decode(ids, skip_special_tokens=False).
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ds {
+
+class Tokenizer {
+ public:
+  // Throws ds::Error naming the file for a missing/corrupt file or an unsupported model/normalizer/pre-tokenizer.
+  static Tokenizer from_file(const std::string& path);
+  ~Tokenizer();
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+
+  // UTF-8 text -> ids. Invalid UTF-8 is handled as documented in tokenizer.cpp (ds::Error naming the byte offset).
+  std::vector<int32_t> encode(std::string_view text) const;
+  // ids -> UTF-8 text (byte-level decode; incomplete byte sequences become U+FFFD as HF does).
+  std::string decode(const std::vector<int32_t>& ids) const;
+
+  int64_t vocab_size() const;                       // max id + 1 (model vocab and added tokens)
+  int32_t token_to_id(std::string_view token) const;  // -1 if unknown
+  std::string id_to_token(int32_t id) const;          // "" if unknown
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  Tokenizer();
+};
+
+}  // namespace ds

@@ -1,0 +1,30 @@
+// Fused linear + cross-entropy (HF ForCausalLMLoss on logits = h @ W^T, with optional z-loss as in PaLM):
+// walks the tokens in chunks so the [N, V] logits are never held; per token n with label y_n != ignore_index:
+//   lse_n = log sum_v exp(l_nv),  loss_n = lse_n - l_{n, y_n} + z_loss * lse_n^2
+// The caller picks the reduction: the result carries the sum and the count of valid tokens.
+#pragma once
+#include <cstdint>
+
+namespace ds::ops {
+
+struct LinearCeOptions {
+  int64_t ignore_index = -100;
+  double z_loss = 0.0;        // coefficient of lse^2 (0 = off)
+  double grad_scale = 1.0;    // gradients are of grad_scale * sum_n loss_n (e.g. 1/num_valid for a mean)
+  int64_t chunk_tokens = 1024;  // tokens per chunk: peak extra memory is chunk_tokens * V values
+};
+
+struct LinearCeResult {
+  double loss_sum = 0;    // sum over valid tokens of (lse - logit[label]) + z_loss * lse^2
+  double z_loss_sum = 0;  // the z-loss part of loss_sum
+  int64_t num_valid = 0;  // tokens whose label != ignore_index
+};
+
+// h: [N, H]; W: [V, H]; labels: [N] int32 in [0, V) or ignore_index (else ds::Error).
+// dh: [N, H] overwritten (null: skip); dW: [V, H] accumulated (null: skip). Deterministic.
+// logits_out: [N, V] (optional, null = not kept): the raw logits, for tools that must write them.
+template <typename T>
+LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* labels, int64_t N, int64_t H, int64_t V,
+                                    const LinearCeOptions& opt, T* dh, T* dW, T* logits_out = nullptr);
+
+}  // namespace ds::ops
