@@ -3,11 +3,18 @@
 // byte buffer). The reader validates everything before use: header length within the file, JSON well-formed,
 // known dtypes, shape product * dtype size == end - begin, offsets inside the buffer, no overlaps; any violation
 // throws ds::Error naming the file and the tensor or field.
+//
+// Limits and conventions of the reader: header length at most 100 MB (as the reference implementation), JSON
+// nesting at most 16 deep, duplicate JSON keys at any level are errors, every shape entry and offset must be a
+// non-negative JSON integer, "__metadata__" must map strings to strings. Gaps between tensors and trailing
+// bytes after the last one are tolerated; zero-element tensors (begin == end) never overlap anything.
+// All multi-byte values are little-endian (the host must be little-endian too).
 #pragma once
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace ds {
@@ -28,9 +35,12 @@ class SafetensorsReader {
  public:
   // Reads and validates `path`. Throws ds::Error naming the path on any problem.
   explicit SafetensorsReader(const std::string& path);
+  // Parses an in-memory safetensors image (same validation as the file constructor); `name` stands in for the
+  // path in error messages and path(). Needs no file I/O (used by the fuzz target).
+  static SafetensorsReader from_bytes(std::string bytes, std::string name);
 
   const std::string& path() const { return path_; }
-  const std::vector<TensorInfo>& tensors() const { return tensors_; }
+  const std::vector<TensorInfo>& tensors() const { return tensors_; }  // sorted by name
   const TensorInfo* find(const std::string& name) const;  // null if absent
   bool has(const std::string& name) const { return find(name) != nullptr; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
@@ -40,8 +50,12 @@ class SafetensorsReader {
   std::vector<double> read_f64(const std::string& name) const;
   // Integer values (from I64, I32, I16, I8, U8, BOOL). Throws for float dtypes or if absent.
   std::vector<int64_t> read_i64(const std::string& name) const;
+  // The tensor's raw little-endian payload (end - begin bytes), valid while the reader lives. Throws if absent.
+  std::string_view raw_bytes(const std::string& name) const;
 
  private:
+  SafetensorsReader() = default;
+  void parse();  // validates bytes_ and fills the tables; errors name path_
   std::string path_;
   std::string bytes_;  // whole file
   size_t data_start_ = 0;
@@ -65,21 +79,33 @@ SaveTensor make_tensor_i64(const std::string& name, std::vector<int64_t> shape, 
 
 // Writes a safetensors file atomically (temp file, fsync, rename). Tensors are laid out in the given order,
 // names must be unique (ds::Error otherwise).
+// The header is compact JSON ("__metadata__" first, only if non-empty; then the tensors in order with
+// increasing data_offsets), padded with spaces to a multiple of 8 bytes. Each tensor's bytes.size() must equal
+// numel * dtype_size, shapes must be non-negative, names non-empty, valid UTF-8 and not "__metadata__".
 void write_safetensors(const std::string& path, const std::vector<SaveTensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
+// The same file image as a string (no I/O); `what` names the destination in error messages.
+std::string serialize_safetensors(const std::vector<SaveTensor>& tensors,
+                                  const std::map<std::string, std::string>& metadata = {},
+                                  const std::string& what = "<memory>");
 
 // A Hugging Face checkpoint directory: either model.safetensors, or model.safetensors.index.json
-// ({"weight_map": {name: shard file}}) with its shards. Also accepts a path to a single .safetensors file.
+// ({"weight_map": {name: shard file}}) with its shards (the index wins if both exist). Also accepts a path to a
+// single .safetensors file or to a *.index.json file. Shard names must be relative paths without "..";
+// each shard is opened once. Only the names in the weight map are exposed (extra tensors in shards ignored).
 // Missing shards, names mapped to shards that lack them, and bad index JSON are ds::Errors naming the file.
 class CheckpointReader {
  public:
   explicit CheckpointReader(const std::string& path);
+  const std::string& path() const { return path_; }         // as given to the constructor
   std::vector<std::string> names() const;                   // all tensor names, sorted
   bool has(const std::string& name) const;
   const TensorInfo& info(const std::string& name) const;    // throws if absent
   std::vector<float> read_f32(const std::string& name) const;
+  std::vector<int64_t> read_i64(const std::string& name) const;  // integer dtypes only (see SafetensorsReader)
 
  private:
+  std::string path_;
   std::vector<std::unique_ptr<SafetensorsReader>> shards_;
   std::map<std::string, size_t> where_;  // tensor name -> shard index
 };

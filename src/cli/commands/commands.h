@@ -1,11 +1,36 @@
 // Subcommand entry points. Each returns the process exit code; ds::Error escapes to main(), which prints it
 // and exits 1.
 #pragma once
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace ds::cli {
 
 // `deltastack tokenize`: one {"text": ...} JSON object per input line -> one {"ids": [...]} per output line.
 int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl);
+
+// `deltastack forward`: HF-parity forward (and backward) on a safetensors input file. IN holds input_ids
+// (int [B, T]) and optionally labels (int [B, T], HF convention: shifted inside, -100 ignored) and cu_seqlens
+// (int [S+1], packed documents in a single row, B must be 1). OUT gets logits fp32 [B, T, V], loss fp32 [1]
+// (mean over valid shifted labels; only with labels) and hidden_states_0..L fp32 [B, T, H] (HF
+// output_hidden_states). GRADS (needs labels) gets d loss / d parameter under HF names.
+int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
+                const std::string& grads);
+
+// `deltastack generate`: samples a continuation of `prompt` from a checkpoint (tokenizer.json from the
+// checkpoint dir unless given). temperature 0 = greedy.
+int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
+                 int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed);
+
+// `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows.
+int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
+             int64_t seq_len, int64_t micro_batch, const std::string& txt_split);
+
+// `deltastack inspect`: config summary and tensor list of a checkpoint.
+int cmd_inspect(const std::string& path);
+
+// `deltastack probe`: the backend chosen per op and its self-probe error against the reference.
+int cmd_probe();
 
 }  // namespace ds::cli

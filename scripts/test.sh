@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up, builds, and runs the whole test suite (CTest over GoogleTest).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/build.sh
+cd build && ctest --output-on-failure -j"$(nproc)" --timeout 900

@@ -1,0 +1,96 @@
+// `deltastack tokenize`: JSONL text -> JSONL token ids with a Hugging Face tokenizer.json.
+//
+// Input: one JSON object per line with a string field "text" (other fields are ignored). A trailing newline
+// after the last line is allowed; "\r\n" line ends are accepted. Every other line must be a JSON object:
+// an empty (or all-whitespace) line, invalid JSON, a non-object, or a missing / non-string "text" is a
+// ds::Error naming the file and the 1-based line number.
+// Output: one {"ids":[...]} line per input line, in order, written atomically (ds::write_file_atomic), so a
+// failed run leaves any previous output untouched. Lines are encoded in parallel (OpenMP); ids are the same as
+// Tokenizer::encode on each text.
+#include <nlohmann/json.hpp>
+#include <charconv>
+#include <exception>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cli/commands/commands.h"
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "data/tokenizer.h"
+
+namespace ds::cli {
+
+int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl) {
+  Tokenizer tok = Tokenizer::from_file(tokenizer_path);
+  std::string input = read_file(input_jsonl);
+
+  // Parse every line first (serially, so errors name the first bad line).
+  std::vector<std::string> texts;
+  size_t pos = 0, line_no = 0;
+  while (pos < input.size()) {
+    size_t nl = input.find('\n', pos);
+    size_t end = nl == std::string::npos ? input.size() : nl;
+    ++line_no;
+    std::string_view line(input.data() + pos, end - pos);
+    pos = nl == std::string::npos ? input.size() : nl + 1;
+    if (line.find_first_not_of(" \t\r") == std::string_view::npos)
+      fail("{}:{}: empty line (expected a JSON object with a string field \"text\")", input_jsonl, line_no);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      fail("{}:{}: invalid JSON ({})", input_jsonl, line_no, e.what());
+    }
+    if (!j.is_object()) fail("{}:{}: expected a JSON object, got {}", input_jsonl, line_no, j.type_name());
+    auto it = j.find("text");
+    if (it == j.end()) fail("{}:{}: missing field \"text\"", input_jsonl, line_no);
+    if (!it->is_string()) fail("{}:{}: field \"text\" must be a string, got {}", input_jsonl, line_no, it->type_name());
+    texts.push_back(it->get<std::string>());
+  }
+
+  // Encode in parallel; exceptions cannot leave an OpenMP region, so keep the first one (lowest line).
+  const long n = static_cast<long>(texts.size());
+  std::vector<std::string> lines(texts.size());
+  std::vector<std::exception_ptr> errors(texts.size());
+  size_t total_ids = 0;
+#pragma omp parallel for schedule(dynamic, 16) reduction(+ : total_ids)
+  for (long i = 0; i < n; ++i) {
+    try {
+      std::vector<int32_t> ids = tok.encode(texts[i]);
+      total_ids += ids.size();
+      std::string& s = lines[i];
+      s.reserve(10 + ids.size() * 7);
+      s += "{\"ids\":[";
+      char buf[16];
+      for (size_t k = 0; k < ids.size(); ++k) {
+        if (k) s.push_back(',');
+        auto r = std::to_chars(buf, buf + sizeof(buf), ids[k]);
+        s.append(buf, r.ptr);
+      }
+      s += "]}\n";
+    } catch (...) {
+      errors[i] = std::current_exception();
+    }
+  }
+  for (long i = 0; i < n; ++i) {
+    if (!errors[i]) continue;
+    try {
+      std::rethrow_exception(errors[i]);
+    } catch (const std::exception& e) {
+      fail("{}:{}: field \"text\": {}", input_jsonl, i + 1, e.what());
+    }
+  }
+
+  std::string out;
+  size_t bytes = 0;
+  for (const auto& s : lines) bytes += s.size();
+  out.reserve(bytes);
+  for (const auto& s : lines) out += s;
+  write_file_atomic(output_jsonl, out);
+  log_info("tokenize: {} lines, {} tokens -> {}", texts.size(), total_ids, output_jsonl);
+  return 0;
+}
+
+}  // namespace ds::cli

@@ -1,0 +1,121 @@
+// deltastack command line: train, forward, eval, generate, tokenize, probe, inspect.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <exception>
+
+#include "cli/commands/commands.h"
+#include "core/error.h"
+#include "core/parallel.h"
+#include "train/trainer.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"deltastack: a native training engine for Qwen3.5-class hybrid (Gated DeltaNet + attention) models"};
+  app.require_subcommand(0, 1);
+  app.fallthrough();  // --threads may come after the subcommand
+  app.set_version_flag("--version", DELTASTACK_VERSION);
+  int threads = 0;
+  app.add_option("--threads", threads, "CPU threads for every subcommand (0 = all cores)");
+
+  ds::TrainOptions to;
+  auto* train = app.add_subcommand("train", "Train a model (no arguments: the tiny preset on bundled tiny Shakespeare)");
+  train->add_option("--model", to.model, "Preset (tiny, 0.8b, 2b, 4b, 9b, 27b), config.json, or HF checkpoint dir")
+      ->capture_default_str();
+  train->add_option("--data", to.data, "Data files (.txt split into documents by --txt-split, .jsonl with a \"text\" field)");
+  train->add_option("--tokenizer", to.tokenizer, "HF tokenizer.json (default: the bundled Qwen3 tokenizer)");
+  train->add_option("--txt-split", to.txt_split, "How .txt files become documents: paragraph, line, file")->capture_default_str();
+  train->add_option("--seq-len", to.seq_len, "Tokens per packed window")->capture_default_str();
+  train->add_option("--micro-batch", to.micro_batch, "Windows per micro-batch")->capture_default_str();
+  train->add_option("--grad-accum", to.grad_accum, "Micro-batches per optimizer step")->capture_default_str();
+  train->add_option("--steps", to.steps, "Optimizer steps (total, including resumed ones)")->capture_default_str();
+  train->add_option("--lr", to.lr, "Peak learning rate")->capture_default_str();
+  train->add_option("--warmup", to.warmup, "Linear warmup steps")->capture_default_str();
+  train->add_option("--schedule", to.schedule, "After warmup: cosine, linear or constant")->capture_default_str();
+  train->add_option("--min-lr-ratio", to.min_lr_ratio, "Final lr as a fraction of --lr")->capture_default_str();
+  train->add_option("--weight-decay", to.weight_decay, "AdamW decoupled weight decay (matrices only)")->capture_default_str();
+  train->add_option("--beta1", to.beta1, "AdamW beta1")->capture_default_str();
+  train->add_option("--beta2", to.beta2, "AdamW beta2")->capture_default_str();
+  train->add_option("--adam-eps", to.adam_eps, "AdamW epsilon")->capture_default_str();
+  train->add_option("--clip", to.clip, "Max global grad norm (0 = off)")->capture_default_str();
+  train->add_option("--z-loss", to.z_loss, "z-loss coefficient on lse^2 (0 = off)")->capture_default_str();
+  train->add_option("--val-fraction", to.val_fraction, "Fraction of documents held out for evaluation")->capture_default_str();
+  train->add_option("--eval-interval", to.eval_interval, "Steps between evaluations (0 = start and end only)")->capture_default_str();
+  train->add_option("--eval-batches", to.eval_batches, "Micro-batches per evaluation")->capture_default_str();
+  train->add_option("--save-interval", to.save_interval, "Steps between checkpoints (0 = end only)")->capture_default_str();
+  train->add_option("--seed", to.seed, "Seed for init and data order")->capture_default_str();
+  train->add_option("--out", to.out, "Output dir (metrics.jsonl, checkpoint-STEP/)")->capture_default_str();
+  train->add_option("--nan-policy", to.nan_policy, "On a NaN/Inf loss or grad: stop or skip the step")->capture_default_str();
+  train->add_option("--resume", to.resume, "Checkpoint dir to resume from (its options are reused)");
+  train->add_option("--device", to.device, "cpu (this build)")->capture_default_str();
+
+  std::string model_dir, inputs, output, grads, tokenizer, prompt, input, txt_split = "paragraph";
+  std::vector<std::string> data;
+  int64_t max_new = 100, top_k = 50, seq_len = 128, micro_batch = 8;
+  double temperature = 0.8;
+  uint64_t seed = 0;
+
+  auto* forward = app.add_subcommand("forward", "HF-parity forward/backward on a safetensors input");
+  forward->add_option("--model", model_dir, "HF checkpoint dir")->required();
+  forward->add_option("--inputs", inputs, "safetensors with input_ids [B,T], optional labels, cu_seqlens")->required();
+  forward->add_option("--output", output, "safetensors to write logits, loss, hidden_states_i")->required();
+  forward->add_option("--grads", grads, "safetensors to write parameter gradients (needs labels)");
+  forward->add_option("--device", to.device, "cpu (this build)");
+
+  auto* gen = app.add_subcommand("generate", "Sample text from a checkpoint");
+  gen->add_option("--model", model_dir, "Checkpoint dir")->required();
+  gen->add_option("--prompt", prompt, "Prompt text")->required();
+  gen->add_option("--tokenizer", tokenizer, "tokenizer.json (default: the checkpoint's)");
+  gen->add_option("--max-new-tokens", max_new, "Tokens to sample")->capture_default_str();
+  gen->add_option("--temperature", temperature, "Sampling temperature (0 = greedy)")->capture_default_str();
+  gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0 = all)")->capture_default_str();
+  gen->add_option("--seed", seed, "Sampling seed")->capture_default_str();
+
+  auto* eval = app.add_subcommand("eval", "Mean loss of a checkpoint on data files");
+  eval->add_option("--model", model_dir, "Checkpoint dir")->required();
+  eval->add_option("--data", data, "Data files")->required();
+  eval->add_option("--tokenizer", tokenizer, "tokenizer.json (default: the checkpoint's)");
+  eval->add_option("--seq-len", seq_len, "Window length")->capture_default_str();
+  eval->add_option("--micro-batch", micro_batch, "Windows per forward")->capture_default_str();
+  eval->add_option("--txt-split", txt_split, "paragraph, line or file")->capture_default_str();
+
+  auto* tokenize = app.add_subcommand("tokenize", "Tokenize a .jsonl of {\"text\"} lines into {\"ids\"} lines");
+  tokenize->add_option("--tokenizer", tokenizer, "HF tokenizer.json")->required();
+  tokenize->add_option("--input", input, "Input .jsonl")->required();
+  tokenize->add_option("--output", output, "Output .jsonl")->required();
+
+  auto* probe = app.add_subcommand("probe", "Backend per op and its self-probe error");
+  auto* inspect = app.add_subcommand("inspect", "Show a checkpoint's config and tensors");
+  std::string inspect_path;
+  inspect->add_option("checkpoint", inspect_path, "Checkpoint dir or config.json")->required();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    ds::set_num_threads(threads);
+    if (*forward) {
+      DS_CHECK(to.device == "cpu" || to.device == "auto", "--device {}: this build has only the CPU backend", to.device);
+      return ds::cli::cmd_forward(model_dir, inputs, output, grads);
+    }
+    if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed);
+    if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split);
+    if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output);
+    if (*probe) return ds::cli::cmd_probe();
+    if (*inspect) return ds::cli::cmd_inspect(inspect_path);
+    if (*train) {
+      to.threads = threads;
+      return ds::train(to);
+    }
+    fmt::print("{}", app.help());
+    return 0;
+  } catch (const ds::Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,48 @@
+// Training data: readers for .txt and .jsonl files, and packing of tokenized documents into fixed windows
+// with cu_seqlens, so that no recurrent state, conv tap or attention crosses a document and no target
+// predicts across one.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "data/tokenizer.h"
+#include "model/model.h"
+
+namespace ds {
+
+// How a .txt file is cut into documents: at blank lines (paragraphs; the default, which for tiny Shakespeare
+// gives one speech per document), per line, or the whole file as one document.
+enum class TxtSplit { Paragraph, Line, File };
+TxtSplit parse_txt_split(const std::string& s);  // "paragraph" | "line" | "file", else ds::Error
+
+// Reads documents from .txt (split as above) and .jsonl (one JSON object per line with a string "text"
+// field; blank lines skipped) files, in file order. Errors name the file (and line): missing file, a file
+// with no text, invalid JSON, a missing "text" field, an unknown extension.
+std::vector<std::string> read_documents(const std::vector<std::string>& files, TxtSplit split);
+
+// Tokenizes every document (UTF-8 errors name the document's file index and offset) and appends `eos`
+// (when >= 0) to each, so the model learns where documents end.
+std::vector<std::vector<int32_t>> tokenize_documents(const Tokenizer& tok, const std::vector<std::string>& docs,
+                                                     int32_t eos);
+
+// The token stream of all documents cut into windows of seq_len tokens. Window w covers stream positions
+// [w*seq_len, (w+1)*seq_len) (the last partial window is dropped unless it is the only one); its cu_seqlens
+// mark document starts; the target of position t is the next token of the same document (even when it lies in
+// the next window), or -100 at a document's last token.
+class PackedDataset {
+ public:
+  PackedDataset(const std::vector<std::vector<int32_t>>& docs, int64_t seq_len);
+  int64_t num_windows() const { return num_windows_; }
+  int64_t num_tokens() const { return static_cast<int64_t>(stream_.size()); }
+  int64_t seq_len() const { return seq_len_; }
+  // Concatenates the given windows (each its own set of documents) into one packed batch.
+  PackedBatch batch(const std::vector<int64_t>& windows) const;
+
+ private:
+  int64_t seq_len_, num_windows_;
+  std::vector<int32_t> stream_;
+  std::vector<int32_t> doc_of_;  // document index of each stream position
+};
+
+}  // namespace ds

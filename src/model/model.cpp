@@ -1,0 +1,546 @@
+#include "model/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "core/rng.h"
+#include "ops/attention/attention.h"
+#include "ops/conv1d/conv1d.h"
+#include "ops/embedding/embedding.h"
+#include "ops/gated_delta_rule/dispatch.h"
+#include "ops/gated_rmsnorm/gated_rmsnorm.h"
+#include "ops/gdn_gate/gdn_gate.h"
+#include "ops/l2norm/l2norm.h"
+#include "ops/linear/linear.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
+#include "ops/rmsnorm/rmsnorm.h"
+#include "ops/rope/rope.h"
+#include "ops/swiglu/swiglu.h"
+
+namespace ds {
+
+using Buf = std::vector<float>;
+
+// ---------------------------------------------------------------------------------------------------------------
+// PackedBatch
+
+void PackedBatch::finalize(const std::string& what) {
+  const int64_t N = size();
+  DS_CHECK(static_cast<int64_t>(targets.size()) == N, "{}: {} targets for {} tokens", what, targets.size(), N);
+  DS_CHECK(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == N,
+           "{}: cu_seqlens must start at 0 and end at the token count {}", what, N);
+  positions.assign(static_cast<size_t>(N), 0);
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
+    DS_CHECK(cu_seqlens[s + 1] >= cu_seqlens[s], "{}: cu_seqlens must be non-decreasing (entry {})", what, s + 1);
+    for (int32_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) positions[static_cast<size_t>(t)] = t - cu_seqlens[s];
+  }
+}
+
+int64_t PackedBatch::num_targets() const {
+  return std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != -100; });
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Parameters
+
+void Qwen35Model::add_param(const std::string& name, std::vector<int64_t> shape, bool decay) {
+  ParamSpec p;
+  p.name = name;
+  p.numel = 1;
+  for (int64_t d : shape) p.numel *= d;
+  p.shape = std::move(shape);
+  p.offset = params_.empty() ? 0 : params_.back().offset + params_.back().numel;
+  p.weight_decay = decay;
+  by_name_[name] = params_.size();
+  params_.push_back(std::move(p));
+}
+
+Qwen35Model::Qwen35Model(ModelConfig config) : cfg_(std::move(config)) {
+  cfg_.validate();
+  const ModelConfig& c = cfg_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  add_param("model.embed_tokens.weight", {c.vocab_size, H}, true);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    std::string L = "model.layers." + std::to_string(i) + ".";
+    add_param(L + "input_layernorm.weight", {H}, false);
+    if (c.is_full_attention(i)) {
+      add_param(L + "self_attn.q_proj.weight", {c.num_attention_heads * c.head_dim * 2, H}, true);
+      add_param(L + "self_attn.k_proj.weight", {c.num_key_value_heads * c.head_dim, H}, true);
+      add_param(L + "self_attn.v_proj.weight", {c.num_key_value_heads * c.head_dim, H}, true);
+      add_param(L + "self_attn.o_proj.weight", {H, c.num_attention_heads * c.head_dim}, true);
+      add_param(L + "self_attn.q_norm.weight", {c.head_dim}, false);
+      add_param(L + "self_attn.k_norm.weight", {c.head_dim}, false);
+    } else {
+      add_param(L + "linear_attn.in_proj_qkv.weight", {c.conv_dim(), H}, true);
+      add_param(L + "linear_attn.in_proj_z.weight", {c.value_dim(), H}, true);
+      add_param(L + "linear_attn.in_proj_b.weight", {c.linear_num_value_heads, H}, true);
+      add_param(L + "linear_attn.in_proj_a.weight", {c.linear_num_value_heads, H}, true);
+      add_param(L + "linear_attn.conv1d.weight", {c.conv_dim(), 1, c.linear_conv_kernel_dim}, false);
+      add_param(L + "linear_attn.dt_bias", {c.linear_num_value_heads}, false);
+      add_param(L + "linear_attn.A_log", {c.linear_num_value_heads}, false);
+      add_param(L + "linear_attn.norm.weight", {c.linear_value_head_dim}, false);
+      add_param(L + "linear_attn.out_proj.weight", {H, c.value_dim()}, true);
+    }
+    add_param(L + "post_attention_layernorm.weight", {H}, false);
+    add_param(L + "mlp.gate_proj.weight", {I, H}, true);
+    add_param(L + "mlp.up_proj.weight", {I, H}, true);
+    add_param(L + "mlp.down_proj.weight", {H, I}, true);
+  }
+  add_param("model.norm.weight", {H}, false);
+  if (!c.tie_word_embeddings) add_param("lm_head.weight", {c.vocab_size, H}, true);
+  weights_.assign(static_cast<size_t>(params_.back().offset + params_.back().numel), 0.0f);
+  grads_.assign(weights_.size(), 0.0f);
+}
+
+const ParamSpec& Qwen35Model::spec(const std::string& name) const {
+  auto it = by_name_.find(name);
+  DS_CHECK(it != by_name_.end(), "unknown parameter \"{}\"", name);
+  return params_[it->second];
+}
+
+void Qwen35Model::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+
+void Qwen35Model::init_weights(uint64_t seed) {
+  for (size_t pi = 0; pi < params_.size(); ++pi) {
+    const ParamSpec& p = params_[pi];
+    Rng rng(seed, pi + 1);
+    float* w = weights_.data() + p.offset;
+    auto ends_with = [&](const char* suf) {
+      std::string s(suf);
+      return p.name.size() >= s.size() && p.name.compare(p.name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (ends_with("linear_attn.norm.weight") || ends_with("dt_bias")) {
+      std::fill(w, w + p.numel, 1.0f);
+    } else if (ends_with("A_log")) {
+      for (int64_t i = 0; i < p.numel; ++i) w[i] = static_cast<float>(std::log(0.01 + (16.0 - 0.01) * rng.uniform()));
+    } else if (ends_with("layernorm.weight") || ends_with("norm.weight")) {
+      std::fill(w, w + p.numel, 0.0f);  // zero-centered RMSNorm: effective scale 1
+    } else {
+      for (int64_t i = 0; i < p.numel; ++i) w[i] = static_cast<float>(cfg_.initializer_range * rng.normal());
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Checkpoint I/O
+
+void Qwen35Model::load(const std::string& path) {
+  CheckpointReader ck(path);
+  // Find the text-model prefix the checkpoint uses.
+  std::string prefix;
+  if (ck.has("model.embed_tokens.weight")) prefix = "model.";
+  else if (ck.has("model.language_model.embed_tokens.weight")) prefix = "model.language_model.";
+  else fail("{}: no embed_tokens weight (looked for model.embed_tokens.weight and "
+            "model.language_model.embed_tokens.weight)", path);
+  auto ck_name = [&](const std::string& ours) {
+    if (ours.rfind("model.", 0) == 0) return prefix + ours.substr(6);
+    return ours;  // lm_head.weight stays at top level
+  };
+  for (const ParamSpec& p : params_) {
+    std::string name = ck_name(p.name);
+    DS_CHECK(ck.has(name), "{}: missing tensor \"{}\"", path, name);
+    const TensorInfo& info = ck.info(name);
+    DS_CHECK(info.shape == p.shape, "{}: tensor \"{}\" has shape [{}] but the config needs [{}]", path, name,
+             fmt::join(info.shape, ", "), fmt::join(p.shape, ", "));
+    std::vector<float> v = ck.read_f32(name);
+    for (size_t i = 0; i < v.size(); ++i)
+      DS_CHECK(std::isfinite(v[i]), "{}: tensor \"{}\" holds a non-finite value at index {}", path, name, i);
+    std::copy(v.begin(), v.end(), weights_.begin() + p.offset);
+  }
+  if (cfg_.tie_word_embeddings && ck.has("lm_head.weight")) {
+    std::vector<float> lm = ck.read_f32("lm_head.weight");
+    const ParamSpec& e = spec("model.embed_tokens.weight");
+    DS_CHECK(static_cast<int64_t>(lm.size()) == e.numel &&
+                 std::equal(lm.begin(), lm.end(), weights_.begin() + e.offset),
+             "{}: config ties word embeddings but lm_head.weight differs from embed_tokens; set "
+             "tie_word_embeddings=false in config.json to use it", path);
+  }
+}
+
+std::vector<SaveTensor> Qwen35Model::to_tensors(const std::vector<float>& buffer, DType dtype) const {
+  std::vector<SaveTensor> out;
+  for (const ParamSpec& p : params_) {
+    // A_log and the gated-norm weight stay fp32 as in released Qwen3.5 checkpoints (qwen35_model.md §5.3).
+    bool keep_f32 = p.name.find("A_log") != std::string::npos || p.name.find("linear_attn.norm.weight") != std::string::npos;
+    out.push_back(make_tensor_f32(p.name, p.shape, buffer.data() + p.offset, keep_f32 ? DType::F32 : dtype));
+  }
+  return out;
+}
+
+void Qwen35Model::save(const std::string& dir, DType dtype) const {
+  std::filesystem::create_directories(dir);
+  nlohmann::json cj = cfg_.to_json();
+  if (dtype == DType::BF16) cj["dtype"] = "bfloat16";
+  write_file_atomic((std::filesystem::path(dir) / "config.json").string(), cj.dump(2) + "\n");
+  write_safetensors((std::filesystem::path(dir) / "model.safetensors").string(), to_tensors(weights_, dtype),
+                    {{"format", "pt"}});
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward / backward
+
+namespace {
+
+// Pointers to one layer's parameters inside a flat buffer (weights or grads).
+struct LayerPtrs {
+  float *in_ln, *post_ln, *gate, *up, *down;
+  float *qkv = nullptr, *z = nullptr, *b = nullptr, *a = nullptr, *conv = nullptr, *dt_bias = nullptr,
+        *A_log = nullptr, *gnorm = nullptr, *out = nullptr;
+  float *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+};
+
+// Activations one layer keeps for its backward.
+struct LayerCache {
+  Buf x_in, xn1, rstd1, h_mid, xn2, rstd2, gate, up, act;
+  // GDN
+  Buf mixed, zz, aa, bb, conv_out, qc, kc, vc, qn, kn, rq, rk, g, beta, core, rstd_g, y;
+  // attention
+  Buf qraw, graw, kraw, vraw, rstd_q, rstd_k, qr, kr, ao, lse, og;
+};
+
+void add_into(Buf& dst, const Buf& src) {
+  for (size_t i = 0; i < dst.size(); ++i) dst[i] += src[i];
+}
+
+}  // namespace
+
+struct Qwen35Model::Impl {
+  Qwen35Model& m;
+  const ModelConfig& c;
+  const PackedBatch& batch;
+  int64_t N, H, I;
+  int64_t num_seqs;
+  Buf cos_t, sin_t;
+
+  Impl(Qwen35Model& model, const PackedBatch& b)
+      : m(model), c(model.cfg_), batch(b), N(b.size()), H(model.cfg_.hidden_size),
+        I(model.cfg_.intermediate_size), num_seqs(static_cast<int64_t>(b.cu_seqlens.size()) - 1) {}
+
+  LayerPtrs ptrs(int64_t i, float* base) {
+    std::string L = "model.layers." + std::to_string(i) + ".";
+    auto P = [&](const std::string& n) { return base + m.spec(L + n).offset; };
+    LayerPtrs p{};
+    p.in_ln = P("input_layernorm.weight");
+    p.post_ln = P("post_attention_layernorm.weight");
+    p.gate = P("mlp.gate_proj.weight");
+    p.up = P("mlp.up_proj.weight");
+    p.down = P("mlp.down_proj.weight");
+    if (c.is_full_attention(i)) {
+      p.q = P("self_attn.q_proj.weight");
+      p.k = P("self_attn.k_proj.weight");
+      p.v = P("self_attn.v_proj.weight");
+      p.o = P("self_attn.o_proj.weight");
+      p.q_norm = P("self_attn.q_norm.weight");
+      p.k_norm = P("self_attn.k_norm.weight");
+    } else {
+      p.qkv = P("linear_attn.in_proj_qkv.weight");
+      p.z = P("linear_attn.in_proj_z.weight");
+      p.b = P("linear_attn.in_proj_b.weight");
+      p.a = P("linear_attn.in_proj_a.weight");
+      p.conv = P("linear_attn.conv1d.weight");
+      p.dt_bias = P("linear_attn.dt_bias");
+      p.A_log = P("linear_attn.A_log");
+      p.gnorm = P("linear_attn.norm.weight");
+      p.out = P("linear_attn.out_proj.weight");
+    }
+    return p;
+  }
+
+  ops::GdnDims gdn_dims() const {
+    ops::GdnDims d;
+    d.N = N;
+    d.num_seqs = num_seqs;
+    d.Hk = c.linear_num_key_heads;
+    d.Hv = c.linear_num_value_heads;
+    d.dk = c.linear_key_head_dim;
+    d.dv = c.linear_value_head_dim;
+    d.scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
+    d.chunk_size = 64;
+    return d;
+  }
+
+  ops::AttnDims attn_dims() const {
+    ops::AttnDims d;
+    d.N = N;
+    d.num_seqs = num_seqs;
+    d.Hq = c.num_attention_heads;
+    d.Hkv = c.num_key_value_heads;
+    d.head_dim = c.head_dim;
+    d.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    return d;
+  }
+
+  // --- Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, qwen35_model.md §2.6) ---
+  void gdn_forward(const LayerPtrs& w, LayerCache& s, Buf& out) {
+    const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads;
+    const int64_t K = c.linear_conv_kernel_dim;
+    s.mixed.resize(N * CD);
+    s.zz.resize(N * VD);
+    s.bb.resize(N * Hv);
+    s.aa.resize(N * Hv);
+    ops::linear_forward(s.xn1.data(), w.qkv, s.mixed.data(), N, H, CD);
+    ops::linear_forward(s.xn1.data(), w.z, s.zz.data(), N, H, VD);
+    ops::linear_forward(s.xn1.data(), w.b, s.bb.data(), N, H, Hv);
+    ops::linear_forward(s.xn1.data(), w.a, s.aa.data(), N, H, Hv);
+    s.conv_out.resize(N * CD);
+    ops::conv1d_silu_forward(s.mixed.data(), w.conv, batch.cu_seqlens.data(), num_seqs, N, CD, K, s.conv_out.data());
+    s.qc.resize(N * KD);
+    s.kc.resize(N * KD);
+    s.vc.resize(N * VD);
+    for (int64_t t = 0; t < N; ++t) {
+      const float* row = s.conv_out.data() + t * CD;
+      std::copy(row, row + KD, s.qc.data() + t * KD);
+      std::copy(row + KD, row + 2 * KD, s.kc.data() + t * KD);
+      std::copy(row + 2 * KD, row + CD, s.vc.data() + t * VD);
+    }
+    const int64_t rows_k = N * c.linear_num_key_heads, dk = c.linear_key_head_dim;
+    s.qn.resize(N * KD);
+    s.kn.resize(N * KD);
+    s.rq.resize(rows_k);
+    s.rk.resize(rows_k);
+    ops::l2norm_forward(s.qc.data(), s.qn.data(), s.rq.data(), rows_k, dk, 1e-6);
+    ops::l2norm_forward(s.kc.data(), s.kn.data(), s.rk.data(), rows_k, dk, 1e-6);
+    s.g.resize(N * Hv);
+    s.beta.resize(N * Hv);
+    ops::gdn_gate_forward(s.aa.data(), s.bb.data(), w.A_log, w.dt_bias, s.g.data(), s.beta.data(), N, Hv);
+    s.core.resize(N * VD);
+    ops::gated_delta_rule_forward(gdn_dims(), s.qn.data(), s.kn.data(), s.vc.data(), s.g.data(),
+                                        s.beta.data(), batch.cu_seqlens.data(), static_cast<const float*>(nullptr),
+                                        s.core.data(), static_cast<float*>(nullptr));
+    const int64_t rows_v = N * Hv, dv = c.linear_value_head_dim;
+    s.rstd_g.resize(rows_v);
+    s.y.resize(N * VD);
+    ops::gated_rmsnorm_forward(s.core.data(), s.zz.data(), w.gnorm, s.y.data(), s.rstd_g.data(), rows_v, dv,
+                               c.rms_norm_eps);
+    ops::linear_forward(s.y.data(), w.out, out.data(), N, VD, H);
+  }
+
+  // dout: [N, H] gradient of the mixer output; dxn (out): [N, H] gradient of the normed input.
+  void gdn_backward(const LayerPtrs& w, const LayerPtrs& gw, LayerCache& s, const Buf& dout, Buf& dxn) {
+    const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads;
+    const int64_t K = c.linear_conv_kernel_dim, dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
+    Buf dy(N * VD);
+    ops::linear_backward(s.y.data(), w.out, dout.data(), dy.data(), gw.out, N, VD, H);
+    Buf dcore(N * VD), dz(N * VD);
+    ops::gated_rmsnorm_backward(s.core.data(), s.zz.data(), w.gnorm, s.rstd_g.data(), dy.data(), dcore.data(),
+                                dz.data(), gw.gnorm, N * Hv, dv);
+    Buf dqn(N * KD), dkn(N * KD), dvc(N * VD), dg(N * Hv), dbeta(N * Hv);
+    ops::gated_delta_rule_backward(gdn_dims(), s.qn.data(), s.kn.data(), s.vc.data(), s.g.data(),
+                                         s.beta.data(), batch.cu_seqlens.data(), static_cast<const float*>(nullptr),
+                                         dcore.data(), static_cast<const float*>(nullptr), dqn.data(), dkn.data(),
+                                         dvc.data(), dg.data(), dbeta.data(), static_cast<float*>(nullptr));
+    Buf dq(N * KD), dkk(N * KD);
+    const int64_t rows_k = N * c.linear_num_key_heads;
+    ops::l2norm_backward(s.qn.data(), s.rq.data(), dqn.data(), dq.data(), rows_k, dk);
+    ops::l2norm_backward(s.kn.data(), s.rk.data(), dkn.data(), dkk.data(), rows_k, dk);
+    Buf da(N * Hv), db(N * Hv);
+    ops::gdn_gate_backward(s.aa.data(), s.bb.data(), w.A_log, w.dt_bias, dg.data(), dbeta.data(), da.data(),
+                           db.data(), gw.A_log, gw.dt_bias, N, Hv);
+    Buf dconv(N * CD);
+    for (int64_t t = 0; t < N; ++t) {
+      float* row = dconv.data() + t * CD;
+      std::copy(dq.data() + t * KD, dq.data() + (t + 1) * KD, row);
+      std::copy(dkk.data() + t * KD, dkk.data() + (t + 1) * KD, row + KD);
+      std::copy(dvc.data() + t * VD, dvc.data() + (t + 1) * VD, row + 2 * KD);
+    }
+    Buf dmixed(N * CD);
+    ops::conv1d_silu_backward(s.mixed.data(), w.conv, dconv.data(), batch.cu_seqlens.data(), num_seqs, N, CD, K,
+                              dmixed.data(), gw.conv);
+    ops::linear_backward(s.xn1.data(), w.qkv, dmixed.data(), dxn.data(), gw.qkv, N, H, CD, false);
+    ops::linear_backward(s.xn1.data(), w.z, dz.data(), dxn.data(), gw.z, N, H, VD, true);
+    ops::linear_backward(s.xn1.data(), w.b, db.data(), dxn.data(), gw.b, N, H, Hv, true);
+    ops::linear_backward(s.xn1.data(), w.a, da.data(), dxn.data(), gw.a, N, H, Hv, true);
+  }
+
+  // --- Gated full attention (HF Qwen3_5Attention, qwen35_model.md §2.5) ---
+  void attn_forward(const LayerPtrs& w, LayerCache& s, Buf& out) {
+    const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+    Buf qg(N * Hq * 2 * hd);
+    ops::linear_forward(s.xn1.data(), w.q, qg.data(), N, H, Hq * 2 * hd);
+    s.qraw.resize(N * Hq * hd);
+    s.graw.resize(N * Hq * hd);
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t h = 0; h < Hq; ++h) {
+        const float* src = qg.data() + (t * Hq + h) * 2 * hd;  // per head: [query(hd) | gate(hd)]
+        std::copy(src, src + hd, s.qraw.data() + (t * Hq + h) * hd);
+        std::copy(src + hd, src + 2 * hd, s.graw.data() + (t * Hq + h) * hd);
+      }
+    s.kraw.resize(N * Hkv * hd);
+    s.vraw.resize(N * Hkv * hd);
+    ops::linear_forward(s.xn1.data(), w.k, s.kraw.data(), N, H, Hkv * hd);
+    ops::linear_forward(s.xn1.data(), w.v, s.vraw.data(), N, H, Hkv * hd);
+    s.qr.resize(N * Hq * hd);
+    s.kr.resize(N * Hkv * hd);
+    s.rstd_q.resize(N * Hq);
+    s.rstd_k.resize(N * Hkv);
+    ops::rmsnorm_forward(s.qraw.data(), w.q_norm, s.qr.data(), s.rstd_q.data(), N * Hq, hd, c.rms_norm_eps, true);
+    ops::rmsnorm_forward(s.kraw.data(), w.k_norm, s.kr.data(), s.rstd_k.data(), N * Hkv, hd, c.rms_norm_eps, true);
+    ops::rope_apply(s.qr.data(), N, Hq, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), false);
+    ops::rope_apply(s.kr.data(), N, Hkv, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), false);
+    s.ao.resize(N * Hq * hd);
+    s.lse.resize(N * Hq);
+    ops::attention_forward(attn_dims(), s.qr.data(), s.kr.data(), s.vraw.data(), batch.cu_seqlens.data(), s.ao.data(),
+                           s.lse.data());
+    s.og.resize(N * Hq * hd);
+    ops::output_gate_forward(s.ao.data(), s.graw.data(), s.og.data(), N * Hq * hd);
+    ops::linear_forward(s.og.data(), w.o, out.data(), N, Hq * hd, H);
+  }
+
+  void attn_backward(const LayerPtrs& w, const LayerPtrs& gw, LayerCache& s, const Buf& dout, Buf& dxn) {
+    const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+    Buf dog(N * Hq * hd);
+    ops::linear_backward(s.og.data(), w.o, dout.data(), dog.data(), gw.o, N, Hq * hd, H);
+    Buf dao(N * Hq * hd), dgate(N * Hq * hd);
+    ops::output_gate_backward(s.ao.data(), s.graw.data(), dog.data(), dao.data(), dgate.data(), N * Hq * hd);
+    Buf dqr(N * Hq * hd), dkr(N * Hkv * hd), dvv(N * Hkv * hd);
+    ops::attention_backward(attn_dims(), s.qr.data(), s.kr.data(), s.vraw.data(), s.ao.data(), s.lse.data(),
+                            dao.data(), batch.cu_seqlens.data(), dqr.data(), dkr.data(), dvv.data());
+    ops::rope_apply(dqr.data(), N, Hq, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), true);
+    ops::rope_apply(dkr.data(), N, Hkv, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), true);
+    Buf dq(N * Hq * hd), dk(N * Hkv * hd);
+    ops::rmsnorm_backward(s.qraw.data(), w.q_norm, s.rstd_q.data(), dqr.data(), dq.data(), gw.q_norm, N * Hq, hd, true);
+    ops::rmsnorm_backward(s.kraw.data(), w.k_norm, s.rstd_k.data(), dkr.data(), dk.data(), gw.k_norm, N * Hkv, hd,
+                          true);
+    Buf dqg(N * Hq * 2 * hd);
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t h = 0; h < Hq; ++h) {
+        float* dst = dqg.data() + (t * Hq + h) * 2 * hd;
+        std::copy(dq.data() + (t * Hq + h) * hd, dq.data() + (t * Hq + h + 1) * hd, dst);
+        std::copy(dgate.data() + (t * Hq + h) * hd, dgate.data() + (t * Hq + h + 1) * hd, dst + hd);
+      }
+    ops::linear_backward(s.xn1.data(), w.q, dqg.data(), dxn.data(), gw.q, N, H, Hq * 2 * hd, false);
+    ops::linear_backward(s.xn1.data(), w.k, dk.data(), dxn.data(), gw.k, N, H, Hkv * hd, true);
+    ops::linear_backward(s.xn1.data(), w.v, dvv.data(), dxn.data(), gw.v, N, H, Hkv * hd, true);
+  }
+
+  // --- Decoder layer (HF Qwen3_5DecoderLayer, qwen35_model.md §2.3): h_out = h_mid + mlp(norm2(h_mid)),
+  //     h_mid = h_in + mixer(norm1(h_in)). `h` is updated in place.
+  void layer_forward(int64_t i, LayerCache& s, Buf& h) {
+    LayerPtrs w = ptrs(i, m.weights_.data());
+    s.x_in = h;
+    s.xn1.resize(N * H);
+    s.rstd1.resize(N);
+    ops::rmsnorm_forward(h.data(), w.in_ln, s.xn1.data(), s.rstd1.data(), N, H, c.rms_norm_eps, true);
+    Buf mix(N * H);
+    if (c.is_full_attention(i)) attn_forward(w, s, mix);
+    else gdn_forward(w, s, mix);
+    add_into(h, mix);
+    s.h_mid = h;
+    s.xn2.resize(N * H);
+    s.rstd2.resize(N);
+    ops::rmsnorm_forward(h.data(), w.post_ln, s.xn2.data(), s.rstd2.data(), N, H, c.rms_norm_eps, true);
+    s.gate.resize(N * I);
+    s.up.resize(N * I);
+    s.act.resize(N * I);
+    ops::linear_forward(s.xn2.data(), w.gate, s.gate.data(), N, H, I);
+    ops::linear_forward(s.xn2.data(), w.up, s.up.data(), N, H, I);
+    ops::swiglu_forward(s.gate.data(), s.up.data(), s.act.data(), N * I);
+    ops::linear_forward(s.act.data(), w.down, h.data(), N, I, H, /*accumulate=*/true);
+  }
+
+  // dh: gradient of the layer output on entry, of the layer input on exit.
+  void layer_backward(int64_t i, LayerCache& s, Buf& dh) {
+    LayerPtrs w = ptrs(i, m.weights_.data());
+    LayerPtrs gw = ptrs(i, m.grads_.data());
+    Buf dact(N * I), dgate(N * I), dup(N * I), dxn(N * H), tmp(N * H);
+    ops::linear_backward(s.act.data(), w.down, dh.data(), dact.data(), gw.down, N, I, H);
+    ops::swiglu_backward(s.gate.data(), s.up.data(), dact.data(), dgate.data(), dup.data(), N * I);
+    ops::linear_backward(s.xn2.data(), w.gate, dgate.data(), dxn.data(), gw.gate, N, H, I, false);
+    ops::linear_backward(s.xn2.data(), w.up, dup.data(), dxn.data(), gw.up, N, H, I, true);
+    ops::rmsnorm_backward(s.h_mid.data(), w.post_ln, s.rstd2.data(), dxn.data(), tmp.data(), gw.post_ln, N, H, true);
+    add_into(dh, tmp);  // dh is now d h_mid
+    if (c.is_full_attention(i)) attn_backward(w, gw, s, dh, dxn);
+    else gdn_backward(w, gw, s, dh, dxn);
+    ops::rmsnorm_backward(s.x_in.data(), w.in_ln, s.rstd1.data(), dxn.data(), tmp.data(), gw.in_ln, N, H, true);
+    add_into(dh, tmp);  // d h_in
+  }
+
+  void check_batch() {
+    DS_CHECK(num_seqs >= 1, "batch: cu_seqlens needs at least two entries");
+    DS_CHECK(static_cast<int64_t>(batch.positions.size()) == N, "batch: positions not set (call finalize())");
+    for (int64_t t = 0; t < N; ++t) {
+      int32_t id = batch.input_ids[static_cast<size_t>(t)];
+      DS_CHECK(id >= 0 && id < c.vocab_size, "batch: token id {} at position {} is outside the vocabulary [0, {})", id,
+               t, c.vocab_size);
+      DS_CHECK(batch.positions[static_cast<size_t>(t)] < c.max_position_embeddings,
+               "batch: a document is longer than max_position_embeddings ({})", c.max_position_embeddings);
+    }
+  }
+
+  // Runs embedding + all layers + final norm. Returns the final normed hidden states; fills caches.
+  void trunk_forward(std::vector<LayerCache>& caches, Buf& h, Buf& hf, Buf& rstd_f, ForwardCapture* cap) {
+    check_batch();
+    h.resize(N * H);
+    const float* emb = m.weights_.data() + m.spec("model.embed_tokens.weight").offset;
+    ops::embedding_forward(batch.input_ids.data(), N, emb, c.vocab_size, H, h.data());
+    cos_t.resize(N * c.rotary_dim() / 2);
+    sin_t.resize(N * c.rotary_dim() / 2);
+    ops::rope_tables(batch.positions.data(), N, c.rotary_dim(), c.rope_theta, cos_t.data(), sin_t.data());
+    if (cap && cap->hidden_states) cap->hidden.push_back(h);
+    caches.resize(static_cast<size_t>(c.num_hidden_layers));
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      layer_forward(i, caches[static_cast<size_t>(i)], h);
+      if (cap && cap->hidden_states && i + 1 < c.num_hidden_layers) cap->hidden.push_back(h);
+    }
+    hf.resize(N * H);
+    rstd_f.resize(N);
+    ops::rmsnorm_forward(h.data(), m.weights_.data() + m.spec("model.norm.weight").offset, hf.data(), rstd_f.data(),
+                         N, H, c.rms_norm_eps, true);
+    if (cap && cap->hidden_states) cap->hidden.push_back(hf);
+  }
+
+  const float* lm_head_w() {
+    return m.weights_.data() + m.spec(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight").offset;
+  }
+  float* lm_head_g() {
+    return m.grads_.data() + m.spec(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight").offset;
+  }
+
+  LossResult run(double grad_scale, double z_loss, ForwardCapture* cap) {
+    std::vector<LayerCache> caches;
+    Buf h, hf, rstd_f;
+    trunk_forward(caches, h, hf, rstd_f, cap);
+    const bool backward = grad_scale != 0.0;
+    ops::LinearCeOptions opt;
+    opt.z_loss = z_loss;
+    opt.grad_scale = grad_scale;
+    Buf dhf;
+    if (backward) dhf.resize(N * H);
+    if (cap && cap->logits) cap->logits_values.resize(N * c.vocab_size);
+    ops::LinearCeResult ce = ops::linear_cross_entropy(
+        hf.data(), lm_head_w(), batch.targets.data(), N, H, c.vocab_size, opt, backward ? dhf.data() : nullptr,
+        backward ? lm_head_g() : nullptr, cap && cap->logits ? cap->logits_values.data() : nullptr);
+    LossResult r{ce.loss_sum, ce.z_loss_sum, ce.num_valid};
+    if (!backward) return r;
+    Buf dh(N * H);
+    ops::rmsnorm_backward(h.data(), m.weights_.data() + m.spec("model.norm.weight").offset, rstd_f.data(), dhf.data(),
+                          dh.data(), m.grads_.data() + m.spec("model.norm.weight").offset, N, H, true);
+    for (int64_t i = c.num_hidden_layers - 1; i >= 0; --i) layer_backward(i, caches[static_cast<size_t>(i)], dh);
+    ops::embedding_backward(batch.input_ids.data(), N, dh.data(), c.vocab_size, H,
+                            m.grads_.data() + m.spec("model.embed_tokens.weight").offset);
+    return r;
+  }
+};
+
+LossResult Qwen35Model::forward_backward(const PackedBatch& batch, double grad_scale, double z_loss,
+                                         ForwardCapture* capture) {
+  Impl impl(*this, batch);
+  return impl.run(grad_scale, z_loss, capture);
+}
+
+std::vector<float> Qwen35Model::last_logits(const PackedBatch& batch) {
+  Impl impl(*this, batch);
+  std::vector<LayerCache> caches;
+  Buf h, hf, rstd_f;
+  impl.trunk_forward(caches, h, hf, rstd_f, nullptr);
+  const int64_t H = cfg_.hidden_size;
+  std::vector<float> logits(static_cast<size_t>(cfg_.vocab_size));
+  ops::linear_forward(hf.data() + (batch.size() - 1) * H, impl.lm_head_w(), logits.data(), 1, H, cfg_.vocab_size);
+  return logits;
+}
+
+}  // namespace ds

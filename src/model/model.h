@@ -1,0 +1,95 @@
+// The Qwen3.5 dense text model (HF Qwen3_5ForCausalLM; qwen35_model.md §2) on the CPU reference backend:
+// fp32 parameters in one flat buffer (HF names and shapes), explicit forward and backward per layer
+// (llm.c style), packed sequences with cu_seqlens (no state, conv tap or attention crosses a document).
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/safetensors.h"
+
+namespace ds {
+
+struct ParamSpec {
+  std::string name;             // HF name, e.g. "model.layers.0.linear_attn.A_log"
+  std::vector<int64_t> shape;   // HF shape
+  int64_t offset = 0;           // into the flat buffer (floats)
+  int64_t numel = 0;
+  bool weight_decay = false;    // matrices decay; norms, A_log, dt_bias, conv taps do not
+};
+
+// One packed batch of documents, flattened to N tokens (batch rows are documents too).
+struct PackedBatch {
+  std::vector<int32_t> input_ids;   // [N]
+  std::vector<int32_t> targets;     // [N]: the token position t must predict, or -100 (already shifted)
+  std::vector<int32_t> cu_seqlens;  // [num_seqs + 1], 0 .. N
+  std::vector<int32_t> positions;   // [N]: position inside its document (RoPE), derived by finalize()
+  int64_t size() const { return static_cast<int64_t>(input_ids.size()); }
+  // Fills positions from cu_seqlens and checks the shapes; throws ds::Error with `what` in the message.
+  void finalize(const std::string& what = "batch");
+  int64_t num_targets() const;  // targets != -100
+};
+
+// What a forward pass can hand back to tools (`deltastack forward`): HF output_hidden_states and logits.
+struct ForwardCapture {
+  bool hidden_states = false;  // num_layers + 1 tensors [N, H]; the last is after the final norm (HF)
+  bool logits = false;         // [N, V]
+  std::vector<std::vector<float>> hidden;
+  std::vector<float> logits_values;
+};
+
+struct LossResult {
+  double loss_sum = 0;   // sum of per-token CE (+ z-loss) over valid targets
+  double z_loss_sum = 0;
+  int64_t num_valid = 0;
+};
+
+class Qwen35Model {
+ public:
+  explicit Qwen35Model(ModelConfig config);
+
+  const ModelConfig& config() const { return cfg_; }
+  const std::vector<ParamSpec>& params() const { return params_; }
+  const ParamSpec& spec(const std::string& name) const;  // throws if unknown
+  int64_t num_parameters() const { return static_cast<int64_t>(weights_.size()); }
+  std::vector<float>& weights() { return weights_; }
+  const std::vector<float>& weights() const { return weights_; }
+  std::vector<float>& grads() { return grads_; }
+  float* weight(const std::string& name) { return weights_.data() + spec(name).offset; }
+  float* grad(const std::string& name) { return grads_.data() + spec(name).offset; }
+
+  // HF _init_weights (qwen35_model.md §5.5): normal(0, initializer_range) for linear/conv/embedding, zeros
+  // for zero-centered norms, ones for the gated norm and dt_bias, A_log = log(U(0.01, 16)). Deterministic in seed.
+  void init_weights(uint64_t seed);
+  // Loads HF safetensors (single file, sharded with index, or a directory). Accepts "model." and
+  // "model.language_model." prefixes, ignores model.visual.* and mtp.*, ties lm_head when the config says so
+  // (an lm_head.weight present in a tied checkpoint must equal the embedding or it is an error). Every
+  // parameter must be present with the right shape (ds::Error naming the file and tensor otherwise).
+  void load(const std::string& path);
+  // Writes dir/config.json and dir/model.safetensors (HF names, "model." prefix; lm_head only when untied),
+  // each atomically. dtype F32 or BF16.
+  void save(const std::string& dir, DType dtype = DType::F32) const;
+  // The parameters as safetensors entries (for optimizer state files etc.): name -> values from `buffer`.
+  std::vector<SaveTensor> to_tensors(const std::vector<float>& buffer, DType dtype = DType::F32) const;
+
+  void zero_grads();
+  // Forward, loss (sum over valid targets, z-loss optional) and, if grad_scale != 0, backward: the gradient of
+  // grad_scale * loss_sum is ADDED to grads() (so micro-batches accumulate). Rejects token ids >= vocab_size
+  // and batches longer than max_position_embeddings per document (ds::Error).
+  LossResult forward_backward(const PackedBatch& batch, double grad_scale, double z_loss = 0.0,
+                              ForwardCapture* capture = nullptr);
+  // Logits of the last token only [V] (generation).
+  std::vector<float> last_logits(const PackedBatch& batch);
+
+ private:
+  struct Impl;
+  ModelConfig cfg_;
+  std::vector<ParamSpec> params_;
+  std::map<std::string, size_t> by_name_;
+  std::vector<float> weights_, grads_;
+  void add_param(const std::string& name, std::vector<int64_t> shape, bool decay);
+};
+
+}  // namespace ds

@@ -1,0 +1,536 @@
+// Safetensors reader/writer and Hugging Face checkpoint directories. See safetensors.h for the format and the
+// validation rules. Every check happens in SafetensorsReader::parse() before any tensor byte is touched, so
+// the read_* accessors only ever index inside the validated [begin, end) ranges.
+#include "model/safetensors.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string_view>
+#include <utility>
+
+#include "core/bf16.h"
+#include "core/error.h"
+#include "core/files.h"
+
+static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
+
+namespace ds {
+
+namespace {
+
+using json = nlohmann::json;
+
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;  // same limit as the reference implementation
+constexpr int kMaxJsonDepth = 16;                  // a valid header nests 3 deep (object, entry, shape)
+constexpr const char* kMetadataKey = "__metadata__";
+
+struct DTypeName {
+  DType type;
+  const char* name;
+  size_t size;
+};
+constexpr DTypeName kDTypes[] = {
+    {DType::F64, "F64", 8}, {DType::F32, "F32", 4}, {DType::F16, "F16", 2}, {DType::BF16, "BF16", 2},
+    {DType::I64, "I64", 8}, {DType::I32, "I32", 4}, {DType::I16, "I16", 2}, {DType::I8, "I8", 1},
+    {DType::U8, "U8", 1},   {DType::BOOL, "BOOL", 1},
+};
+
+bool parse_dtype(const std::string& s, DType* out) {
+  for (const auto& d : kDTypes) {
+    if (s == d.name) {
+      *out = d.type;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool is_integer_dtype(DType t) {
+  return t == DType::I64 || t == DType::I32 || t == DType::I16 || t == DType::I8 || t == DType::U8 ||
+         t == DType::BOOL;
+}
+
+// Product of non-negative dims; false on overflow of int64. Any zero dim gives 0 (no overflow possible).
+bool checked_numel(const std::vector<int64_t>& shape, int64_t* out) {
+  for (int64_t d : shape) {
+    if (d == 0) {
+      *out = 0;
+      return true;
+    }
+  }
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return false;
+  }
+  *out = n;
+  return true;
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// JSON parse that also rejects duplicate keys (at any level) and nesting deeper than kMaxJsonDepth. `what`
+// names the file and the part being parsed in error messages.
+json parse_json_strict(std::string_view text, const std::string& what) {
+  std::vector<std::set<std::string>> keys;  // one set per open object
+  int depth = 0;
+  json::parser_callback_t cb = [&](int, json::parse_event_t ev, json& parsed) -> bool {
+    switch (ev) {
+      case json::parse_event_t::object_start:
+      case json::parse_event_t::array_start:
+        if (++depth > kMaxJsonDepth) fail("{}: JSON nested deeper than {} levels", what, kMaxJsonDepth);
+        if (ev == json::parse_event_t::object_start) keys.emplace_back();
+        break;
+      case json::parse_event_t::object_end:
+        --depth;
+        if (!keys.empty()) keys.pop_back();
+        break;
+      case json::parse_event_t::array_end:
+        --depth;
+        break;
+      case json::parse_event_t::key:
+        if (!keys.empty() && parsed.is_string() && !keys.back().insert(parsed.get<std::string>()).second)
+          fail("{}: duplicate JSON key '{}'", what, parsed.get<std::string>());
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(text.begin(), text.end(), cb);
+  } catch (const json::exception& e) {
+    fail("{}: not valid JSON ({})", what, e.what());
+  }
+}
+
+// A JSON value as a non-negative integer (int64 range when `max_int64`). False for floats, negatives, etc.
+bool json_nonneg_int(const json& v, uint64_t* out, bool max_int64) {
+  if (v.is_number_unsigned()) {
+    *out = v.get<uint64_t>();
+  } else if (v.is_number_integer()) {
+    int64_t s = v.get<int64_t>();
+    if (s < 0) return false;
+    *out = static_cast<uint64_t>(s);
+  } else {
+    return false;
+  }
+  return !max_int64 || *out <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+}
+
+std::string json_quote(const std::string& s, const std::string& what) {
+  try {
+    return json(s).dump(-1, ' ', false, json::error_handler_t::strict);
+  } catch (const json::exception& e) {
+    fail("{}: cannot encode '{}' as JSON ({})", what, s, e.what());
+  }
+}
+
+template <class T>
+T load(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+// Converts the n elements at src (dtype t) to Out. Caller guarantees src holds n * dtype_size(t) bytes.
+template <class Out>
+void convert(DType t, const char* src, size_t n, Out* dst) {
+  switch (t) {
+    case DType::F64:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<double>(src + 8 * i));
+      break;
+    case DType::F32:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<float>(src + 4 * i));
+      break;
+    case DType::F16:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(f16_bits_to_f32(load<uint16_t>(src + 2 * i)));
+      break;
+    case DType::BF16:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(bf16_bits_to_f32(load<uint16_t>(src + 2 * i)));
+      break;
+    case DType::I64:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<int64_t>(src + 8 * i));
+      break;
+    case DType::I32:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<int32_t>(src + 4 * i));
+      break;
+    case DType::I16:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<int16_t>(src + 2 * i));
+      break;
+    case DType::I8:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<int8_t>(src + i));
+      break;
+    case DType::U8:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<uint8_t>(src + i));
+      break;
+    case DType::BOOL:
+      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<uint8_t>(src + i) != 0 ? 1 : 0);
+      break;
+  }
+}
+
+}  // namespace
+
+const char* dtype_name(DType t) {
+  for (const auto& d : kDTypes)
+    if (d.type == t) return d.name;
+  return "?";
+}
+
+size_t dtype_size(DType t) {
+  for (const auto& d : kDTypes)
+    if (d.type == t) return d.size;
+  fail("invalid DType value {}", static_cast<int>(t));
+}
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 0;
+  if (!checked_numel(shape, &n)) fail("tensor '{}': shape {} is negative or overflows", name, shape_str(shape));
+  return n;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Reader
+
+SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path), bytes_(read_file(path)) { parse(); }
+
+SafetensorsReader SafetensorsReader::from_bytes(std::string bytes, std::string name) {
+  SafetensorsReader r;
+  r.path_ = std::move(name);
+  r.bytes_ = std::move(bytes);
+  r.parse();
+  return r;
+}
+
+void SafetensorsReader::parse() {
+  const std::string& p = path_;
+  const uint64_t size = bytes_.size();
+  if (size < 8) fail("{}: file is {} bytes, too short for the 8-byte header length", p, size);
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<uint8_t>(bytes_[i])) << (8 * i);
+  if (n > kMaxHeaderBytes) fail("{}: header length {} exceeds the limit of {} bytes", p, n, kMaxHeaderBytes);
+  if (n > size - 8)
+    fail("{}: header length {} is larger than the {} bytes that follow it (truncated file?)", p, n, size - 8);
+  data_start_ = static_cast<size_t>(8 + n);
+  const uint64_t data_size = size - data_start_;
+
+  const json h = parse_json_strict(std::string_view(bytes_.data() + 8, n), p + ": header");
+  if (!h.is_object()) fail("{}: header is not a JSON object", p);
+
+  tensors_.clear();
+  index_.clear();
+  metadata_.clear();
+  for (const auto& [key, val] : h.items()) {
+    if (key == kMetadataKey) {
+      if (!val.is_object()) fail("{}: \"__metadata__\" is not a JSON object", p);
+      for (const auto& [mk, mv] : val.items()) {
+        if (!mv.is_string()) fail("{}: \"__metadata__\" field '{}' is not a string", p, mk);
+        metadata_[mk] = mv.get<std::string>();
+      }
+      continue;
+    }
+    TensorInfo t;
+    t.name = key;
+    if (!val.is_object()) fail("{}: tensor '{}': entry is not a JSON object", p, key);
+
+    auto it = val.find("dtype");
+    if (it == val.end()) fail("{}: tensor '{}': missing \"dtype\"", p, key);
+    if (!it->is_string()) fail("{}: tensor '{}': \"dtype\" is not a string", p, key);
+    if (!parse_dtype(it->get<std::string>(), &t.dtype))
+      fail("{}: tensor '{}': unknown dtype '{}'", p, key, it->get<std::string>());
+
+    it = val.find("shape");
+    if (it == val.end()) fail("{}: tensor '{}': missing \"shape\"", p, key);
+    if (!it->is_array()) fail("{}: tensor '{}': \"shape\" is not an array", p, key);
+    for (const auto& d : *it) {
+      uint64_t v = 0;
+      if (!json_nonneg_int(d, &v, true))
+        fail("{}: tensor '{}': shape entry {} is not a non-negative integer", p, key, d.dump());
+      t.shape.push_back(static_cast<int64_t>(v));
+    }
+    int64_t numel = 0;
+    if (!checked_numel(t.shape, &numel))
+      fail("{}: tensor '{}': shape {} has too many elements", p, key, shape_str(t.shape));
+
+    it = val.find("data_offsets");
+    if (it == val.end()) fail("{}: tensor '{}': missing \"data_offsets\"", p, key);
+    if (!it->is_array() || it->size() != 2)
+      fail("{}: tensor '{}': \"data_offsets\" is not an array of two integers", p, key);
+    if (!json_nonneg_int((*it)[0], &t.begin, false) || !json_nonneg_int((*it)[1], &t.end, false))
+      fail("{}: tensor '{}': \"data_offsets\" {} are not non-negative integers", p, key, it->dump());
+    if (t.end < t.begin) fail("{}: tensor '{}': data_offsets end {} < begin {}", p, key, t.end, t.begin);
+    if (t.end > data_size)
+      fail("{}: tensor '{}': data_offsets [{}, {}] out of range (data buffer is {} bytes)", p, key, t.begin, t.end,
+           data_size);
+    uint64_t nbytes = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(numel), static_cast<uint64_t>(dtype_size(t.dtype)), &nbytes) ||
+        nbytes != t.end - t.begin)
+      fail("{}: tensor '{}': {} bytes at data_offsets [{}, {}], but shape {} x {} needs {} x {} bytes", p, key,
+           t.end - t.begin, t.begin, t.end, shape_str(t.shape), dtype_name(t.dtype), numel, dtype_size(t.dtype));
+    index_[key] = tensors_.size();  // keys are unique: parse_json_strict rejects duplicates
+    tensors_.push_back(std::move(t));
+  }
+
+  // Overlaps: sort non-empty ranges by begin; each must start at or after the furthest end seen so far.
+  std::vector<const TensorInfo*> order;
+  for (const auto& t : tensors_)
+    if (t.end > t.begin) order.push_back(&t);
+  std::sort(order.begin(), order.end(), [](const TensorInfo* a, const TensorInfo* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  const TensorInfo* prev = nullptr;
+  for (const TensorInfo* t : order) {
+    if (prev && t->begin < prev->end)
+      fail("{}: tensors '{}' [{}, {}] and '{}' [{}, {}] overlap", p, prev->name, prev->begin, prev->end, t->name,
+           t->begin, t->end);
+    if (!prev || t->end > prev->end) prev = t;
+  }
+}
+
+const TensorInfo* SafetensorsReader::find(const std::string& name) const {
+  auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+const TensorInfo& SafetensorsReader::get(const std::string& name) const {
+  const TensorInfo* t = find(name);
+  if (!t) fail("{}: no tensor named '{}'", path_, name);
+  return *t;
+}
+
+std::string_view SafetensorsReader::raw_bytes(const std::string& name) const {
+  const TensorInfo& t = get(name);
+  return std::string_view(bytes_.data() + data_start_ + t.begin, t.end - t.begin);
+}
+
+std::vector<float> SafetensorsReader::read_f32(const std::string& name) const {
+  const TensorInfo& t = get(name);
+  const size_t n = (t.end - t.begin) / dtype_size(t.dtype);
+  std::vector<float> out(n);
+  convert(t.dtype, bytes_.data() + data_start_ + t.begin, n, out.data());
+  return out;
+}
+
+std::vector<double> SafetensorsReader::read_f64(const std::string& name) const {
+  const TensorInfo& t = get(name);
+  const size_t n = (t.end - t.begin) / dtype_size(t.dtype);
+  std::vector<double> out(n);
+  convert(t.dtype, bytes_.data() + data_start_ + t.begin, n, out.data());
+  return out;
+}
+
+std::vector<int64_t> SafetensorsReader::read_i64(const std::string& name) const {
+  const TensorInfo& t = get(name);
+  if (!is_integer_dtype(t.dtype))
+    fail("{}: tensor '{}' has dtype {}, expected an integer dtype", path_, name, dtype_name(t.dtype));
+  const size_t n = (t.end - t.begin) / dtype_size(t.dtype);
+  std::vector<int64_t> out(n);
+  convert(t.dtype, bytes_.data() + data_start_ + t.begin, n, out.data());
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Writer
+
+static void check_shape_for_write(const std::string& name, const std::vector<int64_t>& shape, int64_t* numel) {
+  for (int64_t d : shape)
+    if (d < 0) fail("tensor '{}': negative dimension in shape {}", name, shape_str(shape));
+  if (!checked_numel(shape, numel)) fail("tensor '{}': shape {} has too many elements", name, shape_str(shape));
+}
+
+SaveTensor make_tensor_f32(const std::string& name, std::vector<int64_t> shape, const float* values, DType as) {
+  int64_t n = 0;
+  check_shape_for_write(name, shape, &n);
+  if (n > 0 && !values) fail("tensor '{}': null values for {} elements", name, n);
+  SaveTensor t;
+  t.name = name;
+  t.dtype = as;
+  t.shape = std::move(shape);
+  if (as == DType::F32) {
+    t.bytes.resize(static_cast<size_t>(n) * 4);
+    if (n > 0) std::memcpy(t.bytes.data(), values, t.bytes.size());
+  } else if (as == DType::BF16) {
+    t.bytes.resize(static_cast<size_t>(n) * 2);
+    for (int64_t i = 0; i < n; ++i) {
+      uint16_t b = f32_to_bf16_bits(values[i]);
+      std::memcpy(t.bytes.data() + 2 * i, &b, 2);
+    }
+  } else {
+    fail("tensor '{}': cannot store fp32 values as {} (only F32 and BF16)", name, dtype_name(as));
+  }
+  return t;
+}
+
+SaveTensor make_tensor_i64(const std::string& name, std::vector<int64_t> shape, const int64_t* values) {
+  int64_t n = 0;
+  check_shape_for_write(name, shape, &n);
+  if (n > 0 && !values) fail("tensor '{}': null values for {} elements", name, n);
+  SaveTensor t;
+  t.name = name;
+  t.dtype = DType::I64;
+  t.shape = std::move(shape);
+  t.bytes.resize(static_cast<size_t>(n) * 8);
+  if (n > 0) std::memcpy(t.bytes.data(), values, t.bytes.size());
+  return t;
+}
+
+std::string serialize_safetensors(const std::vector<SaveTensor>& tensors,
+                                  const std::map<std::string, std::string>& metadata, const std::string& what) {
+  std::set<std::string> seen;
+  std::string header = "{";
+  bool first = true;
+  if (!metadata.empty()) {
+    header += json_quote(kMetadataKey, what) + ":{";
+    bool mfirst = true;
+    for (const auto& [k, v] : metadata) {
+      if (!mfirst) header += ',';
+      mfirst = false;
+      header += json_quote(k, what) + ":" + json_quote(v, what);
+    }
+    header += '}';
+    first = false;
+  }
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    if (t.name.empty()) fail("{}: empty tensor name", what);
+    if (t.name == kMetadataKey) fail("{}: a tensor cannot be named \"__metadata__\"", what);
+    if (!seen.insert(t.name).second) fail("{}: duplicate tensor name '{}'", what, t.name);
+    int64_t n = 0;
+    for (int64_t d : t.shape)
+      if (d < 0) fail("{}: tensor '{}': negative dimension in shape {}", what, t.name, shape_str(t.shape));
+    if (!checked_numel(t.shape, &n))
+      fail("{}: tensor '{}': shape {} has too many elements", what, t.name, shape_str(t.shape));
+    const size_t dsize = dtype_size(t.dtype);
+    uint64_t need = 0;
+    if (__builtin_mul_overflow(static_cast<uint64_t>(n), dsize, &need) || need != t.bytes.size())
+      fail("{}: tensor '{}': {} payload bytes, but shape {} x {} needs {} x {}", what, t.name, t.bytes.size(),
+           shape_str(t.shape), dtype_name(t.dtype), n, dsize);
+    if (!first) header += ',';
+    first = false;
+    header += json_quote(t.name, what);
+    header += fmt::format(":{{\"dtype\":\"{}\",\"shape\":[", dtype_name(t.dtype));
+    for (size_t i = 0; i < t.shape.size(); ++i) header += (i ? "," : "") + std::to_string(t.shape[i]);
+    header += fmt::format("],\"data_offsets\":[{},{}]}}", offset, offset + t.bytes.size());
+    offset += t.bytes.size();
+  }
+  header += '}';
+  header.append((8 - header.size() % 8) % 8, ' ');
+
+  std::string out;
+  out.reserve(8 + header.size() + offset);
+  const uint64_t hlen = header.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((hlen >> (8 * i)) & 0xff));
+  out += header;
+  for (const auto& t : tensors) out.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+  return out;
+}
+
+void write_safetensors(const std::string& path, const std::vector<SaveTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  const std::string image = serialize_safetensors(tensors, metadata, path);
+  write_file_atomic(path, image);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Checkpoint directories
+
+CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (ec || !fs::exists(st)) fail("{}: checkpoint path does not exist", path);
+
+  std::string index_path, single_path;
+  if (fs::is_directory(st)) {
+    const fs::path idx = fs::path(path) / "model.safetensors.index.json";
+    const fs::path one = fs::path(path) / "model.safetensors";
+    if (fs::is_regular_file(idx, ec)) {
+      index_path = idx.string();
+    } else if (fs::is_regular_file(one, ec)) {
+      single_path = one.string();
+    } else {
+      fail("{}: checkpoint directory has neither model.safetensors nor model.safetensors.index.json", path);
+    }
+  } else {
+    const std::string suffix = ".index.json";
+    if (path.size() >= suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0)
+      index_path = path;
+    else
+      single_path = path;
+  }
+
+  if (!single_path.empty()) {
+    shards_.push_back(std::make_unique<SafetensorsReader>(single_path));
+    for (const auto& t : shards_[0]->tensors()) where_[t.name] = 0;
+    return;
+  }
+
+  const json idx = parse_json_strict(read_file(index_path), index_path);
+  if (!idx.is_object()) fail("{}: index is not a JSON object", index_path);
+  auto wm = idx.find("weight_map");
+  if (wm == idx.end()) fail("{}: missing \"weight_map\"", index_path);
+  if (!wm->is_object()) fail("{}: \"weight_map\" is not a JSON object", index_path);
+  if (wm->empty()) fail("{}: \"weight_map\" is empty", index_path);
+
+  const fs::path dir = fs::path(index_path).parent_path();
+  std::map<std::string, size_t> shard_ids;  // shard file name -> index in shards_
+  for (const auto& [name, file] : wm->items()) {
+    if (!file.is_string()) fail("{}: weight_map entry for '{}' is not a string", index_path, name);
+    const std::string shard = file.get<std::string>();
+    auto sit = shard_ids.find(shard);
+    if (sit == shard_ids.end()) {
+      const fs::path rel(shard);
+      bool bad = shard.empty() || rel.is_absolute();
+      for (const auto& part : rel) bad = bad || part == "..";
+      if (bad) fail("{}: tensor '{}' maps to invalid shard name '{}' (must be relative, no '..')", index_path, name,
+                    shard);
+      const std::string shard_path = (dir / rel).string();
+      if (!fs::is_regular_file(shard_path, ec))
+        fail("{}: shard '{}' (holding tensor '{}') not found at {}", index_path, shard, name, shard_path);
+      shards_.push_back(std::make_unique<SafetensorsReader>(shard_path));
+      sit = shard_ids.emplace(shard, shards_.size() - 1).first;
+    }
+    const SafetensorsReader& r = *shards_[sit->second];
+    if (!r.has(name))
+      fail("{}: tensor '{}' is mapped to shard {}, which does not contain it", index_path, name, r.path());
+    where_[name] = sit->second;
+  }
+}
+
+std::vector<std::string> CheckpointReader::names() const {
+  std::vector<std::string> out;
+  out.reserve(where_.size());
+  for (const auto& [name, shard] : where_) out.push_back(name);
+  return out;  // std::map iteration order: sorted
+}
+
+bool CheckpointReader::has(const std::string& name) const { return where_.count(name) != 0; }
+
+const TensorInfo& CheckpointReader::info(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) fail("{}: checkpoint has no tensor named '{}'", path_, name);
+  return *shards_[it->second]->find(name);
+}
+
+std::vector<float> CheckpointReader::read_f32(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) fail("{}: checkpoint has no tensor named '{}'", path_, name);
+  return shards_[it->second]->read_f32(name);
+}
+
+std::vector<int64_t> CheckpointReader::read_i64(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) fail("{}: checkpoint has no tensor named '{}'", path_, name);
+  return shards_[it->second]->read_i64(name);
+}
+
+}  // namespace ds

@@ -1,0 +1,40 @@
+// Op registry: every op has an ordered list of backends per device (fast first, reference last), an
+// environment knob DELTASTACK_<OP>=auto|fast|reference, and a numeric self-probe. At first use, each fast
+// backend runs against the reference on fresh random inputs (forward and backward, with a partial chunk and a
+// packed case); a wrong or non-finite backend is rejected with one log line and the next one is used.
+// On the CPU the gated delta rule has two backends (chunked = fast, token-recurrent = reference); every other
+// op has its reference only. CUDA backends register here too (a later milestone).
+#pragma once
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace ds::ops {
+
+enum class KnobMode { Auto, Fast, Reference };
+
+// Reads DELTASTACK_<OP> (op name upper-cased). Logs one line the first time a knob other than auto is seen.
+// Throws ds::Error naming the variable for any other value.
+KnobMode knob_mode(const std::string& op);
+
+struct Backend {
+  std::string name;
+  std::string device;      // "cpu" | "cuda"
+  bool reference = false;  // the ground truth the others are probed against
+  // Relative L2 error against the reference on fresh random inputs (max over outputs and gradients);
+  // empty for references.
+  std::function<double()> probe;
+  double band = 0;         // largest accepted probe error
+};
+
+struct ProbeRow {
+  std::string op, device, backend, status;  // status: "reference", "selected", "rejected", "available", "off (knob)"
+  double error = 0, band = 0;
+};
+
+// The backend an op uses on `device`, after the knob and the self-probe. Thread-safe; probes run once.
+const Backend& select_backend(const std::string& op, const std::string& device);
+// Runs every probe (cached) and reports all backends of all ops.
+std::vector<ProbeRow> probe_all();
+
+}  // namespace ds::ops

@@ -1,0 +1,376 @@
+#include "train/trainer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "core/parallel.h"
+#include "core/rng.h"
+#include "data/dataset.h"
+#include "data/tokenizer.h"
+#include "model/model.h"
+#include "ops/adamw/adamw.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace ds {
+
+std::string bundled_data_path() { return std::string(DELTASTACK_SOURCE_DIR) + "/data/tiny_shakespeare.txt"; }
+std::string bundled_tokenizer_path() { return std::string(DELTASTACK_SOURCE_DIR) + "/data/qwen3_tokenizer/tokenizer.json"; }
+
+namespace {
+
+json options_to_json(const TrainOptions& o) {
+  return json{{"model", o.model},           {"data", o.data},
+              {"tokenizer", o.tokenizer},   {"txt_split", o.txt_split},
+              {"seq_len", o.seq_len},       {"micro_batch", o.micro_batch},
+              {"grad_accum", o.grad_accum}, {"steps", o.steps},
+              {"warmup", o.warmup},         {"schedule", o.schedule},
+              {"lr", o.lr},                 {"min_lr_ratio", o.min_lr_ratio},
+              {"weight_decay", o.weight_decay}, {"beta1", o.beta1},
+              {"beta2", o.beta2},           {"adam_eps", o.adam_eps},
+              {"clip", o.clip},             {"z_loss", o.z_loss},
+              {"val_fraction", o.val_fraction}, {"eval_interval", o.eval_interval},
+              {"eval_batches", o.eval_batches}, {"save_interval", o.save_interval},
+              {"seed", o.seed},             {"nan_policy", o.nan_policy}};
+}
+
+void options_from_json(const json& j, TrainOptions& o, const std::string& src) {
+  try {
+    o.model = j.at("model");
+    o.data = j.at("data").get<std::vector<std::string>>();
+    o.tokenizer = j.at("tokenizer");
+    o.txt_split = j.at("txt_split");
+    o.seq_len = j.at("seq_len");
+    o.micro_batch = j.at("micro_batch");
+    o.grad_accum = j.at("grad_accum");
+    o.steps = j.at("steps");
+    o.warmup = j.at("warmup");
+    o.schedule = j.at("schedule");
+    o.lr = j.at("lr");
+    o.min_lr_ratio = j.at("min_lr_ratio");
+    o.weight_decay = j.at("weight_decay");
+    o.beta1 = j.at("beta1");
+    o.beta2 = j.at("beta2");
+    o.adam_eps = j.at("adam_eps");
+    o.clip = j.at("clip");
+    o.z_loss = j.at("z_loss");
+    o.val_fraction = j.at("val_fraction");
+    o.eval_interval = j.at("eval_interval");
+    o.eval_batches = j.at("eval_batches");
+    o.save_interval = j.at("save_interval");
+    o.seed = j.at("seed");
+    o.nan_policy = j.at("nan_policy");
+  } catch (const json::exception& e) {
+    fail("{}: bad or missing training option ({})", src, e.what());
+  }
+}
+
+void validate(const TrainOptions& o) {
+  DS_CHECK(o.seq_len >= 2, "--seq-len must be >= 2, got {}", o.seq_len);
+  DS_CHECK(o.micro_batch >= 1, "--micro-batch must be >= 1, got {}", o.micro_batch);
+  DS_CHECK(o.grad_accum >= 1, "--grad-accum must be >= 1, got {}", o.grad_accum);
+  DS_CHECK(o.steps >= 0, "--steps must be >= 0, got {}", o.steps);
+  DS_CHECK(o.warmup >= 0, "--warmup must be >= 0, got {}", o.warmup);
+  DS_CHECK(o.lr > 0 && std::isfinite(o.lr), "--lr must be positive, got {}", o.lr);
+  DS_CHECK(o.min_lr_ratio >= 0 && o.min_lr_ratio <= 1, "--min-lr-ratio must be in [0, 1], got {}", o.min_lr_ratio);
+  DS_CHECK(o.schedule == "cosine" || o.schedule == "linear" || o.schedule == "constant",
+           "--schedule must be cosine, linear or constant, got \"{}\"", o.schedule);
+  DS_CHECK(o.weight_decay >= 0, "--weight-decay must be >= 0");
+  DS_CHECK(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1, "--beta1/--beta2 must be in [0, 1)");
+  DS_CHECK(o.clip >= 0, "--clip must be >= 0");
+  DS_CHECK(o.z_loss >= 0, "--z-loss must be >= 0");
+  DS_CHECK(o.val_fraction >= 0 && o.val_fraction < 1, "--val-fraction must be in [0, 1), got {}", o.val_fraction);
+  DS_CHECK(o.eval_interval >= 0 && o.eval_batches >= 0 && o.save_interval >= 0,
+           "--eval-interval, --eval-batches and --save-interval must be >= 0");
+  DS_CHECK(o.nan_policy == "stop" || o.nan_policy == "skip", "--nan-policy must be stop or skip, got \"{}\"",
+           o.nan_policy);
+  DS_CHECK(o.device == "cpu" || o.device == "auto",
+           "--device {}: this build has only the CPU backend (CUDA support is a later milestone)", o.device);
+  DS_CHECK(!o.out.empty(), "--out must not be empty");
+}
+
+double lr_at(const TrainOptions& o, int64_t step) {  // step is 1-based
+  if (o.warmup > 0 && step <= o.warmup) return o.lr * static_cast<double>(step) / static_cast<double>(o.warmup);
+  if (o.schedule == "constant") return o.lr;
+  double span = static_cast<double>(std::max<int64_t>(1, o.steps - o.warmup));
+  double p = std::min(1.0, static_cast<double>(step - o.warmup) / span);
+  double min_lr = o.lr * o.min_lr_ratio;
+  if (o.schedule == "linear") return o.lr + (min_lr - o.lr) * p;
+  return min_lr + 0.5 * (o.lr - min_lr) * (1.0 + std::cos(M_PI * p));
+}
+
+// Window order: a fresh seeded permutation per epoch, so micro-batch k is a pure function of (seed, k).
+class WindowSampler {
+ public:
+  WindowSampler(int64_t n, uint64_t seed) : n_(n), seed_(seed) {}
+  int64_t at(int64_t global_index) {
+    int64_t epoch = global_index / n_;
+    if (epoch != epoch_) {
+      perm_.resize(static_cast<size_t>(n_));
+      std::iota(perm_.begin(), perm_.end(), 0);
+      Rng rng(seed_, 0x5eed0000ull + static_cast<uint64_t>(epoch));
+      for (int64_t i = n_ - 1; i > 0; --i) std::swap(perm_[static_cast<size_t>(i)], perm_[rng.below(i + 1)]);
+      epoch_ = epoch;
+    }
+    return perm_[static_cast<size_t>(global_index % n_)];
+  }
+
+ private:
+  int64_t n_;
+  uint64_t seed_;
+  int64_t epoch_ = -1;
+  std::vector<int64_t> perm_;
+};
+
+std::string fmt_num(double v) { return fmt::format("{:.6g}", v); }
+
+}  // namespace
+
+int train(TrainOptions opt) {
+  auto t_start = std::chrono::steady_clock::now();
+  // ---- resume: the checkpoint's options define the run; --steps, --out and --threads may change.
+  json resume_state;
+  if (!opt.resume.empty()) {
+    std::string sp = (fs::path(opt.resume) / "trainer_state.json").string();
+    DS_CHECK(file_exists(sp), "--resume {}: not a deltastack checkpoint (no trainer_state.json)", opt.resume);
+    try {
+      resume_state = json::parse(read_file(sp));
+    } catch (const json::exception& e) {
+      fail("{}: invalid JSON ({})", sp, e.what());
+    }
+    TrainOptions saved = opt;
+    DS_CHECK(resume_state.contains("options") && resume_state.contains("step"), "{}: missing options or step", sp);
+    options_from_json(resume_state["options"], saved, sp);
+    saved.steps = opt.steps;
+    saved.out = opt.out;
+    saved.resume = opt.resume;
+    saved.threads = opt.threads;
+    saved.device = opt.device;
+    opt = saved;
+  }
+  if (opt.data.empty()) opt.data = {bundled_data_path()};
+  if (opt.tokenizer.empty()) opt.tokenizer = bundled_tokenizer_path();
+  validate(opt);
+  set_num_threads(opt.threads);
+
+  // ---- model
+  ModelConfig cfg = ModelConfig::resolve(opt.model);
+  bool model_is_checkpoint = fs::is_directory(opt.model);
+  DS_CHECK(opt.seq_len <= cfg.max_position_embeddings, "--seq-len {} is above the model's max_position_embeddings {}",
+           opt.seq_len, cfg.max_position_embeddings);
+  Qwen35Model model(cfg);
+  if (!opt.resume.empty()) model.load(opt.resume);
+  else if (model_is_checkpoint && (file_exists(opt.model + "/model.safetensors") ||
+                                   file_exists(opt.model + "/model.safetensors.index.json")))
+    model.load(opt.model);
+  else model.init_weights(opt.seed);
+  log_info("model: {} layers ({} full attention), hidden {}, vocab {}, {:.2f}M parameters", cfg.num_hidden_layers,
+           std::count(cfg.layer_types.begin(), cfg.layer_types.end(), "full_attention"), cfg.hidden_size,
+           cfg.vocab_size, model.num_parameters() / 1e6);
+
+  // ---- data
+  Tokenizer tok = Tokenizer::from_file(opt.tokenizer);
+  DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "{}: tokenizer has {} ids but the model's vocab_size is {}",
+           opt.tokenizer, tok.vocab_size(), cfg.vocab_size);
+  int32_t eos = tok.token_to_id("<|endoftext|>");
+  std::vector<std::string> texts = read_documents(opt.data, parse_txt_split(opt.txt_split));
+  std::vector<std::vector<int32_t>> docs = tokenize_documents(tok, texts, eos);
+  int64_t n_val = static_cast<int64_t>(std::floor(opt.val_fraction * static_cast<double>(docs.size())));
+  if (opt.val_fraction > 0 && n_val == 0 && docs.size() >= 2) n_val = 1;
+  std::vector<std::vector<int32_t>> train_docs(docs.begin(), docs.end() - n_val), val_docs(docs.end() - n_val, docs.end());
+  DS_CHECK(!train_docs.empty(), "data: no training documents left after holding out {} for validation", n_val);
+  PackedDataset train_set(train_docs, opt.seq_len);
+  std::unique_ptr<PackedDataset> val_set;
+  if (!val_docs.empty()) val_set = std::make_unique<PackedDataset>(val_docs, opt.seq_len);
+  log_info("data: {} documents ({} held out), {} training tokens in {} windows of {}; validation {} tokens",
+           docs.size(), n_val, train_set.num_tokens(), train_set.num_windows(), opt.seq_len,
+           val_set ? val_set->num_tokens() : 0);
+
+  // Fixed evaluation windows, evenly spread over the validation set.
+  std::vector<PackedBatch> eval_batches;
+  if (val_set && opt.eval_batches > 0) {
+    int64_t want = std::min(val_set->num_windows(), opt.eval_batches * opt.micro_batch);
+    std::vector<int64_t> ws;
+    for (int64_t i = 0; i < want; ++i) ws.push_back(i * val_set->num_windows() / want);
+    for (size_t i = 0; i < ws.size(); i += static_cast<size_t>(opt.micro_batch)) {
+      std::vector<int64_t> part(ws.begin() + static_cast<long>(i),
+                                ws.begin() + static_cast<long>(std::min(ws.size(), i + static_cast<size_t>(opt.micro_batch))));
+      eval_batches.push_back(val_set->batch(part));
+    }
+  }
+  auto evaluate = [&]() {
+    double sum = 0;
+    int64_t n = 0;
+    for (const PackedBatch& b : eval_batches) {
+      LossResult r = model.forward_backward(b, 0.0, 0.0);
+      sum += r.loss_sum;
+      n += r.num_valid;
+    }
+    return n > 0 ? sum / static_cast<double>(n) : NAN;
+  };
+
+  // ---- optimizer state
+  std::vector<float> m(model.weights().size(), 0.0f), v(model.weights().size(), 0.0f);
+  int64_t start_step = 0, opt_steps = 0, tokens_seen = 0;
+  double elapsed_before = 0;
+  if (!opt.resume.empty()) {
+    SafetensorsReader os((fs::path(opt.resume) / "optimizer.safetensors").string());
+    for (const ParamSpec& p : model.params()) {
+      std::vector<float> em = os.read_f32("exp_avg." + p.name), ev = os.read_f32("exp_avg_sq." + p.name);
+      DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
+               "{}: optimizer state for {} has the wrong size", os.path(), p.name);
+      std::copy(em.begin(), em.end(), m.begin() + p.offset);
+      std::copy(ev.begin(), ev.end(), v.begin() + p.offset);
+    }
+    start_step = resume_state["step"].get<int64_t>();
+    opt_steps = resume_state.value("optimizer_steps", start_step);
+    tokens_seen = resume_state.value("tokens_seen", int64_t{0});
+    elapsed_before = resume_state.value("elapsed_s", 0.0);
+    log_info("resuming from {} at step {}", opt.resume, start_step);
+  }
+  DS_CHECK(opt.steps >= start_step, "--steps {} is below the checkpoint's step {}", opt.steps, start_step);
+
+  // ---- output dir and metrics (on resume, later lines of an earlier attempt are dropped)
+  fs::create_directories(opt.out);
+  std::string metrics_path = (fs::path(opt.out) / "metrics.jsonl").string();
+  {
+    std::string kept;
+    if (file_exists(metrics_path) && start_step > 0) {
+      std::istringstream in(read_file(metrics_path));
+      std::string line;
+      while (std::getline(in, line)) {
+        try {
+          json j = json::parse(line);
+          if (j.value("step", int64_t{0}) <= start_step) kept += line + "\n";
+        } catch (...) {
+        }
+      }
+    }
+    write_file_atomic(metrics_path, kept);
+  }
+  std::ofstream metrics(metrics_path, std::ios::app);
+  DS_CHECK(metrics.good(), "{}: cannot open for appending", metrics_path);
+
+  auto save_checkpoint = [&](int64_t step, double elapsed) {
+    std::string final_dir = (fs::path(opt.out) / fmt::format("checkpoint-{}", step)).string();
+    std::string tmp_dir = (fs::path(opt.out) / fmt::format(".checkpoint-{}.tmp", step)).string();
+    fs::remove_all(tmp_dir);
+    model.save(tmp_dir, DType::F32);
+    std::vector<SaveTensor> ost;
+    for (const ParamSpec& p : model.params()) {
+      ost.push_back(make_tensor_f32("exp_avg." + p.name, p.shape, m.data() + p.offset));
+      ost.push_back(make_tensor_f32("exp_avg_sq." + p.name, p.shape, v.data() + p.offset));
+    }
+    write_safetensors((fs::path(tmp_dir) / "optimizer.safetensors").string(), ost);
+    write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), read_file(opt.tokenizer));
+    json st{{"step", step},         {"optimizer_steps", opt_steps}, {"tokens_seen", tokens_seen},
+            {"elapsed_s", elapsed}, {"options", options_to_json(opt)}, {"deltastack_version", DELTASTACK_VERSION}};
+    write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
+    fsync_dir(tmp_dir);
+    if (fs::exists(final_dir)) {
+      std::string old = final_dir + ".old";
+      fs::remove_all(old);
+      fs::rename(final_dir, old);
+      fs::rename(tmp_dir, final_dir);
+      fs::remove_all(old);
+    } else {
+      fs::rename(tmp_dir, final_dir);
+    }
+    fsync_dir(opt.out);
+    log_info("saved {}", final_dir);
+  };
+
+  auto elapsed_now = [&]() {
+    return elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  };
+  auto write_metrics = [&](const json& j) {
+    metrics << j.dump() << "\n";
+    metrics.flush();
+  };
+
+  if (start_step == 0 && !eval_batches.empty()) {
+    double el = evaluate();
+    log_info("step 0 | eval_loss {:.4f}", el);
+    write_metrics({{"step", 0}, {"eval_loss", el}, {"elapsed_s", elapsed_now()}});
+  }
+
+  WindowSampler sampler(train_set.num_windows(), opt.seed);
+  for (int64_t step = start_step + 1; step <= opt.steps; ++step) {
+    auto t0 = std::chrono::steady_clock::now();
+    std::vector<PackedBatch> micro;
+    int64_t valid = 0, ntok = 0;
+    for (int64_t a = 0; a < opt.grad_accum; ++a) {
+      std::vector<int64_t> ws;
+      for (int64_t b = 0; b < opt.micro_batch; ++b)
+        ws.push_back(sampler.at(((step - 1) * opt.grad_accum + a) * opt.micro_batch + b));
+      micro.push_back(train_set.batch(ws));
+      valid += micro.back().num_targets();
+      ntok += micro.back().size();
+    }
+    model.zero_grads();
+    double loss_sum = 0;
+    for (const PackedBatch& b : micro)
+      loss_sum += model.forward_backward(b, valid > 0 ? 1.0 / static_cast<double>(valid) : 0.0, opt.z_loss).loss_sum;
+    double loss = valid > 0 ? loss_sum / static_cast<double>(valid) : 0.0;
+    double gnorm = std::sqrt(ops::sum_squares(model.grads().data(), static_cast<int64_t>(model.grads().size())));
+    double lr = lr_at(opt, step);
+    bool bad = !std::isfinite(loss) || !std::isfinite(gnorm);
+    tokens_seen += ntok;
+    if (bad) {
+      std::string reason = !std::isfinite(loss) ? fmt::format("loss is {}", loss) : fmt::format("grad norm is {}", gnorm);
+      if (opt.nan_policy == "stop")
+        fail("step {}: {}; stopping (--nan-policy stop). The last checkpoint is intact; try a lower --lr or "
+             "--nan-policy skip", step, reason);
+      log_warn("step {}: {}; skipping the update (--nan-policy skip)", step, reason);
+      write_metrics({{"step", step}, {"skipped", true}, {"reason", reason}, {"lr", lr}, {"tokens", ntok},
+                     {"elapsed_s", elapsed_now()}});
+    } else {
+      ++opt_steps;
+      double scale = (opt.clip > 0 && gnorm > opt.clip) ? opt.clip / (gnorm + 1e-6) : 1.0;
+      for (const ParamSpec& p : model.params()) {
+        ops::AdamWParams ap;
+        ap.lr = lr;
+        ap.beta1 = opt.beta1;
+        ap.beta2 = opt.beta2;
+        ap.eps = opt.adam_eps;
+        ap.weight_decay = p.weight_decay ? opt.weight_decay : 0.0;
+        ap.step = opt_steps;
+        ap.grad_scale = scale;
+        ops::adamw_update(model.weights().data() + p.offset, model.grads().data() + p.offset, m.data() + p.offset,
+                          v.data() + p.offset, p.numel, ap);
+      }
+      double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      double el = elapsed_now();
+      write_metrics({{"step", step}, {"loss", loss}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", ntok},
+                     {"tokens_per_s", ntok / dt}, {"elapsed_s", el}});
+      fmt::print("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | {:.1f} s\n",
+                 step, opt.steps, loss, gnorm, lr, ntok, ntok / dt, el);
+      std::fflush(stdout);
+    }
+    bool last = step == opt.steps;
+    if (!eval_batches.empty() && (last || (opt.eval_interval > 0 && step % opt.eval_interval == 0))) {
+      double el = evaluate();
+      fmt::print("step {:>5}/{} | eval_loss {:.4f}\n", step, opt.steps, el);
+      std::fflush(stdout);
+      write_metrics({{"step", step}, {"eval_loss", el}, {"elapsed_s", elapsed_now()}});
+    }
+    if (last || (opt.save_interval > 0 && step % opt.save_interval == 0)) save_checkpoint(step, elapsed_now());
+  }
+  if (opt.steps == start_step && start_step == 0) save_checkpoint(0, elapsed_now());
+  log_info("done: {} steps, {} tokens, {:.1f} s; metrics in {}", opt.steps, tokens_seen, elapsed_now(), metrics_path);
+  (void)fmt_num;
+  return 0;
+}
+
+}  // namespace ds

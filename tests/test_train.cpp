@@ -1,0 +1,192 @@
+// Config parsing, data packing, and the trainer end to end through the CLI: metrics, checkpoints, bitwise
+// resume, determinism, the NaN guard and bad-input errors.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "data/dataset.h"
+#include "model/config.h"
+#include "test_util.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+std::string tmpdir(const std::string& name) {
+  fs::path p = fs::temp_directory_path() / ("deltastack_train_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p.string();
+}
+
+int run(const std::string& args) {
+  std::string cmd = std::string(DELTASTACK_BIN) + " " + args + " >/dev/null 2>&1";
+  int rc = std::system(cmd.c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+// A small model over the real tokenizer's id range, and a small corpus, so a step takes milliseconds.
+std::string small_setup(const std::string& dir) {
+  json c = ds::ModelConfig::preset("tiny").to_json();
+  c["vocab_size"] = 151680;
+  c["hidden_size"] = 16;
+  c["intermediate_size"] = 32;
+  c["num_attention_heads"] = 2;
+  c["num_key_value_heads"] = 1;
+  c["head_dim"] = 8;
+  c["linear_key_head_dim"] = 8;
+  c["linear_value_head_dim"] = 8;
+  ds::write_file_atomic(dir + "/config.json", c.dump());
+  std::string text = ds::read_file(ds::test::data_path("tiny_shakespeare.txt")).substr(0, 20000);
+  ds::write_file_atomic(dir + "/corpus.txt", text);
+  return "--model " + dir + "/config.json --data " + dir + "/corpus.txt --seq-len 32 --micro-batch 2 --eval-batches 1 "
+         "--val-fraction 0.1 --eval-interval 0";
+}
+
+std::vector<json> metrics(const std::string& path) {
+  std::vector<json> out;
+  std::istringstream in(ds::read_file(path));
+  std::string line;
+  while (std::getline(in, line)) out.push_back(json::parse(line));
+  return out;
+}
+
+std::vector<double> train_losses(const std::string& path) {
+  std::vector<double> l;
+  for (auto& j : metrics(path))
+    if (j.contains("loss")) l.push_back(j["loss"].get<double>());
+  return l;
+}
+
+}  // namespace
+
+TEST(Config, PresetsHaveThePublishedParameterCounts) {
+  EXPECT_NEAR(ds::ModelConfig::preset("0.8b").num_parameters() / 1e9, 0.75, 0.01);
+  EXPECT_NEAR(ds::ModelConfig::preset("2b").num_parameters() / 1e9, 1.88, 0.01);
+  EXPECT_NEAR(ds::ModelConfig::preset("9b").num_parameters() / 1e9, 8.95, 0.01);
+  EXPECT_NEAR(ds::ModelConfig::preset("27b").num_parameters() / 1e9, 26.9, 0.1);
+  auto c = ds::ModelConfig::preset("9b");
+  EXPECT_EQ(c.conv_dim(), 8192);
+  EXPECT_TRUE(c.is_full_attention(3));
+  EXPECT_FALSE(c.is_full_attention(4));
+  EXPECT_THROW(ds::ModelConfig::preset("7b"), ds::Error);
+}
+
+TEST(Config, CompositeIntervalAndErrors) {
+  json text = {{"model_type", "qwen3_5_text"}, {"hidden_size", 64}, {"num_hidden_layers", 8},
+               {"full_attention_interval", 2}, {"rope_parameters", {{"rope_theta", 1e6}, {"partial_rotary_factor", 0.5}}}};
+  json comp = {{"model_type", "qwen3_5"}, {"tie_word_embeddings", true}, {"text_config", text}};
+  auto c = ds::ModelConfig::from_json(comp, "x/config.json");
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.layer_types[1], "full_attention");
+  EXPECT_EQ(c.layer_types[2], "linear_attention");
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.rotary_dim(), 128);
+  auto expect_error = [](json j, const std::string& needle) {
+    try {
+      ds::ModelConfig::from_json(j, "bad/config.json");
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const ds::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("bad/config.json"), std::string::npos) << e.what();
+    }
+  };
+  json j = text;
+  j["layer_types"] = {"linear_attention"};
+  expect_error(j, "layer_types");
+  j = text;
+  j["linear_num_value_heads"] = 5;
+  expect_error(j, "linear_num_value_heads");
+  j = text;
+  j["hidden_size"] = "big";
+  expect_error(j, "hidden_size");
+  j = text;
+  j["model_type"] = "llama";
+  expect_error(j, "model_type");
+  EXPECT_THROW(ds::ModelConfig::from_file("/nonexistent/config.json"), ds::Error);
+}
+
+TEST(Data, PackingKeepsDocumentsApart) {
+  std::vector<std::vector<int32_t>> docs = {{1, 2, 3}, {4, 5}, {6, 7, 8, 9, 10}};
+  ds::PackedDataset set(docs, 4);
+  ASSERT_EQ(set.num_windows(), 2);  // 10 tokens -> 2 full windows of 4
+  ds::PackedBatch b = set.batch({0, 1});
+  EXPECT_EQ(b.input_ids, (std::vector<int32_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(b.cu_seqlens, (std::vector<int32_t>{0, 3, 4, 5, 8}));
+  // targets: next token of the same document, -100 at document ends; window 1 ends mid-document and its last
+  // target is the next token (9) of that document.
+  EXPECT_EQ(b.targets, (std::vector<int32_t>{2, 3, -100, 5, -100, 7, 8, 9}));
+  EXPECT_EQ(b.positions, (std::vector<int32_t>{0, 1, 2, 0, 0, 0, 1, 2}));
+}
+
+TEST(Data, ReadersAndErrors) {
+  std::string dir = tmpdir("readers");
+  ds::write_file_atomic(dir + "/a.txt", "para one\nline two\n\n\npara two\n");
+  ds::write_file_atomic(dir + "/b.jsonl", "{\"text\": \"hello\"}\n\n{\"text\": \"world\"}\n");
+  auto docs = ds::read_documents({dir + "/a.txt", dir + "/b.jsonl"}, ds::TxtSplit::Paragraph);
+  EXPECT_EQ(docs, (std::vector<std::string>{"para one\nline two\n", "para two\n", "hello", "world"}));
+  ds::write_file_atomic(dir + "/empty.txt", "");
+  ds::write_file_atomic(dir + "/bad.jsonl", "{\"text\": 1}\n");
+  ds::write_file_atomic(dir + "/x.csv", "a,b\n");
+  for (std::string f : {"empty.txt", "bad.jsonl", "x.csv", "missing.txt"}) {
+    try {
+      ds::read_documents({dir + "/" + f}, ds::TxtSplit::Paragraph);
+      ADD_FAILURE() << f;
+    } catch (const ds::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+    }
+  }
+  fs::remove_all(dir);
+}
+
+TEST(Train, MetricsCheckpointsAndBitwiseResume) {
+  std::string dir = tmpdir("resume");
+  std::string args = small_setup(dir);
+  ASSERT_EQ(run("train " + args + " --steps 6 --warmup 2 --threads 1 --save-interval 3 --out " + dir + "/a"), 0);
+  auto m = metrics(dir + "/a/metrics.jsonl");
+  ASSERT_GE(m.size(), 7u);
+  EXPECT_TRUE(m[0].contains("eval_loss"));
+  for (const char* k : {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "elapsed_s"})
+    EXPECT_TRUE(m[1].contains(k)) << k;
+  for (const char* f : {"config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json", "tokenizer.json"})
+    EXPECT_TRUE(fs::exists(dir + "/a/checkpoint-3/" + f)) << f;
+  // Resume from step 3 into another dir: steps 4..6 must be bitwise the same, and so must the final weights.
+  fs::create_directories(dir + "/b");
+  ASSERT_EQ(run("train --resume " + dir + "/a/checkpoint-3 --steps 6 --threads 1 --out " + dir + "/b"), 0);
+  auto la = train_losses(dir + "/a/metrics.jsonl"), lb = train_losses(dir + "/b/metrics.jsonl");
+  ASSERT_EQ(la.size(), 6u);
+  ASSERT_EQ(lb.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(la[3 + i], lb[i]) << "step " << 4 + i;
+  EXPECT_EQ(ds::read_file(dir + "/a/checkpoint-6/model.safetensors"), ds::read_file(dir + "/b/checkpoint-6/model.safetensors"));
+  // Same seed, another run, two threads: identical losses.
+  ASSERT_EQ(run("train " + args + " --steps 3 --warmup 2 --out " + dir + "/c --threads 2"), 0);
+  auto lc = train_losses(dir + "/c/metrics.jsonl");
+  ASSERT_EQ(lc.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(la[i], lc[i]) << "step " << i + 1;
+  fs::remove_all(dir);
+}
+
+TEST(Train, NanGuardAndBadInputs) {
+  std::string dir = tmpdir("nan");
+  std::string args = small_setup(dir);
+  // An absurd learning rate blows the weights up: stop exits non-zero without a checkpoint, skip carries on.
+  EXPECT_NE(run("train " + args + " --steps 6 --lr 1e30 --clip 0 --warmup 0 --out " + dir + "/stop"), 0);
+  EXPECT_FALSE(fs::exists(dir + "/stop/checkpoint-6"));
+  EXPECT_EQ(run("train " + args + " --steps 6 --lr 1e30 --clip 0 --warmup 0 --nan-policy skip --out " + dir + "/skip"), 0);
+  bool skipped = false;
+  for (auto& j : metrics(dir + "/skip/metrics.jsonl")) skipped |= j.value("skipped", false);
+  EXPECT_TRUE(skipped);
+  // seq_len above max_position_embeddings, missing data, bad knob values.
+  EXPECT_NE(run("train " + args + " --steps 1 --seq-len 100000 --out " + dir + "/x"), 0);
+  EXPECT_NE(run("train " + args + " --steps 1 --data " + dir + "/missing.txt --out " + dir + "/x"), 0);
+  EXPECT_NE(run("train " + args + " --steps 1 --nan-policy maybe --out " + dir + "/x"), 0);
+  EXPECT_NE(run("train --resume " + dir + "/nowhere --out " + dir + "/x"), 0);
+  fs::remove_all(dir);
+}
