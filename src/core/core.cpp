@@ -96,3 +96,7 @@ void write_file_atomic(const std::string& path, const void* data, size_t size) {
 }
 
 }  // namespace ds
+
+namespace ds::cuda {
+[[noreturn]] void throw_error(const std::string& msg) { throw ds::Error(msg); }
+}  // namespace ds::cuda

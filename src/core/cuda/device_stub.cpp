@@ -1,0 +1,10 @@
+// Used when the build has no CUDA (DELTASTACK_CUDA=OFF); device.cu replaces it otherwise.
+#ifndef DELTASTACK_CUDA
+#include "core/cuda/device.h"
+
+namespace ds {
+bool cuda_compiled() { return false; }
+int cuda_device_count() { return 0; }
+std::string cuda_device_name() { return ""; }
+}  // namespace ds
+#endif
