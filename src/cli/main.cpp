@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <functional>
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
@@ -47,7 +48,7 @@ int main(int argc, char** argv) {
   train->add_option("--out", to.out, "Output dir (metrics.jsonl, checkpoint-STEP/)")->capture_default_str();
   train->add_option("--nan-policy", to.nan_policy, "On a NaN/Inf loss or grad: stop or skip the step")->capture_default_str();
   train->add_option("--resume", to.resume, "Checkpoint dir to resume from (its options are reused)");
-  train->add_option("--device", to.device, "cpu (this build)")->capture_default_str();
+  train->add_option("--device", to.device, "auto (a GPU when present), cpu or cuda")->capture_default_str();
 
   std::string model_dir, inputs, output, grads, tokenizer, prompt, input, txt_split = "paragraph";
   std::vector<std::string> data;
@@ -60,7 +61,7 @@ int main(int argc, char** argv) {
   forward->add_option("--inputs", inputs, "safetensors with input_ids [B,T], optional labels, cu_seqlens")->required();
   forward->add_option("--output", output, "safetensors to write logits, loss, hidden_states_i")->required();
   forward->add_option("--grads", grads, "safetensors to write parameter gradients (needs labels)");
-  forward->add_option("--device", to.device, "cpu (this build)");
+  forward->add_option("--device", to.device, "cpu (fp32 reference, default) or cuda (bf16)");
 
   auto* gen = app.add_subcommand("generate", "Sample text from a checkpoint");
   gen->add_option("--model", model_dir, "Checkpoint dir")->required();
@@ -84,11 +85,28 @@ int main(int argc, char** argv) {
   tokenize->add_option("--input", input, "Input .jsonl")->required();
   tokenize->add_option("--output", output, "Output .jsonl")->required();
 
+  auto* bench = app.add_subcommand("bench", "GPU benchmarks: `bench ops`, `bench step --preset 2b`");
+  bench->require_subcommand(1);
+  auto* bench_ops = bench->add_subcommand("ops", "Per-op timings, rates and roofline fractions");
+  auto* bench_step = bench->add_subcommand("step", "Full training steps: tokens/s, MFU, peak memory");
+  std::string bench_preset = "2b";
+  int64_t bench_seq = 8192, bench_mb = 2, bench_steps = 5;
+  bench_step->add_option("--preset", bench_preset, "Model preset")->capture_default_str();
+  bench_step->add_option("--seq-len", bench_seq, "Tokens per sequence")->capture_default_str();
+  bench_step->add_option("--micro-batch", bench_mb, "Sequences per step")->capture_default_str();
+  bench_step->add_option("--steps", bench_steps, "Timed steps (after one warm-up)")->capture_default_str();
   auto* probe = app.add_subcommand("probe", "Backend per op and its self-probe error");
   auto* inspect = app.add_subcommand("inspect", "Show a checkpoint's config and tensors");
   std::string inspect_path;
   inspect->add_option("checkpoint", inspect_path, "Checkpoint dir or config.json")->required();
 
+  // A scalar flag given twice takes its last value (so scripts can append overrides); lists keep every value.
+  std::function<void(CLI::App*)> last_wins = [&](CLI::App* a) {
+    for (CLI::Option* o : a->get_options())
+      if (o->get_items_expected_max() == 1) o->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    for (CLI::App* sub : a->get_subcommands({})) last_wins(sub);
+  };
+  last_wins(&app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -97,13 +115,16 @@ int main(int argc, char** argv) {
   try {
     ds::set_num_threads(threads);
     if (*forward) {
-      DS_CHECK(to.device == "cpu" || to.device == "auto", "--device {}: this build has only the CPU backend", to.device);
-      return ds::cli::cmd_forward(model_dir, inputs, output, grads);
+      std::string dev = forward->count("--device") ? to.device : "cpu";
+      DS_CHECK(dev == "cpu" || dev == "cuda", "--device must be cpu or cuda, got \"{}\"", dev);
+      return ds::cli::cmd_forward(model_dir, inputs, output, grads, dev);
     }
     if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed);
     if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split);
     if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output);
     if (*probe) return ds::cli::cmd_probe();
+    if (*bench_ops) return ds::cli::cmd_bench_ops();
+    if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps);
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
     if (*train) {
       to.threads = threads;

@@ -37,7 +37,9 @@ void set_num_threads(int n) {
   if (n <= 0) n = omp_get_num_procs();
   g_threads = n;
   omp_set_num_threads(n);
-  openblas_set_num_threads(n);
+  // OpenBLAS stays single-threaded: its own threading changes results with the thread count, so the ops
+  // parallelise GEMMs themselves over fixed partitions (src/ops/linear/cpu.cpp, docs/determinism.md).
+  openblas_set_num_threads(1);
 }
 int num_threads() { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
 

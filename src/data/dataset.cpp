@@ -2,6 +2,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <utf8proc.h>
+
+#include <algorithm>
 #include <filesystem>
 
 #include "core/error.h"
@@ -19,6 +22,24 @@ TxtSplit parse_txt_split(const std::string& s) {
 namespace {
 
 bool blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == std::string::npos; }
+
+// Byte offset of the first invalid UTF-8 sequence (overlong, surrogate, > U+10FFFF, truncated, stray continuation
+// byte), or npos. Checked per file so the error names the file, not a document index after splitting.
+size_t first_invalid_utf8(const std::string& s) {
+  const auto* p = reinterpret_cast<const utf8proc_uint8_t*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    if (p[i] < 0x80) {
+      ++i;
+      continue;
+    }
+    utf8proc_int32_t cp;
+    utf8proc_ssize_t len = utf8proc_iterate(p + i, static_cast<utf8proc_ssize_t>(n - i), &cp);
+    if (len <= 0) return i;
+    i += static_cast<size_t>(len);
+  }
+  return std::string::npos;
+}
 
 void split_txt(const std::string& text, TxtSplit split, std::vector<std::string>& out) {
   if (split == TxtSplit::File) {
@@ -53,6 +74,9 @@ std::vector<std::string> read_documents(const std::vector<std::string>& files, T
   for (const std::string& f : files) {
     std::string ext = std::filesystem::path(f).extension().string();
     std::string text = read_file(f);
+    if (size_t bad = first_invalid_utf8(text); bad != std::string::npos)
+      fail("{}:{}: invalid UTF-8 at byte offset {} (data files must be UTF-8 text)", f,
+           1 + std::count(text.begin(), text.begin() + static_cast<std::ptrdiff_t>(bad), '\n'), bad);
     size_t before = docs.size();
     if (ext == ".jsonl") {
       size_t pos = 0;
@@ -112,6 +136,11 @@ PackedDataset::PackedDataset(const std::vector<std::vector<int32_t>>& docs, int6
   DS_CHECK(stream_.size() >= 2, "data: fewer than 2 tokens in total");
   num_windows_ = static_cast<int64_t>(stream_.size()) / seq_len;
   if (num_windows_ == 0) num_windows_ = 1;  // one short window
+  for (int64_t w = 0; w < num_windows_; ++w) {
+    int64_t begin = w * seq_len, end = std::min<int64_t>(static_cast<int64_t>(stream_.size()), begin + seq_len), docs = 1;
+    for (int64_t t = begin + 1; t < end; ++t) docs += doc_of_[t] != doc_of_[t - 1];
+    max_docs_ = std::max(max_docs_, docs);
+  }
 }
 
 PackedBatch PackedDataset::batch(const std::vector<int64_t>& windows) const {

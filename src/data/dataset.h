@@ -18,10 +18,11 @@ TxtSplit parse_txt_split(const std::string& s);  // "paragraph" | "line" | "file
 
 // Reads documents from .txt (split as above) and .jsonl (one JSON object per line with a string "text"
 // field; blank lines skipped) files, in file order. Errors name the file (and line): missing file, a file
-// with no text, invalid JSON, a missing "text" field, an unknown extension.
+// with no text, invalid UTF-8 (with the byte offset), invalid JSON, a missing "text" field, an unknown extension.
 std::vector<std::string> read_documents(const std::vector<std::string>& files, TxtSplit split);
 
-// Tokenizes every document (UTF-8 errors name the document's file index and offset) and appends `eos`
+// Tokenizes every document (errors name the document index; read_documents has already rejected invalid UTF-8
+// naming the file) and appends `eos`
 // (when >= 0) to each, so the model learns where documents end.
 std::vector<std::vector<int32_t>> tokenize_documents(const Tokenizer& tok, const std::vector<std::string>& docs,
                                                      int32_t eos);
@@ -36,11 +37,13 @@ class PackedDataset {
   int64_t num_windows() const { return num_windows_; }
   int64_t num_tokens() const { return static_cast<int64_t>(stream_.size()); }
   int64_t seq_len() const { return seq_len_; }
+  // The most documents (cu_seqlens segments) any one window holds: sizes the GPU's per-batch buffers.
+  int64_t max_docs_per_window() const { return max_docs_; }
   // Concatenates the given windows (each its own set of documents) into one packed batch.
   PackedBatch batch(const std::vector<int64_t>& windows) const;
 
  private:
-  int64_t seq_len_, num_windows_;
+  int64_t seq_len_, num_windows_, max_docs_ = 1;
   std::vector<int32_t> stream_;
   std::vector<int32_t> doc_of_;  // document index of each stream position
 };

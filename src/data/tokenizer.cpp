@@ -396,7 +396,8 @@ class Regex {
   // literal: the pattern is a plain string (Split pattern {"String": ...}).
   Regex(const std::string& pattern, bool literal, const std::string& where) {
     std::string pat = literal ? pattern : onig_to_pcre2(pattern);
-    uint32_t opts = PCRE2_UTF | PCRE2_UCP | (literal ? PCRE2_LITERAL : 0u);
+    // PCRE2_LITERAL rejects PCRE2_UCP ("invalid option bits"); UCP only affects \w, \d, \s and classes anyway.
+    uint32_t opts = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
     int err = 0;
     PCRE2_SIZE off = 0;
     code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pat.data()), pat.size(), opts, &err, &off, nullptr);
@@ -557,6 +558,20 @@ class AddedMatcher {
   std::vector<int> by_byte_[256];
   bool empty_ = true;
 };
+
+// Ids index dense per-id tables (decode bytes, token strings), so they are capped: a tiny file with one huge id
+// must not allocate gigabytes. Real vocabularies are ~250k; 2^22 leaves plenty of room.
+constexpr int64_t kMaxTokenId = (int64_t{1} << 22) - 1;
+
+// A JSON value for an error message. nlohmann's dump() recurses once per nesting level, so dumping a deeply
+// nested value would overflow the stack: arrays and objects are only named.
+std::string brief(const json& v) {
+  if (v.is_array()) return "an array";
+  if (v.is_object()) return "an object";
+  std::string s = v.dump(-1, ' ', /*ensure_ascii=*/true);
+  if (s.size() > 80) s = s.substr(0, 77) + "...";
+  return s;
+}
 
 // JSON field helpers (errors name the file and the field).
 const json& require(const json& j, const char* key, const std::string& where, const std::string& path) {
@@ -736,8 +751,9 @@ Tokenizer::~Tokenizer() = default;
 Tokenizer::Tokenizer(Tokenizer&&) noexcept = default;
 Tokenizer& Tokenizer::operator=(Tokenizer&&) noexcept = default;
 
-Tokenizer Tokenizer::from_file(const std::string& path) {
-  std::string text = read_file(path);
+Tokenizer Tokenizer::from_file(const std::string& path) { return from_json_string(read_file(path), path); }
+
+Tokenizer Tokenizer::from_json_string(std::string text, const std::string& path) {
   json root;
   try {
     root = json::parse(text);
@@ -811,7 +827,7 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
         }
         const json& beh = require(st, "behavior", where + ".", path);
         if (!beh.is_string() || beh.get<std::string>() != "Isolated")
-          fail("{}: field \"{}.behavior\": unsupported value {} (only \"Isolated\")", path, where, beh.dump());
+          fail("{}: field \"{}.behavior\": unsupported value {} (only \"Isolated\")", path, where, brief(beh));
         if (get_bool(st, "invert", false, where + ".", path))
           fail("{}: field \"{}.invert\": true is not supported", path, where);
         im.splits.push_back(std::make_unique<Regex>(pattern, literal, fmt::format("{}: field \"{}.pattern\"", path, where)));
@@ -843,16 +859,16 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   if (!model.is_object()) fail("{}: field \"model\" must be an object", path);
   if (auto it = model.find("type"); it != model.end()) {
     if (!it->is_string() || it->get<std::string>() != "BPE")
-      fail("{}: field \"model.type\": unsupported model {} (only BPE)", path, it->dump());
+      fail("{}: field \"model.type\": unsupported model {} (only BPE)", path, brief(*it));
   }
   if (auto it = model.find("dropout"); it != model.end() && !it->is_null()) {
     if (!it->is_number() || it->get<double>() != 0.0)
-      fail("{}: field \"model.dropout\": BPE dropout {} is not supported (must be null)", path, it->dump());
+      fail("{}: field \"model.dropout\": BPE dropout {} is not supported (must be null)", path, brief(*it));
   }
   for (const char* k : {"continuing_subword_prefix", "end_of_word_suffix"}) {
     auto it = model.find(k);
     if (it != model.end() && !it->is_null() && !(it->is_string() && it->get<std::string>().empty()))
-      fail("{}: field \"model.{}\": non-empty value {} is not supported", path, k, it->dump());
+      fail("{}: field \"model.{}\": non-empty value {} is not supported", path, k, brief(*it));
   }
   im.ignore_merges = get_bool(model, "ignore_merges", false, "model.", path);
 
@@ -863,7 +879,10 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
   for (auto it = vocab.begin(); it != vocab.end(); ++it) {
     if (!it.value().is_number_integer()) fail("{}: field \"model.vocab\": id of {:?} is not an integer", path, it.key());
     int64_t id = it.value().get<int64_t>();
-    if (id < 0 || id > INT32_MAX - 1) fail("{}: field \"model.vocab\": id {} of {:?} out of range", path, id, it.key());
+    if (it.value().is_number_unsigned() && it.value().get<uint64_t>() > static_cast<uint64_t>(kMaxTokenId)) id = -1;
+    if (id < 0 || id > kMaxTokenId)
+      fail("{}: field \"model.vocab\": id {} of {:?} out of range [0, {}]", path, brief(it.value()), it.key(),
+           kMaxTokenId);
     im.vocab[it.key()] = static_cast<int32_t>(id);
     max_id = std::max(max_id, id);
   }
@@ -907,7 +926,7 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
       a = m[0].get<std::string>();
       b = m[1].get<std::string>();
     } else {
-      fail("{}: field \"model.merges[{}]\": expected \"a b\" or [a, b], got {}", path, i, m.dump());
+      fail("{}: field \"model.merges[{}]\": expected \"a b\" or [a, b], got {}", path, i, brief(m));
     }
     auto ia = im.vocab.find(a), ib = im.vocab.find(b), ic = im.vocab.find(a + b);
     if (ia == im.vocab.end()) fail("{}: field \"model.merges[{}]\": token {:?} is not in model.vocab", path, i, a);
@@ -926,8 +945,10 @@ Tokenizer Tokenizer::from_file(const std::string& path) {
       if (!a.is_object()) fail("{}: field \"added_tokens[{}]\" must be an object", path, i);
       const json& jid = require(a, "id", where, path);
       const json& jc = require(a, "content", where, path);
-      if (!jid.is_number_integer() || jid.get<int64_t>() < 0 || jid.get<int64_t>() > INT32_MAX - 1)
-        fail("{}: field \"{}id\" must be a non-negative integer", path, where);
+      if (!jid.is_number_integer() ||
+          (jid.is_number_unsigned() && jid.get<uint64_t>() > static_cast<uint64_t>(kMaxTokenId)) ||
+          jid.get<int64_t>() < 0 || jid.get<int64_t>() > kMaxTokenId)
+        fail("{}: field \"{}id\" must be an integer in [0, {}], got {}", path, where, kMaxTokenId, brief(jid));
       if (!jc.is_string() || jc.get<std::string>().empty())
         fail("{}: field \"{}content\" must be a non-empty string", path, where);
       AddedToken t;

@@ -15,6 +15,8 @@ class Tokenizer {
  public:
   // Throws ds::Error naming the file for a missing/corrupt file or an unsupported model/normalizer/pre-tokenizer.
   static Tokenizer from_file(const std::string& path);
+  // Same, from the tokenizer.json text itself; `name` stands for the file in error messages.
+  static Tokenizer from_json_string(std::string json_text, const std::string& name);
   ~Tokenizer();
   Tokenizer(Tokenizer&&) noexcept;
   Tokenizer& operator=(Tokenizer&&) noexcept;

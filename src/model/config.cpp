@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <cmath>
 #include <filesystem>
 
 #include "core/error.h"
@@ -11,6 +12,24 @@ namespace {
 
 using json = nlohmann::json;
 
+// Size limits (validate() enforces them; from_json checks num_hidden_layers before building layer_types). With
+// these, every derived quantity (projection widths, num_parameters) fits in int64 with room to spare.
+constexpr int64_t kMaxVocab = int64_t{1} << 24;        // 16,777,216 (real vocabularies: ~250k)
+constexpr int64_t kMaxWidth = int64_t{1} << 20;        // hidden_size, intermediate_size, projection widths
+constexpr int64_t kMaxLayers = int64_t{1} << 16;       // num_hidden_layers
+constexpr int64_t kMaxHeads = int64_t{1} << 16;        // head counts, head dims, conv kernel
+constexpr int64_t kMaxPositions = int64_t{1} << 31;    // max_position_embeddings
+
+// A JSON value for an error message. nlohmann's dump() recurses once per nesting level, so dumping a deeply
+// nested value (e.g. "hidden_size": [[[[...]]]]) would overflow the stack: arrays and objects are only named.
+std::string brief(const json& v) {
+  if (v.is_array()) return "an array";
+  if (v.is_object()) return "an object";
+  std::string s = v.dump(-1, ' ', /*ensure_ascii=*/true);
+  if (s.size() > 80) s = s.substr(0, 77) + "...";
+  return s;
+}
+
 int64_t get_int(const json& j, const char* key, int64_t def, const std::string& src, bool required = false) {
   if (!j.contains(key) || j[key].is_null()) {
     DS_CHECK(!required, "{}: missing required field \"{}\"", src, key);
@@ -18,20 +37,23 @@ int64_t get_int(const json& j, const char* key, int64_t def, const std::string& 
   }
   const json& v = j[key];
   DS_CHECK(v.is_number_integer() || v.is_number_unsigned(), "{}: field \"{}\" must be an integer, got {}", src, key,
-           v.dump());
+           brief(v));
+  // get<int64_t>() would wrap an unsigned value above INT64_MAX to a negative one.
+  DS_CHECK(!v.is_number_unsigned() || v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX),
+           "{}: field \"{}\" is out of range, got {}", src, key, brief(v));
   return v.get<int64_t>();
 }
 
 double get_num(const json& j, const char* key, double def, const std::string& src) {
   if (!j.contains(key) || j[key].is_null()) return def;
   const json& v = j[key];
-  DS_CHECK(v.is_number(), "{}: field \"{}\" must be a number, got {}", src, key, v.dump());
+  DS_CHECK(v.is_number(), "{}: field \"{}\" must be a number, got {}", src, key, brief(v));
   return v.get<double>();
 }
 
 bool get_bool(const json& j, const char* key, bool def, const std::string& src) {
   if (!j.contains(key) || j[key].is_null()) return def;
-  DS_CHECK(j[key].is_boolean(), "{}: field \"{}\" must be true or false, got {}", src, key, j[key].dump());
+  DS_CHECK(j[key].is_boolean(), "{}: field \"{}\" must be true or false, got {}", src, key, brief(j[key]));
   return j[key].get<bool>();
 }
 
@@ -87,7 +109,7 @@ ModelConfig ModelConfig::from_json(const json& root, const std::string& source) 
   c.tie_word_embeddings = top_tie_present ? top_tie : get_bool(j, "tie_word_embeddings", false, src);
   if (j.contains("hidden_act") && !j["hidden_act"].is_null()) {
     DS_CHECK(j["hidden_act"].is_string() && (j["hidden_act"] == "silu" || j["hidden_act"] == "swish"),
-             "{}: unsupported hidden_act {} (only silu)", src, j["hidden_act"].dump());
+             "{}: unsupported hidden_act {} (only silu)", src, brief(j["hidden_act"]));
   }
   if (j.contains("attention_bias") && j["attention_bias"].is_boolean())
     DS_CHECK(!j["attention_bias"].get<bool>(), "{}: attention_bias=true is not supported", src);
@@ -108,14 +130,15 @@ ModelConfig ModelConfig::from_json(const json& root, const std::string& source) 
                                                                              : "default";
     DS_CHECK(rt == "default", "{}: rope_scaling.rope_type \"{}\" is not supported", src, rt);
   }
-  if (j.contains("eos_token_id") && j["eos_token_id"].is_number_integer()) c.eos_token_id = j["eos_token_id"].get<int64_t>();
+  if (j.contains("eos_token_id") && j["eos_token_id"].is_number_integer())
+    c.eos_token_id = get_int(j, "eos_token_id", -1, src);
   // Layer types: explicit list, else every full_attention_interval-th layer.
   if (j.contains("layer_types") && !j["layer_types"].is_null()) {
     const json& lt = j["layer_types"];
     DS_CHECK(lt.is_array(), "{}: \"layer_types\" must be a list", src);
     for (const auto& t : lt) {
       DS_CHECK(t.is_string() && (t == "linear_attention" || t == "full_attention"),
-               "{}: layer_types entries must be \"linear_attention\" or \"full_attention\", got {}", src, t.dump());
+               "{}: layer_types entries must be \"linear_attention\" or \"full_attention\", got {}", src, brief(t));
       c.layer_types.push_back(t.get<std::string>());
     }
     DS_CHECK(static_cast<int64_t>(c.layer_types.size()) == c.num_hidden_layers,
@@ -124,8 +147,8 @@ ModelConfig ModelConfig::from_json(const json& root, const std::string& source) 
   } else {
     int64_t interval = get_int(j, "full_attention_interval", 4, src);
     DS_CHECK(interval >= 1, "{}: full_attention_interval must be >= 1, got {}", src, interval);
-    DS_CHECK(c.num_hidden_layers >= 0 && c.num_hidden_layers <= 100000, "{}: num_hidden_layers {} out of range", src,
-             c.num_hidden_layers);
+    DS_CHECK(c.num_hidden_layers >= 0 && c.num_hidden_layers <= kMaxLayers,
+             "{}: num_hidden_layers must be a positive integer at most {}, got {}", src, kMaxLayers, c.num_hidden_layers);
     c.layer_types = interval_layers(c.num_hidden_layers, interval);
   }
   c.source = src;
@@ -135,22 +158,30 @@ ModelConfig ModelConfig::from_json(const json& root, const std::string& source) 
 
 void ModelConfig::validate() const {
   const std::string& s = source;
-  auto positive = [&](int64_t v, const char* name) {
-    DS_CHECK(v > 0 && v <= (int64_t{1} << 31), "{}: {} must be a positive integer below 2^31, got {}", s, name, v);
+  auto positive = [&](int64_t v, const char* name, int64_t max) {
+    DS_CHECK(v > 0 && v <= max, "{}: {} must be a positive integer at most {}, got {}", s, name, max, v);
   };
-  positive(vocab_size, "vocab_size");
-  positive(hidden_size, "hidden_size");
-  positive(intermediate_size, "intermediate_size");
-  positive(num_hidden_layers, "num_hidden_layers");
-  positive(num_attention_heads, "num_attention_heads");
-  positive(num_key_value_heads, "num_key_value_heads");
-  positive(head_dim, "head_dim");
-  positive(linear_conv_kernel_dim, "linear_conv_kernel_dim");
-  positive(linear_key_head_dim, "linear_key_head_dim");
-  positive(linear_value_head_dim, "linear_value_head_dim");
-  positive(linear_num_key_heads, "linear_num_key_heads");
-  positive(linear_num_value_heads, "linear_num_value_heads");
-  positive(max_position_embeddings, "max_position_embeddings");
+  positive(vocab_size, "vocab_size", kMaxVocab);
+  positive(hidden_size, "hidden_size", kMaxWidth);
+  positive(intermediate_size, "intermediate_size", kMaxWidth);
+  positive(num_hidden_layers, "num_hidden_layers", kMaxLayers);
+  positive(num_attention_heads, "num_attention_heads", kMaxHeads);
+  positive(num_key_value_heads, "num_key_value_heads", kMaxHeads);
+  positive(head_dim, "head_dim", kMaxHeads);
+  positive(linear_conv_kernel_dim, "linear_conv_kernel_dim", kMaxHeads);
+  positive(linear_key_head_dim, "linear_key_head_dim", kMaxHeads);
+  positive(linear_value_head_dim, "linear_value_head_dim", kMaxHeads);
+  positive(linear_num_key_heads, "linear_num_key_heads", kMaxHeads);
+  positive(linear_num_value_heads, "linear_num_value_heads", kMaxHeads);
+  positive(max_position_embeddings, "max_position_embeddings", kMaxPositions);
+  // Projection widths (products of two fields, each <= 2^16 here, so no overflow).
+  auto width = [&](int64_t v, const char* what) {
+    DS_CHECK(v <= kMaxWidth, "{}: {} = {} is above {}", s, what, v, kMaxWidth);
+  };
+  width(num_attention_heads * head_dim, "num_attention_heads * head_dim");
+  width(num_key_value_heads * head_dim, "num_key_value_heads * head_dim");
+  width(key_dim(), "linear_num_key_heads * linear_key_head_dim");
+  width(value_dim(), "linear_num_value_heads * linear_value_head_dim");
   DS_CHECK(num_attention_heads % num_key_value_heads == 0,
            "{}: num_attention_heads ({}) must be a multiple of num_key_value_heads ({})", s, num_attention_heads,
            num_key_value_heads);
@@ -158,14 +189,16 @@ void ModelConfig::validate() const {
            "{}: linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})", s,
            linear_num_value_heads, linear_num_key_heads);
   DS_CHECK(rms_norm_eps > 0 && rms_norm_eps < 1, "{}: rms_norm_eps must be in (0, 1), got {}", s, rms_norm_eps);
-  DS_CHECK(rope_theta > 0, "{}: rope_theta must be positive, got {}", s, rope_theta);
+  DS_CHECK(rope_theta > 0 && std::isfinite(rope_theta), "{}: rope_theta must be positive and finite, got {}", s,
+           rope_theta);
   DS_CHECK(partial_rotary_factor > 0 && partial_rotary_factor <= 1,
            "{}: partial_rotary_factor must be in (0, 1], got {}", s, partial_rotary_factor);
   DS_CHECK(rotary_dim() % 2 == 0 && rotary_dim() >= 2, "{}: head_dim * partial_rotary_factor = {} must be even and >= 2",
            s, rotary_dim());
   DS_CHECK(static_cast<int64_t>(layer_types.size()) == num_hidden_layers,
            "{}: {} layer types for {} layers", s, layer_types.size(), num_hidden_layers);
-  DS_CHECK(initializer_range > 0, "{}: initializer_range must be positive", s);
+  DS_CHECK(initializer_range > 0 && std::isfinite(initializer_range),
+           "{}: initializer_range must be positive and finite, got {}", s, initializer_range);
 }
 
 int64_t ModelConfig::num_parameters() const {

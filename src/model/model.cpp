@@ -120,7 +120,15 @@ void Qwen35Model::init_weights(uint64_t seed) {
     } else if (ends_with("layernorm.weight") || ends_with("norm.weight")) {
       std::fill(w, w + p.numel, 0.0f);  // zero-centered RMSNorm: effective scale 1
     } else {
-      for (int64_t i = 0; i < p.numel; ++i) w[i] = static_cast<float>(cfg_.initializer_range * rng.normal());
+      // Blocks of 64k values, each from its own counter range: the same values for any thread count.
+      const int64_t block = 65536;
+#pragma omp parallel for schedule(static)
+      for (int64_t b0 = 0; b0 < p.numel; b0 += block) {
+        Rng r(seed, pi + 1);
+        r.set_counter(static_cast<uint64_t>(2 * b0));
+        for (int64_t i = b0; i < std::min(p.numel, b0 + block); ++i)
+          w[i] = static_cast<float>(cfg_.initializer_range * r.normal());
+      }
     }
   }
 }

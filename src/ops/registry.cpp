@@ -4,13 +4,16 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <set>
 
+#include "core/cuda/device.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "ops/gated_delta_rule/dispatch.h"
+#include "ops/probes_cuda.h"
 
 namespace ds::ops {
 
@@ -20,6 +23,54 @@ struct OpEntry {
   std::string name;
   std::vector<Backend> backends;  // fast first, reference last
 };
+
+#ifdef DELTASTACK_CUDA
+// Device "cuda": the CUDA backend first (probed against the fp32 CPU reference, probes_cuda.h), then a
+// reference entry last that only marks "no usable CUDA backend": the GPU engine has no per-op CPU fallback, so
+// selecting it makes require_cuda_backends() stop with a clear error. Bands (DESIGN.md §5): 1e-2 for ops with
+// gradients (2e-2 where dg/dbeta are outputs), 5e-3 for forward-only.
+void add_cuda_backends(std::vector<OpEntry>& t) {
+  struct CudaProbe {
+    const char* op;
+    double (*probe)();
+    double band;
+  };
+  const CudaProbe probes[] = {
+      {"embedding", &probe_cuda_embedding, 1e-2},
+      {"rmsnorm", &probe_cuda_rmsnorm, 1e-2},
+      {"linear", &probe_cuda_linear, 1e-2},
+      {"conv1d", &probe_cuda_conv1d, 1e-2},
+      {"gdn_gate", &probe_cuda_gdn_gate, 2e-2},
+      {"l2norm", &probe_cuda_l2norm, 1e-2},
+      {"gated_delta_rule", &probe_cuda_gated_delta_rule, 2e-2},
+      {"gated_rmsnorm", &probe_cuda_gated_rmsnorm, 1e-2},
+      {"rope", &probe_cuda_rope, 1e-2},
+      {"attention", &probe_cuda_attention, 1e-2},
+      {"output_gate", &probe_cuda_output_gate, 1e-2},
+      {"swiglu", &probe_cuda_swiglu, 1e-2},
+      {"linear_cross_entropy", &probe_cuda_linear_cross_entropy, 1e-2},
+      {"adamw", &probe_cuda_adamw, 5e-3},
+  };
+  // The attention output gate has its own row with the CUDA backends (its CPU math lives in attention.h).
+  auto has = [&](const char* name) {
+    return std::any_of(t.begin(), t.end(), [&](const OpEntry& e) { return e.name == name; });
+  };
+  if (!has("output_gate")) {
+    auto at = std::find_if(t.begin(), t.end(), [](const OpEntry& e) { return e.name == "attention"; });
+    if (at != t.end()) ++at;
+    t.insert(at, OpEntry{"output_gate", {Backend{"cpu-reference", "cpu", true, {}, 0.0}}});
+  }
+  for (const CudaProbe& p : probes) {
+    auto e = std::find_if(t.begin(), t.end(), [&](const OpEntry& x) { return x.name == p.op; });
+    if (e == t.end()) {
+      t.push_back(OpEntry{p.op, {}});
+      e = std::prev(t.end());
+    }
+    e->backends.insert(e->backends.begin(), Backend{"cuda", "cuda", false, p.probe, p.band});
+    e->backends.push_back(Backend{"cpu-reference (no device fallback)", "cuda", true, {}, 0.0});
+  }
+}
+#endif
 
 std::vector<OpEntry> build_table() {
   std::vector<OpEntry> t;
@@ -41,6 +92,9 @@ std::vector<OpEntry> build_table() {
   ref_only("swiglu");
   ref_only("linear_cross_entropy");
   ref_only("adamw");
+#ifdef DELTASTACK_CUDA
+  if (cuda_compiled()) add_cuda_backends(t);
+#endif
   return t;
 }
 
@@ -49,11 +103,13 @@ std::vector<OpEntry>& table() {
   static std::vector<OpEntry> t = build_table();
   return t;
 }
-std::map<std::string, double> g_probe_error;  // key op/backend
+std::map<std::string, double> g_probe_error;  // key op/device/backend
 std::map<std::string, const Backend*> g_selected;  // key op/device
 
+std::string probe_key(const std::string& op, const Backend& b) { return op + "/" + b.device + "/" + b.name; }
+
 double run_probe(const std::string& op, const Backend& b) {
-  std::string key = op + "/" + b.name;
+  std::string key = probe_key(op, b);
   auto it = g_probe_error.find(key);
   if (it != g_probe_error.end()) return it->second;
   double e = b.probe ? b.probe() : 0.0;
@@ -62,11 +118,16 @@ double run_probe(const std::string& op, const Backend& b) {
   return e;
 }
 
+std::string knob_var(const std::string& op) {
+  std::string var = "DELTASTACK_";
+  for (char ch : op) var += static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  return var;
+}
+
 }  // namespace
 
 KnobMode knob_mode(const std::string& op) {
-  std::string var = "DELTASTACK_";
-  for (char ch : op) var += static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  const std::string var = knob_var(op);
   const char* v = std::getenv(var.c_str());
   if (!v || std::string(v).empty() || std::string(v) == "auto") return KnobMode::Auto;
   static std::set<std::string> logged;
@@ -116,17 +177,23 @@ std::vector<ProbeRow> probe_all() {
   std::vector<ProbeRow> rows;
   std::vector<std::pair<std::string, std::string>> ops;
   for (const OpEntry& e : table()) ops.emplace_back(e.name, "cpu");
+  // CUDA rows only where a device can run the probes.
+  if (cuda_device_count() > 0)
+    for (const OpEntry& e : table())
+      if (std::any_of(e.backends.begin(), e.backends.end(), [](const Backend& b) { return b.device == "cuda"; }))
+        ops.emplace_back(e.name, "cuda");
   for (auto& [op, dev] : ops) {
     const Backend& sel = select_backend(op, dev);
     std::lock_guard<std::mutex> lk(g_mu);
     for (const OpEntry& e : table()) {
       if (e.name != op) continue;
       for (const Backend& b : e.backends) {
+        if (b.device != dev) continue;
         ProbeRow r{op, b.device, b.name, "", 0, b.band};
         if (b.reference) {
           r.status = &b == &sel ? "selected (reference)" : "reference";
         } else {
-          auto it = g_probe_error.find(op + "/" + b.name);
+          auto it = g_probe_error.find(probe_key(op, b));
           r.error = it != g_probe_error.end() ? it->second : run_probe(op, b);
           r.status = &b == &sel ? "selected" : (r.error > b.band ? "rejected" : "off (knob)");
         }
@@ -135,6 +202,49 @@ std::vector<ProbeRow> probe_all() {
     }
   }
   return rows;
+}
+
+void require_cuda_backends() {
+  DS_CHECK(cuda_compiled(),
+           "--device cuda: this build has no CUDA support (configure with -DDELTASTACK_CUDA=ON and nvcc on PATH)");
+  DS_CHECK(cuda_device_count() > 0, "--device cuda: no CUDA device is available");
+  std::vector<std::string> ops;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (const OpEntry& e : table())
+      if (std::any_of(e.backends.begin(), e.backends.end(), [](const Backend& b) { return b.device == "cuda"; }))
+        ops.push_back(e.name);
+  }
+  // Every op is selected (and probed) before failing, so each rejection gets its log line.
+  std::vector<std::string> failed;
+  for (const std::string& op : ops)
+    if (select_backend(op, "cuda").reference) failed.push_back(op);
+  if (failed.empty()) return;
+  const std::string& op = failed.front();
+  std::string also;
+  for (size_t i = 1; i < failed.size(); ++i) also += (i == 1 ? " (also without a CUDA backend: " : ", ") + failed[i];
+  if (!also.empty()) also += ")";
+  if (knob_mode(op) == KnobMode::Reference)
+    fail("{}: {}=reference selects the CPU reference, but the GPU engine has no per-op CPU fallback — unset it or "
+         "run with --device cpu{}",
+         op, knob_var(op), also);
+  double err = INFINITY, band = 0;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (const OpEntry& e : table()) {
+      if (e.name != op) continue;
+      for (const Backend& b : e.backends) {
+        if (b.device != "cuda" || b.reference) continue;
+        band = b.band;
+        auto it = g_probe_error.find(probe_key(op, b));
+        if (it != g_probe_error.end()) err = it->second;
+        break;
+      }
+    }
+  }
+  fail("{}: the CUDA backend failed its self-probe (error {:.3e} > band {:.1e}); the GPU engine has no per-op CPU "
+       "fallback — run with --device cpu{}",
+       op, err, band, also);
 }
 
 }  // namespace ds::ops

@@ -3,7 +3,9 @@
 // backend runs against the reference on fresh random inputs (forward and backward, with a partial chunk and a
 // packed case); a wrong or non-finite backend is rejected with one log line and the next one is used.
 // On the CPU the gated delta rule has two backends (chunked = fast, token-recurrent = reference); every other
-// op has its reference only. CUDA backends register here too (a later milestone).
+// op has its reference only. In a CUDA build every op also has device "cuda" backends: the CUDA kernels (probed
+// against the fp32 CPU reference on bf16-rounded inputs, ops/probes_cuda.h) and, last, a reference entry that
+// stands for "no usable CUDA backend" (the GPU engine stops: require_cuda_backends()).
 #pragma once
 #include <functional>
 #include <string>
@@ -34,7 +36,13 @@ struct ProbeRow {
 
 // The backend an op uses on `device`, after the knob and the self-probe. Thread-safe; probes run once.
 const Backend& select_backend(const std::string& op, const std::string& device);
-// Runs every probe (cached) and reports all backends of all ops.
+// Runs every probe (cached) and reports all backends of all ops: device "cpu" rows always, device "cuda" rows
+// when a CUDA device is present.
 std::vector<ProbeRow> probe_all();
+
+// For the GPU engine: selects (and probes) the "cuda" backend of every op and throws ds::Error naming the first op
+// that resolves to its reference entry (probe error over the band, or DELTASTACK_<OP>=reference): the GPU engine
+// has no per-op CPU fallback. Also throws when the build has no CUDA support or no device is present.
+void require_cuda_backends();
 
 }  // namespace ds::ops

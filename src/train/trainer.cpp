@@ -2,9 +2,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>  // AT_FDCWD
+
 #include <chrono>
 #include <cmath>
-#include <cstdio>
+#include <cstdio>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -17,6 +19,8 @@
 #include "core/rng.h"
 #include "data/dataset.h"
 #include "data/tokenizer.h"
+#include "core/cuda/device.h"
+#include "model/gpu_model.h"
 #include "model/model.h"
 #include "ops/adamw/adamw.h"
 
@@ -95,8 +99,8 @@ void validate(const TrainOptions& o) {
            "--eval-interval, --eval-batches and --save-interval must be >= 0");
   DS_CHECK(o.nan_policy == "stop" || o.nan_policy == "skip", "--nan-policy must be stop or skip, got \"{}\"",
            o.nan_policy);
-  DS_CHECK(o.device == "cpu" || o.device == "auto",
-           "--device {}: this build has only the CPU backend (CUDA support is a later milestone)", o.device);
+  DS_CHECK(o.device == "cpu" || o.device == "auto" || o.device == "cuda", "--device must be auto, cpu or cuda, got \"{}\"",
+           o.device);
   DS_CHECK(!o.out.empty(), "--out must not be empty");
 }
 
@@ -209,11 +213,25 @@ int train(TrainOptions opt) {
       eval_batches.push_back(val_set->batch(part));
     }
   }
+  // ---- device: the GPU when there is one (auto), else the CPU reference engine.
+  const bool use_gpu = opt.device == "cuda" || (opt.device == "auto" && cuda_device_count() > 0);
+  std::unique_ptr<GpuModel> gpu;
+  if (use_gpu) {
+    GpuPlan plan;
+    plan.max_tokens = opt.micro_batch * opt.seq_len;
+    plan.max_seqs = opt.micro_batch * std::max(train_set.max_docs_per_window(),
+                                               val_set ? val_set->max_docs_per_window() : int64_t{1});
+    gpu = std::make_unique<GpuModel>(model, plan);
+  }
+  log_info("device: {}", use_gpu ? "cuda" : "cpu");
+  auto fb = [&](const PackedBatch& b, double scale, double z) {
+    return gpu ? gpu->forward_backward(b, scale, z) : model.forward_backward(b, scale, z);
+  };
   auto evaluate = [&]() {
     double sum = 0;
     int64_t n = 0;
     for (const PackedBatch& b : eval_batches) {
-      LossResult r = model.forward_backward(b, 0.0, 0.0);
+      LossResult r = fb(b, 0.0, 0.0);
       sum += r.loss_sum;
       n += r.num_valid;
     }
@@ -238,11 +256,24 @@ int train(TrainOptions opt) {
     tokens_seen = resume_state.value("tokens_seen", int64_t{0});
     elapsed_before = resume_state.value("elapsed_s", 0.0);
     log_info("resuming from {} at step {}", opt.resume, start_step);
+    if (gpu) gpu->upload_optimizer(m, v);
   }
   DS_CHECK(opt.steps >= start_step, "--steps {} is below the checkpoint's step {}", opt.steps, start_step);
 
   // ---- output dir and metrics (on resume, later lines of an earlier attempt are dropped)
   fs::create_directories(opt.out);
+  {  // Temp dirs of checkpoint saves that a killed run left behind (never valid checkpoints): remove them.
+    std::vector<fs::path> stale;
+    for (const auto& e : fs::directory_iterator(opt.out)) {
+      const std::string n = e.path().filename().string();
+      if (n.rfind(".checkpoint-", 0) == 0 && n.size() > 16 && n.compare(n.size() - 4, 4, ".tmp") == 0)
+        stale.push_back(e.path());
+    }
+    for (const fs::path& p : stale) {
+      log_info("removing {} (left by an interrupted checkpoint save)", p.string());
+      fs::remove_all(p);
+    }
+  }
   std::string metrics_path = (fs::path(opt.out) / "metrics.jsonl").string();
   {
     std::string kept;
@@ -266,6 +297,10 @@ int train(TrainOptions opt) {
     std::string final_dir = (fs::path(opt.out) / fmt::format("checkpoint-{}", step)).string();
     std::string tmp_dir = (fs::path(opt.out) / fmt::format(".checkpoint-{}.tmp", step)).string();
     fs::remove_all(tmp_dir);
+    if (gpu) {
+      gpu->download_weights(model.weights());
+      gpu->download_optimizer(m, v);
+    }
     model.save(tmp_dir, DType::F32);
     std::vector<SaveTensor> ost;
     for (const ParamSpec& p : model.params()) {
@@ -279,11 +314,17 @@ int train(TrainOptions opt) {
     write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
     fsync_dir(tmp_dir);
     if (fs::exists(final_dir)) {
-      std::string old = final_dir + ".old";
-      fs::remove_all(old);
-      fs::rename(final_dir, old);
-      fs::rename(tmp_dir, final_dir);
-      fs::remove_all(old);
+      // Replacing a checkpoint of the same step (a resume from an earlier one into the same --out): swap the two
+      // directories in one atomic rename so checkpoint-N never goes missing; the old one ends up in tmp_dir.
+      if (::renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+        fs::remove_all(tmp_dir);
+      } else {  // filesystem without RENAME_EXCHANGE: a short window where only checkpoint-N.old exists
+        std::string old = final_dir + ".old";
+        fs::remove_all(old);
+        fs::rename(final_dir, old);
+        fs::rename(tmp_dir, final_dir);
+        fs::remove_all(old);
+      }
     } else {
       fs::rename(tmp_dir, final_dir);
     }
@@ -318,12 +359,14 @@ int train(TrainOptions opt) {
       valid += micro.back().num_targets();
       ntok += micro.back().size();
     }
-    model.zero_grads();
+    if (gpu) gpu->zero_grads();
+    else model.zero_grads();
     double loss_sum = 0;
     for (const PackedBatch& b : micro)
-      loss_sum += model.forward_backward(b, valid > 0 ? 1.0 / static_cast<double>(valid) : 0.0, opt.z_loss).loss_sum;
+      loss_sum += fb(b, valid > 0 ? 1.0 / static_cast<double>(valid) : 0.0, opt.z_loss).loss_sum;
     double loss = valid > 0 ? loss_sum / static_cast<double>(valid) : 0.0;
-    double gnorm = std::sqrt(ops::sum_squares(model.grads().data(), static_cast<int64_t>(model.grads().size())));
+    double gnorm = std::sqrt(gpu ? gpu->grad_sum_squares()
+                                 : ops::sum_squares(model.grads().data(), static_cast<int64_t>(model.grads().size())));
     double lr = lr_at(opt, step);
     bool bad = !std::isfinite(loss) || !std::isfinite(gnorm);
     tokens_seen += ntok;
@@ -338,7 +381,18 @@ int train(TrainOptions opt) {
     } else {
       ++opt_steps;
       double scale = (opt.clip > 0 && gnorm > opt.clip) ? opt.clip / (gnorm + 1e-6) : 1.0;
+      if (gpu) {
+        ops::AdamWParams ap;
+        ap.lr = lr;
+        ap.beta1 = opt.beta1;
+        ap.beta2 = opt.beta2;
+        ap.eps = opt.adam_eps;
+        ap.step = opt_steps;
+        ap.grad_scale = scale;
+        gpu->adamw_step(ap, opt.weight_decay);
+      }
       for (const ParamSpec& p : model.params()) {
+        if (gpu) break;
         ops::AdamWParams ap;
         ap.lr = lr;
         ap.beta1 = opt.beta1;
@@ -352,8 +406,10 @@ int train(TrainOptions opt) {
       }
       double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       double el = elapsed_now();
-      write_metrics({{"step", step}, {"loss", loss}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", ntok},
-                     {"tokens_per_s", ntok / dt}, {"elapsed_s", el}});
+      json line{{"step", step}, {"loss", loss}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", ntok},
+                {"tokens_per_s", ntok / dt}, {"elapsed_s", el}};
+      if (gpu) line["peak_gib"] = gpu->peak_bytes() / 1073741824.0;
+      write_metrics(line);
       fmt::print("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | {:.1f} s\n",
                  step, opt.steps, loss, gnorm, lr, ntok, ntok / dt, el);
       std::fflush(stdout);

@@ -34,7 +34,7 @@ struct TrainOptions {
   int threads = 0;                     // 0 = all cores
   std::string nan_policy = "stop";     // stop | skip
   std::string resume;                  // checkpoint dir to resume from
-  std::string device = "cpu";
+  std::string device = "auto";          // auto (cuda when a GPU is present) | cpu | cuda
 };
 
 // Runs training. Returns the exit code (0). Throws ds::Error on bad input or a NaN under nan_policy=stop.

@@ -14,9 +14,10 @@ int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jso
 // (int [B, T]) and optionally labels (int [B, T], HF convention: shifted inside, -100 ignored) and cu_seqlens
 // (int [S+1], packed documents in a single row, B must be 1). OUT gets logits fp32 [B, T, V], loss fp32 [1]
 // (mean over valid shifted labels; only with labels) and hidden_states_0..L fp32 [B, T, H] (HF
-// output_hidden_states). GRADS (needs labels) gets d loss / d parameter under HF names.
+// output_hidden_states). GRADS (needs labels) gets d loss / d parameter under HF names. device "cuda" runs the
+// bf16 GPU engine (fp32 master weights) instead of the fp32 CPU reference.
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
-                const std::string& grads);
+                const std::string& grads, const std::string& device = "cpu");
 
 // `deltastack generate`: samples a continuation of `prompt` from a checkpoint (tokenizer.json from the
 // checkpoint dir unless given). temperature 0 = greedy.
@@ -29,6 +30,11 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
 
 // `deltastack inspect`: config summary and tensor list of a checkpoint.
 int cmd_inspect(const std::string& path);
+
+// `deltastack bench ops`: per op and shape, forward and forward+backward ms, rate and roofline fraction (GPU).
+int cmd_bench_ops();
+// `deltastack bench step`: tokens/s, MFU and peak memory of full training steps of a preset (GPU).
+int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps);
 
 // `deltastack probe`: the backend chosen per op and its self-probe error against the reference.
 int cmd_probe();

@@ -2,13 +2,14 @@
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
+#include "model/gpu_model.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 
 namespace ds::cli {
 
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
-                const std::string& grads) {
+                const std::string& grads, const std::string& device) {
   Qwen35Model model(ModelConfig::from_file(model_dir));
   model.load(model_dir);
   const ModelConfig& c = model.config();
@@ -57,8 +58,18 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
   cap.hidden_states = true;
   cap.logits = true;
   double scale = (!grads.empty() && valid > 0) ? 1.0 / static_cast<double>(valid) : 0.0;
-  model.zero_grads();
-  LossResult r = model.forward_backward(batch, scale, 0.0, &cap);
+  LossResult r;
+  if (device == "cuda") {
+    GpuPlan plan;
+    plan.max_tokens = batch.size();
+    plan.max_seqs = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
+    GpuModel gpu(model, plan);
+    r = gpu.forward_backward(batch, scale, 0.0, &cap);
+    gpu.download_grads(model.grads());
+  } else {
+    model.zero_grads();
+    r = model.forward_backward(batch, scale, 0.0, &cap);
+  }
 
   std::vector<SaveTensor> out;
   std::vector<int64_t> shape_v = {B, T, c.vocab_size}, shape_h = {B, T, c.hidden_size};

@@ -92,26 +92,25 @@ void attention_forward(const AttnDims& d, const T* q, const T* k, const T* v, co
     // Row (t, h); consecutive iterations share t, so the key/value rows stay in cache across heads.
 #pragma omp for schedule(dynamic, 8)
     for (int64_t idx = 0; idx < N * Hq; ++idx) {
-      const int64_t t = idx / Hq, h = idx % Hq, g = h / group, s0 = start[t];
-      const T* qt = q + (t * Hq + h) * hd;
+      const int64_t t = idx / Hq, h = idx % Hq, g = h / group, s0 = start[t], len = t - s0 + 1;
+      const T* qt = q + idx * hd;
       T m = -std::numeric_limits<T>::infinity();
-      for (int64_t j = s0; j <= t; ++j) {
-        const T s = scale * dot(qt, k + (j * Hkv + g) * hd, hd);
-        sc[j - s0] = s;
-        if (s > m) m = s;
+      for (int64_t j = 0; j < len; ++j) {
+        const T s = scale * dot(qt, k + ((s0 + j) * Hkv + g) * hd, hd);
+        sc[j] = s;
+        m = s > m ? s : m;
       }
       double sum = 0;
-      for (int64_t j = s0; j <= t; ++j) {
-        const T e = std::exp(sc[j - s0] - m);
-        sc[j - s0] = e;
+      for (int64_t j = 0; j < len; ++j) {
+        const T e = std::exp(sc[j] - m);
+        sc[j] = e;
         sum += e;
       }
       const T inv = static_cast<T>(1.0 / sum);
       std::fill(acc.begin(), acc.end(), T(0));
-      for (int64_t j = s0; j <= t; ++j) axpy(acc.data(), sc[j - s0] * inv, v + (j * Hkv + g) * hd, hd);
-      T* ot = o + (t * Hq + h) * hd;
-      for (int64_t i = 0; i < hd; ++i) ot[i] = acc[i];
-      lse[t * Hq + h] = static_cast<T>(static_cast<double>(m) + std::log(sum));
+      for (int64_t j = 0; j < len; ++j) axpy(acc.data(), sc[j] * inv, v + ((s0 + j) * Hkv + g) * hd, hd);
+      std::copy(acc.begin(), acc.end(), o + idx * hd);
+      lse[idx] = static_cast<T>(static_cast<double>(m) + std::log(sum));
     }
   }
 }
@@ -131,7 +130,7 @@ void attention_backward(const AttnDims& d, const T* q, const T* k, const T* v, c
 #pragma omp parallel for schedule(static) if (par)
   for (int64_t idx = 0; idx < N * Hq; ++idx) D[idx] = dot(dout + idx * hd, o + idx * hd, hd);
 
-  // Pass 1: dq, one (t, h) row per iteration.
+  // Pass 1: dq, one (t, h) row per iteration, keys j = s0 .. t (ascending).
 #pragma omp parallel if (par)
   {
     std::vector<T> acc(static_cast<size_t>(hd));
@@ -154,7 +153,7 @@ void attention_backward(const AttnDims& d, const T* q, const T* k, const T* v, c
   }
 
   // Pass 2: dk, dv, one (j, g) key row per iteration; sums over the group's q heads (ascending), then over
-  // t = j .. end-1 (ascending).
+  // queries t = j .. end-1 (ascending).
 #pragma omp parallel if (par)
   {
     std::vector<T> ak(static_cast<size_t>(hd)), av(static_cast<size_t>(hd));
@@ -172,8 +171,7 @@ void attention_backward(const AttnDims& d, const T* q, const T* k, const T* v, c
           const T* dot_ = dout + r * hd;
           const T p = std::exp(scale * dot(qt, kj, hd) - lse[r]);
           axpy(av.data(), p, dot_, hd);
-          const T ds = p * (dot(dot_, vj, hd) - D[r]);
-          axpy(ak.data(), ds, qt, hd);
+          axpy(ak.data(), p * (dot(dot_, vj, hd) - D[r]), qt, hd);
         }
       }
       T* dkj = dk + idx * hd;

@@ -60,7 +60,7 @@ constexpr int64_t kVocabGroups = 64;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r2 + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  const int32_t bits = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;  // (NaN: r already carries it)
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   const float e = p * scale;

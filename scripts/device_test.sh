@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
+# compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
+# Usage (device tool, from the repo root, with `.deps` carried): scripts/device_test.sh [stage ...]
+# Stages: env build test sanitize probe parity bench-ops bench-step train (default: all but train).
+# The device image has no Debian -dev packages and no network, so the Debian 12 packages the build needs
+# travel as .deb files in .deps/ (scripts/fetch_device_deps.sh) and are unpacked into a private sysroot.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ds_out}
+mkdir -p "$OUT"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env build test sanitize probe parity bench-ops bench-step)
+has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+SYS=/tmp/ds_sysroot
+if [ ! -d "$SYS/usr" ]; then
+  mkdir -p "$SYS"
+  for f in .deps/*.deb; do dpkg -x "$f" "$SYS"; done
+fi
+export PKG_CONFIG_SYSROOT_DIR=$SYS
+export PKG_CONFIG_LIBDIR=$SYS/usr/lib/x86_64-linux-gnu/pkgconfig:$SYS/usr/lib/x86_64-linux-gnu/openblas-pthread/pkgconfig:$SYS/usr/share/pkgconfig
+export LD_LIBRARY_PATH=$SYS/usr/lib/x86_64-linux-gnu:$SYS/usr/lib/x86_64-linux-gnu/openblas-pthread:${LD_LIBRARY_PATH:-}
+PKGCONF=$(command -v pkg-config || echo "$SYS/usr/bin/pkgconf")
+export PATH=/usr/local/cuda/bin:$PATH
+BUILD=build-device
+status=0
+if has env; then
+  { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nvcc --version | tail -2;
+    cmake --version | head -1; g++ --version | head -1; cat /etc/os-release | head -2; nproc; } 2>&1 | tee "$OUT/env.txt"
+fi
+if has build; then
+  t0=$(date +%s)
+  cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DDELTASTACK_CUDA=${DS_CUDA:-ON} -DPKG_CONFIG_EXECUTABLE="$PKGCONF" \
+        -DCMAKE_PREFIX_PATH="$SYS/usr;$SYS/usr/lib/x86_64-linux-gnu/cmake;$SYS/usr/share/cmake" \
+        -DCMAKE_CXX_FLAGS="-isystem $SYS/usr/include -isystem $SYS/usr/include/x86_64-linux-gnu" \
+        -DCMAKE_CUDA_FLAGS="-isystem $SYS/usr/include" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  cmake --build $BUILD -j"$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+  echo "build: ok in $(( $(date +%s) - t0 )) s"
+fi
+if has test; then
+  ( cd $BUILD && ./deltastack_tests --gtest_brief=1 2>&1 | tee "$OUT/tests.log" | grep -vE "^\[       OK|^\[ RUN" | tail -60 ) || status=1
+  grep -E "PASSED|FAILED|SKIPPED" "$OUT/tests.log" | tail -5
+fi
+if has sanitize; then
+  if command -v compute-sanitizer >/dev/null; then
+    compute-sanitizer --tool memcheck --error-exitcode 9 $BUILD/deltastack_tests --gtest_filter='CudaOps*:CudaGdn*Small*:CudaGemm*Small*' \
+      >"$OUT/memcheck.log" 2>&1; echo "memcheck rc=$? ($(grep -c 'Invalid' "$OUT/memcheck.log") invalid accesses)"
+    tail -3 "$OUT/memcheck.log"
+  else
+    echo "compute-sanitizer: not found"
+  fi
+fi
+if has probe; then
+  $BUILD/deltastack probe 2>&1 | tee "$OUT/probe.txt"
+fi
+if has parity; then
+  F=tests/fixtures/hf_qwen35_tiny_a
+  $BUILD/deltastack forward --device cuda --model $F --inputs $F/inputs.safetensors --output "$OUT/gpu_out.safetensors" \
+     --grads "$OUT/gpu_grads.safetensors" && python3 scripts/compare_safetensors.py "$OUT/gpu_out.safetensors" $F/outputs.safetensors \
+     "$OUT/gpu_grads.safetensors" $F/grads.safetensors 2>&1 | tee "$OUT/parity.txt"
+fi
+if has bench-ops; then
+  $BUILD/deltastack bench ops 2>&1 | tee "$OUT/bench_ops.txt"
+fi
+if has bench-step; then
+  $BUILD/deltastack bench step --preset 2b --seq-len 8192 --micro-batch 2 2>&1 | tee "$OUT/bench_step.txt"
+fi
+if has train; then
+  $BUILD/deltastack train --device cuda --out /tmp/ds_run --steps 200 2>&1 | tail -12 | tee "$OUT/train.txt"
+fi
+exit $status

@@ -1,0 +1,323 @@
+// `deltastack bench ops` and `deltastack bench step`: GPU timings with CUDA events (median of repeats after
+// warm-up), bytes or FLOPs per op, and the fraction of the measured ceilings of the H200 this project uses
+// (device copy 4.23 TB/s read+write, bf16 GEMM 8192^3 699 TFLOP/s; DESIGN.md §6).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <vector>
+
+#include "cli/commands/commands.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "model/config.h"
+#include "model/model.h"
+
+#ifdef DELTASTACK_CUDA
+#include "core/cuda/cuda_utils.h"
+#include "core/cuda/device.h"
+#include "model/gpu_model.h"
+#include "ops/attention/cuda.h"
+#include "ops/conv1d/cuda.h"
+#include "ops/elementwise/random.h"
+#include "ops/gated_delta_rule/cuda.h"
+#include "ops/linear/cuda.h"
+#include "ops/linear_cross_entropy/cuda.h"
+#include "ops/rmsnorm/cuda.h"
+#include "ops/swiglu/cuda.h"
+#endif
+
+namespace ds::cli {
+
+#ifdef DELTASTACK_CUDA
+namespace {
+
+using ds::cuda::bf16;
+namespace K = ds::ops::cuda;
+constexpr double kCopyBw = 4.23e12;     // bytes/s, read + write
+constexpr double kGemmRate = 699e12;    // FLOP/s, bf16 dense
+
+// One device allocation for all benchmark buffers, freed at exit.
+struct DevBuf {
+  std::vector<void*> ptrs;
+  template <typename T>
+  T* get(size_t n) {
+    void* p = nullptr;
+    DS_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+    ptrs.push_back(p);
+    return static_cast<T*>(p);
+  }
+  ~DevBuf() {
+    for (void* p : ptrs) cudaFree(p);
+  }
+};
+
+// Median milliseconds of fn over `reps` runs after `warmup` runs.
+double time_ms(const std::function<void()>& fn, int warmup = 3, int reps = 10) {
+  for (int i = 0; i < warmup; ++i) fn();
+  DS_CUDA_CHECK(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  DS_CUDA_CHECK(cudaEventCreate(&a));
+  DS_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<float> t;
+  for (int i = 0; i < reps; ++i) {
+    DS_CUDA_CHECK(cudaEventRecord(a));
+    fn();
+    DS_CUDA_CHECK(cudaEventRecord(b));
+    DS_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    DS_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct Row {
+  std::string op, shape;
+  double fwd_ms, fb_ms;
+  std::string rate;
+  double frac;
+};
+
+void print_rows(const std::vector<Row>& rows) {
+  fmt::print("{:<22} {:<34} {:>9} {:>11} {:>22} {:>9}\n", "op", "shape", "fwd ms", "fwd+bwd ms", "rate (fwd+bwd)",
+             "roofline");
+  for (const Row& r : rows)
+    fmt::print("{:<22} {:<34} {:>9.3f} {:>11.3f} {:>22} {:>8.1f}%\n", r.op, r.shape, r.fwd_ms, r.fb_ms, r.rate,
+               100 * r.frac);
+}
+
+}  // namespace
+
+int cmd_bench_ops() {
+  DS_CHECK(cuda_device_count() > 0, "bench ops: no CUDA device");
+  fmt::print("device: {}; ceilings: copy {:.2f} TB/s, bf16 GEMM {:.0f} TFLOP/s\n", cuda_device_name(), kCopyBw / 1e12,
+             kGemmRate / 1e12);
+  std::vector<Row> rows;
+  cudaStream_t s = nullptr;
+  // RMSNorm (zero-centered): fwd reads x, writes y; bwd reads x, dy, writes dx (2 B each).
+  for (int64_t H : {2560, 4096, 5120}) {
+    DevBuf d;
+    const int64_t N = 32768;
+    bf16 *x = d.get<bf16>(N * H), *y = d.get<bf16>(N * H), *dx = d.get<bf16>(N * H);
+    float *w = d.get<float>(H), *rstd = d.get<float>(N), *dw = d.get<float>(H);
+    void* scratch = d.get<char>(K::rmsnorm_scratch_bytes(N, H));
+    K::fill_uniform(x, N * H, 1, -2, 2, s);
+    K::fill_uniform(w, H, 2, -0.5, 0.5, s);
+    double f = time_ms([&] { K::rmsnorm_forward(x, w, y, rstd, N, H, 1e-6f, true, s); });
+    double b = time_ms([&] { K::rmsnorm_backward(x, w, rstd, y, dx, dw, N, H, true, scratch, s); });
+    double bytes = 4.0 * N * H + 6.0 * N * H;
+    rows.push_back({"rmsnorm", fmt::format("{}x{}", N, H), f, f + b,
+                    fmt::format("{:.2f} / {:.2f} TB/s", 4.0 * N * H / f / 1e9, 6.0 * N * H / b / 1e9),
+                    bytes / ((f + b) * 1e-3) / kCopyBw});
+  }
+  // SwiGLU: fwd reads gate|up, writes h (6 B per I element); bwd reads gu, dh, writes dgu (10 B).
+  for (int64_t I : {9216, 12288, 17408}) {
+    DevBuf d;
+    const int64_t N = 16384;
+    bf16 *gu = d.get<bf16>(N * 2 * I), *h = d.get<bf16>(N * I), *dgu = d.get<bf16>(N * 2 * I);
+    K::fill_uniform(gu, N * 2 * I, 3, -3, 3, s);
+    double f = time_ms([&] { K::swiglu_forward(gu, h, N, I, s); });
+    double b = time_ms([&] { K::swiglu_backward(gu, h, dgu, N, I, s); });
+    rows.push_back({"swiglu", fmt::format("{}x{}", N, I), f, f + b,
+                    fmt::format("{:.2f} / {:.2f} TB/s", 6.0 * N * I / f / 1e9, 10.0 * N * I / b / 1e9),
+                    16.0 * N * I / ((f + b) * 1e-3) / kCopyBw});
+  }
+  {  // conv1d + SiLU, T 32768, C 8192, K 4
+    DevBuf d;
+    const int64_t N = 32768, C = 8192, Kw = 4;
+    bf16 *x = d.get<bf16>(N * C), *y = d.get<bf16>(N * C), *dx = d.get<bf16>(N * C);
+    float *w = d.get<float>(C * Kw), *dw = d.get<float>(C * Kw);
+    int32_t* ss = d.get<int32_t>(N);
+    DS_CUDA_CHECK(cudaMemset(ss, 0, N * sizeof(int32_t)));
+    void* scratch = d.get<char>(K::conv1d_scratch_bytes(N, C, Kw));
+    K::fill_uniform(x, N * C, 4, -2, 2, s);
+    K::fill_uniform(w, C * Kw, 5, -0.5, 0.5, s);
+    double f = time_ms([&] { K::conv1d_silu_forward(x, w, ss, y, N, C, Kw, s); });
+    double b = time_ms([&] { K::conv1d_silu_backward(x, w, y, ss, dx, dw, N, C, Kw, scratch, s); });
+    rows.push_back({"conv1d+silu", fmt::format("T{} C{} K{}", N, C, Kw), f, f + b,
+                    fmt::format("{:.2f} / {:.2f} TB/s", 4.0 * N * C / f / 1e9, 6.0 * N * C / b / 1e9),
+                    10.0 * N * C / ((f + b) * 1e-3) / kCopyBw});
+  }
+  {  // gated delta rule, 32k tokens (one sequence), 16 k-heads / 32 v-heads, d 128
+    DevBuf d;
+    ops::GdnDims g;
+    g.N = 32768;
+    g.num_seqs = 1;
+    g.Hk = 16;
+    g.Hv = 32;
+    g.dk = g.dv = 128;
+    g.scale = 1.0 / std::sqrt(128.0);
+    const int64_t chunks = g.N / 64;
+    bf16 *q = d.get<bf16>(g.N * g.Hk * g.dk), *k = d.get<bf16>(g.N * g.Hk * g.dk), *v = d.get<bf16>(g.N * g.Hv * g.dv),
+         *o = d.get<bf16>(g.N * g.Hv * g.dv), *dq = d.get<bf16>(g.N * g.Hk * g.dk), *dk = d.get<bf16>(g.N * g.Hk * g.dk),
+         *dv = d.get<bf16>(g.N * g.Hv * g.dv);
+    float *gg = d.get<float>(g.N * g.Hv), *beta = d.get<float>(g.N * g.Hv), *dg = d.get<float>(g.N * g.Hv),
+          *db = d.get<float>(g.N * g.Hv), *states = d.get<float>(chunks * g.Hv * g.dk * g.dv);
+    int32_t *cu = d.get<int32_t>(2), *co = d.get<int32_t>(2);
+    int32_t hcu[2] = {0, static_cast<int32_t>(g.N)}, hco[2] = {0, static_cast<int32_t>(chunks)};
+    DS_CUDA_CHECK(cudaMemcpy(cu, hcu, 8, cudaMemcpyHostToDevice));
+    DS_CUDA_CHECK(cudaMemcpy(co, hco, 8, cudaMemcpyHostToDevice));
+    void* scratch = d.get<char>(K::gated_delta_rule_scratch_bytes(g, chunks));
+    K::fill_uniform(q, g.N * g.Hk * g.dk, 6, -0.1f, 0.1f, s);
+    K::fill_uniform(k, g.N * g.Hk * g.dk, 7, -0.1f, 0.1f, s);
+    K::fill_uniform(v, g.N * g.Hv * g.dv, 8, -1, 1, s);
+    K::fill_uniform(gg, g.N * g.Hv, 9, -1.0f, -0.01f, s);
+    K::fill_uniform(beta, g.N * g.Hv, 10, 0.1f, 0.9f, s);
+    double f = time_ms([&] { K::gated_delta_rule_forward(g, q, k, v, g.Hv * g.dv, gg, beta, cu, co, chunks, o, states, s); }, 1, 3);
+    double b = time_ms([&] {
+      K::gated_delta_rule_backward(g, q, k, v, g.Hv * g.dv, gg, beta, cu, co, chunks, states, o, dq, dk, dv, g.Hv * g.dv,
+                                   dg, db, scratch, s);
+    }, 1, 3);
+    // Chunked-algorithm FLOPs (fwd ~ 4 N Hv dk dv + intra-chunk 2 N Hv 64 (dk+dv)), bwd ~ 2x fwd.
+    double fl = g.N * g.Hv * (4.0 * g.dk * g.dv + 2.0 * 64 * (g.dk + g.dv)) * 3;
+    rows.push_back({"gated_delta_rule", "T32768 Hk16 Hv32 d128", f, f + b,
+                    fmt::format("{:.1f} TFLOP/s; goal 3.0 ms", fl / ((f + b) * 1e-3) / 1e12),
+                    fl / ((f + b) * 1e-3) / kGemmRate});
+  }
+  {  // attention, causal GQA d 256, 16 q / 4 kv heads, B 2 x T 8192
+    DevBuf d;
+    ops::AttnDims a;
+    const int64_t T = 8192, B = 2;
+    a.N = T * B;
+    a.num_seqs = B;
+    a.Hq = 16;
+    a.Hkv = 4;
+    a.head_dim = 256;
+    a.scale = 1.0 / 16.0;
+    bf16 *q = d.get<bf16>(a.N * a.Hq * 256), *k = d.get<bf16>(a.N * a.Hkv * 256), *v = d.get<bf16>(a.N * a.Hkv * 256),
+         *o = d.get<bf16>(a.N * a.Hq * 256), *dq = d.get<bf16>(a.N * a.Hq * 256), *dk = d.get<bf16>(a.N * a.Hkv * 256),
+         *dv = d.get<bf16>(a.N * a.Hkv * 256);
+    float* lse = d.get<float>(a.N * a.Hq);
+    int32_t* cu = d.get<int32_t>(B + 1);
+    int32_t hcu[3] = {0, static_cast<int32_t>(T), static_cast<int32_t>(2 * T)};
+    DS_CUDA_CHECK(cudaMemcpy(cu, hcu, sizeof(hcu), cudaMemcpyHostToDevice));
+    void* scratch = d.get<char>(K::attention_scratch_bytes(a));
+    K::fill_uniform(q, a.N * a.Hq * 256, 11, -1, 1, s);
+    K::fill_uniform(k, a.N * a.Hkv * 256, 12, -1, 1, s);
+    K::fill_uniform(v, a.N * a.Hkv * 256, 13, -1, 1, s);
+    double f = time_ms([&] { K::attention_forward(a, q, k, v, cu, T, o, lse, s); }, 1, 3);
+    double b = time_ms([&] { K::attention_backward(a, q, k, v, o, lse, o, cu, T, dq, dk, dv, scratch, s); }, 1, 3);
+    double fl_f = 4.0 * B * a.Hq * 256 * (T * (T + 1) / 2.0);
+    rows.push_back({"attention", "B2 T8192 16q/4kv d256 causal", f, f + b,
+                    fmt::format("{:.0f} / {:.0f} TFLOP/s", fl_f / (f * 1e-3) / 1e12, 2.5 * fl_f / (b * 1e-3) / 1e12),
+                    3.5 * fl_f / ((f + b) * 1e-3) / kGemmRate});
+  }
+  {  // linear (cuBLASLt): 16384 x 4096 -> 12288
+    DevBuf d;
+    const int64_t M = 16384, Kd = 4096, N = 12288;
+    bf16 *x = d.get<bf16>(M * Kd), *W = d.get<bf16>(N * Kd), *y = d.get<bf16>(M * N), *dx = d.get<bf16>(M * Kd);
+    float* dW = d.get<float>(N * Kd);
+    K::fill_uniform(x, M * Kd, 14, -1, 1, s);
+    K::fill_uniform(W, N * Kd, 15, -0.05f, 0.05f, s);
+    double f = time_ms([&] { K::linear_forward(x, W, y, M, Kd, N, false, s); });
+    double b = time_ms([&] {
+      K::linear_backward_data(y, W, dx, M, Kd, N, false, s);
+      K::linear_backward_weight(y, x, dW, M, Kd, N, s);
+    });
+    double fl = 2.0 * M * Kd * N;
+    rows.push_back({"linear", fmt::format("{}x{}x{}", M, Kd, N), f, f + b,
+                    fmt::format("{:.0f} / {:.0f} TFLOP/s", fl / (f * 1e-3) / 1e12, 2 * fl / (b * 1e-3) / 1e12),
+                    3 * fl / ((f + b) * 1e-3) / kGemmRate});
+  }
+  {  // fused linear + cross-entropy, 16384 tokens x 4096 x 248320 vocab
+    DevBuf d;
+    const int64_t N = 16384, H = 4096, V = 248320;
+    bf16 *h = d.get<bf16>(N * H), *W = d.get<bf16>(V * H), *dh = d.get<bf16>(N * H);
+    float* dW = d.get<float>(V * H);
+    int32_t* tg = d.get<int32_t>(N);
+    double* loss = d.get<double>(2);
+    ops::LinearCeOptions opt;
+    opt.chunk_tokens = 2048;
+    opt.grad_scale = 1.0 / N;
+    void* scratch = d.get<char>(K::linear_cross_entropy_scratch_bytes(N, H, V, opt.chunk_tokens));
+    K::fill_uniform(h, N * H, 16, -1, 1, s);
+    K::fill_uniform(W, V * H, 17, -0.02f, 0.02f, s);
+    K::fill_uniform_int(tg, N, 18, static_cast<int32_t>(V), s);
+    size_t free0 = 0, total = 0;
+    DS_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
+    double f = time_ms([&] { K::linear_cross_entropy(h, W, tg, N, H, V, opt, loss, nullptr, nullptr, scratch, s); }, 1, 3);
+    double fb = time_ms([&] { K::linear_cross_entropy(h, W, tg, N, H, V, opt, loss, dh, dW, scratch, s); }, 1, 3);
+    double fl = 6.0 * N * H * V;
+    rows.push_back({"linear_cross_entropy", fmt::format("{}x{}x{}", N, H, V), f, fb,
+                    fmt::format("{:.0f} TFLOP/s; scratch {:.2f} GiB", fl / (fb * 1e-3) / 1e12,
+                                K::linear_cross_entropy_scratch_bytes(N, H, V, opt.chunk_tokens) / 1073741824.0),
+                    fl / (fb * 1e-3) / kGemmRate});
+  }
+  print_rows(rows);
+  return 0;
+}
+
+int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps) {
+  DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");
+  DS_CHECK(seq_len >= 2 && micro_batch >= 1 && steps >= 1, "bench step: bad --seq-len/--micro-batch/--steps");
+  ModelConfig cfg = ModelConfig::resolve(preset);
+  Qwen35Model model(cfg);
+  model.init_weights(1234);
+  GpuPlan plan;
+  plan.max_tokens = seq_len * micro_batch;
+  plan.max_seqs = micro_batch;
+  GpuModel gpu(model, plan);
+  // Random tokens, one document per row (the HF benchmark's layout).
+  PackedBatch b;
+  Rng rng(7);
+  for (int64_t r = 0; r < micro_batch; ++r) {
+    b.cu_seqlens.push_back(static_cast<int32_t>(r * seq_len));
+    for (int64_t t = 0; t < seq_len; ++t) b.input_ids.push_back(static_cast<int32_t>(rng.below(cfg.vocab_size)));
+  }
+  b.cu_seqlens.push_back(static_cast<int32_t>(micro_batch * seq_len));
+  b.targets.assign(b.input_ids.size(), -100);
+  for (int64_t r = 0; r < micro_batch; ++r)
+    for (int64_t t = 0; t + 1 < seq_len; ++t) b.targets[r * seq_len + t] = b.input_ids[r * seq_len + t + 1];
+  b.finalize("bench batch");
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  ops::AdamWParams ap;
+  ap.lr = 1e-5;
+  auto step = [&](int64_t i) {
+    gpu.zero_grads();
+    LossResult r = gpu.forward_backward(b, scale);
+    double gn = std::sqrt(gpu.grad_sum_squares());
+    ap.step = i + 1;
+    gpu.adamw_step(ap, 0.1);
+    return std::pair<double, double>{r.loss_sum * scale, gn};
+  };
+  step(0);  // warm-up (cuBLASLt heuristics, first-touch)
+  std::vector<double> times;
+  double loss = 0, gn = 0;
+  for (int64_t i = 1; i <= steps; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    std::tie(loss, gn) = step(i);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  double t = times[times.size() / 2];
+  const double tokens = static_cast<double>(seq_len * micro_batch);
+  // Model FLOPs per token: 6 x matmul parameters (the lm_head counts, the embedding lookup does not) + causal
+  // attention scores 6 x 2 x Hq x hd x T/2 per full-attention layer. The GDN state math is not counted.
+  double matmul_params = static_cast<double>(cfg.num_parameters()) -
+                         (cfg.tie_word_embeddings ? 0.0 : static_cast<double>(cfg.vocab_size) * cfg.hidden_size);
+  int64_t n_full = std::count(cfg.layer_types.begin(), cfg.layer_types.end(), "full_attention");
+  double attn = 6.0 * 2.0 * cfg.num_attention_heads * cfg.head_dim * (seq_len / 2.0) * n_full;
+  double flops = (6.0 * matmul_params + attn) * tokens;
+  fmt::print("bench step: preset {} ({:.2f}B params), seq {} x micro-batch {}, {} timed steps on {}\n", preset,
+             cfg.num_parameters() / 1e9, seq_len, micro_batch, steps, cuda_device_name());
+  fmt::print("  step {:.1f} ms (median) | {:.0f} tokens/s | MFU {:.1f}% of 989 TFLOP/s ({:.1f}% of the measured 699) | "
+             "peak {:.1f} GiB (plan {:.1f} GiB) | loss {:.4f} grad_norm {:.3f}\n",
+             1e3 * t, tokens / t, 100 * flops / t / 989e12, 100 * flops / t / 699e12, gpu.peak_bytes() / 1073741824.0,
+             gpu.planned_bytes() / 1073741824.0, loss, gn);
+  return 0;
+}
+
+#else
+
+int cmd_bench_ops() { fail("bench ops: this build has no CUDA support"); }
+int cmd_bench_step(const std::string&, int64_t, int64_t, int64_t) { fail("bench step: this build has no CUDA support"); }
+
+#endif
+
+}  // namespace ds::cli

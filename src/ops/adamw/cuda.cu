@@ -1,0 +1,225 @@
+// CUDA AdamW over the flat fp32 master buffer, bf16 copy, and a deterministic sum of squares (see cuda.h;
+// math of adamw.h / cpu.cpp, torch.optim.AdamW semantics):
+//   g = grad * grad_scale;  p *= 1 - lr*wd;  m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;
+//   p -= (lr / (1-b1^t)) * m / (sqrt(v) / sqrt(1-b2^t) + eps)
+// The step constants are computed on the host in double (as the CPU reference), the update in fp32.
+// Elementwise kernels are grid-stride loops; 4 elements per thread (float4, and an 8-byte bf16x4 store) when
+// every pointer allows it, else scalar. sum_squares: a fixed grid (a function of n only) in which each block
+// sums a fixed contiguous chunk of elements in double (thread-strided, then a fixed shuffle/shared-memory tree)
+// into scratch[block]; a single block then sums the partials in a fixed order and writes *out.
+#include <cmath>
+#include <cstdint>
+
+#include "ops/adamw/cuda.h"
+
+namespace ds::ops::cuda {
+namespace {
+
+using ds::cuda::bf16;
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 4096;     // elementwise grids (grid-stride beyond)
+constexpr int64_t kSumChunk = 16384;     // elements per sum_squares block at least
+constexpr int64_t kMaxSumBlocks = 1024;  // at most this many partials
+
+bool aligned(const void* p, unsigned a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+
+struct AdamConsts {
+  float b1, b2, decay, step_size, inv_sqrt_bc2, eps, gs;
+};
+
+__device__ __forceinline__ float adam_one(float& p, float g, float& m, float& v, const AdamConsts& k) {
+  g *= k.gs;
+  float pp = p * k.decay;
+  const float mm = k.b1 * m + (1.0f - k.b1) * g;
+  const float vv = k.b2 * v + (1.0f - k.b2) * g * g;
+  pp -= k.step_size * mm / (sqrtf(vv) * k.inv_sqrt_bc2 + k.eps);
+  p = pp, m = mm, v = vv;
+  return pp;
+}
+
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    adamw_vec4_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+                      float* __restrict__ v, bf16* __restrict__ pb, int64_t n4, AdamConsts k) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    float4 p = reinterpret_cast<float4*>(param)[i];
+    const float4 g = __ldg(reinterpret_cast<const float4*>(grad) + i);
+    float4 mm = reinterpret_cast<float4*>(m)[i];
+    float4 vv = reinterpret_cast<float4*>(v)[i];
+    adam_one(p.x, g.x, mm.x, vv.x, k);
+    adam_one(p.y, g.y, mm.y, vv.y, k);
+    adam_one(p.z, g.z, mm.z, vv.z, k);
+    adam_one(p.w, g.w, mm.w, vv.w, k);
+    reinterpret_cast<float4*>(param)[i] = p;
+    reinterpret_cast<float4*>(m)[i] = mm;
+    reinterpret_cast<float4*>(v)[i] = vv;
+    if (pb) reinterpret_cast<uint2*>(pb)[i] = make_uint2(pack2(p.x, p.y), pack2(p.z, p.w));
+  }
+}
+
+// Elements [begin, n) one per thread (the whole buffer when unaligned, or the tail after the vector part).
+__global__ void __launch_bounds__(kThreads)
+    adamw_scalar_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+                        float* __restrict__ v, bf16* __restrict__ pb, int64_t begin, int64_t n, AdamConsts k) {
+  for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    float p = param[i], mm = m[i], vv = v[i];
+    adam_one(p, grad[i], mm, vv, k);
+    param[i] = p, m[i] = mm, v[i] = vv;
+    if (pb) pb[i] = __float2bfloat16_rn(p);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    to_bf16_vec4_kernel(const float* __restrict__ x, bf16* __restrict__ y, int64_t n4) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(x) + i);
+    reinterpret_cast<uint2*>(y)[i] = make_uint2(pack2(a.x, a.y), pack2(a.z, a.w));
+  }
+}
+__global__ void __launch_bounds__(kThreads)
+    to_bf16_scalar_kernel(const float* __restrict__ x, bf16* __restrict__ y, int64_t begin, int64_t n) {
+  for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    y[i] = __float2bfloat16_rn(x[i]);
+}
+
+// Block sum of a double in a fixed tree (shuffles, then warp results in order); valid in thread 0.
+__device__ __forceinline__ double block_sum(double s) {
+  __shared__ double red[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+  __syncthreads();
+  double t = 0.0;
+  if (threadIdx.x == 0)
+    for (int i = 0; i < kThreads / 32; ++i) t += red[i];
+  return t;
+}
+
+// Block b sums elements [b*chunk, min(n, (b+1)*chunk)).
+__global__ void __launch_bounds__(kThreads)
+    sumsq_partial_kernel(const float* __restrict__ x, int64_t n, int64_t chunk, bool vec4, double* __restrict__ part) {
+  const int64_t b0 = static_cast<int64_t>(blockIdx.x) * chunk;
+  const int64_t b1 = b0 + chunk < n ? b0 + chunk : n;
+  double s = 0.0;
+  if (vec4) {  // chunk % 4 == 0 and x 16-byte aligned: float4 over [b0, b1 rounded down to 4), then the tail
+    const int64_t e4 = b0 + (b1 - b0) / 4 * 4;
+    for (int64_t i = b0 / 4 + threadIdx.x; i < e4 / 4; i += kThreads) {
+      const float4 a = __ldg(reinterpret_cast<const float4*>(x) + i);
+      s += static_cast<double>(a.x) * a.x + static_cast<double>(a.y) * a.y + static_cast<double>(a.z) * a.z +
+           static_cast<double>(a.w) * a.w;
+    }
+    for (int64_t i = e4 + threadIdx.x; i < b1; i += kThreads) s += static_cast<double>(x[i]) * x[i];
+  } else {
+    for (int64_t i = b0 + threadIdx.x; i < b1; i += kThreads) s += static_cast<double>(x[i]) * x[i];
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    sumsq_final_kernel(const double* __restrict__ part, int64_t P, double* __restrict__ out) {
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < P; i += kThreads) s += part[i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) *out = s;
+}
+
+unsigned grid_for(int64_t work) {
+  int64_t b = (work + kThreads - 1) / kThreads;
+  if (b < 1) b = 1;
+  return static_cast<unsigned>(b < kMaxBlocks ? b : kMaxBlocks);
+}
+
+struct SumPlan {
+  int64_t chunk = 0, blocks = 0;
+};
+SumPlan sum_plan(int64_t n) {
+  SumPlan p;
+  if (n <= 0) return p;
+  int64_t chunk = (n + kMaxSumBlocks - 1) / kMaxSumBlocks;
+  if (chunk < kSumChunk) chunk = kSumChunk;
+  chunk = (chunk + 3) / 4 * 4;
+  p.chunk = chunk;
+  p.blocks = (n + chunk - 1) / chunk;
+  return p;
+}
+
+}  // namespace
+
+void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda::bf16* param_bf16, int64_t n,
+                  const ds::ops::AdamWParams& p, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(n >= 0, "adamw_update: n must be >= 0, got " + std::to_string(n));
+  DS_CUDA_REQUIRE(p.step >= 1, "adamw_update: step must be >= 1 (1-based), got " + std::to_string(p.step));
+  if (n == 0) return;
+  DS_CUDA_REQUIRE(param && grad && m && v, "adamw_update: null pointer argument");
+  const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(p.step));
+  const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(p.step));
+  AdamConsts k;
+  k.b1 = static_cast<float>(p.beta1);
+  k.b2 = static_cast<float>(p.beta2);
+  k.decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
+  k.step_size = static_cast<float>(p.lr / bc1);
+  k.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
+  k.eps = static_cast<float>(p.eps);
+  k.gs = static_cast<float>(p.grad_scale);
+  const bool vec = aligned(param, 16) && aligned(grad, 16) && aligned(m, 16) && aligned(v, 16) &&
+                   (param_bf16 == nullptr || aligned(param_bf16, 8));
+  int64_t begin = 0;
+  if (vec && n >= 4) {
+    const int64_t n4 = n / 4;
+    adamw_vec4_kernel<<<grid_for(n4), kThreads, 0, stream>>>(param, grad, m, v, param_bf16, n4, k);
+    DS_CUDA_LAUNCH_CHECK();
+    begin = n4 * 4;
+  }
+  if (begin < n) {
+    adamw_scalar_kernel<<<grid_for(n - begin), kThreads, 0, stream>>>(param, grad, m, v, param_bf16, begin, n, k);
+    DS_CUDA_LAUNCH_CHECK();
+  }
+}
+
+void to_bf16(const float* x, ds::cuda::bf16* y, int64_t n, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(n >= 0, "to_bf16: n must be >= 0, got " + std::to_string(n));
+  if (n == 0) return;
+  DS_CUDA_REQUIRE(x && y, "to_bf16: null pointer argument");
+  int64_t begin = 0;
+  if (aligned(x, 16) && aligned(y, 8) && n >= 4) {
+    const int64_t n4 = n / 4;
+    to_bf16_vec4_kernel<<<grid_for(n4), kThreads, 0, stream>>>(x, y, n4);
+    DS_CUDA_LAUNCH_CHECK();
+    begin = n4 * 4;
+  }
+  if (begin < n) {
+    to_bf16_scalar_kernel<<<grid_for(n - begin), kThreads, 0, stream>>>(x, y, begin, n);
+    DS_CUDA_LAUNCH_CHECK();
+  }
+}
+
+size_t sum_squares_scratch_bytes(int64_t n) { return static_cast<size_t>(sum_plan(n).blocks) * sizeof(double); }
+
+void sum_squares(const float* x, int64_t n, double* out, void* scratch, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(n >= 0, "sum_squares: n must be >= 0, got " + std::to_string(n));
+  DS_CUDA_REQUIRE(out != nullptr, "sum_squares: out is null");
+  if (n == 0) {
+    DS_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream));  // all-zero bits = 0.0
+    return;
+  }
+  DS_CUDA_REQUIRE(x != nullptr, "sum_squares: x is null");
+  DS_CUDA_REQUIRE(scratch != nullptr, "sum_squares: scratch is null (need sum_squares_scratch_bytes)");
+  const SumPlan sp = sum_plan(n);
+  double* part = static_cast<double*>(scratch);
+  sumsq_partial_kernel<<<static_cast<unsigned>(sp.blocks), kThreads, 0, stream>>>(x, n, sp.chunk, aligned(x, 16), part);
+  DS_CUDA_LAUNCH_CHECK();
+  sumsq_final_kernel<<<1, kThreads, 0, stream>>>(part, sp.blocks, out);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace ds::ops::cuda

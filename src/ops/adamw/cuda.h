@@ -1,0 +1,20 @@
+// CUDA AdamW over the flat fp32 master buffer (torch.optim.AdamW semantics, as adamw.h), writing the bf16
+// compute copy of the weights in the same pass, and a deterministic global sum of squares for clipping.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "core/cuda/cuda_utils.h"
+#include "ops/adamw/adamw.h"
+
+namespace ds::ops::cuda {
+
+// param, m, v: fp32 [n] in place; grad: fp32 [n]; param_bf16: bf16 [n] copy of the updated param (may be null).
+void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda::bf16* param_bf16, int64_t n,
+                  const ds::ops::AdamWParams& p, cudaStream_t stream);
+// Converts fp32 -> bf16 (round to nearest even).
+void to_bf16(const float* x, ds::cuda::bf16* y, int64_t n, cudaStream_t stream);
+// Sum of squares of x [n] in fixed block order into *out (device double). scratch: sum_squares_scratch_bytes(n).
+size_t sum_squares_scratch_bytes(int64_t n);
+void sum_squares(const float* x, int64_t n, double* out, void* scratch, cudaStream_t stream);
+
+}  // namespace ds::ops::cuda

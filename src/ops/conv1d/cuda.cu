@@ -1,0 +1,355 @@
+// CUDA causal depthwise conv1d + SiLU over packed sequences (see cuda.h; math of conv1d.h / cpu.cpp):
+//   p[t, c] = sum_{j<K} w[c, j] * x[t-(K-1)+j, c]  (taps with source < seq_start[t] are zero; j ascending)
+//   y = silu(p);  dp = dy * s (1 + p (1 - s)),  s = sigmoid(p)
+//   dx[s, c] = sum_j dp[s+(K-1)-j, c] w[c, j]   over t = s+(K-1)-j < N with seq_start[t] <= s (same document)
+//   dw[c, j] += sum_t dp[t, c] x[t-(K-1)+j, c]
+// K is a template parameter (1..4; Qwen3.5 uses 4). Each thread owns V adjacent channels.
+// Forward: grid x over channels (128 threads x V), grid y over tiles of TT tokens; a thread loads the tile's x
+// plus K-1 halo tokens once into registers (packed bf16) and writes TT outputs. V = 8 (16-byte) when C % 8 == 0
+// and x/y are 16-byte aligned, else V = 1.
+// Backward: grid x over channels, grid y over fixed token slots (a function of N only). A thread walks its
+// slot in tiles of TT "lead" tokens u, keeping the last K-1 tokens' x and dp in registers: dp[u] is
+// recomputed from x, dx[u-(K-1)] is completed from dp[u-(K-1)..u], and dw accumulates in fp32 registers
+// (tokens in ascending order). The K-1 tokens after the slot are recomputed (halo), so slots are independent.
+// The partial dw of each slot goes to scratch [slot, C*K]; a second kernel sums slots in a fixed order and
+// ADDS into dw. V = 4 (8-byte accesses, to keep the dp window in registers) when C % 4 == 0 and pointers are
+// 8-byte aligned, else V = 1. Deterministic, no atomics.
+#include <climits>
+#include <cstdint>
+
+#include "ops/conv1d/cuda.h"
+
+namespace ds::ops::cuda {
+namespace {
+
+using ds::cuda::bf16;
+
+constexpr int kThreads = 128;
+constexpr int kFwdTile = 8;  // tokens per forward tile
+constexpr int kBwdTile = 4;  // lead tokens per backward step
+constexpr int64_t kMaxSlots = 128;
+constexpr int64_t kMinTokensPerSlot = 16;
+
+struct Slots {
+  int64_t per = 0, count = 0;
+};
+Slots make_slots(int64_t n) {
+  Slots s;
+  if (n <= 0) return s;
+  int64_t want = (n + kMinTokensPerSlot - 1) / kMinTokensPerSlot;
+  if (want > kMaxSlots) want = kMaxSlots;
+  s.per = (n + want - 1) / want;
+  s.count = (n + s.per - 1) / s.per;
+  return s;
+}
+
+bool aligned(const void* p, unsigned a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+
+// Packed storage of V bf16 values: V = 8 -> uint4, 4 -> uint2, 1 -> unsigned short.
+template <int V>
+struct Raw;
+template <>
+struct Raw<8> {
+  using T = uint4;
+};
+template <>
+struct Raw<4> {
+  using T = uint2;
+};
+template <>
+struct Raw<1> {
+  using T = unsigned short;
+};
+
+template <int V>
+__device__ __forceinline__ typename Raw<V>::T raw_zero() {
+  if constexpr (V == 8)
+    return make_uint4(0, 0, 0, 0);
+  else if constexpr (V == 4)
+    return make_uint2(0, 0);
+  else
+    return 0;
+}
+template <int V>
+__device__ __forceinline__ typename Raw<V>::T raw_load(const bf16* p) {
+  return *reinterpret_cast<const typename Raw<V>::T*>(p);
+}
+template <int V>
+__device__ __forceinline__ float raw_get(const typename Raw<V>::T& r, int k) {  // k: compile-time after unroll
+  if constexpr (V == 1) {
+    return __uint_as_float(static_cast<uint32_t>(r) << 16);
+  } else {
+    uint32_t w;
+    if constexpr (V == 8)
+      w = k < 2 ? r.x : k < 4 ? r.y : k < 6 ? r.z : r.w;
+    else
+      w = k < 2 ? r.x : r.y;
+    return (k & 1) ? __uint_as_float(w & 0xffff0000u) : __uint_as_float(w << 16);
+  }
+}
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
+}
+template <int V>
+__device__ __forceinline__ void store_bf(bf16* p, const float f[V]) {
+  if constexpr (V == 8)
+    *reinterpret_cast<uint4*>(p) =
+        make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+  else if constexpr (V == 4)
+    *reinterpret_cast<uint2*>(p) = make_uint2(pack2(f[0], f[1]), pack2(f[2], f[3]));
+  else
+    *p = __float2bfloat16_rn(f[0]);
+}
+
+__device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + __expf(-v)); }
+
+template <int V, int K>
+__global__ void __launch_bounds__(kThreads)
+    conv_fwd_kernel(const bf16* __restrict__ x, const float* __restrict__ w, const int32_t* __restrict__ seq_start,
+                    bf16* __restrict__ y, int64_t N, int64_t C) {
+  constexpr int TT = kFwdTile;
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  if (c0 >= C) return;
+  float wr[K][V];
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int j = 0; j < K; ++j) wr[j][v] = __ldg(w + (c0 + v) * K + j);
+  const int64_t ntiles = (N + TT - 1) / TT;
+  for (int64_t tile = blockIdx.y; tile < ntiles; tile += gridDim.y) {
+    const int64_t t0 = tile * TT;
+    typename Raw<V>::T xw[TT + K - 1];  // tokens t0-(K-1) .. t0+TT-1
+#pragma unroll
+    for (int i = 0; i < TT + K - 1; ++i) {
+      const int64_t t = t0 - (K - 1) + i;
+      xw[i] = (t >= 0 && t < N) ? raw_load<V>(x + t * C + c0) : raw_zero<V>();
+    }
+#pragma unroll
+    for (int i = 0; i < TT; ++i) {
+      const int64_t t = t0 + i;
+      if (t < N) {
+        const int64_t st = seq_start[t];
+        float p[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) p[v] = 0.f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+          if (t - (K - 1) + j >= st) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) p[v] += wr[j][v] * raw_get<V>(xw[i + j], v);
+          }
+        }
+#pragma unroll
+        for (int v = 0; v < V; ++v) p[v] = p[v] * sigmoidf_(p[v]);
+        store_bf<V>(y + t * C + c0, p);
+      }
+    }
+  }
+}
+
+template <int V, int K>
+__global__ void __launch_bounds__(kThreads)
+    conv_bwd_kernel(const bf16* __restrict__ x, const float* __restrict__ w, const bf16* __restrict__ dy,
+                    const int32_t* __restrict__ seq_start, bf16* __restrict__ dx, float* __restrict__ partial,
+                    int64_t N, int64_t C, int64_t per) {
+  constexpr int TT = kBwdTile;
+  constexpr int W = K - 1;  // carried tokens
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
+  if (c0 >= C) return;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.y) * per;
+  const int64_t s1 = s0 + per < N ? s0 + per : N;
+  const int64_t uend = s1 + W < N ? s1 + W : N;  // lead tokens needed: [s0, s1 + K - 1) within N
+  float wr[K][V], dwa[K][V];
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int j = 0; j < K; ++j) wr[j][v] = __ldg(w + (c0 + v) * K + j), dwa[j][v] = 0.f;
+  // Window over tokens u0-W .. u0+TT-1: entries [0, W) are carried from the previous step.
+  typename Raw<V>::T xw[W + TT];
+  float dpw[W + TT][V];
+  int64_t stw[W + TT];
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    const int64_t t = s0 - W + i;
+    xw[i] = t >= 0 ? raw_load<V>(x + t * C + c0) : raw_zero<V>();
+    stw[i] = t >= 0 ? seq_start[t] : 0;
+#pragma unroll
+    for (int v = 0; v < V; ++v) dpw[i][v] = 0.f;  // dp before s0 only feeds dx rows of other slots
+  }
+  for (int64_t u0 = s0; u0 < s1 + W; u0 += TT) {
+    typename Raw<V>::T dyt[TT];
+#pragma unroll
+    for (int i = 0; i < TT; ++i) {
+      const int64_t u = u0 + i;
+      const bool in = u < uend;
+      xw[W + i] = in ? raw_load<V>(x + u * C + c0) : raw_zero<V>();
+      dyt[i] = in ? raw_load<V>(dy + u * C + c0) : raw_zero<V>();
+      stw[W + i] = in ? seq_start[u] : LLONG_MAX;  // beyond N: never in any document
+    }
+    // dp for the lead tokens; dw for those inside the slot.
+#pragma unroll
+    for (int i = 0; i < TT; ++i) {
+      const int64_t u = u0 + i;
+      const int64_t st = stw[W + i];
+      float p[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) p[v] = 0.f;
+#pragma unroll
+      for (int j = 0; j < K; ++j)
+        if (u - W + j >= st) {
+#pragma unroll
+          for (int v = 0; v < V; ++v) p[v] += wr[j][v] * raw_get<V>(xw[i + j], v);
+        }
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const float sg = sigmoidf_(p[v]);
+        dpw[W + i][v] = raw_get<V>(dyt[i], v) * sg * (1.0f + p[v] * (1.0f - sg));
+      }
+      if (u < s1) {
+#pragma unroll
+        for (int j = 0; j < K; ++j)
+          if (u - W + j >= st) {
+#pragma unroll
+            for (int v = 0; v < V; ++v) dwa[j][v] += dpw[W + i][v] * raw_get<V>(xw[i + j], v);
+          }
+      }
+    }
+    // dx for s = u - W, whose taps t = s + W - j = u - j are all in the window now.
+#pragma unroll
+    for (int i = 0; i < TT; ++i) {
+      const int64_t s = u0 + i - W;
+      if (s >= s0 && s < s1) {
+        float o[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) o[v] = 0.f;
+#pragma unroll
+        for (int j = 0; j < K; ++j)
+          if (stw[W + i - j] <= s) {  // t = s + W - j is inside s's document (and < N)
+#pragma unroll
+            for (int v = 0; v < V; ++v) o[v] += dpw[W + i - j][v] * wr[j][v];
+          }
+        store_bf<V>(dx + s * C + c0, o);
+      }
+    }
+    // Carry the last W tokens.
+#pragma unroll
+    for (int i = 0; i < W; ++i) {
+      xw[i] = xw[TT + i];
+      stw[i] = stw[TT + i];
+#pragma unroll
+      for (int v = 0; v < V; ++v) dpw[i][v] = dpw[TT + i][v];
+    }
+  }
+  float* prow = partial + static_cast<int64_t>(blockIdx.y) * C * K + c0 * K;
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+#pragma unroll
+    for (int j = 0; j < K; ++j) prow[v * K + j] = dwa[j][v];
+}
+
+// out[c] += sum_{p < P} part[p*ld + c], p in a fixed order: 8 strided sub-sums per column, then in order.
+__global__ void sum_partials(const float* __restrict__ part, int64_t P, int64_t ld, int64_t ncols,
+                             float* __restrict__ out) {
+  __shared__ float sm[8][33];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (col < ncols)
+    for (int64_t p = threadIdx.y; p < P; p += 8) s += part[p * ld + col];
+  sm[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < ncols) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) t += sm[q][threadIdx.x];
+    out[col] += t;
+  }
+}
+
+template <int V>
+void launch_fwd(const bf16* x, const float* w, const int32_t* ss, bf16* y, int64_t N, int64_t C, int64_t K,
+                cudaStream_t stream) {
+  const int64_t tiles = (N + kFwdTile - 1) / kFwdTile;
+  const dim3 grid(static_cast<unsigned>((C / V + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
+  switch (K) {
+    case 1:
+      conv_fwd_kernel<V, 1><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
+      break;
+    case 2:
+      conv_fwd_kernel<V, 2><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
+      break;
+    case 3:
+      conv_fwd_kernel<V, 3><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
+      break;
+    default:
+      conv_fwd_kernel<V, 4><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
+      break;
+  }
+}
+
+template <int V>
+void launch_bwd(const bf16* x, const float* w, const bf16* dy, const int32_t* ss, bf16* dx, float* partial, int64_t N,
+                int64_t C, int64_t K, const Slots& s, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((C / V + kThreads - 1) / kThreads), static_cast<unsigned>(s.count));
+  switch (K) {
+    case 1:
+      conv_bwd_kernel<V, 1><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per);
+      break;
+    case 2:
+      conv_bwd_kernel<V, 2><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per);
+      break;
+    case 3:
+      conv_bwd_kernel<V, 3><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per);
+      break;
+    default:
+      conv_bwd_kernel<V, 4><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per);
+      break;
+  }
+}
+
+void check_shape(const char* fn, int64_t N, int64_t C, int64_t K) {
+  DS_CUDA_REQUIRE(N >= 0 && C > 0 && K >= 1 && K <= 4,
+                  std::string(fn) + ": need N >= 0, C > 0 and 1 <= K <= 4 (kernels are built for K up to 4), got N=" +
+                      std::to_string(N) + " C=" + std::to_string(C) + " K=" + std::to_string(K));
+}
+
+}  // namespace
+
+void conv1d_silu_forward(const ds::cuda::bf16* x, const float* w, const int32_t* seq_start, ds::cuda::bf16* y,
+                         int64_t N, int64_t C, int64_t K, cudaStream_t stream) {
+  check_shape("conv1d_silu_forward", N, C, K);
+  if (N == 0) return;
+  DS_CUDA_REQUIRE(x && w && seq_start && y, "conv1d_silu_forward: null pointer argument");
+  if (C % 8 == 0 && aligned(x, 16) && aligned(y, 16))
+    launch_fwd<8>(x, w, seq_start, y, N, C, K, stream);
+  else
+    launch_fwd<1>(x, w, seq_start, y, N, C, K, stream);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+size_t conv1d_scratch_bytes(int64_t N, int64_t C, int64_t K) {
+  if (N <= 0 || C <= 0 || K <= 0) return 0;
+  return static_cast<size_t>(make_slots(N).count) * static_cast<size_t>(C * K) * sizeof(float);
+}
+
+void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cuda::bf16* dy, const int32_t* seq_start,
+                          ds::cuda::bf16* dx, float* dw, int64_t N, int64_t C, int64_t K, void* scratch,
+                          cudaStream_t stream) {
+  check_shape("conv1d_silu_backward", N, C, K);
+  if (N == 0) return;
+  DS_CUDA_REQUIRE(x && w && dy && seq_start && dx && dw, "conv1d_silu_backward: null pointer argument");
+  DS_CUDA_REQUIRE(scratch != nullptr, "conv1d_silu_backward: scratch is null (need conv1d_scratch_bytes)");
+  const Slots s = make_slots(N);
+  float* partial = static_cast<float*>(scratch);
+  if (C % 4 == 0 && aligned(x, 8) && aligned(dy, 8) && aligned(dx, 8))
+    launch_bwd<4>(x, w, dy, seq_start, dx, partial, N, C, K, s, stream);
+  else
+    launch_bwd<1>(x, w, dy, seq_start, dx, partial, N, C, K, s, stream);
+  DS_CUDA_LAUNCH_CHECK();
+  sum_partials<<<static_cast<unsigned>((C * K + 31) / 32), dim3(32, 8), 0, stream>>>(partial, s.count, C * K, C * K,
+                                                                                     dw);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace ds::ops::cuda

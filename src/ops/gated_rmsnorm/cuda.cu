@@ -1,0 +1,483 @@
+// CUDA gated RMSNorm y = x * rsqrt(mean(x^2)+eps) * w * silu(z), forward/backward (see cuda.h; math of
+// gated_rmsnorm.h / cpu.cpp: FLA FusedRMSNormGated, all fp32 inside, one rounding per output).
+//
+// Same kernel family as the RMSNorm kernels (ops/rmsnorm/cuda.cu), chosen from d (nvec = d / 8 vectors):
+//   nvec <= 32   LANES = next_pow2(nvec) threads per row, 256/LANES rows per block, one 16-byte vector of x
+//                and of z per thread (Qwen3.5 value heads d = 128: 16 lanes, 16 rows per block; d = 16..256);
+//   nvec <= 128  forward only: one warp per row, 2..4 vectors per thread;
+//   nvec <= 2048 one block per row, up to 4 vectors per thread (backward: nvec <= 1024, up to 2), <= 512 threads;
+//   otherwise, or d % 8 != 0 or unaligned pointers: scalar block-per-row kernels re-reading from L1/L2.
+// Backward: fixed slots of rows (a function of rows only); each block keeps x, z, dy of its row in registers,
+// w in shared memory, dw accumulators in shared memory (each thread owns fixed columns), reduces its row groups
+// in a fixed order and writes one partial row [slot, d]; a second kernel sums the slots in a fixed order and
+// ADDS into dw. Deterministic, no atomics.
+#include <cstdint>
+
+#include "ops/gated_rmsnorm/cuda.h"
+
+namespace ds::ops::cuda {
+namespace {
+
+using ds::cuda::bf16;
+
+constexpr int64_t kMaxSlots = 512;
+constexpr int kGroupBlock = 256;     // threads per block for the LANES <= 32 kernels
+constexpr int kMaxRowThreads = 512;  // block-per-row kernels: <= 512 threads so 128 registers stay available
+
+struct Slots {
+  int64_t per = 0, count = 0;
+};
+Slots make_slots(int64_t rows) {
+  Slots s;
+  if (rows <= 0) return s;
+  const int64_t want = rows < kMaxSlots ? rows : kMaxSlots;
+  s.per = (rows + want - 1) / want;
+  s.count = (rows + s.per - 1) / s.per;
+  return s;
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// ---- bf16 packing (bit-level; RNE rounding through __float2bfloat16_rn) ----
+__device__ __forceinline__ void unpack8(const uint4& u, float f[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ uint32_t pack2(float a, float b) {
+  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
+         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
+}
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+  return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
+}
+__device__ __forceinline__ void load_w8(const float* w, int c, float f[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(w) + 2 * c);
+  const float4 b = __ldg(reinterpret_cast<const float4*>(w) + 2 * c + 1);
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+__device__ __forceinline__ void load_s8(const float* s, int c, float f[8]) {
+  const float4 a = reinterpret_cast<const float4*>(s)[2 * c];
+  const float4 b = reinterpret_cast<const float4*>(s)[2 * c + 1];
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+// Sum over the threads that share a row: LANES (power of two <= 32) lanes of a warp through shuffles (every
+// lane of the warp must call it), or the whole block when LANES == 0 (red: >= 32 floats of shared memory;
+// every thread gets the same, fixed-order result).
+template <int LANES>
+__device__ __forceinline__ float row_sum(float v, float* red) {
+  if constexpr (LANES > 0) {
+#pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  } else {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int i = 0; i < nw; ++i) s += red[i];
+    __syncthreads();  // red is reused by the next call
+    return s;
+  }
+}
+
+// Row/lane geometry: LANES > 0: several rows per block; LANES == 0: one row per block (blockDim threads).
+template <int LANES>
+struct Geo {
+  int group, lane, stride, groups;
+  __device__ Geo() {
+    if constexpr (LANES > 0) {
+      group = threadIdx.x / LANES;
+      lane = threadIdx.x % LANES;
+      stride = LANES;
+      groups = blockDim.x / LANES;
+    } else {
+      group = 0;
+      lane = threadIdx.x;
+      stride = blockDim.x;
+      groups = 1;
+    }
+  }
+};
+
+__device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + __expf(-v)); }
+
+template <int VPT, int LANES>
+__global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
+    grms_fwd_vec(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
+                 bf16* __restrict__ y, float* __restrict__ rstd, int64_t rows, int dim, float eps) {
+  __shared__ float red[32];
+  const Geo<LANES> g;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * g.groups + g.group;
+  const bool valid = row < rows;
+  const int nvec = dim >> 3;
+  const int64_t off = (valid ? row : 0) * dim;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + off);
+  const uint4* zr = reinterpret_cast<const uint4*>(z + off);
+  uint4 xv[VPT], zv[VPT];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = g.lane + i * g.stride;
+    const bool in = valid && c < nvec;
+    xv[i] = in ? xr[c] : make_uint4(0, 0, 0, 0);
+    zv[i] = in ? zr[c] : make_uint4(0, 0, 0, 0);
+    float f[8];
+    unpack8(xv[i], f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ss += f[k] * f[k];
+  }
+  ss = row_sum<LANES>(ss, red);
+  const float rs = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  if (!valid) return;
+  if (g.lane == 0) rstd[row] = rs;
+  uint4* yr = reinterpret_cast<uint4*>(y + off);
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = g.lane + i * g.stride;
+    if (c < nvec) {
+      float f[8], zf[8], wv[8];
+      unpack8(xv[i], f);
+      unpack8(zv[i], zf);
+      load_w8(w, c, wv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = f[k] * rs * wv[k] * (zf[k] * sigmoidf_(zf[k]));
+      yr[c] = pack8(f);
+    }
+  }
+}
+
+template <int VPT, int LANES>
+__global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
+    grms_bwd_vec(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
+                 const float* __restrict__ rstd, const bf16* __restrict__ dy, bf16* __restrict__ dx,
+                 bf16* __restrict__ dz, float* __restrict__ partial, int64_t rows, int dim, int64_t rows_per_slot) {
+  __shared__ float red[32];
+  extern __shared__ float4 smem4[];  // [groups, dim] dw accumulators, then [dim] w
+  float* gsum = reinterpret_cast<float*>(smem4);
+  const Geo<LANES> g;
+  const int nvec = dim >> 3;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_slot;
+  const int64_t r1 = r0 + rows_per_slot < rows ? r0 + rows_per_slot : rows;
+  float* acc = gsum + g.group * dim;
+  float* ws = gsum + g.groups * dim;
+  for (int j = threadIdx.x; j < dim; j += blockDim.x) ws[j] = w[j];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = g.lane + i * g.stride;
+    if (c < nvec) {
+      reinterpret_cast<float4*>(acc)[2 * c] = make_float4(0.f, 0.f, 0.f, 0.f);
+      reinterpret_cast<float4*>(acc)[2 * c + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  __syncthreads();
+  const float inv_dim = 1.0f / static_cast<float>(dim);
+  const int64_t iters = (r1 - r0 + g.groups - 1) / g.groups;  // uniform over the block
+  for (int64_t it = 0; it < iters; ++it) {
+    const int64_t row = r0 + it * g.groups + g.group;
+    const bool valid = row < r1;
+    const int64_t off = (valid ? row : r0) * dim;
+    const uint4* xr = reinterpret_cast<const uint4*>(x + off);
+    const uint4* zr = reinterpret_cast<const uint4*>(z + off);
+    const uint4* dyr = reinterpret_cast<const uint4*>(dy + off);
+    const float rs = valid ? rstd[valid ? row : r0] : 0.f;
+    uint4 xv[VPT], zv[VPT], dv[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = g.lane + i * g.stride;
+      const bool in = valid && c < nvec;
+      xv[i] = in ? xr[c] : make_uint4(0, 0, 0, 0);
+      zv[i] = in ? zr[c] : make_uint4(0, 0, 0, 0);
+      dv[i] = in ? dyr[c] : make_uint4(0, 0, 0, 0);
+    }
+    float dot = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = g.lane + i * g.stride;
+      float xf[8], zf[8], df[8], wv[8];
+      unpack8(xv[i], xf);
+      unpack8(zv[i], zf);
+      unpack8(dv[i], df);
+      load_s8(ws, c < nvec ? c : 0, wv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) dot += (df[k] * (zf[k] * sigmoidf_(zf[k])) * wv[k]) * (xf[k] * rs);
+    }
+    dot = row_sum<LANES>(dot, red);
+    const float mean_dot = dot * inv_dim;
+    uint4* dxr = reinterpret_cast<uint4*>(dx + off);
+    uint4* dzr = reinterpret_cast<uint4*>(dz + off);
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int c = g.lane + i * g.stride;
+      float xf[8], zf[8], df[8], wv[8];
+      unpack8(xv[i], xf);
+      unpack8(zv[i], zf);
+      unpack8(dv[i], df);
+      load_s8(ws, c < nvec ? c : 0, wv);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float s = sigmoidf_(zf[k]);
+        const float sz = zf[k] * s;
+        const float xh = xf[k] * rs;
+        const float dxh = df[k] * sz * wv[k];
+        const float dzv = df[k] * xh * wv[k] * s * (1.0f + zf[k] * (1.0f - s));
+        xf[k] = rs * (dxh - xh * mean_dot);  // dx
+        zf[k] = dzv;                         // dz
+        df[k] = df[k] * sz * xh;             // dw contribution
+      }
+      if (valid && c < nvec) {
+        float4* a = reinterpret_cast<float4*>(acc) + 2 * c;
+        float4 a0 = a[0], a1 = a[1];
+        a0.x += df[0], a0.y += df[1], a0.z += df[2], a0.w += df[3];
+        a1.x += df[4], a1.y += df[5], a1.z += df[6], a1.w += df[7];
+        a[0] = a0, a[1] = a1;
+        dxr[c] = pack8(xf);
+        dzr[c] = pack8(zf);
+      }
+    }
+  }
+  float* prow = partial + static_cast<int64_t>(blockIdx.x) * dim;
+  __syncthreads();
+  for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+    float s = 0.f;
+    for (int q = 0; q < g.groups; ++q) s += gsum[q * dim + j];
+    prow[j] = s;
+  }
+}
+
+// ---- scalar fallback (any d, any alignment) ----
+__global__ void grms_fwd_scalar(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
+                                bf16* __restrict__ y, float* __restrict__ rstd, int64_t dim, float eps) {
+  __shared__ float red[32];
+  const int64_t off = static_cast<int64_t>(blockIdx.x) * dim;
+  float ss = 0.f;
+  for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
+    const float v = __bfloat162float(x[off + j]);
+    ss += v * v;
+  }
+  ss = row_sum<0>(ss, red);
+  const float rs = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
+  for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
+    const float zv = __bfloat162float(z[off + j]);
+    y[off + j] = __float2bfloat16_rn(__bfloat162float(x[off + j]) * rs * w[j] * (zv * sigmoidf_(zv)));
+  }
+}
+
+__global__ void grms_bwd_scalar(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
+                                const float* __restrict__ rstd, const bf16* __restrict__ dy, bf16* __restrict__ dx,
+                                bf16* __restrict__ dz, float* __restrict__ partial, int64_t rows, int64_t dim,
+                                int64_t rows_per_slot) {
+  __shared__ float red[32];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_slot;
+  const int64_t r1 = r0 + rows_per_slot < rows ? r0 + rows_per_slot : rows;
+  float* prow = partial + static_cast<int64_t>(blockIdx.x) * dim;
+  for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) prow[j] = 0.f;
+  const float inv_dim = 1.0f / static_cast<float>(dim);
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t off = row * dim;
+    const float rs = rstd[row];
+    float dot = 0.f;
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
+      const float zv = __bfloat162float(z[off + j]);
+      dot += (__bfloat162float(dy[off + j]) * (zv * sigmoidf_(zv)) * w[j]) * (__bfloat162float(x[off + j]) * rs);
+    }
+    const float mean_dot = row_sum<0>(dot, red) * inv_dim;
+    for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
+      const float zv = __bfloat162float(z[off + j]), d = __bfloat162float(dy[off + j]);
+      const float s = sigmoidf_(zv), sz = zv * s, xh = __bfloat162float(x[off + j]) * rs;
+      const float dxh = d * sz * w[j];
+      prow[j] += d * sz * xh;
+      dz[off + j] = __float2bfloat16_rn(d * xh * w[j] * s * (1.0f + zv * (1.0f - s)));
+      dx[off + j] = __float2bfloat16_rn(rs * (dxh - xh * mean_dot));
+    }
+  }
+}
+
+// out[c] += sum_{p < P} part[p*ld + c], p in a fixed order: 8 strided sub-sums per column, then in order.
+__global__ void sum_partials(const float* __restrict__ part, int64_t P, int64_t ld, int64_t ncols,
+                             float* __restrict__ out) {
+  __shared__ float sm[8][33];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  float s = 0.f;
+  if (col < ncols)
+    for (int64_t p = threadIdx.y; p < P; p += 8) s += part[p * ld + col];
+  sm[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < ncols) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < 8; ++q) t += sm[q][threadIdx.x];
+    out[col] += t;
+  }
+}
+
+int next_pow2(int v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// Launch plan for the vector kernels. kind: 0 = scalar fallback, 1 = group (LANES <= 32), 2 = block per row.
+struct Plan {
+  int kind = 0, lanes = 0, vpt = 0, threads = 0;
+};
+Plan plan_for(int64_t dim, bool vec_ok, bool backward) {
+  Plan p;
+  if (!vec_ok || dim % 8 != 0) return p;
+  const int64_t nvec = dim / 8;
+  if (nvec <= 32) {
+    p.kind = 1, p.lanes = next_pow2(static_cast<int>(nvec)), p.vpt = 1, p.threads = kGroupBlock;
+  } else if (nvec <= 128 && !backward) {
+    p.kind = 1, p.lanes = 32, p.vpt = static_cast<int>((nvec + 31) / 32), p.threads = kGroupBlock;
+  } else if (nvec <= (backward ? 2 : 4) * kMaxRowThreads) {
+    // Backward keeps three row vectors (x, z, dy) per vector slot: at most 2 per thread, so nothing spills.
+    const int max_vpt = backward ? 2 : 4;
+    int vpt = static_cast<int>((nvec + 255) / 256);
+    if (vpt > max_vpt) vpt = max_vpt;
+    const int64_t t = (nvec + vpt - 1) / vpt;
+    p.kind = 2, p.vpt = vpt, p.threads = static_cast<int>((t + 31) / 32 * 32);
+  }
+  return p;
+}
+
+// Dispatches a plan to the matching template instance.
+template <template <int, int> class F, typename... Args>
+void dispatch(const Plan& p, Args&&... args) {
+  if (p.kind == 2) {
+    switch (p.vpt) {
+      case 1:
+        F<1, 0>::run(p, args...);
+        return;
+      case 2:
+        F<2, 0>::run(p, args...);
+        return;
+      case 3:
+        F<3, 0>::run(p, args...);
+        return;
+      default:
+        F<4, 0>::run(p, args...);
+        return;
+    }
+  }
+  if (p.lanes < 32) {
+    switch (p.lanes) {
+      case 1:
+        F<1, 1>::run(p, args...);
+        return;
+      case 2:
+        F<1, 2>::run(p, args...);
+        return;
+      case 4:
+        F<1, 4>::run(p, args...);
+        return;
+      case 8:
+        F<1, 8>::run(p, args...);
+        return;
+      default:
+        F<1, 16>::run(p, args...);
+        return;
+    }
+  }
+  switch (p.vpt) {
+    case 1:
+      F<1, 32>::run(p, args...);
+      return;
+    case 2:
+      F<2, 32>::run(p, args...);
+      return;
+    case 3:
+      F<3, 32>::run(p, args...);
+      return;
+    default:
+      F<4, 32>::run(p, args...);
+      return;
+  }
+}
+
+template <int VPT, int LANES>
+struct FwdLauncher {
+  static void run(const Plan& p, const bf16* x, const bf16* z, const float* w, bf16* y, float* rstd, int64_t rows,
+                  int64_t dim, float eps, cudaStream_t stream) {
+    const int64_t groups = LANES > 0 ? p.threads / LANES : 1;
+    const int64_t blocks = (rows + groups - 1) / groups;
+    grms_fwd_vec<VPT, LANES>
+        <<<static_cast<unsigned>(blocks), p.threads, 0, stream>>>(x, z, w, y, rstd, rows, static_cast<int>(dim), eps);
+  }
+};
+template <int VPT, int LANES>
+struct BwdLauncher {
+  static void run(const Plan& p, const bf16* x, const bf16* z, const float* w, const float* rstd, const bf16* dy,
+                  bf16* dx, bf16* dz, float* partial, int64_t rows, int64_t dim, const Slots& s, cudaStream_t stream) {
+    if constexpr ((LANES == 32 && VPT > 1) || VPT > 2) {
+      DS_CUDA_REQUIRE(false, "gated_rmsnorm_backward: internal error (no backward instance for this plan)");
+    } else {
+      const size_t smem = static_cast<size_t>((LANES > 0 ? p.threads / LANES : 1) + 1) * dim * sizeof(float);
+      if (smem > 48 * 1024)
+        DS_CUDA_CHECK(cudaFuncSetAttribute(grms_bwd_vec<VPT, LANES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem)));
+      grms_bwd_vec<VPT, LANES><<<static_cast<unsigned>(s.count), p.threads, smem, stream>>>(
+          x, z, w, rstd, dy, dx, dz, partial, rows, static_cast<int>(dim), s.per);
+    }
+  }
+};
+
+int scalar_threads(int64_t dim) {
+  const int64_t t = (dim + 31) / 32 * 32;
+  return static_cast<int>(t < 256 ? t : 256);
+}
+
+}  // namespace
+
+void gated_rmsnorm_forward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, const float* w, ds::cuda::bf16* y,
+                           float* rstd, int64_t rows, int64_t d, float eps, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(rows >= 0 && d > 0 && d <= (int64_t(1) << 30),
+                  "gated_rmsnorm_forward: rows must be >= 0 and d in (0, 2^30], got rows=" + std::to_string(rows) +
+                      " d=" + std::to_string(d));
+  if (rows == 0) return;
+  DS_CUDA_REQUIRE(x && z && w && y && rstd, "gated_rmsnorm_forward: null pointer argument");
+  const bool vec_ok = aligned16(x) && aligned16(z) && aligned16(y) && aligned16(w);
+  const Plan p = plan_for(d, vec_ok, false);
+  if (p.kind == 0)
+    grms_fwd_scalar<<<static_cast<unsigned>(rows), scalar_threads(d), 0, stream>>>(x, z, w, y, rstd, d, eps);
+  else
+    dispatch<FwdLauncher>(p, x, z, w, y, rstd, rows, d, eps, stream);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+size_t gated_rmsnorm_scratch_bytes(int64_t rows, int64_t d) {
+  if (rows <= 0 || d <= 0) return 0;
+  return static_cast<size_t>(make_slots(rows).count) * static_cast<size_t>(d) * sizeof(float);
+}
+
+void gated_rmsnorm_backward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, const float* w, const float* rstd,
+                            const ds::cuda::bf16* dy, ds::cuda::bf16* dx, ds::cuda::bf16* dz, float* dw, int64_t rows,
+                            int64_t d, void* scratch, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(rows >= 0 && d > 0 && d <= (int64_t(1) << 30),
+                  "gated_rmsnorm_backward: rows must be >= 0 and d in (0, 2^30], got rows=" + std::to_string(rows) +
+                      " d=" + std::to_string(d));
+  if (rows == 0) return;
+  DS_CUDA_REQUIRE(x && z && w && rstd && dy && dx && dz && dw, "gated_rmsnorm_backward: null pointer argument");
+  DS_CUDA_REQUIRE(scratch != nullptr, "gated_rmsnorm_backward: scratch is null (need gated_rmsnorm_scratch_bytes)");
+  const Slots s = make_slots(rows);
+  float* partial = static_cast<float*>(scratch);
+  const bool vec_ok = aligned16(x) && aligned16(z) && aligned16(w) && aligned16(dy) && aligned16(dx) && aligned16(dz);
+  const Plan p = plan_for(d, vec_ok, true);
+  if (p.kind == 0)
+    grms_bwd_scalar<<<static_cast<unsigned>(s.count), scalar_threads(d), 0, stream>>>(x, z, w, rstd, dy, dx, dz,
+                                                                                      partial, rows, d, s.per);
+  else
+    dispatch<BwdLauncher>(p, x, z, w, rstd, dy, dx, dz, partial, rows, d, s, stream);
+  DS_CUDA_LAUNCH_CHECK();
+  sum_partials<<<static_cast<unsigned>((d + 31) / 32), dim3(32, 8), 0, stream>>>(partial, s.count, d, d, dw);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace ds::ops::cuda

@@ -1,0 +1,205 @@
+// Linear layers through cuBLASLt (see cuda.h).
+//
+// Row-major to column-major: a row-major matrix X [r, c] with leading dimension ld is, in memory, the
+// column-major matrix X^T [c, r] with the same ld. So the row-major product C = op(A) op(B) is computed as the
+// column-major product C^T = op(B)^T op(A)^T: cuBLASLt's "A" is our B and its "B" is our A, with m = N, n = M.
+//
+// One cublasLtHandle_t and one 32 MiB workspace per device, created on first use (under a mutex) and kept for
+// the life of the process. Matmul descriptors, layouts and the heuristic's algorithm are cached per problem
+// (shape, transpositions, leading dimensions, output type, beta == 0, pointer alignments), so the heuristic runs
+// once per problem and the same algorithm is used every time: results are bitwise reproducible run to run.
+// Split-K: the reduction-scheme preference is set explicitly to cuBLASLt's three schemes (in place, ordered by
+// counters; or partials in the workspace reduced by a second kernel), all of which reduce in a fixed order:
+// no atomics reach the result.
+// The workspace is shared by every GEMM of the device: GEMMs issued on different streams must not run
+// concurrently (the training stack issues them on one compute stream).
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "ops/linear/cuda.h"
+
+namespace ds::ops::cuda {
+namespace {
+
+using ds::cuda::bf16;
+
+void check_cublas(cublasStatus_t s, const char* expr, const char* file, int line) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    ds::cuda::throw_error(std::string("cuBLASLt error ") + cublasLtGetStatusName(s) + " (" +
+                          cublasLtGetStatusString(s) + ") in " + expr + " at " + file + ":" + std::to_string(line));
+}
+#define DS_CUBLAS_CHECK(expr) check_cublas((expr), #expr, __FILE__, __LINE__)
+
+constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+
+struct DeviceCtx {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+};
+
+// (device, ta, tb, M, N, K, lda, ldb, ldc, c_is_f32, beta_zero, alignA, alignB, alignC)
+using PlanKey = std::tuple<int, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, uint32_t,
+                           uint32_t, uint32_t>;
+
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+};
+
+std::mutex g_mu;
+std::map<int, DeviceCtx> g_ctx;  // never destroyed: they live as long as the process (no teardown-order issues)
+std::map<PlanKey, Plan> g_plans;
+
+// Largest power of two (<= 256) dividing the address.
+uint32_t alignment_of(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && (a % al) != 0) al >>= 1;
+  return al;
+}
+
+// Caller holds g_mu.
+DeviceCtx& device_ctx(int dev) {
+  auto it = g_ctx.find(dev);
+  if (it != g_ctx.end()) return it->second;
+  DeviceCtx ctx;
+  DS_CUBLAS_CHECK(cublasLtCreate(&ctx.handle));
+  DS_CUDA_CHECK(cudaMalloc(&ctx.workspace, kWorkspaceBytes));
+  return g_ctx.emplace(dev, ctx).first->second;
+}
+
+// Caller holds g_mu. Builds the descriptors of the column-major problem D[m', n'] = op(A') op(B') with
+// m' = N, n' = M: A' is our B, B' is our A.
+const Plan& get_plan(const PlanKey& key, cublasLtHandle_t handle) {
+  auto it = g_plans.find(key);
+  if (it != g_plans.end()) return it->second;
+  const auto [dev, ta, tb, M, N, K, lda, ldb, ldc, c_f32, beta_zero, alA, alB, alC] = key;
+  (void)dev;
+  (void)beta_zero;
+  Plan p;
+  DS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // A' must be op(B)^T [N, K]. tb = false: B is stored row-major [K, N], i.e. column-major [N, K] = B^T: op N.
+  // tb = true: B is stored row-major [N, K], i.e. column-major [K, N] = B^T, and op(B)^T = B: op T.
+  // B' must be op(A)^T [K, M]. ta = false: A stored row-major [M, K] is column-major [K, M] = A^T: op N.
+  // ta = true: A stored row-major [K, M] is column-major [M, K] = A^T, and op(A)^T = A: op T.
+  const cublasOperation_t opA = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t opB = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &opA, sizeof(opA)));
+  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &opB, sizeof(opB)));
+  // Stored (column-major) shapes: A' is N x K (op N) or K x N (op T); B' is K x M (op N) or M x K (op T).
+  DS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, tb ? K : N, tb ? N : K, ldb));
+  DS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, ta ? M : K, ta ? K : M, lda));
+  DS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_f32 ? CUDA_R_32F : CUDA_R_16BF, N, M, ldc));
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = kWorkspaceBytes;
+  const uint32_t reductions =
+      CUBLASLT_REDUCTION_SCHEME_INPLACE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
+                                                       sizeof(reductions)));
+  // cuBLASLt's A is our B and its B is our A.
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &alB, sizeof(alB)));
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &alA, sizeof(alA)));
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &alC, sizeof(alC)));
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &alC, sizeof(alC)));
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0 || res.state != CUBLAS_STATUS_SUCCESS) {
+    cublasLtMatmulDescDestroy(p.op);
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.c);
+    ds::cuda::throw_error("gemm: cuBLASLt found no algorithm for M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                          " K=" + std::to_string(K) + " ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) +
+                          " lda=" + std::to_string(lda) + " ldb=" + std::to_string(ldb) + " ldc=" +
+                          std::to_string(ldc) + " (" + cublasLtGetStatusName(st) + ")");
+  }
+  p.algo = res.algo;
+  p.workspace = res.workspaceSize;
+  return g_plans.emplace(key, p).first->second;
+}
+
+// C = beta * C for K == 0 (beta == 0 writes zeros, never reading C).
+template <typename T>
+__global__ void scale_rows_kernel(T* C, int64_t M, int64_t N, int64_t ldc, float beta) {
+  const int64_t total = M * N;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    T* p = C + (i / N) * ldc + (i % N);
+    const float v = beta == 0.0f ? 0.0f : beta * static_cast<float>(*p);
+    *p = static_cast<T>(v);
+  }
+}
+
+}  // namespace
+
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda, const bf16* B,
+          int64_t ldb, float beta, void* C, bool c_is_f32, int64_t ldc, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(M >= 0 && N >= 0 && K >= 0, "gemm: M, N, K must be >= 0 (M=" + std::to_string(M) +
+                                                 " N=" + std::to_string(N) + " K=" + std::to_string(K) + ")");
+  if (M == 0 || N == 0) return;
+  DS_CUDA_REQUIRE(C != nullptr, "gemm: C is null");
+  DS_CUDA_REQUIRE(ldc >= N, "gemm: ldc (" + std::to_string(ldc) + ") < N (" + std::to_string(N) + ")");
+  if (K == 0) {
+    const int threads = 256;
+    const int64_t blocks = std::min<int64_t>(ds::cuda::ceil_div(M * N, threads), 65536);
+    if (c_is_f32)
+      scale_rows_kernel<float><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<float*>(C), M, N,
+                                                                                       ldc, beta);
+    else
+      scale_rows_kernel<bf16><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(static_cast<bf16*>(C), M, N,
+                                                                                      ldc, beta);
+    DS_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  DS_CUDA_REQUIRE(A != nullptr && B != nullptr, "gemm: A or B is null");
+  DS_CUDA_REQUIRE(lda >= (ta ? M : K), "gemm: lda (" + std::to_string(lda) + ") too small");
+  DS_CUDA_REQUIRE(ldb >= (tb ? K : N), "gemm: ldb (" + std::to_string(ldb) + ") too small");
+
+  int dev = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  const PlanKey key{dev,   ta,       tb,          M,
+                    N,     K,        lda,         ldb,
+                    ldc,   c_is_f32, beta == 0.f, alignment_of(A),
+                    alignment_of(B), alignment_of(C)};
+  cublasLtHandle_t handle;
+  void* workspace;
+  const Plan* plan;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    DeviceCtx& ctx = device_ctx(dev);
+    handle = ctx.handle;
+    workspace = ctx.workspace;
+    plan = &get_plan(key, handle);  // std::map nodes are stable: the pointer stays valid after unlocking
+  }
+  DS_CUBLAS_CHECK(cublasLtMatmul(handle, plan->op, &alpha, B, plan->a, A, plan->b, &beta, C, plan->c, C, plan->c,
+                                 &plan->algo, workspace, plan->workspace, stream));
+}
+
+void linear_forward(const bf16* x, const bf16* W, bf16* y, int64_t M, int64_t K, int64_t N, bool accumulate,
+                    cudaStream_t stream) {
+  gemm(false, true, M, N, K, 1.0f, x, K, W, K, accumulate ? 1.0f : 0.0f, y, false, N, stream);
+}
+
+void linear_backward_data(const bf16* dy, const bf16* W, bf16* dx, int64_t M, int64_t K, int64_t N, bool accumulate,
+                          cudaStream_t stream) {
+  gemm(false, false, M, K, N, 1.0f, dy, N, W, K, accumulate ? 1.0f : 0.0f, dx, false, K, stream);
+}
+
+void linear_backward_weight(const bf16* dy, const bf16* x, float* dW, int64_t M, int64_t K, int64_t N,
+                            cudaStream_t stream) {
+  gemm(true, false, N, K, M, 1.0f, dy, N, x, K, 1.0f, dW, true, K, stream);
+}
+
+}  // namespace ds::ops::cuda

@@ -1,0 +1,20 @@
+// Fused linear + cross-entropy on the GPU (math of linear_cross_entropy.h): walks the tokens in chunks, each
+// chunk's logits [chunk, V] computed by cuBLASLt in fp32, turned in place into grad_scale * dlogits (bf16), then
+// dh = dlogits @ W and dW += dlogits^T @ h. The [N, V] logits never exist. Deterministic.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "core/cuda/cuda_utils.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
+
+namespace ds::ops::cuda {
+
+size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens);
+// h: bf16 [N, H]; W: bf16 [V, H]; targets: int32 [N] (device, -100 = ignore; validated on the host).
+// loss_out: fp64 device [2] = {sum of per-token losses, sum of z-loss parts}. dh: bf16 [N, H] (null: forward
+// only); dW: fp32 [V, H] accumulated (null: skip). opt.grad_scale multiplies the gradients.
+void linear_cross_entropy(const ds::cuda::bf16* h, const ds::cuda::bf16* W, const int32_t* targets, int64_t N,
+                          int64_t H, int64_t V, const ds::ops::LinearCeOptions& opt, double* loss_out,
+                          ds::cuda::bf16* dh, float* dW, void* scratch, cudaStream_t stream);
+
+}  // namespace ds::ops::cuda

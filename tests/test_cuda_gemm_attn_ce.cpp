@@ -1,0 +1,392 @@
+// GPU tests: cuBLASLt linear layers and general gemm, the fused linear + cross-entropy, and causal GQA attention
+// over packed sequences, against the fp32 CPU references on the same bf16-rounded inputs. Every test skips
+// without a device; inputs are fresh random draws (the seed is printed on failure); outputs are poisoned with
+// NaN before the GPU run (so every element must be written); two identical runs must agree bitwise.
+#ifdef DELTASTACK_CUDA
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/cuda/cuda_utils.h"
+#include "core/cuda/device.h"
+#include "core/rng.h"
+#include "ops/attention/attention.h"
+#include "ops/attention/cuda.h"
+#include "ops/linear/cuda.h"
+#include "ops/linear/linear.h"
+#include "ops/linear_cross_entropy/cuda.h"
+#include "ops/linear_cross_entropy/linear_cross_entropy.h"
+#include "test_util.h"
+
+using ds::cuda::bf16;
+using ds::test::rel_l2;
+
+namespace {
+
+#define DS_SKIP_WITHOUT_GPU()                                     \
+  do {                                                            \
+    if (ds::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+uint64_t fresh_seed() {
+  std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
+}
+
+// Device buffer of n elements of T (raw bytes; freed on scope exit).
+template <typename T>
+struct DevBuf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit DevBuf(size_t count) : n(count) {
+    DS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)));
+  }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  size_t bytes() const { return n * sizeof(T); }
+  void poison() { DS_CUDA_CHECK(cudaMemset(p, 0xFF, bytes())); }  // all-ones bits: NaN in bf16, fp32, fp64
+  void zero() { DS_CUDA_CHECK(cudaMemset(p, 0, bytes())); }
+};
+
+// Normal values rounded to bf16 (the values the GPU sees, as fp32 for the CPU references).
+std::vector<float> rand_bf16(size_t n, uint64_t seed, double stddev) {
+  auto v = ds::test::randn<float>(n, seed, stddev);
+  for (auto& x : v) x = ds::round_bf16(x);
+  return v;
+}
+
+template <typename T>
+void upload(DevBuf<T>& d, const std::vector<T>& h) {
+  ASSERT_EQ(d.n, h.size());
+  DS_CUDA_CHECK(cudaMemcpy(d.p, h.data(), d.bytes(), cudaMemcpyHostToDevice));
+}
+template <typename T>
+std::vector<T> download(const DevBuf<T>& d) {
+  std::vector<T> h(d.n);
+  DS_CUDA_CHECK(cudaMemcpy(h.data(), d.p, d.bytes(), cudaMemcpyDeviceToHost));
+  return h;
+}
+// fp32 values (already bf16-exact) -> device bf16.
+void upload_bf16(DevBuf<bf16>& d, const std::vector<float>& h) {
+  ASSERT_EQ(d.n, h.size());
+  std::vector<uint16_t> bits(h.size());
+  for (size_t i = 0; i < h.size(); ++i) bits[i] = ds::f32_to_bf16_bits(h[i]);
+  DS_CUDA_CHECK(cudaMemcpy(d.p, bits.data(), d.bytes(), cudaMemcpyHostToDevice));
+}
+std::vector<float> download_bf16(const DevBuf<bf16>& d) {
+  std::vector<uint16_t> bits(d.n);
+  DS_CUDA_CHECK(cudaMemcpy(bits.data(), d.p, d.bytes(), cudaMemcpyDeviceToHost));
+  std::vector<float> h(d.n);
+  for (size_t i = 0; i < d.n; ++i) h[i] = ds::bf16_bits_to_f32(bits[i]);
+  return h;
+}
+template <typename T>
+bool same_bits(const DevBuf<T>& a, const DevBuf<T>& b) {
+  if (a.n != b.n) return false;
+  std::vector<unsigned char> x(a.bytes()), y(b.bytes());
+  DS_CUDA_CHECK(cudaMemcpy(x.data(), a.p, a.bytes(), cudaMemcpyDeviceToHost));
+  DS_CUDA_CHECK(cudaMemcpy(y.data(), b.p, b.bytes(), cudaMemcpyDeviceToHost));
+  return std::memcmp(x.data(), y.data(), x.size()) == 0;
+}
+void sync() { DS_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+// ---------------------------------------------------------------------------------------------------------
+// Linear
+
+void check_linear(int64_t M, int64_t K, int64_t N) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + " M=" + std::to_string(M) + " K=" + std::to_string(K) +
+               " N=" + std::to_string(N));
+  const auto x = rand_bf16(M * K, seed, 1.0);
+  const auto W = rand_bf16(N * K, seed + 1, 1.0 / std::sqrt(double(K)));
+  const auto dy = rand_bf16(M * N, seed + 2, 1.0);
+  const auto dW0 = ds::test::randn<float>(N * K, seed + 3, 10.0);
+
+  std::vector<float> y_ref(M * N), dx_ref(M * K), dW_ref(N * K, 0.0f);
+  ds::ops::linear_forward<float>(x.data(), W.data(), y_ref.data(), M, K, N);
+  ds::ops::linear_backward<float>(x.data(), W.data(), dy.data(), dx_ref.data(), dW_ref.data(), M, K, N);
+
+  DevBuf<bf16> dx_in(M * K), dW_in(N * K), ddy(M * N), y(M * N), y2(M * N), dx(M * K), dx2(M * K);
+  DevBuf<float> dW(N * K), dW2(N * K);
+  upload_bf16(dx_in, x);
+  upload_bf16(dW_in, W);
+  upload_bf16(ddy, dy);
+  upload(dW, dW0);
+  upload(dW2, dW0);
+  for (DevBuf<bf16>* b : {&y, &y2, &dx, &dx2}) b->poison();
+
+  ds::ops::cuda::linear_forward(dx_in.p, dW_in.p, y.p, M, K, N, false, nullptr);
+  ds::ops::cuda::linear_backward_data(ddy.p, dW_in.p, dx.p, M, K, N, false, nullptr);
+  ds::ops::cuda::linear_backward_weight(ddy.p, dx_in.p, dW.p, M, K, N, nullptr);
+  ds::ops::cuda::linear_forward(dx_in.p, dW_in.p, y2.p, M, K, N, false, nullptr);
+  ds::ops::cuda::linear_backward_data(ddy.p, dW_in.p, dx2.p, M, K, N, false, nullptr);
+  ds::ops::cuda::linear_backward_weight(ddy.p, dx_in.p, dW2.p, M, K, N, nullptr);
+  sync();
+
+  EXPECT_LE(rel_l2(download_bf16(y), y_ref), 5e-3);
+  EXPECT_LE(rel_l2(download_bf16(dx), dx_ref), 1e-2);
+  const auto dW_got = download(dW);
+  std::vector<double> inc(dW_got.size());
+  for (size_t i = 0; i < inc.size(); ++i) inc[i] = double(dW_got[i]) - double(dW0[i]);
+  EXPECT_LE(rel_l2(inc, dW_ref), 1e-2);  // dW accumulated onto dW0
+  EXPECT_TRUE(same_bits(y, y2));
+  EXPECT_TRUE(same_bits(dx, dx2));
+  EXPECT_TRUE(same_bits(dW, dW2));
+}
+
+TEST(CudaLinear, ForwardBackwardLarge) {
+  DS_SKIP_WITHOUT_GPU();
+  check_linear(4096, 2048, 6144);
+}
+
+TEST(CudaLinear, ForwardBackwardRagged) {
+  DS_SKIP_WITHOUT_GPU();
+  check_linear(37, 64, 200);
+}
+
+TEST(CudaLinear, Accumulate) {
+  DS_SKIP_WITHOUT_GPU();
+  const int64_t M = 37, K = 64, N = 200;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const auto x = rand_bf16(M * K, seed, 1.0), W = rand_bf16(N * K, seed + 1, 0.125);
+  const auto y0 = rand_bf16(M * N, seed + 2, 1.0), dy = rand_bf16(M * N, seed + 3, 1.0);
+  const auto dx0 = rand_bf16(M * K, seed + 4, 1.0);
+  std::vector<float> y_ref = y0, dx_ref = dx0;
+  ds::ops::linear_forward<float>(x.data(), W.data(), y_ref.data(), M, K, N, true);
+  ds::ops::linear_backward<float>(x.data(), W.data(), dy.data(), dx_ref.data(), nullptr, M, K, N, true);
+  DevBuf<bf16> dx_in(M * K), dW_in(N * K), ddy(M * N), y(M * N), dx(M * K);
+  upload_bf16(dx_in, x);
+  upload_bf16(dW_in, W);
+  upload_bf16(ddy, dy);
+  upload_bf16(y, y0);
+  upload_bf16(dx, dx0);
+  ds::ops::cuda::linear_forward(dx_in.p, dW_in.p, y.p, M, K, N, true, nullptr);
+  ds::ops::cuda::linear_backward_data(ddy.p, dW_in.p, dx.p, M, K, N, true, nullptr);
+  sync();
+  EXPECT_LE(rel_l2(download_bf16(y), y_ref), 5e-3);
+  EXPECT_LE(rel_l2(download_bf16(dx), dx_ref), 1e-2);
+}
+
+// General gemm: every transposition, padded leading dimensions, alpha / beta, fp32 and bf16 C.
+TEST(CudaGemm, TransposesAndLeadingDims) {
+  DS_SKIP_WITHOUT_GPU();
+  const int64_t M = 33, N = 40, K = 24, pad = 8;
+  const float alpha = 0.5f, beta = 0.25f;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (int c_f32 = 0; c_f32 < 2; ++c_f32)
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        SCOPED_TRACE("ta=" + std::to_string(ta) + " tb=" + std::to_string(tb) + " c_f32=" + std::to_string(c_f32));
+        const int64_t arows = ta ? K : M, acols = ta ? M : K, lda = acols + pad;
+        const int64_t brows = tb ? N : K, bcols = tb ? K : N, ldb = bcols + pad;
+        const int64_t ldc = N + pad;
+        const auto A = rand_bf16(arows * lda, seed + 10 * ta + tb, 1.0);
+        const auto B = rand_bf16(brows * ldb, seed + 100 + 10 * ta + tb, 1.0);
+        const auto C0 = rand_bf16(M * ldc, seed + 200, 1.0);
+        std::vector<double> ref(M * N);
+        for (int64_t i = 0; i < M; ++i)
+          for (int64_t j = 0; j < N; ++j) {
+            double s = 0;
+            for (int64_t k = 0; k < K; ++k) {
+              const double a = ta ? A[k * lda + i] : A[i * lda + k];
+              const double b = tb ? B[j * ldb + k] : B[k * ldb + j];
+              s += a * b;
+            }
+            ref[i * N + j] = alpha * s + beta * C0[i * ldc + j];
+          }
+        DevBuf<bf16> dA(A.size()), dB(B.size());
+        upload_bf16(dA, A);
+        upload_bf16(dB, B);
+        std::vector<double> got(M * N);
+        if (c_f32) {
+          DevBuf<float> dC(C0.size());
+          upload(dC, C0);
+          ds::ops::cuda::gemm(ta, tb, M, N, K, alpha, dA.p, lda, dB.p, ldb, beta, dC.p, true, ldc, nullptr);
+          const auto c = download(dC);
+          for (int64_t i = 0; i < M; ++i) {
+            for (int64_t j = 0; j < N; ++j) got[i * N + j] = c[i * ldc + j];
+            for (int64_t j = N; j < ldc; ++j) EXPECT_EQ(c[i * ldc + j], C0[i * ldc + j]) << "padding overwritten";
+          }
+        } else {
+          DevBuf<bf16> dC(C0.size());
+          upload_bf16(dC, C0);
+          ds::ops::cuda::gemm(ta, tb, M, N, K, alpha, dA.p, lda, dB.p, ldb, beta, dC.p, false, ldc, nullptr);
+          const auto c = download_bf16(dC);
+          for (int64_t i = 0; i < M; ++i) {
+            for (int64_t j = 0; j < N; ++j) got[i * N + j] = c[i * ldc + j];
+            for (int64_t j = N; j < ldc; ++j) EXPECT_EQ(c[i * ldc + j], C0[i * ldc + j]) << "padding overwritten";
+          }
+        }
+        EXPECT_LE(rel_l2(got, ref), c_f32 ? 1e-5 : 5e-3);
+      }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Fused linear + cross-entropy
+
+void check_linear_ce(int64_t N, int64_t H, int64_t V, int64_t chunk) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + " N=" + std::to_string(N) + " H=" + std::to_string(H) +
+               " V=" + std::to_string(V) + " chunk=" + std::to_string(chunk));
+  const auto h = rand_bf16(N * H, seed, 1.0);
+  const auto W = rand_bf16(V * H, seed + 1, 2.0 / std::sqrt(double(H)));  // logits with std ~2
+  std::vector<int32_t> labels(N);
+  ds::Rng rng(seed + 2);
+  for (auto& y : labels) y = rng.uniform() < 0.1 ? -100 : static_cast<int32_t>(rng.below(V));
+  labels[0] = -100;
+  labels[N - 1] = static_cast<int32_t>(V - 1);
+  int64_t valid = 0;
+  for (auto y : labels) valid += y != -100;
+
+  ds::ops::LinearCeOptions opt;
+  opt.z_loss = 1e-4;
+  opt.grad_scale = 1.0 / double(valid);
+  std::vector<float> dh_ref(N * H), dW_ref(V * H, 0.0f);
+  const auto ref = ds::ops::linear_cross_entropy<float>(h.data(), W.data(), labels.data(), N, H, V, opt,
+                                                        dh_ref.data(), dW_ref.data());
+  ASSERT_EQ(ref.num_valid, valid);
+
+  opt.chunk_tokens = chunk;
+  DevBuf<bf16> dh_in(N * H), dW_in(V * H), dh(N * H), dh2(N * H);
+  DevBuf<float> dW(V * H), dW2(V * H);
+  DevBuf<int32_t> dlab(N);
+  DevBuf<double> loss(2), loss2(2), loss3(2);
+  DevBuf<unsigned char> scratch(ds::ops::cuda::linear_cross_entropy_scratch_bytes(N, H, V, chunk));
+  upload_bf16(dh_in, h);
+  upload_bf16(dW_in, W);
+  upload(dlab, labels);
+  dW.zero();
+  dW2.zero();
+  for (DevBuf<bf16>* b : {&dh, &dh2}) b->poison();
+  loss.poison();
+  loss2.poison();
+  loss3.poison();
+  scratch.poison();
+
+  ds::ops::cuda::linear_cross_entropy(dh_in.p, dW_in.p, dlab.p, N, H, V, opt, loss.p, dh.p, dW.p, scratch.p, nullptr);
+  ds::ops::cuda::linear_cross_entropy(dh_in.p, dW_in.p, dlab.p, N, H, V, opt, loss2.p, dh2.p, dW2.p, scratch.p,
+                                      nullptr);
+  ds::ops::cuda::linear_cross_entropy(dh_in.p, dW_in.p, dlab.p, N, H, V, opt, loss3.p, nullptr, nullptr, scratch.p,
+                                      nullptr);  // forward only
+  sync();
+
+  const auto l = download(loss);
+  EXPECT_NEAR(l[0], ref.loss_sum, 1e-4 * std::abs(ref.loss_sum));
+  EXPECT_NEAR(l[1], ref.z_loss_sum, 1e-4 * std::abs(ref.z_loss_sum));
+  EXPECT_LE(rel_l2(download_bf16(dh), dh_ref), 1e-2);
+  EXPECT_LE(rel_l2(download(dW), dW_ref), 1e-2);
+  EXPECT_TRUE(same_bits(loss, loss2));
+  EXPECT_TRUE(same_bits(loss, loss3));
+  EXPECT_TRUE(same_bits(dh, dh2));
+  EXPECT_TRUE(same_bits(dW, dW2));
+}
+
+TEST(CudaLinearCrossEntropy, MatchesCpu) {
+  DS_SKIP_WITHOUT_GPU();
+  check_linear_ce(1024, 256, 50000, 384);  // 3 chunks, the last one partial; V % 4 == 0 (vector path)
+}
+
+TEST(CudaLinearCrossEntropy, OddVocab) {
+  DS_SKIP_WITHOUT_GPU();
+  check_linear_ce(100, 64, 4999, 64);  // V % 4 != 0 (scalar path)
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Attention
+
+void check_attention(int64_t hd) {
+  const std::vector<int> lens{1, 100, 257, 0, 600};
+  const int64_t Hq = 8, Hkv = 2;
+  std::vector<int32_t> cu{0};
+  for (int l : lens) cu.push_back(cu.back() + l);
+  ds::ops::AttnDims d;
+  d.N = cu.back();
+  d.num_seqs = static_cast<int64_t>(lens.size());
+  d.Hq = Hq;
+  d.Hkv = Hkv;
+  d.head_dim = hd;
+  d.scale = 1.0 / std::sqrt(double(hd));
+  const int64_t max_len = *std::max_element(lens.begin(), lens.end());
+  const int64_t N = d.N;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + " head_dim " + std::to_string(hd));
+  const auto q = rand_bf16(N * Hq * hd, seed, 1.0), k = rand_bf16(N * Hkv * hd, seed + 1, 1.0);
+  const auto v = rand_bf16(N * Hkv * hd, seed + 2, 1.0), dout = rand_bf16(N * Hq * hd, seed + 3, 1.0);
+
+  std::vector<float> o_ref(N * Hq * hd), lse_ref(N * Hq);
+  ds::ops::attention_forward<float>(d, q.data(), k.data(), v.data(), cu.data(), o_ref.data(), lse_ref.data());
+
+  DevBuf<bf16> dq_in(q.size()), dk_in(k.size()), dv_in(v.size()), ddo(dout.size());
+  DevBuf<bf16> o(q.size()), o2(q.size()), dq(q.size()), dq2(q.size()), dk(k.size()), dk2(k.size()), dv(v.size()),
+      dv2(v.size());
+  DevBuf<float> lse(N * Hq), lse2(N * Hq);
+  DevBuf<int32_t> dcu(cu.size());
+  DevBuf<unsigned char> scratch(ds::ops::cuda::attention_scratch_bytes(d));
+  upload_bf16(dq_in, q);
+  upload_bf16(dk_in, k);
+  upload_bf16(dv_in, v);
+  upload_bf16(ddo, dout);
+  upload(dcu, cu);
+  for (DevBuf<bf16>* b : {&o, &o2, &dq, &dq2, &dk, &dk2, &dv, &dv2}) b->poison();
+  lse.poison();
+  lse2.poison();
+  scratch.poison();
+
+  ds::ops::cuda::attention_forward(d, dq_in.p, dk_in.p, dv_in.p, dcu.p, max_len, o.p, lse.p, nullptr);
+  ds::ops::cuda::attention_forward(d, dq_in.p, dk_in.p, dv_in.p, dcu.p, max_len, o2.p, lse2.p, nullptr);
+  ds::ops::cuda::attention_backward(d, dq_in.p, dk_in.p, dv_in.p, o.p, lse.p, ddo.p, dcu.p, max_len, dq.p, dk.p,
+                                    dv.p, scratch.p, nullptr);
+  ds::ops::cuda::attention_backward(d, dq_in.p, dk_in.p, dv_in.p, o.p, lse.p, ddo.p, dcu.p, max_len, dq2.p, dk2.p,
+                                    dv2.p, scratch.p, nullptr);
+  sync();
+
+  const auto o_gpu = download_bf16(o);
+  EXPECT_LE(rel_l2(o_gpu, o_ref), 5e-3);
+  EXPECT_LE(rel_l2(download(lse), lse_ref), 5e-3);
+
+  // The CPU backward sees the outputs the GPU backward saw: the GPU's bf16 o, and the (fp32) lse.
+  std::vector<float> dq_ref(q.size()), dk_ref(k.size()), dv_ref(v.size());
+  ds::ops::attention_backward<float>(d, q.data(), k.data(), v.data(), o_gpu.data(), lse_ref.data(), dout.data(),
+                                     cu.data(), dq_ref.data(), dk_ref.data(), dv_ref.data());
+  EXPECT_LE(rel_l2(download_bf16(dq), dq_ref), 1e-2);
+  EXPECT_LE(rel_l2(download_bf16(dk), dk_ref), 1e-2);
+  EXPECT_LE(rel_l2(download_bf16(dv), dv_ref), 1e-2);
+
+  EXPECT_TRUE(same_bits(o, o2));
+  EXPECT_TRUE(same_bits(lse, lse2));
+  EXPECT_TRUE(same_bits(dq, dq2));
+  EXPECT_TRUE(same_bits(dk, dk2));
+  EXPECT_TRUE(same_bits(dv, dv2));
+}
+
+TEST(CudaAttention, HeadDim256) {
+  DS_SKIP_WITHOUT_GPU();
+  check_attention(256);
+}
+TEST(CudaAttention, HeadDim128) {
+  DS_SKIP_WITHOUT_GPU();
+  check_attention(128);
+}
+TEST(CudaAttention, HeadDim64) {
+  DS_SKIP_WITHOUT_GPU();
+  check_attention(64);
+}
+TEST(CudaAttention, HeadDim32) {
+  DS_SKIP_WITHOUT_GPU();
+  check_attention(32);
+}
+
+}  // namespace
+
+#endif  // DELTASTACK_CUDA
