@@ -32,9 +32,9 @@ using ds::test::rel_l2;
 
 namespace {
 
-#define DS_GDN_SKIP_WITHOUT_GPU()                                           \
-  do {                                                                      \
-    if (ds::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";     \
+#define DS_GDN_SKIP_WITHOUT_GPU()                                       \
+  do {                                                                  \
+    if (ds::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
 uint64_t gdn_fresh_seed() {
@@ -97,7 +97,7 @@ struct GdnCase {
   int64_t Hk = 2, ratio = 1, dk = 128, dv = 128;
   double g_lo = -2.0, g_hi = -0.01;
   int64_t chunk = 64;
-  bool chunked_bwd_ref = false;  // CPU backward reference: chunked form instead of the recurrent oracle
+  bool chunked_bwd_ref = false;    // CPU backward reference: chunked form instead of the recurrent oracle
   int64_t v_pad = 8, dv_pad = 24;  // extra elements per token row of v / dv (strided layouts)
 };
 
@@ -111,8 +111,8 @@ void run_case(const GdnCase& tc) {
   const uint64_t seed = gdn_fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed) + " dk=" + std::to_string(tc.dk) + " dv=" + std::to_string(tc.dv) +
                " Hk=" + std::to_string(tc.Hk) + " ratio=" + std::to_string(tc.ratio) +
-               " seqs=" + std::to_string(tc.lens.size()) + " chunk=" + std::to_string(tc.chunk) +
-               " g=[" + std::to_string(tc.g_lo) + "," + std::to_string(tc.g_hi) + "]");
+               " seqs=" + std::to_string(tc.lens.size()) + " chunk=" + std::to_string(tc.chunk) + " g=[" +
+               std::to_string(tc.g_lo) + "," + std::to_string(tc.g_hi) + "]");
   GdnDims d;
   d.Hk = tc.Hk;
   d.Hv = tc.Hk * tc.ratio;
@@ -137,7 +137,8 @@ void run_case(const GdnCase& tc) {
       double s = 0;
       for (int64_t a = 0; a < dk; ++a) s += double((*x)[row * dk + a]) * (*x)[row * dk + a];
       const double inv = 1.0 / std::sqrt(s + 1e-6);
-      for (int64_t a = 0; a < dk; ++a) (*x)[row * dk + a] = ds::round_bf16(static_cast<float>((*x)[row * dk + a] * inv));
+      for (int64_t a = 0; a < dk; ++a)
+        (*x)[row * dk + a] = ds::round_bf16(static_cast<float>((*x)[row * dk + a] * inv));
     }
   auto v = ds::test::randn<float>(N * Hv * dv, seed + 3);
   auto dO = ds::test::randn<float>(N * Hv * dv, seed + 4);
@@ -147,14 +148,14 @@ void run_case(const GdnCase& tc) {
   const auto beta = ds::test::randu<float>(N * Hv, seed + 6, 0.01, 0.99);
 
   // CPU reference (fp32, zero initial state, no final-state gradient).
-  std::vector<float> o_ref(N * Hv * dv), dq_ref(N * Hk * dk), dk_ref(N * Hk * dk), dv_ref(N * Hv * dv),
-      dg_ref(N * Hv), db_ref(N * Hv);
-  ds::ops::recurrent_gated_delta_rule_forward<float>(d, q.data(), k.data(), v.data(), g.data(), beta.data(),
-                                                     cu.data(), nullptr, o_ref.data(), nullptr);
+  std::vector<float> o_ref(N * Hv * dv), dq_ref(N * Hk * dk), dk_ref(N * Hk * dk), dv_ref(N * Hv * dv), dg_ref(N * Hv),
+      db_ref(N * Hv);
+  ds::ops::recurrent_gated_delta_rule_forward<float>(d, q.data(), k.data(), v.data(), g.data(), beta.data(), cu.data(),
+                                                     nullptr, o_ref.data(), nullptr);
   auto bwd = tc.chunked_bwd_ref ? ds::ops::chunk_gated_delta_rule_backward<float>
                                 : ds::ops::recurrent_gated_delta_rule_backward<float>;
-  bwd(d, q.data(), k.data(), v.data(), g.data(), beta.data(), cu.data(), nullptr, dO.data(), nullptr,
-      dq_ref.data(), dk_ref.data(), dv_ref.data(), dg_ref.data(), db_ref.data(), nullptr);
+  bwd(d, q.data(), k.data(), v.data(), g.data(), beta.data(), cu.data(), nullptr, dO.data(), nullptr, dq_ref.data(),
+      dk_ref.data(), dv_ref.data(), dg_ref.data(), db_ref.data(), nullptr);
 
   // Device inputs (v inside wider rows of v_stride elements, the padding holds garbage).
   std::vector<float> v_rows(N * v_stride, 1e30f);
@@ -225,10 +226,11 @@ void run_case(const GdnCase& tc) {
 
   const double e_o = rel_l2(o, o_ref), e_dq = rel_l2(dq, dq_ref), e_dk = rel_l2(dkv, dk_ref),
                e_dv = rel_l2(dvv, dv_ref), e_dg = rel_l2(a.dg, dg_ref), e_db = rel_l2(a.dbeta, db_ref);
-  std::printf("[ measured ] gdn dk=%ld dv=%ld Hk=%ld Hv=%ld N=%ld seqs=%zu C=%ld: o %.2e dq %.2e dk %.2e dv %.2e "
-              "dg %.2e dbeta %.2e\n",
-              long(dk), long(dv), long(Hk), long(Hv), long(N), tc.lens.size(), long(tc.chunk), e_o, e_dq, e_dk,
-              e_dv, e_dg, e_db);
+  std::printf(
+      "[ measured ] gdn dk=%ld dv=%ld Hk=%ld Hv=%ld N=%ld seqs=%zu C=%ld: o %.2e dq %.2e dk %.2e dv %.2e "
+      "dg %.2e dbeta %.2e\n",
+      long(dk), long(dv), long(Hk), long(Hv), long(N), tc.lens.size(), long(tc.chunk), e_o, e_dq, e_dk, e_dv, e_dg,
+      e_db);
   EXPECT_LE(e_o, 5e-3);
   EXPECT_LE(e_dq, 1e-2);
   EXPECT_LE(e_dk, 1e-2);
@@ -330,11 +332,11 @@ TEST(CudaGatedDeltaRule, RejectsBadShapes) {
   DS_GDN_SKIP_WITHOUT_GPU();
   GdnDims d;
   d.N = 4, d.num_seqs = 1, d.Hk = 1, d.Hv = 1, d.dk = 96, d.dv = 64, d.scale = 0.1;
-  EXPECT_ANY_THROW(ds::ops::cuda::gated_delta_rule_forward(d, nullptr, nullptr, nullptr, 64, nullptr, nullptr,
-                                                           nullptr, nullptr, 1, nullptr, nullptr, nullptr));
+  EXPECT_ANY_THROW(ds::ops::cuda::gated_delta_rule_forward(d, nullptr, nullptr, nullptr, 64, nullptr, nullptr, nullptr,
+                                                           nullptr, 1, nullptr, nullptr, nullptr));
   d.dk = 64, d.chunk_size = 128;
-  EXPECT_ANY_THROW(ds::ops::cuda::gated_delta_rule_forward(d, nullptr, nullptr, nullptr, 64, nullptr, nullptr,
-                                                           nullptr, nullptr, 1, nullptr, nullptr, nullptr));
+  EXPECT_ANY_THROW(ds::ops::cuda::gated_delta_rule_forward(d, nullptr, nullptr, nullptr, 64, nullptr, nullptr, nullptr,
+                                                           nullptr, 1, nullptr, nullptr, nullptr));
 }
 
 }  // namespace

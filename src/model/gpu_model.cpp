@@ -24,6 +24,7 @@
 #include "ops/l2norm/cuda.h"
 #include "ops/linear/cuda.h"
 #include "ops/linear_cross_entropy/cuda.h"
+#include "ops/registry.h"
 #include "ops/rmsnorm/cuda.h"
 #include "ops/rope/cuda.h"
 #include "ops/rope/rope.h"
@@ -491,6 +492,9 @@ struct GpuModel::Impl {
 GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::make_unique<Impl>()) {
   DS_CHECK(cuda_device_count() > 0, "--device cuda: no CUDA device is available");
   DS_CHECK(plan.max_tokens > 0 && plan.max_seqs > 0, "gpu plan: max_tokens and max_seqs must be positive");
+  // Numeric self-probe of every CUDA op against the CPU reference (once per process); a failing kernel stops
+  // here with its op name, error and band instead of training on wrong numbers.
+  ops::require_cuda_backends();
   Impl& m = *impl_;
   m.c = host.config();
   m.params = host.params();

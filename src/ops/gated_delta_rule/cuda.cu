@@ -26,21 +26,25 @@
 //            dg_i ← G_i ⟨dS̄, S0⟩; dS ← e^{g_i} dS̄.  S0 is kept in shared memory (each thread its own slice).
 //   phase 3, chunk-level terms of S̄_i = G_i S0 + Σ_{j<i} Γ_ij k_j u_jᵀ that phase 2 left out (no per-token states
 //            are ever stored):  dk_i −= β_i Σ_{j<i} Γ_ij (du_i·u_j) k_j, and
-//            dg_i += Σ_{m≥i} Σ_{j<i} M_mj + Σ_{j<i} Γ_{L−1,j} e_j,   M_mj = Γ_mj ((q̃_m·k_j)(dO_m·u_j) − β_m (k_m·k_j)(du_m·u_j))
-//            (⟨dS̄_i, Σ_{j<i} Γ_ij k_j u_jᵀ⟩ expanded with dS̄_i = Σ_{m≥i} Γ_mi (q̃_m dO_mᵀ − β_m k_m du_mᵀ) + Γ_{L−1,i} dS_end).
+//            dg_i += Σ_{m≥i} Σ_{j<i} M_mj + Σ_{j<i} Γ_{L−1,j} e_j,
+//            M_mj = Γ_mj ((q̃_m·k_j)(dO_m·u_j) − β_m (k_m·k_j)(du_m·u_j))   (⟨dS̄_i, Σ_{j<i} Γ_ij k_j u_jᵀ⟩ expanded
+//            with dS̄_i = Σ_{m≥i} Γ_mi (q̃_m dO_mᵀ − β_m k_m du_mᵀ) + Γ_{L−1,i} dS_end; the m-sum is a column sum of
+//            the row-wise exclusive prefix sums of M, with Γ_{L−1,j} e_j as an extra row m = L).
 //            Every term carries its own decay factor, so strong decay (g ≤ −50) gives tiny dg without cancellation.
 // dk is accumulated in an fp32 scratch [N, Hv, dk] (phase 2 writes, phase 3 adds). With GVA (Hv > Hk) dq and dk
 // are written per value head into fp32 scratch and summed over the group in head order by gdn_group_sum_kernel;
 // with Hv == Hk they are converted to bf16 in place. No atomics anywhere: results are bitwise reproducible.
 //
-// Cost estimate (dk = dv = 128, C = 64). Forward: 3·dk·dv FMAs per token and head, spread over 128 threads per
-// column tile (32 FMAs + 2 shuffles + ~16 shared loads per thread and token on the critical path); with 4 column
-// tiles per head, 32k tokens × 32 heads is 128 blocks ≈ one per SM, each latency-bound at roughly 150–250 cycles
-// per token → ≈ 3–5 ms. Backward: per token and head ≈ 9·dk·dv FMAs in phases 1–2 (+ ≈ 60 shuffles and 2 block
-// barriers per token over 512 threads) and ≈ C·(dk+dv) + C·dk/2 in phase 3, i.e. ≈ 200k FMAs; with one block per
-// (sequence, head) a single 32k-token sequence uses only 32 SMs at ≈ 2000 cycles per token → ≈ 30–40 ms; with many
-// sequences (≥ 132 blocks) throughput is ≈ 4× higher. So fwd+bwd ≈ 35–45 ms for 32k × 32 × 128² against the 3 ms
-// goal: expected for this exact reference kernel; the chunked tensor-core kernel replaces it.
+// Cost estimate (dk = dv = 128, C = 64; H200: 132 SMs, ~1.9 GHz). Forward: 3·dk·dv FMAs per token and head over
+// 128 threads per 32-column tile (per thread and token ≈ 100 FMAs, 4 shuffles, 24 vector shared loads); 32k
+// tokens × 32 heads × 4 tiles = 128 blocks ≈ one per SM, each latency-bound at ≈ 150–250 cycles per token
+// → ≈ 3–5 ms. Backward: per token and head ≈ 9·dk·dv FMAs in phases 1–2 plus the row contractions (≈ 60 shuffles
+// per thread and token) and 2 block barriers, ≈ 1200 cycles per token and phase for a 512-thread block, plus
+// phase 3 (≈ C²/2·(2dk+2dv) + C²/2·dk FMAs per chunk, ≈ 300 cycles per token) → ≈ 2700 cycles per token. One
+// block per (sequence, head): a single 32k-token sequence keeps only 32 SMs busy → ≈ 45 ms; with ≥ 132
+// (sequence, head) blocks (many documents) all SMs work and the same token count takes ≈ 4× less. fwd+bwd ≈ 50 ms for
+// 32k × 32 heads × 128² against the 3 ms goal: expected for this exact reference kernel (the chunked
+// tensor-core kernel replaces it; splitting dv across blocks would be the cheap next step for long sequences).
 //
 // Limits: dk, dv ∈ {16, 32, 64, 128}; chunk_size ≤ 64 (the backward's shared memory is sized for 64 tokens:
 // 210 KB at dk = dv = 128, which needs Hopper's 227 KB per block).
@@ -83,6 +87,15 @@ __device__ __forceinline__ int row_of(int r, int p) {
 __device__ __forceinline__ float bf_lo(uint32_t x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
 __device__ __forceinline__ float bf2f(bf16 x) { return __bfloat162float(x); }
+
+// Re-reads the thread's 4·N k values (bf16 pairs) of a shared row through volatile loads, so that the compiler
+// cannot keep the earlier copy live across the shuffles in between (register pressure: 512 threads × 128 regs).
+template <int N, int P>
+__device__ __forceinline__ void reload_k(uint2 (&kp)[N], const bf16* row, int p) {
+  const volatile unsigned* kv = reinterpret_cast<const volatile unsigned*>(row);
+#pragma unroll
+  for (int r4 = 0; r4 < N; ++r4) kp[r4] = make_uint2(kv[2 * (r4 * P + p)], kv[2 * (r4 * P + p) + 1]);
+}
 
 __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
   f[0] = bf_lo(u.x), f[1] = bf_hi(u.x), f[2] = bf_lo(u.y), f[3] = bf_hi(u.y);
@@ -213,8 +226,8 @@ __global__ void __launch_bounds__(FwdCfg<DK, DV>::NT) gdn_fwd_kernel(const FwdAr
     __syncthreads();  // the previous tile is consumed
     stage_rows<float>(&Ks[0][0], DK, a.k + (ts * a.Hk + hk) * DK, int64_t(a.Hk) * DK, n, DK, a.vec_qk, tid, NT);
     stage_rows<float>(&Qs[0][0], DK, a.q + (ts * a.Hk + hk) * DK, int64_t(a.Hk) * DK, n, DK, a.vec_qk, tid, NT);
-    stage_rows<float>(&Vs[0][0], TV, a.v + ts * a.v_stride + int64_t(h) * DV + tile * TV, a.v_stride, n, TV,
-                      a.vec_v, tid, NT);
+    stage_rows<float>(&Vs[0][0], TV, a.v + ts * a.v_stride + int64_t(h) * DV + tile * TV, a.v_stride, n, TV, a.vec_v,
+                      tid, NT);
     for (int i = tid; i < n; i += NT) {
       const float gv = a.g[(ts + i) * a.Hv + h];
       gs[i] = gv;
@@ -319,7 +332,7 @@ struct BwdCfg {
   static constexpr int NFIN = rs_final(R / 2, LOGC - 1);
   static constexpr unsigned MASK = WT == 32 ? 0xffffffffu : ((1u << WT) - 1u);
   static constexpr int C = kMaxChunk;
-  static constexpr int LP = C + 1;  // row stride of the phase-3 pair matrices
+  static constexpr int LP = C + 1;                             // row stride of the phase-3 pair matrices
   static constexpr int KS = DK + 8, OS = DV + 8, WS = DV + 4;  // shared row strides (elements)
   // Shared memory layout (bytes). The stash (S0, one float4 column per thread and register quad) is dead in
   // phase 3 and reused for the pair matrices M [(C+1) × LP] and Z [C × LP].
@@ -334,6 +347,7 @@ struct BwdCfg {
   static constexpr int N_SC = 5 * C + 3 * C * NW;  // g, β, e^g, c, G; then sA, sB, sE [C][NW]
   static constexpr int BYTES = OFF_SC + align16(N_SC * 4);
   static_assert(R % 8 == 0 && LOGC >= 1, "unsupported shape");
+  static_assert(BYTES <= 227 * 1024, "backward shared memory exceeds the 227 KB per block of sm_90");
 };
 
 template <int DK, int DV>
@@ -357,7 +371,7 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
   float* eS = bS + Cf::C;
   float* cS = eS + Cf::C;
   float* GS = cS + Cf::C;
-  float* sA = GS + Cf::C;  // [C][NW] per-warp partials of G_i ⟨dS̄_i, S0⟩
+  float* sA = GS + Cf::C;       // [C][NW] per-warp partials of G_i ⟨dS̄_i, S0⟩
   float* sB = sA + Cf::C * NW;  // dβ
   float* sE = sB + Cf::C * NW;  // e_i = k_iᵀ dS_end u_i
 
@@ -449,6 +463,7 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
       const float eg = eS[i];
       const float w = fmaf(-eg, sk, vb);  // same arithmetic as the forward kernel
       const float u = bS[i] * w;
+      reload_k<R / 4, P>(kp, Ks + i * KS, p);
 #pragma unroll
       for (int r4 = 0; r4 < R / 4; ++r4) {
         S[4 * r4 + 0] = fmaf(bf_lo(kp[r4].x), u, eg * S[4 * r4 + 0]);
@@ -529,6 +544,7 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
         Us[i * WS + b] = du;
         a.dv[t * a.dv_stride + int64_t(h) * DV + b] = __float2bfloat16_rn(bt * du);
       }
+      reload_k<R / 4, P>(kp, Ks + i * KS, p);
       float pb = p == 0 ? du * wb : 0.f;  // dβ = du·w
       const float coef = bt * Gi * du, bk = bt * du;
       // dk ← dS u − β G S0 du (row contraction, step 0 fused), dS̄ = dS − β k duᵀ, ⟨dS̄, S0⟩, dS ← e^g dS̄.
@@ -589,14 +605,16 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
 
     // ---- Phase 3: chunk-level pair terms.
     __syncthreads();  // Us, sA/sB/sE and this block's dk_part rows complete; the stash is free
-    for (int idx = tid; idx < L * L; idx += NT) {
-      const int m = idx / L, j = idx - m * L;
-      if (j >= m) continue;
+    for (int idx = tid; idx < L * (L - 1) / 2; idx += NT) {  // pairs j < m, row-major over the lower triangle
+      int m = static_cast<int>(0.5f * (1.f + sqrtf(1.f + 8.f * static_cast<float>(idx))));
+      while (m * (m - 1) / 2 > idx) --m;
+      while (m * (m + 1) / 2 <= idx) ++m;
+      const int j = idx - m * (m - 1) / 2;
       float qk = 0.f, kk = 0.f, dow = 0.f, duw = 0.f;
       const uint4* qm = reinterpret_cast<const uint4*>(Qs + m * KS);
       const uint4* km = reinterpret_cast<const uint4*>(Ks + m * KS);
       const uint4* kj = reinterpret_cast<const uint4*>(Ks + j * KS);
-#pragma unroll 4
+#pragma unroll 2
       for (int d8 = 0; d8 < DK / 8; ++d8) {
         float fq[8], fm[8], fj[8];
         unpack8(qm[d8], fq);
@@ -611,7 +629,7 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
       const uint4* om = reinterpret_cast<const uint4*>(Os + m * OS);
       const float4* um = reinterpret_cast<const float4*>(Us + m * WS);
       const float4* wj = reinterpret_cast<const float4*>(Ws + j * WS);
-#pragma unroll 4
+#pragma unroll 2
       for (int d8 = 0; d8 < DV / 8; ++d8) {
         float fo[8];
         unpack8(om[d8], fo);
@@ -699,9 +717,8 @@ void check_dims(const GdnDims& d, const char* who) {
   const std::string w(who);
   DS_CUDA_REQUIRE(d.N >= 0 && d.num_seqs >= 0, w + ": N and num_seqs must be >= 0");
   DS_CUDA_REQUIRE(d.Hk > 0 && d.Hv > 0 && d.Hv % d.Hk == 0, w + ": Hv must be a positive multiple of Hk");
-  DS_CUDA_REQUIRE(dim_ok(d.dk) && dim_ok(d.dv),
-                  w + ": dk and dv must be 16, 32, 64 or 128 (got " + std::to_string(d.dk) + ", " +
-                      std::to_string(d.dv) + ")");
+  DS_CUDA_REQUIRE(dim_ok(d.dk) && dim_ok(d.dv), w + ": dk and dv must be 16, 32, 64 or 128 (got " +
+                                                    std::to_string(d.dk) + ", " + std::to_string(d.dv) + ")");
   DS_CUDA_REQUIRE(d.chunk_size >= 1 && d.chunk_size <= kMaxChunk,
                   w + ": chunk_size must be in [1, 64] (got " + std::to_string(d.chunk_size) + ")");
   DS_CUDA_REQUIRE(std::isfinite(d.scale), w + ": scale must be finite");
@@ -722,8 +739,7 @@ void launch_bwd(const GdnDims& d, const BwdArgs& a, cudaStream_t stream) {
   using Cf = BwdCfg<DK, DV>;
   const int64_t blocks = d.num_seqs * d.Hv;
   DS_CUDA_REQUIRE(blocks <= INT32_MAX, "gated_delta_rule_backward: too many (sequence, head) blocks");
-  DS_CUDA_CHECK(
-      cudaFuncSetAttribute(gdn_bwd_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cf::BYTES));
+  DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_bwd_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cf::BYTES));
   gdn_bwd_kernel<DK, DV><<<static_cast<unsigned>(blocks), Cf::NT, Cf::BYTES, stream>>>(a);
   DS_CUDA_LAUNCH_CHECK();
 }
@@ -732,19 +748,27 @@ void launch_bwd(const GdnDims& d, const BwdArgs& a, cudaStream_t stream) {
 template <typename F, int DK>
 void dispatch_dv(int64_t dv, F& f) {
   switch (dv) {
-    case 16: return f.template run<DK, 16>();
-    case 32: return f.template run<DK, 32>();
-    case 64: return f.template run<DK, 64>();
-    default: return f.template run<DK, 128>();
+    case 16:
+      return f.template run<DK, 16>();
+    case 32:
+      return f.template run<DK, 32>();
+    case 64:
+      return f.template run<DK, 64>();
+    default:
+      return f.template run<DK, 128>();
   }
 }
 template <typename F>
 void dispatch(int64_t dk, int64_t dv, F& f) {
   switch (dk) {
-    case 16: return dispatch_dv<F, 16>(dv, f);
-    case 32: return dispatch_dv<F, 32>(dv, f);
-    case 64: return dispatch_dv<F, 64>(dv, f);
-    default: return dispatch_dv<F, 128>(dv, f);
+    case 16:
+      return dispatch_dv<F, 16>(dv, f);
+    case 32:
+      return dispatch_dv<F, 32>(dv, f);
+    case 64:
+      return dispatch_dv<F, 64>(dv, f);
+    default:
+      return dispatch_dv<F, 128>(dv, f);
   }
 }
 
@@ -772,8 +796,8 @@ size_t round256(size_t x) { return (x + 255) / 256 * 256; }
 
 }  // namespace
 
-void gated_delta_rule_forward(const ds::ops::GdnDims& d, const bf16* q, const bf16* k, const bf16* v,
-                              int64_t v_stride, const float* g, const float* beta, const int32_t* cu_seqlens,
+void gated_delta_rule_forward(const ds::ops::GdnDims& d, const bf16* q, const bf16* k, const bf16* v, int64_t v_stride,
+                              const float* g, const float* beta, const int32_t* cu_seqlens,
                               const int32_t* chunk_offsets, int64_t total_chunks, bf16* o, float* states,
                               cudaStream_t stream) {
   check_dims(d, "gated_delta_rule_forward");
@@ -800,8 +824,8 @@ size_t gated_delta_rule_scratch_bytes(const ds::ops::GdnDims& d, int64_t total_c
   return d.Hv > d.Hk ? round256(part) + part : part;  // dk partials, then dq partials with GVA
 }
 
-void gated_delta_rule_backward(const ds::ops::GdnDims& d, const bf16* q, const bf16* k, const bf16* v,
-                               int64_t v_stride, const float* g, const float* beta, const int32_t* cu_seqlens,
+void gated_delta_rule_backward(const ds::ops::GdnDims& d, const bf16* q, const bf16* k, const bf16* v, int64_t v_stride,
+                               const float* g, const float* beta, const int32_t* cu_seqlens,
                                const int32_t* chunk_offsets, int64_t total_chunks, const float* states,
                                const bf16* dout, bf16* dq, bf16* dk, bf16* dv, int64_t dv_stride, float* dg,
                                float* dbeta, void* scratch, cudaStream_t stream) {
@@ -810,8 +834,8 @@ void gated_delta_rule_backward(const ds::ops::GdnDims& d, const bf16* q, const b
   DS_CUDA_REQUIRE(dv_stride >= d.Hv * d.dv, "gated_delta_rule_backward: dv_stride smaller than Hv * dv");
   DS_CUDA_REQUIRE(total_chunks >= 0, "gated_delta_rule_backward: total_chunks must be >= 0");
   if (d.N == 0 || d.num_seqs == 0) return;
-  DS_CUDA_REQUIRE(q && k && v && g && beta && cu_seqlens && chunk_offsets && states && dout && dq && dk && dv &&
-                      dg && dbeta && scratch,
+  DS_CUDA_REQUIRE(q && k && v && g && beta && cu_seqlens && chunk_offsets && states && dout && dq && dk && dv && dg &&
+                      dbeta && scratch,
                   "gated_delta_rule_backward: null pointer");
   const bool gva = d.Hv > d.Hk;
   BwdArgs a{};
@@ -833,10 +857,10 @@ void gated_delta_rule_backward(const ds::ops::GdnDims& d, const bf16* q, const b
     const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65536);
     const int r = static_cast<int>(d.Hv / d.Hk);
     gdn_group_sum_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a.dq_part, dq, total, r,
-                                                                                 static_cast<int>(d.dk));
+                                                                                static_cast<int>(d.dk));
     DS_CUDA_LAUNCH_CHECK();
     gdn_group_sum_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a.dk_part, dk, total, r,
-                                                                                 static_cast<int>(d.dk));
+                                                                                static_cast<int>(d.dk));
     DS_CUDA_LAUNCH_CHECK();
   }
 }
