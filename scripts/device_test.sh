@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test sanitize probe parity bench-ops bench-step train (default: all but train).
+# Stages: env build test sanitize probe parity train bench-ops bench-step (default: all).
 # The device image has no Debian -dev packages and no network, so the Debian 12 packages the build needs
 # travel as .deb files in .deps/ (scripts/fetch_device_deps.sh) and are unpacked into a private sysroot.
 set -uo pipefail
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds_out}
 mkdir -p "$OUT"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env build test sanitize probe parity bench-ops bench-step)
+[ ${#stages[@]} -eq 0 ] && stages=(env build test sanitize probe parity train bench-ops bench-step)
 has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 SYS=/tmp/ds_sysroot
 if [ ! -d "$SYS/usr" ]; then
@@ -38,8 +38,8 @@ if has build; then
   echo "build: ok in $(( $(date +%s) - t0 )) s"
 fi
 if has test; then
-  ( cd $BUILD && ./deltastack_tests --gtest_brief=1 2>&1 | tee "$OUT/tests.log" | grep -vE "^\[       OK|^\[ RUN" | tail -60 ) || status=1
-  grep -E "PASSED|FAILED|SKIPPED" "$OUT/tests.log" | tail -5
+  ( cd $BUILD && ./deltastack_tests >"$OUT/tests.log" 2>&1 ) || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED)" "$OUT/tests.log" | tail -12
 fi
 if has sanitize; then
   if command -v compute-sanitizer >/dev/null; then
@@ -66,6 +66,31 @@ if has bench-step; then
   $BUILD/deltastack bench step --preset 2b --seq-len 8192 --micro-batch 2 2>&1 | tee "$OUT/bench_step.txt"
 fi
 if has train; then
-  $BUILD/deltastack train --device cuda --out /tmp/ds_run --steps 200 2>&1 | tail -12 | tee "$OUT/train.txt"
+  # GPU training on the embedded default: two runs with one seed must give bitwise-identical losses, and a
+  # resume from the step-100 checkpoint must reproduce steps 101..200 bitwise.
+  D=$BUILD/deltastack
+  rm -rf /tmp/ds_g1 /tmp/ds_g2 /tmp/ds_g3
+  $D train --device cuda --save-interval 100 --out /tmp/ds_g1 >"$OUT/train_gpu1.txt" 2>&1 || { tail "$OUT/train_gpu1.txt"; status=1; }
+  $D train --device cuda --out /tmp/ds_g2 >"$OUT/train_gpu2.txt" 2>&1 || status=1
+  $D train --resume /tmp/ds_g1/checkpoint-100 --out /tmp/ds_g3 >"$OUT/train_gpu3.txt" 2>&1 || status=1
+  cp /tmp/ds_g1/metrics.jsonl "$OUT/metrics_gpu.jsonl"
+  python3 - <<'PY' || status=1
+import json
+def losses(p):
+    return {j["step"]: j["loss"] for j in map(json.loads, open(p)) if "loss" in j}
+def evals(p):
+    return [(j["step"], j["eval_loss"]) for j in map(json.loads, open(p)) if "eval_loss" in j]
+a, b, c = (losses(f"/tmp/ds_g{i}/metrics.jsonl") for i in (1, 2, 3))
+same = a == b
+resumed = all(a[s] == c[s] for s in c) and len(c) == 100
+ev = evals("/tmp/ds_g1/metrics.jsonl")
+last = [json.loads(l) for l in open("/tmp/ds_g1/metrics.jsonl") if '"loss"' in l][-1]
+print(f"gpu train: {len(a)} steps, eval_loss {ev[0][1]:.4f} -> {ev[-1][1]:.4f} ({100*(1-ev[-1][1]/ev[0][1]):.1f}% lower), "
+      f"{last['tokens_per_s']:.0f} tok/s, peak {last.get('peak_gib', 0):.2f} GiB, elapsed {last['elapsed_s']:.1f} s")
+print(f"same seed twice: {'bitwise identical' if same else 'DIFFERENT'}; resume from step 100: "
+      f"{'bitwise identical' if resumed else 'DIFFERENT'}")
+raise SystemExit(0 if same and resumed else 1)
+PY
+  $D generate --model /tmp/ds_g1/checkpoint-200 --prompt "ROMEO:" --max-new-tokens 40 2>&1 | tail -3
 fi
 exit $status

@@ -46,7 +46,8 @@ std::string small_setup(const std::string& dir) {
   ds::write_file_atomic(dir + "/config.json", c.dump());
   std::string text = ds::read_file(ds::test::data_path("tiny_shakespeare.txt")).substr(0, 20000);
   ds::write_file_atomic(dir + "/corpus.txt", text);
-  return "--model " + dir + "/config.json --data " + dir + "/corpus.txt --seq-len 32 --micro-batch 2 --eval-batches 1 "
+  // --device cpu: these tests pin the CPU reference engine (bitwise resume, thread counts), also on a GPU machine.
+  return "--device cpu --model " + dir + "/config.json --data " + dir + "/corpus.txt --seq-len 32 --micro-batch 2 --eval-batches 1 "
          "--val-fraction 0.1 --eval-interval 0";
 }
 

@@ -128,6 +128,7 @@ int main(int argc, char** argv) {
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
     if (*train) {
       to.threads = threads;
+      to.device_given = train->count("--device") > 0;
       return ds::train(to);
     }
     fmt::print("{}", app.help());

@@ -497,6 +497,15 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   ops::require_cuda_backends();
   Impl& m = *impl_;
   m.c = host.config();
+  // Shapes the CUDA kernels are instantiated for (docs/cuda_backend.md); others need --device cpu.
+  auto one_of = [](int64_t v, std::initializer_list<int64_t> ok) { return std::find(ok.begin(), ok.end(), v) != ok.end(); };
+  DS_CHECK(one_of(m.c.linear_key_head_dim, {16, 32, 64, 128}) && one_of(m.c.linear_value_head_dim, {16, 32, 64, 128}),
+           "--device cuda: linear_key_head_dim / linear_value_head_dim must be 16, 32, 64 or 128 (got {} / {}); use "
+           "--device cpu", m.c.linear_key_head_dim, m.c.linear_value_head_dim);
+  DS_CHECK(one_of(m.c.head_dim, {32, 64, 128, 256}), "--device cuda: head_dim must be 32, 64, 128 or 256 (got {}); use "
+           "--device cpu", m.c.head_dim);
+  DS_CHECK(m.c.linear_conv_kernel_dim <= 4, "--device cuda: linear_conv_kernel_dim must be at most 4 (got {})",
+           m.c.linear_conv_kernel_dim);
   m.params = host.params();
   for (size_t i = 0; i < m.params.size(); ++i) m.by_name[m.params[i].name] = i;
   m.plan = plan;

@@ -46,7 +46,8 @@ json options_to_json(const TrainOptions& o) {
               {"clip", o.clip},             {"z_loss", o.z_loss},
               {"val_fraction", o.val_fraction}, {"eval_interval", o.eval_interval},
               {"eval_batches", o.eval_batches}, {"save_interval", o.save_interval},
-              {"seed", o.seed},             {"nan_policy", o.nan_policy}};
+              {"seed", o.seed},             {"nan_policy", o.nan_policy},
+              {"device", o.device}};
 }
 
 void options_from_json(const json& j, TrainOptions& o, const std::string& src) {
@@ -75,6 +76,7 @@ void options_from_json(const json& j, TrainOptions& o, const std::string& src) {
     o.save_interval = j.at("save_interval");
     o.seed = j.at("seed");
     o.nan_policy = j.at("nan_policy");
+    o.device = j.value("device", std::string("auto"));
   } catch (const json::exception& e) {
     fail("{}: bad or missing training option ({})", src, e.what());
   }
@@ -160,7 +162,7 @@ int train(TrainOptions opt) {
     saved.out = opt.out;
     saved.resume = opt.resume;
     saved.threads = opt.threads;
-    saved.device = opt.device;
+    if (opt.device_given) saved.device = opt.device;  // else the device the run started on (bitwise resume)
     opt = saved;
   }
   if (opt.data.empty()) opt.data = {bundled_data_path()};
