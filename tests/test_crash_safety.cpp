@@ -31,89 +31,19 @@
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "test_util.h"
+#include "train_test_util.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
 
-std::string tmpdir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("deltastack_crash_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
+using ds::test::run;
+using ds::test::small_setup;
+using ds::test::spawn;
+using ds::test::train_losses;
 
-// As tests/test_train.cpp: a model over the real tokenizer's id range (vocab 151680, hidden 16) and 20 kB of text.
-std::string small_setup(const std::string& dir) {
-  json c = ds::ModelConfig::preset("tiny").to_json();
-  c["vocab_size"] = 151680;
-  c["hidden_size"] = 16;
-  c["intermediate_size"] = 32;
-  c["num_attention_heads"] = 2;
-  c["num_key_value_heads"] = 1;
-  c["head_dim"] = 8;
-  c["linear_key_head_dim"] = 8;
-  c["linear_value_head_dim"] = 8;
-  ds::write_file_atomic(dir + "/config.json", c.dump());
-  std::string text = ds::read_file(ds::test::data_path("tiny_shakespeare.txt")).substr(0, 20000);
-  ds::write_file_atomic(dir + "/corpus.txt", text);
-  // --device cpu: these tests pin the CPU reference engine (bitwise resume, thread counts), also on a GPU machine.
-  return "--device cpu --model " + dir + "/config.json --data " + dir + "/corpus.txt --seq-len 32 --micro-batch 2 --eval-batches 1 "
-         "--val-fraction 0.1 --eval-interval 0";
-}
-
-std::vector<std::string> split_args(const std::string& s) {
-  std::istringstream in(s);
-  std::vector<std::string> v;
-  std::string w;
-  while (in >> w) v.push_back(w);
-  return v;
-}
-
-// Starts `deltastack <args>` with stdout/stderr appended to `log`; returns the child's pid.
-pid_t spawn(const std::string& args, const std::string& log) {
-  std::vector<std::string> a = split_args(args);
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    FILE* f = std::fopen(log.c_str(), "a");
-    if (f) {
-      ::dup2(::fileno(f), 1);
-      ::dup2(::fileno(f), 2);
-    }
-    std::vector<char*> argv;
-    std::string bin = DELTASTACK_BIN;
-    argv.push_back(bin.data());
-    for (auto& s : a) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    ::execv(bin.c_str(), argv.data());
-    ::_exit(127);
-  }
-  return pid;
-}
-
-// Runs to completion; returns the exit code (-1 if killed) and the combined output.
-int run(const std::string& args, std::string* output = nullptr) {
-  static int n = 0;
-  std::string log = (fs::temp_directory_path() / ("deltastack_crash_log_" + std::to_string(::getpid()) + "_" +
-                                                  std::to_string(n++)))
-                        .string();
-  pid_t pid = spawn(args, log);
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  if (output) *output = ds::file_exists(log) ? ds::read_file(log) : "";
-  fs::remove(log);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-std::vector<double> train_losses(const std::string& path) {
-  std::vector<double> l;
-  std::istringstream in(ds::read_file(path));
-  std::string line;
-  while (std::getline(in, line))
-    if (json j = json::parse(line); j.contains("loss")) l.push_back(j["loss"].get<double>());
-  return l;
-}
+std::string tmpdir(const std::string& name) { return ds::test::fresh_tmpdir("crash_" + name); }
 
 // The output dir's entries: complete checkpoints by step, and interrupted-save temp dirs.
 struct OutDir {

@@ -22,75 +22,16 @@
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
 #include "core/rng.h"
+#include "cuda_test_util.h"
 #include "ops/gated_delta_rule/cuda.h"
 #include "ops/gated_delta_rule/gated_delta_rule.h"
 #include "test_util.h"
 
-using ds::cuda::bf16;
 using ds::ops::GdnDims;
 using ds::test::rel_l2;
+using namespace ds::test::cuda;
 
 namespace {
-
-#define DS_GDN_SKIP_WITHOUT_GPU()                                       \
-  do {                                                                  \
-    if (ds::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-uint64_t gdn_fresh_seed() {
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
-
-// Device buffer of n elements of T, freed on scope exit.
-template <typename T>
-struct GdnBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit GdnBuf(size_t count) : n(count) {
-    DS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  ~GdnBuf() { cudaFree(p); }
-  GdnBuf(const GdnBuf&) = delete;
-  GdnBuf& operator=(const GdnBuf&) = delete;
-  size_t bytes() const { return n * sizeof(T); }
-  void poison() { DS_CUDA_CHECK(cudaMemset(p, 0xFF, bytes())); }  // NaN in bf16 and fp32
-};
-
-template <typename T>
-void upload(GdnBuf<T>& d, const std::vector<T>& h) {
-  ASSERT_EQ(d.n, h.size());
-  DS_CUDA_CHECK(cudaMemcpy(d.p, h.data(), d.bytes(), cudaMemcpyHostToDevice));
-}
-template <typename T>
-std::vector<T> download(const GdnBuf<T>& d) {
-  std::vector<T> h(d.n);
-  DS_CUDA_CHECK(cudaMemcpy(h.data(), d.p, d.bytes(), cudaMemcpyDeviceToHost));
-  return h;
-}
-// fp32 values (bf16-exact) -> device bf16.
-void upload_bf16(GdnBuf<bf16>& d, const std::vector<float>& h) {
-  ASSERT_EQ(d.n, h.size());
-  std::vector<uint16_t> bits(h.size());
-  for (size_t i = 0; i < h.size(); ++i) bits[i] = ds::f32_to_bf16_bits(h[i]);
-  DS_CUDA_CHECK(cudaMemcpy(d.p, bits.data(), d.bytes(), cudaMemcpyHostToDevice));
-}
-std::vector<uint16_t> download_bits(const GdnBuf<bf16>& d) {
-  std::vector<uint16_t> bits(d.n);
-  DS_CUDA_CHECK(cudaMemcpy(bits.data(), d.p, d.bytes(), cudaMemcpyDeviceToHost));
-  return bits;
-}
-std::vector<float> bits_to_f32(const std::vector<uint16_t>& bits) {
-  std::vector<float> h(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) h[i] = ds::bf16_bits_to_f32(bits[i]);
-  return h;
-}
-template <typename T>
-bool all_finite(const std::vector<T>& x) {
-  for (const auto& e : x)
-    if (!std::isfinite(static_cast<double>(e))) return false;
-  return true;
-}
 
 struct GdnCase {
   std::vector<int> lens;
@@ -108,7 +49,7 @@ struct GdnGpuOut {
 };
 
 void run_case(const GdnCase& tc) {
-  const uint64_t seed = gdn_fresh_seed();
+  const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed) + " dk=" + std::to_string(tc.dk) + " dv=" + std::to_string(tc.dv) +
                " Hk=" + std::to_string(tc.Hk) + " ratio=" + std::to_string(tc.ratio) +
                " seqs=" + std::to_string(tc.lens.size()) + " chunk=" + std::to_string(tc.chunk) + " g=[" +
@@ -120,26 +61,14 @@ void run_case(const GdnCase& tc) {
   d.dv = tc.dv;
   d.scale = 1.0 / std::sqrt(static_cast<double>(tc.dk));
   d.chunk_size = tc.chunk;
-  std::vector<int32_t> cu{0}, coff{0};
-  for (int l : tc.lens) {
-    cu.push_back(cu.back() + l);
-    coff.push_back(coff.back() + static_cast<int32_t>((l + tc.chunk - 1) / tc.chunk));
-  }
+  const auto cu = cu_from_lengths(tc.lens), coff = chunk_offsets(cu, tc.chunk);
   d.N = cu.back();
   d.num_seqs = static_cast<int64_t>(tc.lens.size());
   const int64_t N = d.N, Hk = d.Hk, Hv = d.Hv, dk = d.dk, dv = d.dv, total_chunks = coff.back();
   const int64_t v_stride = Hv * dv + tc.v_pad, dv_stride = Hv * dv + tc.dv_pad;
 
   // Inputs: q, k l2-normalised then bf16-rounded; v, dO bf16; g, beta fp32.
-  auto q = ds::test::randn<float>(N * Hk * dk, seed + 1), k = ds::test::randn<float>(N * Hk * dk, seed + 2);
-  for (auto* x : {&q, &k})
-    for (int64_t row = 0; row < N * Hk; ++row) {
-      double s = 0;
-      for (int64_t a = 0; a < dk; ++a) s += double((*x)[row * dk + a]) * (*x)[row * dk + a];
-      const double inv = 1.0 / std::sqrt(s + 1e-6);
-      for (int64_t a = 0; a < dk; ++a)
-        (*x)[row * dk + a] = ds::round_bf16(static_cast<float>((*x)[row * dk + a] * inv));
-    }
+  const auto q = l2_normalized_bf16(N * Hk, dk, seed + 1), k = l2_normalized_bf16(N * Hk, dk, seed + 2);
   auto v = ds::test::randn<float>(N * Hv * dv, seed + 3);
   auto dO = ds::test::randn<float>(N * Hv * dv, seed + 4);
   for (auto* x : {&v, &dO})
@@ -161,9 +90,9 @@ void run_case(const GdnCase& tc) {
   std::vector<float> v_rows(N * v_stride, 1e30f);
   for (int64_t t = 0; t < N; ++t)
     std::copy(v.begin() + t * Hv * dv, v.begin() + (t + 1) * Hv * dv, v_rows.begin() + t * v_stride);
-  GdnBuf<bf16> q_d(q.size()), k_d(k.size()), v_d(v_rows.size()), dO_d(dO.size());
-  GdnBuf<float> g_d(g.size()), b_d(beta.size());
-  GdnBuf<int32_t> cu_d(cu.size()), coff_d(coff.size());
+  DevBuf<bf16> q_d(q.size()), k_d(k.size()), v_d(v_rows.size()), dO_d(dO.size());
+  DevBuf<float> g_d(g.size()), b_d(beta.size());
+  DevBuf<int32_t> cu_d(cu.size()), coff_d(coff.size());
   upload_bf16(q_d, q);
   upload_bf16(k_d, k);
   upload_bf16(v_d, v_rows);
@@ -172,19 +101,20 @@ void run_case(const GdnCase& tc) {
   upload(b_d, beta);
   upload(cu_d, cu);
   upload(coff_d, coff);
-  GdnBuf<unsigned char> scratch(ds::ops::cuda::gated_delta_rule_scratch_bytes(d, total_chunks));
+  DevBuf<unsigned char> scratch(ds::ops::cuda::gated_delta_rule_scratch_bytes(d, total_chunks));
 
   auto run_gpu = [&]() {
-    GdnBuf<bf16> o(N * Hv * dv), dq(N * Hk * dk), dkk(N * Hk * dk), dvv(N * dv_stride);
-    GdnBuf<float> states(total_chunks * Hv * dk * dv), dg(N * Hv), dbeta(N * Hv);
+    DevBuf<bf16> o(N * Hv * dv), dq(N * Hk * dk), dkk(N * Hk * dk), dvv(N * dv_stride);
+    DevBuf<float> states(total_chunks * Hv * dk * dv), dg(N * Hv), dbeta(N * Hv);
     o.poison(), dq.poison(), dkk.poison(), dvv.poison(), states.poison(), dg.poison(), dbeta.poison();
     scratch.poison();
-    ds::ops::cuda::gated_delta_rule_forward(d, q_d.p, k_d.p, v_d.p, v_stride, g_d.p, b_d.p, cu_d.p, coff_d.p,
-                                            total_chunks, o.p, states.p, nullptr);
-    ds::ops::cuda::gated_delta_rule_backward(d, q_d.p, k_d.p, v_d.p, v_stride, g_d.p, b_d.p, cu_d.p, coff_d.p,
-                                             total_chunks, states.p, dO_d.p, dq.p, dkk.p, dvv.p, dv_stride, dg.p,
-                                             dbeta.p, scratch.p, nullptr);
-    DS_CUDA_CHECK(cudaDeviceSynchronize());
+    ds::ops::cuda::gated_delta_rule_forward(d, q_d.get(), k_d.get(), v_d.get(), v_stride, g_d.get(), b_d.get(),
+                                            cu_d.get(), coff_d.get(), total_chunks, o.get(), states.get(), nullptr);
+    ds::ops::cuda::gated_delta_rule_backward(d, q_d.get(), k_d.get(), v_d.get(), v_stride, g_d.get(), b_d.get(),
+                                             cu_d.get(), coff_d.get(), total_chunks, states.get(), dO_d.get(), dq.get(),
+                                             dkk.get(), dvv.get(), dv_stride, dg.get(), dbeta.get(), scratch.get(),
+                                             nullptr);
+    device_sync();
     GdnGpuOut r;
     r.o = download_bits(o);
     r.dq = download_bits(dq);
@@ -249,36 +179,36 @@ GdnCase packed(int64_t dk, int64_t dv, int64_t Hk, int64_t ratio) {
 }
 
 TEST(CudaGatedDeltaRule, Packed128NoGva) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   run_case(packed(128, 128, 2, 1));
 }
 
 TEST(CudaGatedDeltaRule, Packed128Gva2) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   run_case(packed(128, 128, 2, 2));
 }
 
 TEST(CudaGatedDeltaRule, Packed64) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   run_case(packed(64, 64, 2, 1));
   run_case(packed(64, 64, 2, 2));
 }
 
 TEST(CudaGatedDeltaRule, Packed16) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   run_case(packed(16, 16, 1, 1));
   run_case(packed(16, 16, 1, 2));
 }
 
 TEST(CudaGatedDeltaRule, MixedHeadDims) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   for (auto [dk, dv] : std::vector<std::pair<int, int>>{{32, 64}, {128, 32}, {64, 128}, {16, 128}, {128, 16}, {32, 16}})
     run_case(packed(dk, dv, 1, 2));
 }
 
 // Strong decay (gdn_kernels.md §7 #1): every gate ≤ −50, partial last chunks; dg is tiny but must stay accurate.
 TEST(CudaGatedDeltaRule, StrongDecay) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   GdnCase c = packed(128, 128, 2, 2);
   c.g_lo = -80.0, c.g_hi = -50.0;
   run_case(c);
@@ -289,7 +219,7 @@ TEST(CudaGatedDeltaRule, StrongDecay) {
 
 // Chunk size 16: many chunk boundaries, chunk-start states and reverse chunk walks.
 TEST(CudaGatedDeltaRule, SmallChunk) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   GdnCase c = packed(64, 64, 2, 2);
   c.chunk = 16;
   run_case(c);
@@ -300,9 +230,9 @@ TEST(CudaGatedDeltaRule, SmallChunk) {
 
 // 4096 tiny documents (lengths 0..9) with Hv = 16: 65536 (sequence, head) blocks (gdn_kernels.md §7 #7, #8).
 TEST(CudaGatedDeltaRule, ManyTinySequences) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   GdnCase c;
-  ds::Rng r(gdn_fresh_seed());
+  ds::Rng r(fresh_seed());
   for (int i = 0; i < 4096; ++i) c.lens.push_back(static_cast<int>(r.below(10)));
   c.Hk = 8, c.ratio = 2, c.dk = 16, c.dv = 16;
   run_case(c);
@@ -312,7 +242,7 @@ TEST(CudaGatedDeltaRule, ManyTinySequences) {
 // against the recurrent oracle in test_gated_delta_rule.cpp), since the recurrent oracle would keep all 8193
 // states per head (0.5 GB each).
 TEST(CudaGatedDeltaRule, Long8192) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   GdnCase c;
   c.lens = {8192};
   c.Hk = 2, c.ratio = 2, c.dk = 128, c.dv = 128;
@@ -322,14 +252,14 @@ TEST(CudaGatedDeltaRule, Long8192) {
 
 // Unaligned v / dv rows (odd strides): the scalar load path.
 TEST(CudaGatedDeltaRule, OddStrides) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   GdnCase c = packed(64, 64, 1, 2);
   c.v_pad = 3, c.dv_pad = 5;
   run_case(c);
 }
 
 TEST(CudaGatedDeltaRule, RejectsBadShapes) {
-  DS_GDN_SKIP_WITHOUT_GPU();
+  DS_SKIP_WITHOUT_GPU();
   GdnDims d;
   d.N = 4, d.num_seqs = 1, d.Hk = 1, d.Hv = 1, d.dk = 96, d.dv = 64, d.scale = 0.1;
   EXPECT_ANY_THROW(ds::ops::cuda::gated_delta_rule_forward(d, nullptr, nullptr, nullptr, 64, nullptr, nullptr, nullptr,

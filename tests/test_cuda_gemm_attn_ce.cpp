@@ -18,6 +18,7 @@
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
 #include "core/rng.h"
+#include "cuda_test_util.h"
 #include "ops/attention/attention.h"
 #include "ops/attention/cuda.h"
 #include "ops/linear/cuda.h"
@@ -26,78 +27,10 @@
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 #include "test_util.h"
 
-using ds::cuda::bf16;
 using ds::test::rel_l2;
+using namespace ds::test::cuda;
 
 namespace {
-
-#define DS_SKIP_WITHOUT_GPU()                                     \
-  do {                                                            \
-    if (ds::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"; \
-  } while (0)
-
-uint64_t fresh_seed() {
-  std::random_device rd;
-  return (static_cast<uint64_t>(rd()) << 32) ^ rd();
-}
-
-// Device buffer of n elements of T (raw bytes; freed on scope exit).
-template <typename T>
-struct DevBuf {
-  T* p = nullptr;
-  size_t n = 0;
-  explicit DevBuf(size_t count) : n(count) {
-    DS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p), std::max<size_t>(n, 1) * sizeof(T)));
-  }
-  ~DevBuf() { cudaFree(p); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  size_t bytes() const { return n * sizeof(T); }
-  void poison() { DS_CUDA_CHECK(cudaMemset(p, 0xFF, bytes())); }  // all-ones bits: NaN in bf16, fp32, fp64
-  void zero() { DS_CUDA_CHECK(cudaMemset(p, 0, bytes())); }
-};
-
-// Normal values rounded to bf16 (the values the GPU sees, as fp32 for the CPU references).
-std::vector<float> rand_bf16(size_t n, uint64_t seed, double stddev) {
-  auto v = ds::test::randn<float>(n, seed, stddev);
-  for (auto& x : v) x = ds::round_bf16(x);
-  return v;
-}
-
-template <typename T>
-void upload(DevBuf<T>& d, const std::vector<T>& h) {
-  ASSERT_EQ(d.n, h.size());
-  DS_CUDA_CHECK(cudaMemcpy(d.p, h.data(), d.bytes(), cudaMemcpyHostToDevice));
-}
-template <typename T>
-std::vector<T> download(const DevBuf<T>& d) {
-  std::vector<T> h(d.n);
-  DS_CUDA_CHECK(cudaMemcpy(h.data(), d.p, d.bytes(), cudaMemcpyDeviceToHost));
-  return h;
-}
-// fp32 values (already bf16-exact) -> device bf16.
-void upload_bf16(DevBuf<bf16>& d, const std::vector<float>& h) {
-  ASSERT_EQ(d.n, h.size());
-  std::vector<uint16_t> bits(h.size());
-  for (size_t i = 0; i < h.size(); ++i) bits[i] = ds::f32_to_bf16_bits(h[i]);
-  DS_CUDA_CHECK(cudaMemcpy(d.p, bits.data(), d.bytes(), cudaMemcpyHostToDevice));
-}
-std::vector<float> download_bf16(const DevBuf<bf16>& d) {
-  std::vector<uint16_t> bits(d.n);
-  DS_CUDA_CHECK(cudaMemcpy(bits.data(), d.p, d.bytes(), cudaMemcpyDeviceToHost));
-  std::vector<float> h(d.n);
-  for (size_t i = 0; i < d.n; ++i) h[i] = ds::bf16_bits_to_f32(bits[i]);
-  return h;
-}
-template <typename T>
-bool same_bits(const DevBuf<T>& a, const DevBuf<T>& b) {
-  if (a.n != b.n) return false;
-  std::vector<unsigned char> x(a.bytes()), y(b.bytes());
-  DS_CUDA_CHECK(cudaMemcpy(x.data(), a.p, a.bytes(), cudaMemcpyDeviceToHost));
-  DS_CUDA_CHECK(cudaMemcpy(y.data(), b.p, b.bytes(), cudaMemcpyDeviceToHost));
-  return std::memcmp(x.data(), y.data(), x.size()) == 0;
-}
-void sync() { DS_CUDA_CHECK(cudaDeviceSynchronize()); }
 
 // ---------------------------------------------------------------------------------------------------------
 // Linear
@@ -124,13 +57,13 @@ void check_linear(int64_t M, int64_t K, int64_t N) {
   upload(dW2, dW0);
   for (DevBuf<bf16>* b : {&y, &y2, &dx, &dx2}) b->poison();
 
-  ds::ops::cuda::linear_forward(dx_in.p, dW_in.p, y.p, M, K, N, false, nullptr);
-  ds::ops::cuda::linear_backward_data(ddy.p, dW_in.p, dx.p, M, K, N, false, nullptr);
-  ds::ops::cuda::linear_backward_weight(ddy.p, dx_in.p, dW.p, M, K, N, nullptr);
-  ds::ops::cuda::linear_forward(dx_in.p, dW_in.p, y2.p, M, K, N, false, nullptr);
-  ds::ops::cuda::linear_backward_data(ddy.p, dW_in.p, dx2.p, M, K, N, false, nullptr);
-  ds::ops::cuda::linear_backward_weight(ddy.p, dx_in.p, dW2.p, M, K, N, nullptr);
-  sync();
+  ds::ops::cuda::linear_forward(dx_in.get(), dW_in.get(), y.get(), M, K, N, false, nullptr);
+  ds::ops::cuda::linear_backward_data(ddy.get(), dW_in.get(), dx.get(), M, K, N, false, nullptr);
+  ds::ops::cuda::linear_backward_weight(ddy.get(), dx_in.get(), dW.get(), M, K, N, nullptr);
+  ds::ops::cuda::linear_forward(dx_in.get(), dW_in.get(), y2.get(), M, K, N, false, nullptr);
+  ds::ops::cuda::linear_backward_data(ddy.get(), dW_in.get(), dx2.get(), M, K, N, false, nullptr);
+  ds::ops::cuda::linear_backward_weight(ddy.get(), dx_in.get(), dW2.get(), M, K, N, nullptr);
+  device_sync();
 
   EXPECT_LE(rel_l2(download_bf16(y), y_ref), 5e-3);
   EXPECT_LE(rel_l2(download_bf16(dx), dx_ref), 1e-2);
@@ -170,9 +103,9 @@ TEST(CudaLinear, Accumulate) {
   upload_bf16(ddy, dy);
   upload_bf16(y, y0);
   upload_bf16(dx, dx0);
-  ds::ops::cuda::linear_forward(dx_in.p, dW_in.p, y.p, M, K, N, true, nullptr);
-  ds::ops::cuda::linear_backward_data(ddy.p, dW_in.p, dx.p, M, K, N, true, nullptr);
-  sync();
+  ds::ops::cuda::linear_forward(dx_in.get(), dW_in.get(), y.get(), M, K, N, true, nullptr);
+  ds::ops::cuda::linear_backward_data(ddy.get(), dW_in.get(), dx.get(), M, K, N, true, nullptr);
+  device_sync();
   EXPECT_LE(rel_l2(download_bf16(y), y_ref), 5e-3);
   EXPECT_LE(rel_l2(download_bf16(dx), dx_ref), 1e-2);
 }
@@ -212,7 +145,7 @@ TEST(CudaGemm, TransposesAndLeadingDims) {
         if (c_f32) {
           DevBuf<float> dC(C0.size());
           upload(dC, C0);
-          ds::ops::cuda::gemm(ta, tb, M, N, K, alpha, dA.p, lda, dB.p, ldb, beta, dC.p, true, ldc, nullptr);
+          ds::ops::cuda::gemm(ta, tb, M, N, K, alpha, dA.get(), lda, dB.get(), ldb, beta, dC.get(), true, ldc, nullptr);
           const auto c = download(dC);
           for (int64_t i = 0; i < M; ++i) {
             for (int64_t j = 0; j < N; ++j) got[i * N + j] = c[i * ldc + j];
@@ -221,7 +154,8 @@ TEST(CudaGemm, TransposesAndLeadingDims) {
         } else {
           DevBuf<bf16> dC(C0.size());
           upload_bf16(dC, C0);
-          ds::ops::cuda::gemm(ta, tb, M, N, K, alpha, dA.p, lda, dB.p, ldb, beta, dC.p, false, ldc, nullptr);
+          ds::ops::cuda::gemm(ta, tb, M, N, K, alpha, dA.get(), lda, dB.get(), ldb, beta, dC.get(), false, ldc,
+                              nullptr);
           const auto c = download_bf16(dC);
           for (int64_t i = 0; i < M; ++i) {
             for (int64_t j = 0; j < N; ++j) got[i * N + j] = c[i * ldc + j];
@@ -253,8 +187,8 @@ void check_linear_ce(int64_t N, int64_t H, int64_t V, int64_t chunk) {
   opt.z_loss = 1e-4;
   opt.grad_scale = 1.0 / double(valid);
   std::vector<float> dh_ref(N * H), dW_ref(V * H, 0.0f);
-  const auto ref = ds::ops::linear_cross_entropy<float>(h.data(), W.data(), labels.data(), N, H, V, opt,
-                                                        dh_ref.data(), dW_ref.data());
+  const auto ref = ds::ops::linear_cross_entropy<float>(h.data(), W.data(), labels.data(), N, H, V, opt, dh_ref.data(),
+                                                        dW_ref.data());
   ASSERT_EQ(ref.num_valid, valid);
 
   opt.chunk_tokens = chunk;
@@ -274,12 +208,14 @@ void check_linear_ce(int64_t N, int64_t H, int64_t V, int64_t chunk) {
   loss3.poison();
   scratch.poison();
 
-  ds::ops::cuda::linear_cross_entropy(dh_in.p, dW_in.p, dlab.p, N, H, V, opt, loss.p, dh.p, dW.p, scratch.p, nullptr);
-  ds::ops::cuda::linear_cross_entropy(dh_in.p, dW_in.p, dlab.p, N, H, V, opt, loss2.p, dh2.p, dW2.p, scratch.p,
-                                      nullptr);
-  ds::ops::cuda::linear_cross_entropy(dh_in.p, dW_in.p, dlab.p, N, H, V, opt, loss3.p, nullptr, nullptr, scratch.p,
+  ds::ops::cuda::linear_cross_entropy(dh_in.get(), dW_in.get(), dlab.get(), N, H, V, opt, loss.get(), dh.get(),
+                                      dW.get(), scratch.get(), nullptr);
+  ds::ops::cuda::linear_cross_entropy(dh_in.get(), dW_in.get(), dlab.get(), N, H, V, opt, loss2.get(), dh2.get(),
+                                      dW2.get(), scratch.get(), nullptr);
+  ds::ops::cuda::linear_cross_entropy(dh_in.get(), dW_in.get(), dlab.get(), N, H, V, opt, loss3.get(), nullptr, nullptr,
+                                      scratch.get(),
                                       nullptr);  // forward only
-  sync();
+  device_sync();
 
   const auto l = download(loss);
   EXPECT_NEAR(l[0], ref.loss_sum, 1e-4 * std::abs(ref.loss_sum));
@@ -343,13 +279,15 @@ void check_attention(int64_t hd) {
   lse2.poison();
   scratch.poison();
 
-  ds::ops::cuda::attention_forward(d, dq_in.p, dk_in.p, dv_in.p, dcu.p, max_len, o.p, lse.p, nullptr);
-  ds::ops::cuda::attention_forward(d, dq_in.p, dk_in.p, dv_in.p, dcu.p, max_len, o2.p, lse2.p, nullptr);
-  ds::ops::cuda::attention_backward(d, dq_in.p, dk_in.p, dv_in.p, o.p, lse.p, ddo.p, dcu.p, max_len, dq.p, dk.p,
-                                    dv.p, scratch.p, nullptr);
-  ds::ops::cuda::attention_backward(d, dq_in.p, dk_in.p, dv_in.p, o.p, lse.p, ddo.p, dcu.p, max_len, dq2.p, dk2.p,
-                                    dv2.p, scratch.p, nullptr);
-  sync();
+  ds::ops::cuda::attention_forward(d, dq_in.get(), dk_in.get(), dv_in.get(), dcu.get(), max_len, o.get(), lse.get(),
+                                   nullptr);
+  ds::ops::cuda::attention_forward(d, dq_in.get(), dk_in.get(), dv_in.get(), dcu.get(), max_len, o2.get(), lse2.get(),
+                                   nullptr);
+  ds::ops::cuda::attention_backward(d, dq_in.get(), dk_in.get(), dv_in.get(), o.get(), lse.get(), ddo.get(), dcu.get(),
+                                    max_len, dq.get(), dk.get(), dv.get(), scratch.get(), nullptr);
+  ds::ops::cuda::attention_backward(d, dq_in.get(), dk_in.get(), dv_in.get(), o.get(), lse.get(), ddo.get(), dcu.get(),
+                                    max_len, dq2.get(), dk2.get(), dv2.get(), scratch.get(), nullptr);
+  device_sync();
 
   const auto o_gpu = download_bf16(o);
   EXPECT_LE(rel_l2(o_gpu, o_ref), 5e-3);

@@ -23,6 +23,7 @@
 #include "core/bf16.h"
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
+#include "cuda_test_util.h"
 #include "ops/adamw/adamw.h"
 #include "ops/adamw/cuda.h"
 #include "ops/attention/attention.h"
@@ -47,99 +48,14 @@
 
 namespace {
 
-using ds::cuda::bf16;
 using ds::test::randn;
 using ds::test::randu;
 using ds::test::rel_l2;
+using namespace ds::test::cuda;
 namespace gpu = ds::ops::cuda;
 
 constexpr double kFwdTol = 5e-3;
 constexpr double kGradTol = 1e-2;
-
-#define DS_REQUIRE_GPU() \
-  if (ds::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"
-
-// A fresh base seed per test (inputs differ from run to run); every tensor takes its own derived seed.
-struct Seeds {
-  uint64_t base;
-  uint64_t k = 0;
-  Seeds() {
-    std::random_device rd;
-    base = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  }
-  uint64_t next() { return base + 0x9e3779b97f4a7c15ull * (++k); }
-  std::string str() const { return "base seed " + std::to_string(base); }
-};
-
-// Device buffer of n elements; offset shifts the pointer by that many elements (unaligned-path tests).
-template <typename T>
-class Dev {
- public:
-  explicit Dev(size_t n, size_t offset = 0) : n_(n) {
-    DS_CUDA_CHECK(cudaMalloc(&base_, (n + offset) * sizeof(T) + 64));
-    p_ = reinterpret_cast<T*>(base_) + offset;
-  }
-  ~Dev() { cudaFree(base_); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  T* get() const { return p_; }
-  size_t size() const { return n_; }
-  // 0xFF bytes: bf16 0xFFFF and fp32 0xFFFFFFFF are both NaN.
-  void poison() { DS_CUDA_CHECK(cudaMemset(p_, 0xFF, n_ * sizeof(T))); }
-
- private:
-  void* base_ = nullptr;
-  T* p_ = nullptr;
-  size_t n_;
-};
-
-void sync() { DS_CUDA_CHECK(cudaDeviceSynchronize()); }
-
-std::vector<float> rounded(std::vector<float> v) {
-  for (auto& x : v) x = ds::round_bf16(x);
-  return v;
-}
-
-void up_bf16(Dev<bf16>& d, const std::vector<float>& v) {
-  ASSERT_EQ(d.size(), v.size());
-  std::vector<uint16_t> bits(v.size());
-  for (size_t i = 0; i < v.size(); ++i) bits[i] = ds::f32_to_bf16_bits(v[i]);
-  DS_CUDA_CHECK(cudaMemcpy(d.get(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice));
-}
-std::vector<uint16_t> down_bits(const Dev<bf16>& d) {
-  std::vector<uint16_t> bits(d.size());
-  DS_CUDA_CHECK(cudaMemcpy(bits.data(), d.get(), bits.size() * 2, cudaMemcpyDeviceToHost));
-  return bits;
-}
-std::vector<float> to_f32(const std::vector<uint16_t>& bits) {
-  std::vector<float> v(bits.size());
-  for (size_t i = 0; i < bits.size(); ++i) v[i] = ds::bf16_bits_to_f32(bits[i]);
-  return v;
-}
-template <typename T>
-void up(Dev<T>& d, const std::vector<T>& v) {
-  ASSERT_EQ(d.size(), v.size());
-  DS_CUDA_CHECK(cudaMemcpy(d.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-}
-template <typename T>
-std::vector<T> down(const Dev<T>& d) {
-  std::vector<T> v(d.size());
-  DS_CUDA_CHECK(cudaMemcpy(v.data(), d.get(), v.size() * sizeof(T), cudaMemcpyDeviceToHost));
-  return v;
-}
-template <typename T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
-std::string shape(std::initializer_list<int64_t> dims) {
-  std::string s;
-  for (int64_t d : dims) {
-    if (!s.empty()) s += 'x';
-    s += std::to_string(d);
-  }
-  return s;
-}
 
 // Packed documents: random lengths (including 1..3, shorter than a conv kernel) filling N tokens.
 std::vector<int32_t> random_cu_seqlens(int64_t N, uint64_t seed, int64_t max_len) {
@@ -156,7 +72,7 @@ std::vector<int32_t> random_cu_seqlens(int64_t N, uint64_t seed, int64_t max_len
 // ------------------------------------------------------------------------------------------------ device
 
 TEST(CudaOps, DeviceInfo) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   EXPECT_TRUE(ds::cuda_compiled());
   std::printf("[CudaOps] %d device(s); device 0: %s\n", ds::cuda_device_count(), ds::cuda_device_name().c_str());
 }
@@ -179,12 +95,12 @@ void check_rmsnorm(int64_t rows, int64_t dim, bool zc, size_t off) {
   ds::ops::rmsnorm_backward<float>(x.data(), w.data(), rstd_ref.data(), dy.data(), dx_ref.data(), dw_ref.data(), rows,
                                    dim, zc);
 
-  Dev<bf16> x_(n, off), dy_(n, off), y_(n, off), dx_(n, off);
-  Dev<float> w_(dim), rstd_(rows), dw_(dim);
-  Dev<char> scratch(std::max<size_t>(gpu::rmsnorm_scratch_bytes(rows, dim), 1));
-  up_bf16(x_, x);
-  up(w_, w);
-  up_bf16(dy_, dy);
+  DevBuf<bf16> x_(n, off), dy_(n, off), y_(n, off), dx_(n, off);
+  DevBuf<float> w_(dim), rstd_(rows), dw_(dim);
+  DevBuf<char> scratch(std::max<size_t>(gpu::rmsnorm_scratch_bytes(rows, dim), 1));
+  upload_bf16(x_, x);
+  upload(w_, w);
+  upload_bf16(dy_, dy);
 
   struct Out {
     std::vector<uint16_t> y, dx, dx_alias;
@@ -195,32 +111,32 @@ void check_rmsnorm(int64_t rows, int64_t dim, bool zc, size_t off) {
     y_.poison();
     rstd_.poison();
     gpu::rmsnorm_forward(x_.get(), w_.get(), y_.get(), rstd_.get(), rows, dim, eps, zc, nullptr);
-    sync();
-    o.y = down_bits(y_);
-    o.rstd = down(rstd_);
+    device_sync();
+    o.y = download_bits(y_);
+    o.rstd = download(rstd_);
     // Backward from the reference rstd (both sides see identical inputs).
-    up(rstd_, rstd_ref);
-    up(dw_, dw0);
+    upload(rstd_, rstd_ref);
+    upload(dw_, dw0);
     dx_.poison();
     gpu::rmsnorm_backward(x_.get(), w_.get(), rstd_.get(), dy_.get(), dx_.get(), dw_.get(), rows, dim, zc,
                           scratch.get(), nullptr);
-    sync();
-    o.dx = down_bits(dx_);
-    o.dw = down(dw_);
+    device_sync();
+    o.dx = download_bits(dx_);
+    o.dw = download(dw_);
     // dx aliasing dy (allowed by the API): same result.
-    Dev<bf16> alias(n, off);
-    up_bf16(alias, dy);
-    up(dw_, dw0);
+    DevBuf<bf16> alias(n, off);
+    upload_bf16(alias, dy);
+    upload(dw_, dw0);
     gpu::rmsnorm_backward(x_.get(), w_.get(), rstd_.get(), alias.get(), alias.get(), dw_.get(), rows, dim, zc,
                           scratch.get(), nullptr);
-    sync();
-    o.dx_alias = down_bits(alias);
+    device_sync();
+    o.dx_alias = download_bits(alias);
     return o;
   };
   const Out a = run(), b = run();
-  EXPECT_LE(rel_l2(to_f32(a.y), y_ref), kFwdTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.y), y_ref), kFwdTol);
   EXPECT_LE(rel_l2(a.rstd, rstd_ref), kFwdTol);
-  EXPECT_LE(rel_l2(to_f32(a.dx), dx_ref), kGradTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.dx), dx_ref), kGradTol);
   EXPECT_LE(rel_l2(a.dw, dw_ref), kGradTol);
   EXPECT_TRUE(same_bits(a.dx, a.dx_alias)) << "dx aliasing dy differs";
   EXPECT_TRUE(same_bits(a.y, b.y) && same_bits(a.rstd, b.rstd) && same_bits(a.dx, b.dx) && same_bits(a.dw, b.dw))
@@ -228,7 +144,7 @@ void check_rmsnorm(int64_t rows, int64_t dim, bool zc, size_t off) {
 }
 
 TEST(CudaOps, RmsNorm) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_rmsnorm(4096, 2048, true, 0);  // block per row, 256 threads x 1 vector
   check_rmsnorm(1000, 5120, true, 0);  // block per row, 224 threads x 3 vectors
   check_rmsnorm(300, 4096, false, 0);  // 256 x 2, plain weight
@@ -241,7 +157,7 @@ TEST(CudaOps, RmsNorm) {
 }
 
 TEST(CudaOps, RmsNormQkHeads) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_rmsnorm(512 * 16, 256, true, 0);  // q norm rows = tokens x heads, head_dim 256: a warp per row
   check_rmsnorm(700 * 4, 128, true, 0);   // head_dim 128: 16 lanes
   check_rmsnorm(999, 32, true, 0);        // head_dim 32: 4 lanes
@@ -265,13 +181,13 @@ void check_gated(int64_t rows, int64_t d, size_t off) {
   ds::ops::gated_rmsnorm_backward<float>(x.data(), z.data(), w.data(), rstd_ref.data(), dy.data(), dx_ref.data(),
                                          dz_ref.data(), dw_ref.data(), rows, d);
 
-  Dev<bf16> x_(n, off), z_(n, off), y_(n, off), dy_(n, off), dx_(n, off), dz_(n, off);
-  Dev<float> w_(d), rstd_(rows), dw_(d);
-  Dev<char> scratch(std::max<size_t>(gpu::gated_rmsnorm_scratch_bytes(rows, d), 1));
-  up_bf16(x_, x);
-  up_bf16(z_, z);
-  up(w_, w);
-  up_bf16(dy_, dy);
+  DevBuf<bf16> x_(n, off), z_(n, off), y_(n, off), dy_(n, off), dx_(n, off), dz_(n, off);
+  DevBuf<float> w_(d), rstd_(rows), dw_(d);
+  DevBuf<char> scratch(std::max<size_t>(gpu::gated_rmsnorm_scratch_bytes(rows, d), 1));
+  upload_bf16(x_, x);
+  upload_bf16(z_, z);
+  upload(w_, w);
+  upload_bf16(dy_, dy);
   struct Out {
     std::vector<uint16_t> y, dx, dz;
     std::vector<float> rstd, dw;
@@ -281,26 +197,26 @@ void check_gated(int64_t rows, int64_t d, size_t off) {
     y_.poison();
     rstd_.poison();
     gpu::gated_rmsnorm_forward(x_.get(), z_.get(), w_.get(), y_.get(), rstd_.get(), rows, d, eps, nullptr);
-    sync();
-    o.y = down_bits(y_);
-    o.rstd = down(rstd_);
-    up(rstd_, rstd_ref);
-    up(dw_, dw0);
+    device_sync();
+    o.y = download_bits(y_);
+    o.rstd = download(rstd_);
+    upload(rstd_, rstd_ref);
+    upload(dw_, dw0);
     dx_.poison();
     dz_.poison();
     gpu::gated_rmsnorm_backward(x_.get(), z_.get(), w_.get(), rstd_.get(), dy_.get(), dx_.get(), dz_.get(), dw_.get(),
                                 rows, d, scratch.get(), nullptr);
-    sync();
-    o.dx = down_bits(dx_);
-    o.dz = down_bits(dz_);
-    o.dw = down(dw_);
+    device_sync();
+    o.dx = download_bits(dx_);
+    o.dz = download_bits(dz_);
+    o.dw = download(dw_);
     return o;
   };
   const Out a = run(), b = run();
-  EXPECT_LE(rel_l2(to_f32(a.y), y_ref), kFwdTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.y), y_ref), kFwdTol);
   EXPECT_LE(rel_l2(a.rstd, rstd_ref), kFwdTol);
-  EXPECT_LE(rel_l2(to_f32(a.dx), dx_ref), kGradTol);
-  EXPECT_LE(rel_l2(to_f32(a.dz), dz_ref), kGradTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.dx), dx_ref), kGradTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.dz), dz_ref), kGradTol);
   EXPECT_LE(rel_l2(a.dw, dw_ref), kGradTol);
   EXPECT_TRUE(same_bits(a.y, b.y) && same_bits(a.rstd, b.rstd) && same_bits(a.dx, b.dx) && same_bits(a.dz, b.dz) &&
               same_bits(a.dw, b.dw))
@@ -308,7 +224,7 @@ void check_gated(int64_t rows, int64_t d, size_t off) {
 }
 
 TEST(CudaOps, GatedRmsNorm) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_gated(2048 * 16, 128, 0);  // tokens x value heads, d = 128: 16 lanes per row
   check_gated(3000, 64, 0);
   check_gated(1000, 16, 0);  // 2 lanes per row
@@ -338,12 +254,12 @@ void check_l2norm(int64_t tokens, int64_t heads, int64_t dim, int64_t stride, in
   const auto dy = rounded(randn<float>(n, s.next()));
   ds::ops::l2norm_backward<float>(yb.data(), rn_ref.data(), dy.data(), dx_ref.data(), rows, dim);
 
-  Dev<bf16> x_(nbuf), y_(n), yin_(n), dy_(n), dx_(nbuf);
-  Dev<float> rn_(rows), rnin_(rows);
-  up_bf16(x_, xbuf);
-  up_bf16(yin_, yb);
-  up(rnin_, rn_ref);
-  up_bf16(dy_, dy);
+  DevBuf<bf16> x_(nbuf), y_(n), yin_(n), dy_(n), dx_(nbuf);
+  DevBuf<float> rn_(rows), rnin_(rows);
+  upload_bf16(x_, xbuf);
+  upload_bf16(yin_, yb);
+  upload(rnin_, rn_ref);
+  upload_bf16(dy_, dy);
   struct Out {
     std::vector<uint16_t> y, dx;
     std::vector<float> rn;
@@ -353,13 +269,13 @@ void check_l2norm(int64_t tokens, int64_t heads, int64_t dim, int64_t stride, in
     y_.poison();
     rn_.poison();
     gpu::l2norm_forward(x_.get() + col0, stride, y_.get(), rn_.get(), tokens, heads, dim, eps, nullptr);
-    sync();
-    o.y = down_bits(y_);
-    o.rn = down(rn_);
+    device_sync();
+    o.y = download_bits(y_);
+    o.rn = download(rn_);
     dx_.poison();
     gpu::l2norm_backward(yin_.get(), rnin_.get(), dy_.get(), dx_.get() + col0, stride, tokens, heads, dim, nullptr);
-    sync();
-    const auto full = down_bits(dx_);
+    device_sync();
+    const auto full = download_bits(dx_);
     o.dx.resize(n);
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t h = 0; h < heads; ++h)
@@ -367,14 +283,14 @@ void check_l2norm(int64_t tokens, int64_t heads, int64_t dim, int64_t stride, in
     return o;
   };
   const Out a = run(), b = run();
-  EXPECT_LE(rel_l2(to_f32(a.y), y_ref), kFwdTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.y), y_ref), kFwdTol);
   EXPECT_LE(rel_l2(a.rn, rn_ref), kFwdTol);
-  EXPECT_LE(rel_l2(to_f32(a.dx), dx_ref), kGradTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.dx), dx_ref), kGradTol);
   EXPECT_TRUE(same_bits(a.y, b.y) && same_bits(a.rn, b.rn) && same_bits(a.dx, b.dx)) << "two identical runs differ";
 }
 
 TEST(CudaOps, L2Norm) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_l2norm(1024, 16, 128, 3 * 16 * 128, 16 * 128);  // k out of a [q | k | v] conv output
   check_l2norm(1024, 16, 128, 16 * 128, 0);             // contiguous
   check_l2norm(300, 4, 256, 4 * 256 + 64, 64);          // a warp per row
@@ -401,9 +317,9 @@ void check_swiglu(int64_t N, int64_t I, size_t off) {
   ds::ops::swiglu_forward<float>(g.data(), u.data(), h_ref.data(), n);
   ds::ops::swiglu_backward<float>(g.data(), u.data(), dh.data(), dg_ref.data(), du_ref.data(), n);
 
-  Dev<bf16> gu_(2 * n, off), h_(n, off), dh_(n, off), dgu_(2 * n, off);
-  up_bf16(gu_, gu);
-  up_bf16(dh_, dh);
+  DevBuf<bf16> gu_(2 * n, off), h_(n, off), dh_(n, off), dgu_(2 * n, off);
+  upload_bf16(gu_, gu);
+  upload_bf16(dh_, dh);
   struct Out {
     std::vector<uint16_t> h, dgu;
   };
@@ -413,24 +329,24 @@ void check_swiglu(int64_t N, int64_t I, size_t off) {
     dgu_.poison();
     gpu::swiglu_forward(gu_.get(), h_.get(), N, I, nullptr);
     gpu::swiglu_backward(gu_.get(), dh_.get(), dgu_.get(), N, I, nullptr);
-    sync();
-    o.h = down_bits(h_);
-    o.dgu = down_bits(dgu_);
+    device_sync();
+    o.h = download_bits(h_);
+    o.dgu = download_bits(dgu_);
     return o;
   };
   const Out a = run(), b = run();
-  const auto dgu = to_f32(a.dgu);
+  const auto dgu = bits_to_f32(a.dgu);
   std::vector<float> dg(n), du(n);
   for (int64_t t = 0; t < N; ++t)
     for (int64_t c = 0; c < I; ++c) dg[t * I + c] = dgu[t * 2 * I + c], du[t * I + c] = dgu[t * 2 * I + I + c];
-  EXPECT_LE(rel_l2(to_f32(a.h), h_ref), kFwdTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.h), h_ref), kFwdTol);
   EXPECT_LE(rel_l2(dg, dg_ref), kGradTol);
   EXPECT_LE(rel_l2(du, du_ref), kGradTol);
   EXPECT_TRUE(same_bits(a.h, b.h) && same_bits(a.dgu, b.dgu)) << "two identical runs differ";
 }
 
 TEST(CudaOps, SwiGlu) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_swiglu(256, 17408, 0);  // Qwen3.5 intermediate size
   check_swiglu(512, 2048, 0);
   check_swiglu(33, 100, 0);   // I % 8 != 0: scalar path
@@ -462,14 +378,14 @@ void check_gdn_gate(int64_t N, int64_t Hv) {
   ds::ops::gdn_gate_backward<float>(a.data(), b.data(), A_log.data(), dt_bias.data(), dg.data(), dbeta.data(),
                                     da_ref.data(), db_ref.data(), dA_ref.data(), ddt_ref.data(), N, Hv);
 
-  Dev<bf16> ab_(2 * n), dab_(2 * n);
-  Dev<float> A_(Hv), dt_(Hv), g_(n), beta_(n), dg_(n), dbeta_(n), dA_(Hv), ddt_(Hv);
-  Dev<char> scratch(std::max<size_t>(gpu::gdn_gate_scratch_bytes(N, Hv), 1));
-  up_bf16(ab_, ab);
-  up(A_, A_log);
-  up(dt_, dt_bias);
-  up(dg_, dg);
-  up(dbeta_, dbeta);
+  DevBuf<bf16> ab_(2 * n), dab_(2 * n);
+  DevBuf<float> A_(Hv), dt_(Hv), g_(n), beta_(n), dg_(n), dbeta_(n), dA_(Hv), ddt_(Hv);
+  DevBuf<char> scratch(std::max<size_t>(gpu::gdn_gate_scratch_bytes(N, Hv), 1));
+  upload_bf16(ab_, ab);
+  upload(A_, A_log);
+  upload(dt_, dt_bias);
+  upload(dg_, dg);
+  upload(dbeta_, dbeta);
   struct Out {
     std::vector<float> g, beta, dA, ddt;
     std::vector<uint16_t> dab;
@@ -479,21 +395,21 @@ void check_gdn_gate(int64_t N, int64_t Hv) {
     g_.poison();
     beta_.poison();
     dab_.poison();
-    up(dA_, dA0);
-    up(ddt_, ddt0);
+    upload(dA_, dA0);
+    upload(ddt_, ddt0);
     gpu::gdn_gate_forward(ab_.get(), A_.get(), dt_.get(), g_.get(), beta_.get(), N, Hv, nullptr);
     gpu::gdn_gate_backward(ab_.get(), A_.get(), dt_.get(), dg_.get(), dbeta_.get(), dab_.get(), dA_.get(), ddt_.get(),
                            N, Hv, scratch.get(), nullptr);
-    sync();
-    o.g = down(g_);
-    o.beta = down(beta_);
-    o.dab = down_bits(dab_);
-    o.dA = down(dA_);
-    o.ddt = down(ddt_);
+    device_sync();
+    o.g = download(g_);
+    o.beta = download(beta_);
+    o.dab = download_bits(dab_);
+    o.dA = download(dA_);
+    o.ddt = download(ddt_);
     return o;
   };
   const Out x = run(), y = run();
-  const auto dab = to_f32(x.dab);
+  const auto dab = bits_to_f32(x.dab);
   std::vector<float> da(n), db(n);
   for (int64_t t = 0; t < N; ++t)
     for (int64_t h = 0; h < Hv; ++h) db[t * Hv + h] = dab[t * 2 * Hv + h], da[t * Hv + h] = dab[t * 2 * Hv + Hv + h];
@@ -509,7 +425,7 @@ void check_gdn_gate(int64_t N, int64_t Hv) {
 }
 
 TEST(CudaOps, GdnGate) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_gdn_gate(8192, 32);
   check_gdn_gate(37, 48);  // more heads than one 32-wide chunk
   check_gdn_gate(70, 5);
@@ -533,28 +449,18 @@ void check_embedding(int64_t N, int64_t V, int64_t H, int64_t distinct, size_t o
   ds::ops::embedding_forward<float>(ids.data(), N, table.data(), V, H, out_ref.data());
   ds::ops::embedding_backward<float>(ids.data(), N, dout.data(), V, H, dtable_ref.data());
 
-  // Host grouping: positions sorted by id, then by position.
-  std::vector<int32_t> positions(N);
-  std::iota(positions.begin(), positions.end(), 0);
-  std::stable_sort(positions.begin(), positions.end(), [&](int32_t p, int32_t q) { return ids[p] < ids[q]; });
-  std::vector<int32_t> uniq, starts;
-  for (int64_t i = 0; i < N; ++i)
-    if (i == 0 || ids[positions[i]] != ids[positions[i - 1]]) {
-      uniq.push_back(ids[positions[i]]);
-      starts.push_back(static_cast<int32_t>(i));
-    }
-  starts.push_back(static_cast<int32_t>(N));
-  const int64_t U = static_cast<int64_t>(uniq.size());
+  const IdGroups grp = group_ids(ids);  // positions sorted by id, then by position
+  const int64_t U = static_cast<int64_t>(grp.uniq.size());
 
-  Dev<int32_t> ids_(N), uniq_(U), starts_(U + 1), pos_(N);
-  Dev<bf16> table_(V * H, off), out_(N * H, off), dout_(N * H, off);
-  Dev<float> dtable_(V * H, off);
-  up(ids_, ids);
-  up(uniq_, uniq);
-  up(starts_, starts);
-  up(pos_, positions);
-  up_bf16(table_, table);
-  up_bf16(dout_, dout);
+  DevBuf<int32_t> ids_(N), uniq_(U), starts_(U + 1), pos_(N);
+  DevBuf<bf16> table_(V * H, off), out_(N * H, off), dout_(N * H, off);
+  DevBuf<float> dtable_(V * H, off);
+  upload(ids_, ids);
+  upload(uniq_, grp.uniq);
+  upload(starts_, grp.starts);
+  upload(pos_, grp.positions);
+  upload_bf16(table_, table);
+  upload_bf16(dout_, dout);
   struct Out {
     std::vector<uint16_t> out;
     std::vector<float> dtable;
@@ -562,22 +468,22 @@ void check_embedding(int64_t N, int64_t V, int64_t H, int64_t distinct, size_t o
   auto run = [&] {
     Out o;
     out_.poison();
-    up(dtable_, dtable0);
+    upload(dtable_, dtable0);
     gpu::embedding_forward(ids_.get(), table_.get(), out_.get(), N, H, nullptr);
     gpu::embedding_backward(uniq_.get(), starts_.get(), pos_.get(), U, dout_.get(), dtable_.get(), H, nullptr);
-    sync();
-    o.out = down_bits(out_);
-    o.dtable = down(dtable_);
+    device_sync();
+    o.out = download_bits(out_);
+    o.dtable = download(dtable_);
     return o;
   };
   const Out a = run(), b = run();
-  EXPECT_LE(rel_l2(to_f32(a.out), out_ref), kFwdTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.out), out_ref), kFwdTol);
   EXPECT_LE(rel_l2(a.dtable, dtable_ref), kGradTol);
   EXPECT_TRUE(same_bits(a.out, b.out) && same_bits(a.dtable, b.dtable)) << "two identical runs differ";
 }
 
 TEST(CudaOps, Embedding) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_embedding(4096, 1000, 2048, 300, 0);  // duplicates; id 7 on every 5th token
   check_embedding(300, 50, 5120, 50, 0);
   check_embedding(50, 20, 100, 20, 0);  // H % 8 != 0: scalar path
@@ -592,9 +498,7 @@ void check_conv1d(int64_t N, int64_t C, int64_t K, int64_t max_doc, size_t off) 
                ", " + s.str());
   const auto cu = random_cu_seqlens(N, s.next(), max_doc);
   const int64_t num_seqs = static_cast<int64_t>(cu.size()) - 1;
-  std::vector<int32_t> seq_start(N);
-  for (int64_t q = 0; q < num_seqs; ++q)
-    for (int32_t t = cu[q]; t < cu[q + 1]; ++t) seq_start[t] = cu[q];
+  const auto seq_start = seq_starts(cu);
   const auto x = rounded(randn<float>(N * C, s.next()));
   const auto w = randn<float>(C * K, s.next(), 0.5);
   const auto dy = rounded(randn<float>(N * C, s.next()));
@@ -604,14 +508,14 @@ void check_conv1d(int64_t N, int64_t C, int64_t K, int64_t max_doc, size_t off) 
   ds::ops::conv1d_silu_backward<float>(x.data(), w.data(), dy.data(), cu.data(), num_seqs, N, C, K, dx_ref.data(),
                                        dw_ref.data());
 
-  Dev<bf16> x_(N * C, off), y_(N * C, off), dy_(N * C, off), dx_(N * C, off);
-  Dev<float> w_(C * K), dw_(C * K);
-  Dev<int32_t> ss_(N);
-  Dev<char> scratch(std::max<size_t>(gpu::conv1d_scratch_bytes(N, C, K), 1));
-  up_bf16(x_, x);
-  up(w_, w);
-  up_bf16(dy_, dy);
-  up(ss_, seq_start);
+  DevBuf<bf16> x_(N * C, off), y_(N * C, off), dy_(N * C, off), dx_(N * C, off);
+  DevBuf<float> w_(C * K), dw_(C * K);
+  DevBuf<int32_t> ss_(N);
+  DevBuf<char> scratch(std::max<size_t>(gpu::conv1d_scratch_bytes(N, C, K), 1));
+  upload_bf16(x_, x);
+  upload(w_, w);
+  upload_bf16(dy_, dy);
+  upload(ss_, seq_start);
   struct Out {
     std::vector<uint16_t> y, dx;
     std::vector<float> dw;
@@ -620,25 +524,25 @@ void check_conv1d(int64_t N, int64_t C, int64_t K, int64_t max_doc, size_t off) 
     Out o;
     y_.poison();
     dx_.poison();
-    up(dw_, dw0);
+    upload(dw_, dw0);
     gpu::conv1d_silu_forward(x_.get(), w_.get(), ss_.get(), y_.get(), N, C, K, nullptr);
     gpu::conv1d_silu_backward(x_.get(), w_.get(), dy_.get(), ss_.get(), dx_.get(), dw_.get(), N, C, K, scratch.get(),
                               nullptr);
-    sync();
-    o.y = down_bits(y_);
-    o.dx = down_bits(dx_);
-    o.dw = down(dw_);
+    device_sync();
+    o.y = download_bits(y_);
+    o.dx = download_bits(dx_);
+    o.dw = download(dw_);
     return o;
   };
   const Out a = run(), b = run();
-  EXPECT_LE(rel_l2(to_f32(a.y), y_ref), kFwdTol);
-  EXPECT_LE(rel_l2(to_f32(a.dx), dx_ref), kGradTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.y), y_ref), kFwdTol);
+  EXPECT_LE(rel_l2(bits_to_f32(a.dx), dx_ref), kGradTol);
   EXPECT_LE(rel_l2(a.dw, dw_ref), kGradTol);
   EXPECT_TRUE(same_bits(a.y, b.y) && same_bits(a.dx, b.dx) && same_bits(a.dw, b.dw)) << "two identical runs differ";
 }
 
 TEST(CudaOps, Conv1dPacked) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_conv1d(2048, 10240, 4, 600, 0);  // Qwen3.5 conv_dim; documents span the backward slots
   check_conv1d(1000, 512, 4, 6, 0);      // many documents shorter than K
   check_conv1d(37, 36, 4, 5, 0);         // C % 8 != 0: scalar forward, 4-channel backward
@@ -655,35 +559,33 @@ void check_rope(int64_t N, int64_t H, int64_t hd, int64_t rd, size_t off) {
   SCOPED_TRACE("rope " + shape({N, H, hd}) + " rotary " + std::to_string(rd) + " offset " + std::to_string(off) + ", " +
                s.str());
   const auto cu = random_cu_seqlens(N, s.next(), 400);
-  std::vector<int32_t> pos(N);
-  for (size_t q = 0; q + 1 < cu.size(); ++q)
-    for (int32_t t = cu[q]; t < cu[q + 1]; ++t) pos[t] = t - cu[q];
+  const auto pos = positions_in_docs(cu);
   const int64_t half = rd / 2, n = N * H * hd;
   std::vector<float> cos_t(N * half), sin_t(N * half);
   ds::ops::rope_tables<float>(pos.data(), N, rd, 1e7, cos_t.data(), sin_t.data());
   const auto x = rounded(randn<float>(n, s.next()));
-  Dev<bf16> x_(n, off);
-  Dev<float> c_(N * half), s_(N * half);
-  up(c_, cos_t);
-  up(s_, sin_t);
+  DevBuf<bf16> x_(n, off);
+  DevBuf<float> c_(N * half), s_(N * half);
+  upload(c_, cos_t);
+  upload(s_, sin_t);
   for (bool inverse : {false, true}) {
     SCOPED_TRACE(inverse ? "inverse" : "forward");
     auto ref = x;
     ds::ops::rope_apply<float>(ref.data(), N, H, hd, rd, cos_t.data(), sin_t.data(), inverse);
     auto run = [&] {
-      up_bf16(x_, x);
+      upload_bf16(x_, x);
       gpu::rope_apply(x_.get(), N, H, hd, rd, c_.get(), s_.get(), inverse, nullptr);
-      sync();
-      return down_bits(x_);
+      device_sync();
+      return download_bits(x_);
     };
     const auto a = run(), b = run();
-    EXPECT_LE(rel_l2(to_f32(a), ref), inverse ? kGradTol : kFwdTol);
+    EXPECT_LE(rel_l2(bits_to_f32(a), ref), inverse ? kGradTol : kFwdTol);
     EXPECT_TRUE(same_bits(a, b)) << "two identical runs differ";
   }
 }
 
 TEST(CudaOps, Rope) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_rope(1024, 16, 256, 64, 0);  // Qwen3.5: 25% of head_dim 256 rotates
   check_rope(512, 4, 128, 128, 0);   // full rotation
   check_rope(77, 3, 72, 36, 0);      // half % 8 != 0: scalar path
@@ -706,11 +608,11 @@ void check_adamw(int64_t n, size_t off, bool with_bf16) {
   ds::ops::adamw_update(p_ref.data(), grad.data(), m_ref.data(), v_ref.data(), n, ap);
   const double ss_ref = ds::ops::sum_squares(grad.data(), n);
 
-  Dev<float> p_(n, off), g_(n, off), m_(n, off), v_(n, off);
-  Dev<bf16> pb_(n, off);
-  Dev<double> ss_(1);
-  Dev<char> scratch(std::max<size_t>(gpu::sum_squares_scratch_bytes(n), 1));
-  up(g_, grad);
+  DevBuf<float> p_(n, off), g_(n, off), m_(n, off), v_(n, off);
+  DevBuf<bf16> pb_(n, off);
+  DevBuf<double> ss_(1);
+  DevBuf<char> scratch(std::max<size_t>(gpu::sum_squares_scratch_bytes(n), 1));
+  upload(g_, grad);
   struct Out {
     std::vector<float> p, m, v;
     std::vector<uint16_t> pb, cvt;
@@ -718,23 +620,23 @@ void check_adamw(int64_t n, size_t off, bool with_bf16) {
   };
   auto run = [&] {
     Out o;
-    up(p_, param);
-    up(m_, m);
-    up(v_, v);
+    upload(p_, param);
+    upload(m_, m);
+    upload(v_, v);
     pb_.poison();
     ss_.poison();
     gpu::sum_squares(g_.get(), n, ss_.get(), scratch.get(), nullptr);
     gpu::adamw_update(p_.get(), g_.get(), m_.get(), v_.get(), with_bf16 ? pb_.get() : nullptr, n, ap, nullptr);
-    sync();
-    o.p = down(p_);
-    o.m = down(m_);
-    o.v = down(v_);
-    o.pb = down_bits(pb_);
-    o.ss = down(ss_)[0];
+    device_sync();
+    o.p = download(p_);
+    o.m = download(m_);
+    o.v = download(v_);
+    o.pb = download_bits(pb_);
+    o.ss = download(ss_)[0];
     pb_.poison();
     gpu::to_bf16(p_.get(), pb_.get(), n, nullptr);
-    sync();
-    o.cvt = down_bits(pb_);
+    device_sync();
+    o.cvt = download_bits(pb_);
     return o;
   };
   const Out a = run(), b = run();
@@ -747,10 +649,10 @@ void check_adamw(int64_t n, size_t off, bool with_bf16) {
   EXPECT_LE(rel_l2(dp, dp_ref), kFwdTol);
   std::vector<float> p_rounded = rounded(a.p);
   if (with_bf16) {
-    EXPECT_LE(rel_l2(to_f32(a.pb), p_rounded), kFwdTol);
-    EXPECT_TRUE(same_bits(to_f32(a.pb), p_rounded)) << "bf16 copy is not the RNE rounding of the fp32 param";
+    EXPECT_LE(rel_l2(bits_to_f32(a.pb), p_rounded), kFwdTol);
+    EXPECT_TRUE(same_bits(bits_to_f32(a.pb), p_rounded)) << "bf16 copy is not the RNE rounding of the fp32 param";
   }
-  EXPECT_TRUE(same_bits(to_f32(a.cvt), p_rounded)) << "to_bf16 is not round-to-nearest-even";
+  EXPECT_TRUE(same_bits(bits_to_f32(a.cvt), p_rounded)) << "to_bf16 is not round-to-nearest-even";
   EXPECT_NEAR(a.ss, ss_ref, 1e-10 * ss_ref);
   EXPECT_TRUE(same_bits(a.p, b.p) && same_bits(a.m, b.m) && same_bits(a.v, b.v) && same_bits(a.pb, b.pb) &&
               same_bits(a.cvt, b.cvt) && std::memcmp(&a.ss, &b.ss, sizeof(double)) == 0)
@@ -758,7 +660,7 @@ void check_adamw(int64_t n, size_t off, bool with_bf16) {
 }
 
 TEST(CudaOps, AdamW) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_adamw(1000003, 0, true);  // float4 body + scalar tail; sum_squares over many blocks
   check_adamw(4096, 0, false);    // no bf16 copy
   check_adamw(1001, 1, true);     // unaligned: scalar path
@@ -778,41 +680,42 @@ void check_elementwise(int64_t n, size_t off) {
   ds::ops::output_gate_forward<float>(a.data(), b.data(), gate_ref.data(), n);
   ds::ops::output_gate_backward<float>(a.data(), b.data(), dy.data(), dout_ref.data(), dgate_ref.data(), n);
 
-  Dev<bf16> a_(n, off), b_(n, off), dy_(n, off), y_(n, off), g_(n, off), dout_(n, off), dgate_(n, off), alias(n, off);
-  Dev<float> f_(n, off);
-  up_bf16(a_, a);
-  up_bf16(b_, b);
-  up_bf16(dy_, dy);
+  DevBuf<bf16> a_(n, off), b_(n, off), dy_(n, off), y_(n, off), g_(n, off), dout_(n, off), dgate_(n, off),
+      alias(n, off);
+  DevBuf<float> f_(n, off);
+  upload_bf16(a_, a);
+  upload_bf16(b_, b);
+  upload_bf16(dy_, dy);
   struct Out {
     std::vector<uint16_t> add, add_alias, gate, dout, dgate;
     std::vector<float> f32;
   };
   auto run = [&] {
     Out o;
-    for (Dev<bf16>* d : {&y_, &g_, &dout_, &dgate_}) d->poison();
+    for (DevBuf<bf16>* d : {&y_, &g_, &dout_, &dgate_}) d->poison();
     f_.poison();
     gpu::add(a_.get(), b_.get(), y_.get(), n, nullptr);
     gpu::output_gate_forward(a_.get(), b_.get(), g_.get(), n, nullptr);
     gpu::output_gate_backward(a_.get(), b_.get(), dy_.get(), dout_.get(), dgate_.get(), n, nullptr);
     gpu::bf16_to_f32(a_.get(), f_.get(), n, nullptr);
-    up_bf16(alias, a);
+    upload_bf16(alias, a);
     gpu::add(alias.get(), b_.get(), alias.get(), n, nullptr);  // y aliases a (residual add in place)
-    sync();
-    o.add = down_bits(y_);
-    o.add_alias = down_bits(alias);
-    o.gate = down_bits(g_);
-    o.dout = down_bits(dout_);
-    o.dgate = down_bits(dgate_);
-    o.f32 = down(f_);
+    device_sync();
+    o.add = download_bits(y_);
+    o.add_alias = download_bits(alias);
+    o.gate = download_bits(g_);
+    o.dout = download_bits(dout_);
+    o.dgate = download_bits(dgate_);
+    o.f32 = download(f_);
     return o;
   };
   const Out x = run(), y = run();
-  EXPECT_LE(rel_l2(to_f32(x.add), add_ref), kFwdTol);
+  EXPECT_LE(rel_l2(bits_to_f32(x.add), add_ref), kFwdTol);
   EXPECT_TRUE(same_bits(x.add, x.add_alias)) << "in-place add differs";
-  EXPECT_TRUE(same_bits(to_f32(x.add), rounded(add_ref))) << "add is not one rounding of the fp32 sum";
-  EXPECT_LE(rel_l2(to_f32(x.gate), gate_ref), kFwdTol);
-  EXPECT_LE(rel_l2(to_f32(x.dout), dout_ref), kGradTol);
-  EXPECT_LE(rel_l2(to_f32(x.dgate), dgate_ref), kGradTol);
+  EXPECT_TRUE(same_bits(bits_to_f32(x.add), rounded(add_ref))) << "add is not one rounding of the fp32 sum";
+  EXPECT_LE(rel_l2(bits_to_f32(x.gate), gate_ref), kFwdTol);
+  EXPECT_LE(rel_l2(bits_to_f32(x.dout), dout_ref), kGradTol);
+  EXPECT_LE(rel_l2(bits_to_f32(x.dgate), dgate_ref), kGradTol);
   EXPECT_TRUE(same_bits(x.f32, a)) << "bf16_to_f32 is not exact";
   EXPECT_TRUE(same_bits(x.add, y.add) && same_bits(x.gate, y.gate) && same_bits(x.dout, y.dout) &&
               same_bits(x.dgate, y.dgate) && same_bits(x.f32, y.f32))
@@ -820,7 +723,7 @@ void check_elementwise(int64_t n, size_t off) {
 }
 
 TEST(CudaOps, Elementwise) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_elementwise((1 << 20) + 3, 0);  // 16-byte body + scalar tail
   check_elementwise(1001, 1);           // unaligned: scalar path
   check_elementwise(5, 0);
@@ -835,21 +738,21 @@ void check_copy_rows(int64_t rows, int64_t cols, int64_t ss, int64_t ds_, size_t
   auto ref = dst0;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < cols; ++c) ref[r * ds_ + c] = src[r * ss + c];
-  Dev<bf16> src_(rows * ss, off), dst_(rows * ds_, off);
-  up_bf16(src_, src);
+  DevBuf<bf16> src_(rows * ss, off), dst_(rows * ds_, off);
+  upload_bf16(src_, src);
   auto run = [&] {
-    up_bf16(dst_, dst0);
+    upload_bf16(dst_, dst0);
     gpu::copy_rows(src_.get(), ss, dst_.get(), ds_, rows, cols, nullptr);
-    sync();
-    return down_bits(dst_);
+    device_sync();
+    return download_bits(dst_);
   };
   const auto a = run(), b = run();
-  EXPECT_TRUE(same_bits(to_f32(a), ref)) << "copy_rows is not an exact strided copy (or wrote outside the rows)";
+  EXPECT_TRUE(same_bits(bits_to_f32(a), ref)) << "copy_rows is not an exact strided copy (or wrote outside the rows)";
   EXPECT_TRUE(same_bits(a, b)) << "two identical runs differ";
 }
 
 TEST(CudaOps, CopyRows) {
-  DS_REQUIRE_GPU();
+  DS_SKIP_WITHOUT_GPU();
   check_copy_rows(1000, 2048, 6144, 2048, 0);  // one slice of a fused projection output
   check_copy_rows(100, 64, 96, 80, 0);
   check_copy_rows(70000, 8, 16, 8, 0);  // more rows than one grid dimension holds

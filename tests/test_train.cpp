@@ -13,58 +13,19 @@
 #include "data/dataset.h"
 #include "model/config.h"
 #include "test_util.h"
+#include "train_test_util.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 namespace {
 
-std::string tmpdir(const std::string& name) {
-  fs::path p = fs::temp_directory_path() / ("deltastack_train_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
+using ds::test::metrics;
+using ds::test::run;
+using ds::test::small_setup;
+using ds::test::train_losses;
 
-int run(const std::string& args) {
-  std::string cmd = std::string(DELTASTACK_BIN) + " " + args + " >/dev/null 2>&1";
-  int rc = std::system(cmd.c_str());
-  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
-}
-
-// A small model over the real tokenizer's id range, and a small corpus, so a step takes milliseconds.
-std::string small_setup(const std::string& dir) {
-  json c = ds::ModelConfig::preset("tiny").to_json();
-  c["vocab_size"] = 151680;
-  c["hidden_size"] = 16;
-  c["intermediate_size"] = 32;
-  c["num_attention_heads"] = 2;
-  c["num_key_value_heads"] = 1;
-  c["head_dim"] = 8;
-  c["linear_key_head_dim"] = 8;
-  c["linear_value_head_dim"] = 8;
-  ds::write_file_atomic(dir + "/config.json", c.dump());
-  std::string text = ds::read_file(ds::test::data_path("tiny_shakespeare.txt")).substr(0, 20000);
-  ds::write_file_atomic(dir + "/corpus.txt", text);
-  // --device cpu: these tests pin the CPU reference engine (bitwise resume, thread counts), also on a GPU machine.
-  return "--device cpu --model " + dir + "/config.json --data " + dir + "/corpus.txt --seq-len 32 --micro-batch 2 --eval-batches 1 "
-         "--val-fraction 0.1 --eval-interval 0";
-}
-
-std::vector<json> metrics(const std::string& path) {
-  std::vector<json> out;
-  std::istringstream in(ds::read_file(path));
-  std::string line;
-  while (std::getline(in, line)) out.push_back(json::parse(line));
-  return out;
-}
-
-std::vector<double> train_losses(const std::string& path) {
-  std::vector<double> l;
-  for (auto& j : metrics(path))
-    if (j.contains("loss")) l.push_back(j["loss"].get<double>());
-  return l;
-}
+std::string tmpdir(const std::string& name) { return ds::test::fresh_tmpdir("train_" + name); }
 
 }  // namespace
 

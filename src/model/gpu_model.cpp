@@ -13,6 +13,7 @@
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
 #include "core/log.h"
+#include "model/dims.h"
 #include "ops/adamw/cuda.h"
 #include "ops/attention/cuda.h"
 #include "ops/conv1d/cuda.h"
@@ -104,29 +105,6 @@ struct GpuModel::Impl {
   void* sumsq_scratch = nullptr;
 
   int64_t max_chunks() const { return plan.max_tokens / 64 + plan.max_seqs + 1; }
-
-  ops::GdnDims gdn_dims(int64_t N, int64_t S) const {
-    ops::GdnDims d;
-    d.N = N;
-    d.num_seqs = S;
-    d.Hk = c.linear_num_key_heads;
-    d.Hv = c.linear_num_value_heads;
-    d.dk = c.linear_key_head_dim;
-    d.dv = c.linear_value_head_dim;
-    d.scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
-    d.chunk_size = 64;
-    return d;
-  }
-  ops::AttnDims attn_dims(int64_t N, int64_t S) const {
-    ops::AttnDims d;
-    d.N = N;
-    d.num_seqs = S;
-    d.Hq = c.num_attention_heads;
-    d.Hkv = c.num_key_value_heads;
-    d.head_dim = c.head_dim;
-    d.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-    return d;
-  }
 
   void layout(Arena& a) {
     const int64_t N = plan.max_tokens, S = plan.max_seqs, H = c.hidden_size, I = c.intermediate_size;
@@ -222,8 +200,8 @@ struct GpuModel::Impl {
     scratch = std::max({scratch, K::rmsnorm_scratch_bytes(N, H), K::rmsnorm_scratch_bytes(N * Hq, hd),
                         K::rmsnorm_scratch_bytes(N * Hkv, hd), K::gated_rmsnorm_scratch_bytes(N * Hv, c.linear_value_head_dim),
                         K::gdn_gate_scratch_bytes(N, Hv), K::conv1d_scratch_bytes(N, CD, c.linear_conv_kernel_dim),
-                        K::gated_delta_rule_scratch_bytes(gdn_dims(N, S), max_chunks()),
-                        K::attention_scratch_bytes(attn_dims(N, S))});
+                        K::gated_delta_rule_scratch_bytes(gdn_dims(c, N, S), max_chunks()),
+                        K::attention_scratch_bytes(attn_dims(c, N, S))});
     op_scratch_bytes = scratch;
     op_scratch = a.bytes(scratch);
     ce_scratch = a.bytes(K::linear_cross_entropy_scratch_bytes(N, H, c.vocab_size, plan.ce_chunk_tokens));
@@ -309,7 +287,7 @@ struct GpuModel::Impl {
     K::l2norm_forward(Lb.conv_out + KD, CD, Lb.kn, Lb.rk, N, Hk, dk, 1e-6f, stream);
     K::gdn_gate_forward(Lb.ab, W(L(i, "linear_attn.A_log")), W(L(i, "linear_attn.dt_bias")), Lb.g, Lb.beta, N, Hv,
                         stream);
-    K::gated_delta_rule_forward(gdn_dims(N, S), Lb.qn, Lb.kn, Lb.conv_out + 2 * KD, CD, Lb.g, Lb.beta, cu, chunk_off,
+    K::gated_delta_rule_forward(gdn_dims(c, N, S), Lb.qn, Lb.kn, Lb.conv_out + 2 * KD, CD, Lb.g, Lb.beta, cu, chunk_off,
                                 total_chunks, Lb.core, Lb.states, stream);
     K::gated_rmsnorm_forward(Lb.core, Lb.z, W(L(i, "linear_attn.norm.weight")), Lb.y, Lb.rstd_g, N * Hv, dv,
                              static_cast<float>(c.rms_norm_eps), stream);
@@ -324,7 +302,7 @@ struct GpuModel::Impl {
     K::linear_backward_weight(dh, Lb.y, G(L(i, "linear_attn.out_proj.weight")), N, VD, H, stream);
     K::gated_rmsnorm_backward(Lb.core, Lb.z, W(L(i, "linear_attn.norm.weight")), Lb.rstd_g, dy, dcore, dz,
                               G(L(i, "linear_attn.norm.weight")), N * Hv, dv, op_scratch, stream);
-    K::gated_delta_rule_backward(gdn_dims(N, S), Lb.qn, Lb.kn, Lb.conv_out + 2 * KD, CD, Lb.g, Lb.beta, cu,
+    K::gated_delta_rule_backward(gdn_dims(c, N, S), Lb.qn, Lb.kn, Lb.conv_out + 2 * KD, CD, Lb.g, Lb.beta, cu,
                                  chunk_off, total_chunks, Lb.states, dcore, dqn, dkn, dconv + 2 * KD, CD, dg, dbeta,
                                  op_scratch, stream);
     K::l2norm_backward(Lb.qn, Lb.rq, dqn, dconv, CD, N, Hk, dk, stream);
@@ -354,7 +332,7 @@ struct GpuModel::Impl {
     K::rmsnorm_forward(Lb.kraw, W(L(i, "self_attn.k_norm.weight")), Lb.kr, Lb.rstd_k, N * Hkv, hd, eps, true, stream);
     K::rope_apply(Lb.qr, N, Hq, hd, c.rotary_dim(), cos_t, sin_t, false, stream);
     K::rope_apply(Lb.kr, N, Hkv, hd, c.rotary_dim(), cos_t, sin_t, false, stream);
-    K::attention_forward(attn_dims(N, S), Lb.qr, Lb.kr, Lb.vraw, cu, max_seqlen, Lb.ao, Lb.lse, stream);
+    K::attention_forward(attn_dims(c, N, S), Lb.qr, Lb.kr, Lb.vraw, cu, max_seqlen, Lb.ao, Lb.lse, stream);
     K::output_gate_forward(Lb.ao, Lb.graw, Lb.og, N * Hq * hd, stream);
     K::linear_forward(Lb.og, WB(L(i, "self_attn.o_proj.weight")), tmpH, N, Hq * hd, H, false, stream);
   }
@@ -364,7 +342,7 @@ struct GpuModel::Impl {
     K::linear_backward_data(dh, WB(L(i, "self_attn.o_proj.weight")), dog, N, Hq * hd, H, false, stream);
     K::linear_backward_weight(dh, Lb.og, G(L(i, "self_attn.o_proj.weight")), N, Hq * hd, H, stream);
     K::output_gate_backward(Lb.ao, Lb.graw, dog, dao, dgate, N * Hq * hd, stream);
-    K::attention_backward(attn_dims(N, S), Lb.qr, Lb.kr, Lb.vraw, Lb.ao, Lb.lse, dao, cu, max_seqlen, dqr, dkr, dvv,
+    K::attention_backward(attn_dims(c, N, S), Lb.qr, Lb.kr, Lb.vraw, Lb.ao, Lb.lse, dao, cu, max_seqlen, dqr, dkr, dvv,
                           op_scratch, stream);
     K::rope_apply(dqr, N, Hq, hd, c.rotary_dim(), cos_t, sin_t, true, stream);
     K::rope_apply(dkr, N, Hkv, hd, c.rotary_dim(), cos_t, sin_t, true, stream);

@@ -8,6 +8,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "model/dims.h"
 #include "ops/attention/attention.h"
 #include "ops/conv1d/conv1d.h"
 #include "ops/embedding/embedding.h"
@@ -258,30 +259,6 @@ struct Qwen35Model::Impl {
     return p;
   }
 
-  ops::GdnDims gdn_dims() const {
-    ops::GdnDims d;
-    d.N = N;
-    d.num_seqs = num_seqs;
-    d.Hk = c.linear_num_key_heads;
-    d.Hv = c.linear_num_value_heads;
-    d.dk = c.linear_key_head_dim;
-    d.dv = c.linear_value_head_dim;
-    d.scale = 1.0 / std::sqrt(static_cast<double>(d.dk));
-    d.chunk_size = 64;
-    return d;
-  }
-
-  ops::AttnDims attn_dims() const {
-    ops::AttnDims d;
-    d.N = N;
-    d.num_seqs = num_seqs;
-    d.Hq = c.num_attention_heads;
-    d.Hkv = c.num_key_value_heads;
-    d.head_dim = c.head_dim;
-    d.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
-    return d;
-  }
-
   // --- Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, qwen35_model.md §2.6) ---
   void gdn_forward(const LayerPtrs& w, LayerCache& s, Buf& out) {
     const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads;
@@ -316,7 +293,7 @@ struct Qwen35Model::Impl {
     s.beta.resize(N * Hv);
     ops::gdn_gate_forward(s.aa.data(), s.bb.data(), w.A_log, w.dt_bias, s.g.data(), s.beta.data(), N, Hv);
     s.core.resize(N * VD);
-    ops::gated_delta_rule_forward(gdn_dims(), s.qn.data(), s.kn.data(), s.vc.data(), s.g.data(),
+    ops::gated_delta_rule_forward(gdn_dims(c, N, num_seqs), s.qn.data(), s.kn.data(), s.vc.data(), s.g.data(),
                                         s.beta.data(), batch.cu_seqlens.data(), static_cast<const float*>(nullptr),
                                         s.core.data(), static_cast<float*>(nullptr));
     const int64_t rows_v = N * Hv, dv = c.linear_value_head_dim;
@@ -337,7 +314,7 @@ struct Qwen35Model::Impl {
     ops::gated_rmsnorm_backward(s.core.data(), s.zz.data(), w.gnorm, s.rstd_g.data(), dy.data(), dcore.data(),
                                 dz.data(), gw.gnorm, N * Hv, dv);
     Buf dqn(N * KD), dkn(N * KD), dvc(N * VD), dg(N * Hv), dbeta(N * Hv);
-    ops::gated_delta_rule_backward(gdn_dims(), s.qn.data(), s.kn.data(), s.vc.data(), s.g.data(),
+    ops::gated_delta_rule_backward(gdn_dims(c, N, num_seqs), s.qn.data(), s.kn.data(), s.vc.data(), s.g.data(),
                                          s.beta.data(), batch.cu_seqlens.data(), static_cast<const float*>(nullptr),
                                          dcore.data(), static_cast<const float*>(nullptr), dqn.data(), dkn.data(),
                                          dvc.data(), dg.data(), dbeta.data(), static_cast<float*>(nullptr));
@@ -391,8 +368,8 @@ struct Qwen35Model::Impl {
     ops::rope_apply(s.kr.data(), N, Hkv, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), false);
     s.ao.resize(N * Hq * hd);
     s.lse.resize(N * Hq);
-    ops::attention_forward(attn_dims(), s.qr.data(), s.kr.data(), s.vraw.data(), batch.cu_seqlens.data(), s.ao.data(),
-                           s.lse.data());
+    ops::attention_forward(attn_dims(c, N, num_seqs), s.qr.data(), s.kr.data(), s.vraw.data(), batch.cu_seqlens.data(),
+                           s.ao.data(), s.lse.data());
     s.og.resize(N * Hq * hd);
     ops::output_gate_forward(s.ao.data(), s.graw.data(), s.og.data(), N * Hq * hd);
     ops::linear_forward(s.og.data(), w.o, out.data(), N, Hq * hd, H);
@@ -405,8 +382,8 @@ struct Qwen35Model::Impl {
     Buf dao(N * Hq * hd), dgate(N * Hq * hd);
     ops::output_gate_backward(s.ao.data(), s.graw.data(), dog.data(), dao.data(), dgate.data(), N * Hq * hd);
     Buf dqr(N * Hq * hd), dkr(N * Hkv * hd), dvv(N * Hkv * hd);
-    ops::attention_backward(attn_dims(), s.qr.data(), s.kr.data(), s.vraw.data(), s.ao.data(), s.lse.data(),
-                            dao.data(), batch.cu_seqlens.data(), dqr.data(), dkr.data(), dvv.data());
+    ops::attention_backward(attn_dims(c, N, num_seqs), s.qr.data(), s.kr.data(), s.vraw.data(), s.ao.data(),
+                            s.lse.data(), dao.data(), batch.cu_seqlens.data(), dqr.data(), dkr.data(), dvv.data());
     ops::rope_apply(dqr.data(), N, Hq, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), true);
     ops::rope_apply(dkr.data(), N, Hkv, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), true);
     Buf dq(N * Hq * hd), dk(N * Hkv * hd);

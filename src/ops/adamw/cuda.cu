@@ -10,19 +10,18 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/adamw/cuda.h"
 
 namespace ds::ops::cuda {
 namespace {
 
-using ds::cuda::bf16;
+using namespace ds::cuda;
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 4096;     // elementwise grids (grid-stride beyond)
 constexpr int64_t kSumChunk = 16384;     // elements per sum_squares block at least
 constexpr int64_t kMaxSumBlocks = 1024;  // at most this many partials
-
-bool aligned(const void* p, unsigned a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
 
 struct AdamConsts {
   float b1, b2, decay, step_size, inv_sqrt_bc2, eps, gs;
@@ -36,11 +35,6 @@ __device__ __forceinline__ float adam_one(float& p, float g, float& m, float& v,
   pp -= k.step_size * mm / (sqrtf(vv) * k.inv_sqrt_bc2 + k.eps);
   p = pp, m = mm, v = vv;
   return pp;
-}
-
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -133,11 +127,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) *out = s;
 }
 
-unsigned grid_for(int64_t work) {
-  int64_t b = (work + kThreads - 1) / kThreads;
-  if (b < 1) b = 1;
-  return static_cast<unsigned>(b < kMaxBlocks ? b : kMaxBlocks);
-}
+unsigned grid_for(int64_t work) { return grid_1d(work, kThreads, kMaxBlocks); }
 
 struct SumPlan {
   int64_t chunk = 0, blocks = 0;

@@ -17,12 +17,13 @@
 #include <climits>
 #include <cstdint>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/conv1d/cuda.h"
 
 namespace ds::ops::cuda {
 namespace {
 
-using ds::cuda::bf16;
+using namespace ds::cuda;
 
 constexpr int kThreads = 128;
 constexpr int kFwdTile = 8;  // tokens per forward tile
@@ -30,20 +31,7 @@ constexpr int kBwdTile = 4;  // lead tokens per backward step
 constexpr int64_t kMaxSlots = 128;
 constexpr int64_t kMinTokensPerSlot = 16;
 
-struct Slots {
-  int64_t per = 0, count = 0;
-};
-Slots make_slots(int64_t n) {
-  Slots s;
-  if (n <= 0) return s;
-  int64_t want = (n + kMinTokensPerSlot - 1) / kMinTokensPerSlot;
-  if (want > kMaxSlots) want = kMaxSlots;
-  s.per = (n + want - 1) / want;
-  s.count = (n + s.per - 1) / s.per;
-  return s;
-}
-
-bool aligned(const void* p, unsigned a) { return (reinterpret_cast<uintptr_t>(p) & (a - 1)) == 0; }
+Slots slots_for(int64_t n) { return make_slots(n, kMaxSlots, kMinTokensPerSlot); }
 
 // Packed storage of V bf16 values: V = 8 -> uint4, 4 -> uint2, 1 -> unsigned short.
 template <int V>
@@ -87,22 +75,6 @@ __device__ __forceinline__ float raw_get(const typename Raw<V>::T& r, int k) {  
     return (k & 1) ? __uint_as_float(w & 0xffff0000u) : __uint_as_float(w << 16);
   }
 }
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
-}
-template <int V>
-__device__ __forceinline__ void store_bf(bf16* p, const float f[V]) {
-  if constexpr (V == 8)
-    *reinterpret_cast<uint4*>(p) =
-        make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-  else if constexpr (V == 4)
-    *reinterpret_cast<uint2*>(p) = make_uint2(pack2(f[0], f[1]), pack2(f[2], f[3]));
-  else
-    *p = __float2bfloat16_rn(f[0]);
-}
-
-__device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + __expf(-v)); }
 
 template <int V, int K>
 __global__ void __launch_bounds__(kThreads)
@@ -141,7 +113,7 @@ __global__ void __launch_bounds__(kThreads)
           }
         }
 #pragma unroll
-        for (int v = 0; v < V; ++v) p[v] = p[v] * sigmoidf_(p[v]);
+        for (int v = 0; v < V; ++v) p[v] = p[v] * sigmoid_fast(p[v]);
         store_bf<V>(y + t * C + c0, p);
       }
     }
@@ -203,7 +175,7 @@ __global__ void __launch_bounds__(kThreads)
         }
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        const float sg = sigmoidf_(p[v]);
+        const float sg = sigmoid_fast(p[v]);
         dpw[W + i][v] = raw_get<V>(dyt[i], v) * sg * (1.0f + p[v] * (1.0f - sg));
       }
       if (u < s1) {
@@ -248,30 +220,11 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < K; ++j) prow[v * K + j] = dwa[j][v];
 }
 
-// out[c] += sum_{p < P} part[p*ld + c], p in a fixed order: 8 strided sub-sums per column, then in order.
-__global__ void sum_partials(const float* __restrict__ part, int64_t P, int64_t ld, int64_t ncols,
-                             float* __restrict__ out) {
-  __shared__ float sm[8][33];
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.f;
-  if (col < ncols)
-    for (int64_t p = threadIdx.y; p < P; p += 8) s += part[p * ld + col];
-  sm[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < ncols) {
-    float t = 0.f;
-#pragma unroll
-    for (int q = 0; q < 8; ++q) t += sm[q][threadIdx.x];
-    out[col] += t;
-  }
-}
-
 template <int V>
 void launch_fwd(const bf16* x, const float* w, const int32_t* ss, bf16* y, int64_t N, int64_t C, int64_t K,
                 cudaStream_t stream) {
   const int64_t tiles = (N + kFwdTile - 1) / kFwdTile;
-  const dim3 grid(static_cast<unsigned>((C / V + kThreads - 1) / kThreads),
-                  static_cast<unsigned>(tiles < 65535 ? tiles : 65535));
+  const dim3 grid = grid_cols_rows(C, V, kThreads, tiles);
   switch (K) {
     case 1:
       conv_fwd_kernel<V, 1><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
@@ -330,7 +283,7 @@ void conv1d_silu_forward(const ds::cuda::bf16* x, const float* w, const int32_t*
 
 size_t conv1d_scratch_bytes(int64_t N, int64_t C, int64_t K) {
   if (N <= 0 || C <= 0 || K <= 0) return 0;
-  return static_cast<size_t>(make_slots(N).count) * static_cast<size_t>(C * K) * sizeof(float);
+  return static_cast<size_t>(slots_for(N).count) * static_cast<size_t>(C * K) * sizeof(float);
 }
 
 void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cuda::bf16* dy, const int32_t* seq_start,
@@ -340,15 +293,14 @@ void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cud
   if (N == 0) return;
   DS_CUDA_REQUIRE(x && w && dy && seq_start && dx && dw, "conv1d_silu_backward: null pointer argument");
   DS_CUDA_REQUIRE(scratch != nullptr, "conv1d_silu_backward: scratch is null (need conv1d_scratch_bytes)");
-  const Slots s = make_slots(N);
+  const Slots s = slots_for(N);
   float* partial = static_cast<float*>(scratch);
   if (C % 4 == 0 && aligned(x, 8) && aligned(dy, 8) && aligned(dx, 8))
     launch_bwd<4>(x, w, dy, seq_start, dx, partial, N, C, K, s, stream);
   else
     launch_bwd<1>(x, w, dy, seq_start, dx, partial, N, C, K, s, stream);
   DS_CUDA_LAUNCH_CHECK();
-  sum_partials<<<static_cast<unsigned>((C * K + 31) / 32), dim3(32, 8), 0, stream>>>(partial, s.count, C * K, C * K,
-                                                                                     dw);
+  launch_sum_partials(partial, s.count, C * K, C * K, dw, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -4,52 +4,29 @@
 // tail and unaligned buffers). fp32 math, one rounding per output; elementwise, so deterministic.
 #include <cstdint>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/elementwise/cuda.h"
 
 namespace ds::ops::cuda {
 namespace {
 
-using ds::cuda::bf16;
+using namespace ds::cuda;
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 8192;
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-unsigned grid_for(int64_t work) {
-  int64_t b = (work + kThreads - 1) / kThreads;
-  if (b < 1) b = 1;
-  return static_cast<unsigned>(b < kMaxBlocks ? b : kMaxBlocks);
-}
-
-__device__ __forceinline__ void unpack8(const uint4& u, float f[8]) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
-}
-__device__ __forceinline__ uint4 pack8(const float f[8]) {
-  return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-}
-
-__device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + __expf(-v)); }
+unsigned grid_for(int64_t work) { return grid_1d(work, kThreads, kMaxBlocks); }
 
 // Elementwise functors on fp32 values.
 struct AddOp {
   __device__ void operator()(float a, float b, float& y) const { y = a + b; }
 };
 struct GateFwdOp {  // a = o, b = gate
-  __device__ void operator()(float o, float g, float& y) const { y = o * sigmoidf_(g); }
+  __device__ void operator()(float o, float g, float& y) const { y = o * sigmoid_fast(g); }
 };
 struct GateBwdOp {  // (o, gate, dy) -> (dout, dgate)
   __device__ void operator()(float o, float g, float dy, float& dout, float& dgate) const {
-    const float s = sigmoidf_(g);
+    const float s = sigmoid_fast(g);
     dout = dy * s;
     dgate = dy * o * s * (1.0f - s);
   }
@@ -144,8 +121,7 @@ __global__ void __launch_bounds__(kThreads)
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     float f[8];
     unpack8(__ldg(reinterpret_cast<const uint4*>(x) + i), f);
-    reinterpret_cast<float4*>(y)[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
-    reinterpret_cast<float4*>(y)[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    store_f8(y, i, f);
   }
 }
 __global__ void __launch_bounds__(kThreads)
@@ -204,8 +180,7 @@ void copy_rows(const ds::cuda::bf16* src, int64_t src_stride, ds::cuda::bf16* ds
   DS_CUDA_REQUIRE(src && dst, "copy_rows: null pointer argument");
   const bool vec = cols % 8 == 0 && src_stride % 8 == 0 && dst_stride % 8 == 0 && aligned16(src) && aligned16(dst);
   const int V = vec ? 8 : 1;
-  const dim3 grid(static_cast<unsigned>((cols / V + kThreads - 1) / kThreads),
-                  static_cast<unsigned>(rows < 65535 ? rows : 65535));
+  const dim3 grid = grid_cols_rows(cols, V, kThreads, rows);
   if (vec)
     copy_rows_kernel<8><<<grid, kThreads, 0, stream>>>(src, src_stride, dst, dst_stride, rows, cols);
   else

@@ -8,17 +8,16 @@
 // every dtable element has one owner thread, so results are deterministic.
 #include <cstdint>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/embedding/cuda.h"
 
 namespace ds::ops::cuda {
 namespace {
 
-using ds::cuda::bf16;
+using namespace ds::cuda;
 
 constexpr int kThreads = 256;
 constexpr int kBatch = 8;
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 template <int V>
 __global__ void __launch_bounds__(kThreads)
@@ -36,12 +35,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __device__ __forceinline__ void add_bf8(float a[8], const uint4& u) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+  float f[8];
+  unpack8(u, f);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    a[2 * i] += __uint_as_float(w[i] << 16);
-    a[2 * i + 1] += __uint_as_float(w[i] & 0xffff0000u);
-  }
+  for (int k = 0; k < 8; ++k) a[k] += f[k];
 }
 
 template <int V>
@@ -57,8 +54,7 @@ __global__ void __launch_bounds__(kThreads)
     float* dst = dtable + id * H + c;
     float acc[V];
     if constexpr (V == 8) {
-      const float4 a = reinterpret_cast<const float4*>(dst)[0], b = reinterpret_cast<const float4*>(dst)[1];
-      acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w, acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
+      load_f8(dst, 0, acc);
     } else {
       acc[0] = dst[0];
     }
@@ -85,19 +81,14 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if constexpr (V == 8) {
-      reinterpret_cast<float4*>(dst)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-      reinterpret_cast<float4*>(dst)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      store_f8(dst, 0, acc);
     } else {
       dst[0] = acc[0];
     }
   }
 }
 
-dim3 grid_for(int64_t rows, int64_t H, int V) {
-  const int64_t cols = (H / V + kThreads - 1) / kThreads;
-  const int64_t r = rows < 65535 ? rows : 65535;
-  return dim3(static_cast<unsigned>(cols), static_cast<unsigned>(r));
-}
+dim3 grid_for(int64_t rows, int64_t H, int V) { return grid_cols_rows(H, V, kThreads, rows); }
 
 }  // namespace
 

@@ -57,10 +57,14 @@
 #include <cstdint>
 #include <string>
 
+#include "core/cuda/kernel_utils.cuh"
+
 namespace ds::ops::cuda {
 namespace {
 
+using ds::cuda::aligned16;
 using ds::cuda::bf16;
+using ds::cuda::store_f8;
 
 constexpr int kMaxChunk = 64;  // backward shared memory is sized for chunks of up to 64 tokens
 constexpr int kFwdTile = 32;   // tokens staged per forward tile
@@ -97,6 +101,8 @@ __device__ __forceinline__ void reload_k(uint2 (&kp)[N], const bf16* row, int p)
   for (int r4 = 0; r4 < N; ++r4) kp[r4] = make_uint2(kv[2 * (r4 * P + p)], kv[2 * (r4 * P + p) + 1]);
 }
 
+// Kept local rather than ds::cuda::unpack8 (core/cuda/kernel_utils.cuh): same values, but the shared form changes
+// the backward kernel's instruction schedule, and this one is what was validated on the GPU.
 __device__ __forceinline__ void unpack8(const uint4& u, float* f) {
   f[0] = bf_lo(u.x), f[1] = bf_hi(u.x), f[2] = bf_lo(u.y), f[3] = bf_hi(u.y);
   f[4] = bf_lo(u.z), f[5] = bf_hi(u.z), f[6] = bf_lo(u.w), f[7] = bf_hi(u.w);
@@ -118,9 +124,7 @@ __device__ __forceinline__ void stage_rows(T* dst, int dst_stride, const bf16* s
       } else {
         float f[8];
         unpack8(u, f);
-        float4* d = reinterpret_cast<float4*>(dst + r * dst_stride + c8);
-        d[0] = make_float4(f[0], f[1], f[2], f[3]);
-        d[1] = make_float4(f[4], f[5], f[6], f[7]);
+        store_f8(dst + r * dst_stride + c8, 0, f);
       }
     }
   } else {
@@ -708,8 +712,6 @@ __global__ void gdn_group_sum_kernel(const float* __restrict__ part, bf16* __res
 // ------------------------------------------------------------------------------------------------------------
 // Launchers
 // ------------------------------------------------------------------------------------------------------------
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 bool dim_ok(int64_t x) { return x == 16 || x == 32 || x == 64 || x == 128; }
 

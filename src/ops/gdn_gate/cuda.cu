@@ -9,29 +9,19 @@
 // dA_log / ddt_bias. Deterministic, no atomics. fp32 math throughout (accurate expf/log1pf).
 #include <cstdint>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/gdn_gate/cuda.h"
 
 namespace ds::ops::cuda {
 namespace {
 
-using ds::cuda::bf16;
+using namespace ds::cuda;
 
 constexpr float kSoftplusThreshold = 20.0f;
 constexpr int64_t kMaxSlots = 256;
 constexpr int64_t kMinTokensPerSlot = 64;
 
-struct Slots {
-  int64_t per = 0, count = 0;
-};
-Slots make_slots(int64_t n) {
-  Slots s;
-  if (n <= 0) return s;
-  int64_t want = (n + kMinTokensPerSlot - 1) / kMinTokensPerSlot;
-  if (want > kMaxSlots) want = kMaxSlots;
-  s.per = (n + want - 1) / want;
-  s.count = (n + s.per - 1) / s.per;
-  return s;
-}
+Slots slots_for(int64_t n) { return make_slots(n, kMaxSlots, kMinTokensPerSlot); }
 
 __device__ __forceinline__ float sigmoid_stable(float x) {
   if (x >= 0.f) return 1.0f / (1.0f + expf(-x));
@@ -96,24 +86,6 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-// out[c] += sum_{p < P} part[p*ld + c], p in a fixed order: 8 strided sub-sums per column, then in order.
-__global__ void sum_partials(const float* __restrict__ part, int64_t P, int64_t ld, int64_t ncols,
-                             float* __restrict__ out) {
-  __shared__ float sm[8][33];
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.f;
-  if (col < ncols)
-    for (int64_t p = threadIdx.y; p < P; p += 8) s += part[p * ld + col];
-  sm[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < ncols) {
-    float t = 0.f;
-#pragma unroll
-    for (int q = 0; q < 8; ++q) t += sm[q][threadIdx.x];
-    out[col] += t;
-  }
-}
-
 void check_shape(const char* fn, int64_t N, int64_t Hv) {
   DS_CUDA_REQUIRE(N >= 0 && Hv > 0, std::string(fn) + ": N must be >= 0 and Hv > 0, got N=" + std::to_string(N) +
                                         " Hv=" + std::to_string(Hv));
@@ -135,7 +107,7 @@ void gdn_gate_forward(const ds::cuda::bf16* ab, const float* A_log, const float*
 
 size_t gdn_gate_scratch_bytes(int64_t N, int64_t Hv) {
   if (N <= 0 || Hv <= 0) return 0;
-  return static_cast<size_t>(make_slots(N).count) * 2 * static_cast<size_t>(Hv) * sizeof(float);
+  return static_cast<size_t>(slots_for(N).count) * 2 * static_cast<size_t>(Hv) * sizeof(float);
 }
 
 void gdn_gate_backward(const ds::cuda::bf16* ab, const float* A_log, const float* dt_bias, const float* dg,
@@ -146,15 +118,14 @@ void gdn_gate_backward(const ds::cuda::bf16* ab, const float* A_log, const float
   DS_CUDA_REQUIRE(ab && A_log && dt_bias && dg && dbeta && dab && dA_log && ddt_bias,
                   "gdn_gate_backward: null pointer argument");
   DS_CUDA_REQUIRE(scratch != nullptr, "gdn_gate_backward: scratch is null (need gdn_gate_scratch_bytes)");
-  const Slots s = make_slots(N);
+  const Slots s = slots_for(N);
   float* partial = static_cast<float*>(scratch);
   gdn_gate_bwd_kernel<<<static_cast<unsigned>(s.count), dim3(32, 8), 0, stream>>>(ab, A_log, dt_bias, dg, dbeta, dab,
                                                                                   partial, N, Hv, s.per);
   DS_CUDA_LAUNCH_CHECK();
-  const unsigned cb = static_cast<unsigned>((Hv + 31) / 32);
-  sum_partials<<<cb, dim3(32, 8), 0, stream>>>(partial, s.count, 2 * Hv, Hv, dA_log);
+  launch_sum_partials(partial, s.count, 2 * Hv, Hv, dA_log, stream);
   DS_CUDA_LAUNCH_CHECK();
-  sum_partials<<<cb, dim3(32, 8), 0, stream>>>(partial + Hv, s.count, 2 * Hv, Hv, ddt_bias);
+  launch_sum_partials(partial + Hv, s.count, 2 * Hv, Hv, ddt_bias, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -10,80 +10,20 @@
 // Row r = t*heads + h lives at x + t*x_stride + h*dim (backward: dx + t*dx_stride + h*dim).
 #include <cstdint>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/l2norm/cuda.h"
 
 namespace ds::ops::cuda {
 namespace {
 
-using ds::cuda::bf16;
-
-constexpr int kGroupBlock = 256;     // threads per block for the LANES <= 32 kernels
-constexpr int kMaxRowThreads = 512;  // block-per-row kernels
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-// ---- bf16 packing (bit-level; RNE rounding through __float2bfloat16_rn) ----
-__device__ __forceinline__ void unpack8(const uint4& u, float f[8]) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
-}
-__device__ __forceinline__ uint4 pack8(const float f[8]) {
-  return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-}
-// Sum over the threads that share a row: LANES (power of two <= 32) lanes of a warp through shuffles (every
-// lane of the warp must call it), or the whole block when LANES == 0 (red: >= 32 floats of shared memory;
-// every thread gets the same, fixed-order result).
-template <int LANES>
-__device__ __forceinline__ float row_sum(float v, float* red) {
-  if constexpr (LANES > 0) {
-#pragma unroll
-    for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-  } else {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    if ((threadIdx.x & 31) == 0) red[warp] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int i = 0; i < nw; ++i) s += red[i];
-    __syncthreads();  // red is reused by the next call
-    return s;
-  }
-}
-
-// Row/lane geometry: LANES > 0: several rows per block; LANES == 0: one row per block (blockDim threads).
-template <int LANES>
-struct Geo {
-  int group, lane, stride, groups;
-  __device__ Geo() {
-    if constexpr (LANES > 0) {
-      group = threadIdx.x / LANES;
-      lane = threadIdx.x % LANES;
-      stride = LANES;
-      groups = blockDim.x / LANES;
-    } else {
-      group = 0;
-      lane = threadIdx.x;
-      stride = blockDim.x;
-      groups = 1;
-    }
-  }
-};
+using namespace ds::cuda;
 
 template <int VPT, int LANES>
-__global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
+__global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     l2_fwd_vec(const bf16* __restrict__ x, int64_t x_stride, bf16* __restrict__ y, float* __restrict__ rnorm,
                int64_t rows, int64_t heads, int dim, float eps) {
   __shared__ float red[32];
-  const Geo<LANES> g;
+  const RowGeo<LANES> g;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * g.groups + g.group;
   const bool valid = row < rows;
   const int nvec = dim >> 3;
@@ -120,11 +60,11 @@ __global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
 
 // dx = rnorm * (dy - y * (dy . y)).
 template <int VPT, int LANES>
-__global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
+__global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     l2_bwd_vec(const bf16* __restrict__ y, const float* __restrict__ rnorm, const bf16* __restrict__ dy,
                bf16* __restrict__ dx, int64_t dx_stride, int64_t rows, int64_t heads, int dim) {
   __shared__ float red[32];
-  const Geo<LANES> g;
+  const RowGeo<LANES> g;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * g.groups + g.group;
   const bool valid = row < rows;
   const int nvec = dim >> 3;
@@ -196,89 +136,13 @@ __global__ void l2_bwd_scalar(const bf16* __restrict__ y, const float* __restric
     dxr[j] = __float2bfloat16_rn(rn * (__bfloat162float(dyr[j]) - __bfloat162float(yr[j]) * dot));
 }
 
-int next_pow2(int v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
-
-struct Plan {
-  int kind = 0, lanes = 0, vpt = 0, threads = 0;  // kind: 0 scalar, 1 group (LANES <= 32), 2 block per row
-};
-Plan plan_for(int64_t dim, bool vec_ok) {
-  Plan p;
-  if (!vec_ok || dim % 8 != 0) return p;
-  const int64_t nvec = dim / 8;
-  if (nvec <= 32) {
-    p.kind = 1, p.lanes = next_pow2(static_cast<int>(nvec)), p.vpt = 1, p.threads = kGroupBlock;
-  } else if (nvec <= 128) {
-    p.kind = 1, p.lanes = 32, p.vpt = static_cast<int>((nvec + 31) / 32), p.threads = kGroupBlock;
-  } else if (nvec <= 4 * kMaxRowThreads) {
-    int vpt = static_cast<int>((nvec + 255) / 256);
-    if (vpt > 4) vpt = 4;
-    const int64_t t = (nvec + vpt - 1) / vpt;
-    p.kind = 2, p.vpt = vpt, p.threads = static_cast<int>((t + 31) / 32 * 32);
-  }
-  return p;
-}
-
-// Dispatches a plan to the matching template instance.
-template <template <int, int> class F, typename... Args>
-void dispatch(const Plan& p, Args&&... args) {
-  if (p.kind == 2) {
-    switch (p.vpt) {
-      case 1:
-        F<1, 0>::run(p, args...);
-        return;
-      case 2:
-        F<2, 0>::run(p, args...);
-        return;
-      case 3:
-        F<3, 0>::run(p, args...);
-        return;
-      default:
-        F<4, 0>::run(p, args...);
-        return;
-    }
-  }
-  if (p.lanes < 32) {
-    switch (p.lanes) {
-      case 1:
-        F<1, 1>::run(p, args...);
-        return;
-      case 2:
-        F<1, 2>::run(p, args...);
-        return;
-      case 4:
-        F<1, 4>::run(p, args...);
-        return;
-      case 8:
-        F<1, 8>::run(p, args...);
-        return;
-      default:
-        F<1, 16>::run(p, args...);
-        return;
-    }
-  }
-  switch (p.vpt) {
-    case 1:
-      F<1, 32>::run(p, args...);
-      return;
-    case 2:
-      F<2, 32>::run(p, args...);
-      return;
-    case 3:
-      F<3, 32>::run(p, args...);
-      return;
-    default:
-      F<4, 32>::run(p, args...);
-      return;
-  }
-}
+// Vector kernel plan (core/cuda/kernel_utils.cuh): warp-per-row kernels in both directions, up to 4 vectors per
+// thread.
+RowPlan plan_for(int64_t dim, bool vec_ok) { return row_plan(dim, vec_ok, true, 4); }
 
 template <int VPT, int LANES>
 struct FwdLauncher {
-  static void run(const Plan& p, const bf16* x, int64_t x_stride, bf16* y, float* rnorm, int64_t rows, int64_t heads,
+  static void run(const RowPlan& p, const bf16* x, int64_t x_stride, bf16* y, float* rnorm, int64_t rows, int64_t heads,
                   int64_t dim, float eps, cudaStream_t stream) {
     const int64_t groups = LANES > 0 ? p.threads / LANES : 1;
     l2_fwd_vec<VPT, LANES><<<static_cast<unsigned>((rows + groups - 1) / groups), p.threads, 0, stream>>>(
@@ -287,18 +151,13 @@ struct FwdLauncher {
 };
 template <int VPT, int LANES>
 struct BwdLauncher {
-  static void run(const Plan& p, const bf16* y, const float* rnorm, const bf16* dy, bf16* dx, int64_t dx_stride,
+  static void run(const RowPlan& p, const bf16* y, const float* rnorm, const bf16* dy, bf16* dx, int64_t dx_stride,
                   int64_t rows, int64_t heads, int64_t dim, cudaStream_t stream) {
     const int64_t groups = LANES > 0 ? p.threads / LANES : 1;
     l2_bwd_vec<VPT, LANES><<<static_cast<unsigned>((rows + groups - 1) / groups), p.threads, 0, stream>>>(
         y, rnorm, dy, dx, dx_stride, rows, heads, static_cast<int>(dim));
   }
 };
-
-int scalar_threads(int64_t dim) {
-  const int64_t t = (dim + 31) / 32 * 32;
-  return static_cast<int>(t < 256 ? t : 256);
-}
 
 void check_shape(const char* fn, int64_t tokens, int64_t heads, int64_t dim, int64_t stride) {
   DS_CUDA_REQUIRE(tokens >= 0 && heads > 0 && dim > 0 && dim <= (int64_t(1) << 30),
@@ -317,12 +176,12 @@ void l2norm_forward(const ds::cuda::bf16* x, int64_t x_stride, ds::cuda::bf16* y
   if (rows == 0) return;
   DS_CUDA_REQUIRE(x && y && rnorm, "l2norm_forward: null pointer argument");
   const bool vec_ok = aligned16(x) && aligned16(y) && x_stride % 8 == 0;
-  const Plan p = plan_for(dim, vec_ok);
+  const RowPlan p = plan_for(dim, vec_ok);
   if (p.kind == 0)
-    l2_fwd_scalar<<<static_cast<unsigned>(rows), scalar_threads(dim), 0, stream>>>(x, x_stride, y, rnorm, heads, dim,
-                                                                                   eps);
+    l2_fwd_scalar<<<static_cast<unsigned>(rows), row_scalar_threads(dim), 0, stream>>>(x, x_stride, y, rnorm, heads,
+                                                                                       dim, eps);
   else
-    dispatch<FwdLauncher>(p, x, x_stride, y, rnorm, rows, heads, dim, eps, stream);
+    row_dispatch<FwdLauncher>(p, x, x_stride, y, rnorm, rows, heads, dim, eps, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -333,12 +192,12 @@ void l2norm_backward(const ds::cuda::bf16* y, const float* rnorm, const ds::cuda
   if (rows == 0) return;
   DS_CUDA_REQUIRE(y && rnorm && dy && dx, "l2norm_backward: null pointer argument");
   const bool vec_ok = aligned16(y) && aligned16(dy) && aligned16(dx) && dx_stride % 8 == 0;
-  const Plan p = plan_for(dim, vec_ok);
+  const RowPlan p = plan_for(dim, vec_ok);
   if (p.kind == 0)
-    l2_bwd_scalar<<<static_cast<unsigned>(rows), scalar_threads(dim), 0, stream>>>(y, rnorm, dy, dx, dx_stride, heads,
-                                                                                   dim);
+    l2_bwd_scalar<<<static_cast<unsigned>(rows), row_scalar_threads(dim), 0, stream>>>(y, rnorm, dy, dx, dx_stride,
+                                                                                       heads, dim);
   else
-    dispatch<BwdLauncher>(p, y, rnorm, dy, dx, dx_stride, rows, heads, dim, stream);
+    row_dispatch<BwdLauncher>(p, y, rnorm, dy, dx, dx_stride, rows, heads, dim, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -19,106 +19,24 @@
 // No atomics: results are bitwise reproducible for a given (rows, dim). dx may alias dy.
 #include <cstdint>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/rmsnorm/cuda.h"
 
 namespace ds::ops::cuda {
 namespace {
 
-using ds::cuda::bf16;
+using namespace ds::cuda;
 
 constexpr int64_t kMaxSlots = 512;
-constexpr int kGroupBlock = 256;     // threads per block for the LANES <= 32 kernels
-constexpr int kMaxRowThreads = 512;  // block-per-row kernels: <= 512 threads so 128 registers stay available
 
-struct Slots {
-  int64_t per = 0, count = 0;
-};
-Slots make_slots(int64_t rows) {
-  Slots s;
-  if (rows <= 0) return s;
-  const int64_t want = rows < kMaxSlots ? rows : kMaxSlots;
-  s.per = (rows + want - 1) / want;
-  s.count = (rows + s.per - 1) / s.per;
-  return s;
-}
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-// ---- bf16 packing (bit-level; RNE rounding through __float2bfloat16_rn) ----
-__device__ __forceinline__ void unpack8(const uint4& u, float f[8]) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
-}
-__device__ __forceinline__ uint4 pack8(const float f[8]) {
-  return make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-}
-__device__ __forceinline__ void load_w8(const float* w, int c, float f[8]) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(w) + 2 * c);
-  const float4 b = __ldg(reinterpret_cast<const float4*>(w) + 2 * c + 1);
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-}
-
-__device__ __forceinline__ void load_s8(const float* s, int c, float f[8]) {
-  const float4 a = reinterpret_cast<const float4*>(s)[2 * c];
-  const float4 b = reinterpret_cast<const float4*>(s)[2 * c + 1];
-  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-}
-
-// Sum over the threads that share a row: LANES (power of two <= 32) lanes of a warp through shuffles (every
-// lane of the warp must call it), or the whole block when LANES == 0 (red: >= 32 floats of shared memory;
-// every thread gets the same, fixed-order result).
-template <int LANES>
-__device__ __forceinline__ float row_sum(float v, float* red) {
-  if constexpr (LANES > 0) {
-#pragma unroll
-    for (int o = LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-  } else {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    if ((threadIdx.x & 31) == 0) red[warp] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int i = 0; i < nw; ++i) s += red[i];
-    __syncthreads();  // red is reused by the next call
-    return s;
-  }
-}
-
-// Row/lane geometry: LANES > 0: several rows per block; LANES == 0: one row per block (blockDim threads).
-template <int LANES>
-struct Geo {
-  int group, lane, stride, groups;
-  __device__ Geo() {
-    if constexpr (LANES > 0) {
-      group = threadIdx.x / LANES;
-      lane = threadIdx.x % LANES;
-      stride = LANES;
-      groups = blockDim.x / LANES;
-    } else {
-      group = 0;
-      lane = threadIdx.x;
-      stride = blockDim.x;
-      groups = 1;
-    }
-  }
-};
+Slots slots_for(int64_t rows) { return make_slots(rows, kMaxSlots); }
 
 template <int VPT, int LANES>
-__global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
+__global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     rms_fwd_vec(const bf16* __restrict__ x, const float* __restrict__ w, bf16* __restrict__ y, float* __restrict__ rstd,
                 int64_t rows, int dim, float eps, bool zc) {
   __shared__ float red[32];
-  const Geo<LANES> g;
+  const RowGeo<LANES> g;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * g.groups + g.group;
   const bool valid = row < rows;
   const int nvec = dim >> 3;
@@ -145,7 +63,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
     if (c < nvec) {
       float f[8], wv[8];
       unpack8(xv[i], f);
-      load_w8(w, c, wv);
+      ldg_f8(w, c, wv);
 #pragma unroll
       for (int k = 0; k < 8; ++k) f[k] = f[k] * rs * (zc ? 1.0f + wv[k] : wv[k]);
       yr[c] = pack8(f);
@@ -155,13 +73,13 @@ __global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
 
 // dx may alias dy: each thread reads its dy values before writing the same dx values; no one else reads them.
 template <int VPT, int LANES>
-__global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
+__global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     rms_bwd_vec(const bf16* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd, const bf16* dy,
                 bf16* dx, float* __restrict__ partial, int64_t rows, int dim, bool zc, int64_t rows_per_slot) {
   __shared__ float red[32];
   extern __shared__ float4 gsum4[];  // [groups, dim] fp32 dw accumulators, reduced over groups at the end
   float* gsum = reinterpret_cast<float*>(gsum4);
-  const Geo<LANES> g;
+  const RowGeo<LANES> g;
   const int nvec = dim >> 3;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_slot;
   const int64_t r1 = r0 + rows_per_slot < rows ? r0 + rows_per_slot : rows;
@@ -201,7 +119,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
       float xf[8], df[8], gm[8];
       unpack8(xv[i], xf);
       unpack8(dv[i], df);
-      load_s8(gam, c < nvec ? c : 0, gm);
+      load_f8(gam, c < nvec ? c : 0, gm);
 #pragma unroll
       for (int k = 0; k < 8; ++k) dot += (df[k] * gm[k]) * (xf[k] * rs);
     }
@@ -214,7 +132,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kGroupBlock : kMaxRowThreads)
       float xf[8], df[8], gm[8], o[8];
       unpack8(xv[i], xf);
       unpack8(dv[i], df);
-      load_s8(gam, c < nvec ? c : 0, gm);
+      load_f8(gam, c < nvec ? c : 0, gm);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float xh = xf[k] * rs;
@@ -290,53 +208,11 @@ __global__ void rms_bwd_scalar(const bf16* __restrict__ x, const float* __restri
   }
 }
 
-// out[c] += sum_{p < P} part[p*ld + c], p in a fixed order: 8 strided sub-sums per column, then in order.
-__global__ void sum_partials(const float* __restrict__ part, int64_t P, int64_t ld, int64_t ncols,
-                             float* __restrict__ out) {
-  __shared__ float sm[8][33];
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  float s = 0.f;
-  if (col < ncols)
-    for (int64_t p = threadIdx.y; p < P; p += 8) s += part[p * ld + col];
-  sm[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < ncols) {
-    float t = 0.f;
-#pragma unroll
-    for (int q = 0; q < 8; ++q) t += sm[q][threadIdx.x];
-    out[col] += t;
-  }
-}
-
-int next_pow2(int v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
-
-// Launch plan for the vector kernels. kind: 0 = scalar fallback, 1 = group (LANES <= 32), 2 = block per row.
-struct Plan {
-  int kind = 0, lanes = 0, vpt = 0, threads = 0;
-};
-Plan plan_for(int64_t dim, bool vec_ok, bool backward) {
-  Plan p;
-  if (!vec_ok || dim % 8 != 0) return p;
-  const int64_t nvec = dim / 8;
-  if (nvec <= 32) {
-    p.kind = 1, p.lanes = next_pow2(static_cast<int>(nvec)), p.vpt = 1, p.threads = kGroupBlock;
-  } else if (nvec <= 128 && !backward) {
-    p.kind = 1, p.lanes = 32, p.vpt = static_cast<int>((nvec + 31) / 32), p.threads = kGroupBlock;
-  } else if (nvec <= 4 * kMaxRowThreads) {
-    int vpt = static_cast<int>((nvec + 255) / 256);
-    if (vpt > 4) vpt = 4;
-    const int64_t t = (nvec + vpt - 1) / vpt;
-    p.kind = 2, p.vpt = vpt, p.threads = static_cast<int>((t + 31) / 32 * 32);
-  }
-  return p;
-}
+// Vector kernel plan (core/cuda/kernel_utils.cuh): warp-per-row kernels forward only, up to 4 vectors per thread.
+RowPlan plan_for(int64_t dim, bool vec_ok, bool backward) { return row_plan(dim, vec_ok, !backward, 4); }
 
 template <int VPT, int LANES>
-void launch_fwd(const Plan& p, const bf16* x, const float* w, bf16* y, float* rstd, int64_t rows, int64_t dim,
+void launch_fwd(const RowPlan& p, const bf16* x, const float* w, bf16* y, float* rstd, int64_t rows, int64_t dim,
                 float eps, bool zc, cudaStream_t stream) {
   const int64_t groups = LANES > 0 ? p.threads / LANES : 1;
   const int64_t blocks = (rows + groups - 1) / groups;
@@ -345,7 +221,7 @@ void launch_fwd(const Plan& p, const bf16* x, const float* w, bf16* y, float* rs
 }
 
 template <int VPT, int LANES>
-void launch_bwd(const Plan& p, const bf16* x, const float* w, const float* rstd, const bf16* dy, bf16* dx,
+void launch_bwd(const RowPlan& p, const bf16* x, const float* w, const float* rstd, const bf16* dy, bf16* dx,
                 float* partial, int64_t rows, int64_t dim, bool zc, const Slots& s, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>((LANES > 0 ? p.threads / LANES : 1) + 1) * dim * sizeof(float);
   if (smem > 48 * 1024)
@@ -355,71 +231,17 @@ void launch_bwd(const Plan& p, const bf16* x, const float* w, const float* rstd,
       x, w, rstd, dy, dx, partial, rows, static_cast<int>(dim), zc, s.per);
 }
 
-// Dispatches a plan to the matching template instance.
-template <template <int, int> class F, typename... Args>
-void dispatch(const Plan& p, Args&&... args) {
-  if (p.kind == 2) {
-    switch (p.vpt) {
-      case 1:
-        F<1, 0>::run(p, args...);
-        return;
-      case 2:
-        F<2, 0>::run(p, args...);
-        return;
-      case 3:
-        F<3, 0>::run(p, args...);
-        return;
-      default:
-        F<4, 0>::run(p, args...);
-        return;
-    }
-  }
-  if (p.lanes < 32) {
-    switch (p.lanes) {
-      case 1:
-        F<1, 1>::run(p, args...);
-        return;
-      case 2:
-        F<1, 2>::run(p, args...);
-        return;
-      case 4:
-        F<1, 4>::run(p, args...);
-        return;
-      case 8:
-        F<1, 8>::run(p, args...);
-        return;
-      default:
-        F<1, 16>::run(p, args...);
-        return;
-    }
-  }
-  switch (p.vpt) {
-    case 1:
-      F<1, 32>::run(p, args...);
-      return;
-    case 2:
-      F<2, 32>::run(p, args...);
-      return;
-    case 3:
-      F<3, 32>::run(p, args...);
-      return;
-    default:
-      F<4, 32>::run(p, args...);
-      return;
-  }
-}
-
 template <int VPT, int LANES>
 struct FwdLauncher {
   template <typename... A>
-  static void run(const Plan& p, A... a) {
+  static void run(const RowPlan& p, A... a) {
     launch_fwd<VPT, LANES>(p, a...);
   }
 };
 template <int VPT, int LANES>
 struct BwdLauncher {
   template <typename... A>
-  static void run(const Plan& p, A... a) {
+  static void run(const RowPlan& p, A... a) {
     if constexpr (LANES == 32 && VPT > 1) {
       DS_CUDA_REQUIRE(false, "rmsnorm_backward: internal error (no warp-per-row backward with VPT > 1)");
     } else {
@@ -427,11 +249,6 @@ struct BwdLauncher {
     }
   }
 };
-
-int scalar_threads(int64_t dim) {
-  const int64_t t = (dim + 31) / 32 * 32;
-  return static_cast<int>(t < 256 ? t : 256);
-}
 
 }  // namespace
 
@@ -443,19 +260,19 @@ void rmsnorm_forward(const ds::cuda::bf16* x, const float* w, ds::cuda::bf16* y,
   if (rows == 0) return;
   DS_CUDA_REQUIRE(x && w && y && rstd, "rmsnorm_forward: null pointer argument");
   const bool vec_ok = aligned16(x) && aligned16(y) && aligned16(w);
-  const Plan p = plan_for(dim, vec_ok, false);
+  const RowPlan p = plan_for(dim, vec_ok, false);
   if (p.kind == 0) {
-    rms_fwd_scalar<<<static_cast<unsigned>(rows), scalar_threads(dim), 0, stream>>>(x, w, y, rstd, rows, dim, eps,
-                                                                                    zero_centered);
+    rms_fwd_scalar<<<static_cast<unsigned>(rows), row_scalar_threads(dim), 0, stream>>>(x, w, y, rstd, rows, dim, eps,
+                                                                                        zero_centered);
   } else {
-    dispatch<FwdLauncher>(p, x, w, y, rstd, rows, dim, eps, zero_centered, stream);
+    row_dispatch<FwdLauncher>(p, x, w, y, rstd, rows, dim, eps, zero_centered, stream);
   }
   DS_CUDA_LAUNCH_CHECK();
 }
 
 size_t rmsnorm_scratch_bytes(int64_t rows, int64_t dim) {
   if (rows <= 0 || dim <= 0) return 0;
-  return static_cast<size_t>(make_slots(rows).count) * static_cast<size_t>(dim) * sizeof(float);
+  return static_cast<size_t>(slots_for(rows).count) * static_cast<size_t>(dim) * sizeof(float);
 }
 
 void rmsnorm_backward(const ds::cuda::bf16* x, const float* w, const float* rstd, const ds::cuda::bf16* dy,
@@ -467,18 +284,18 @@ void rmsnorm_backward(const ds::cuda::bf16* x, const float* w, const float* rstd
   if (rows == 0) return;
   DS_CUDA_REQUIRE(x && w && rstd && dy && dx && dw, "rmsnorm_backward: null pointer argument");
   DS_CUDA_REQUIRE(scratch != nullptr, "rmsnorm_backward: scratch is null (need rmsnorm_scratch_bytes)");
-  const Slots s = make_slots(rows);
+  const Slots s = slots_for(rows);
   float* partial = static_cast<float*>(scratch);
   const bool vec_ok = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx);
-  const Plan p = plan_for(dim, vec_ok, true);
+  const RowPlan p = plan_for(dim, vec_ok, true);
   if (p.kind == 0) {
-    rms_bwd_scalar<<<static_cast<unsigned>(s.count), scalar_threads(dim), 0, stream>>>(x, w, rstd, dy, dx, partial,
-                                                                                       rows, dim, zero_centered, s.per);
+    rms_bwd_scalar<<<static_cast<unsigned>(s.count), row_scalar_threads(dim), 0, stream>>>(
+        x, w, rstd, dy, dx, partial, rows, dim, zero_centered, s.per);
   } else {
-    dispatch<BwdLauncher>(p, x, w, rstd, dy, dx, partial, rows, dim, zero_centered, s, stream);
+    row_dispatch<BwdLauncher>(p, x, w, rstd, dy, dx, partial, rows, dim, zero_centered, s, stream);
   }
   DS_CUDA_LAUNCH_CHECK();
-  sum_partials<<<static_cast<unsigned>((dim + 31) / 32), dim3(32, 8), 0, stream>>>(partial, s.count, dim, dim, dw);
+  launch_sum_partials(partial, s.count, dim, dim, dw, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 

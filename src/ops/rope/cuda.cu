@@ -6,52 +6,22 @@
 // else V = 1. Dims >= rotary_dim are untouched. fp32 math, one rounding per output.
 #include <cstdint>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/rope/cuda.h"
 
 namespace ds::ops::cuda {
 namespace {
 
-using ds::cuda::bf16;
+using namespace ds::cuda;
 
 constexpr int kThreads = 256;
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
-}
-
-template <int V>
-__device__ __forceinline__ void load_bf(const bf16* p, float f[V]) {
-  if constexpr (V == 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  } else {
-    f[0] = __bfloat162float(*p);
-  }
-}
-template <int V>
-__device__ __forceinline__ void store_bf(bf16* p, const float f[V]) {
-  if constexpr (V == 8)
-    *reinterpret_cast<uint4*>(p) =
-        make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-  else
-    *p = __float2bfloat16_rn(f[0]);
-}
 template <int V>
 __device__ __forceinline__ void load_f(const float* p, float f[V]) {
-  if constexpr (V == 8) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(p)), b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-  } else {
+  if constexpr (V == 8)
+    ldg_f8(p, 0, f);
+  else
     f[0] = __ldg(p);
-  }
 }
 
 template <int V>

@@ -5,47 +5,15 @@
 // fp32 math, one rounding per output; purely elementwise, so results are deterministic.
 #include <cstdint>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/swiglu/cuda.h"
 
 namespace ds::ops::cuda {
 namespace {
 
-using ds::cuda::bf16;
+using namespace ds::cuda;
 
 constexpr int kThreads = 256;
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-// V bf16 values <-> V floats (V = 8: one 16-byte access; V = 1: scalar).
-template <int V>
-__device__ __forceinline__ void load_bf(const bf16* p, float f[V]) {
-  if constexpr (V == 8) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  } else {
-    f[0] = __bfloat162float(*p);
-  }
-}
-__device__ __forceinline__ uint32_t pack2(float a, float b) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
-         (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
-}
-template <int V>
-__device__ __forceinline__ void store_bf(bf16* p, const float f[V]) {
-  if constexpr (V == 8) {
-    *reinterpret_cast<uint4*>(p) =
-        make_uint4(pack2(f[0], f[1]), pack2(f[2], f[3]), pack2(f[4], f[5]), pack2(f[6], f[7]));
-  } else {
-    *p = __float2bfloat16_rn(f[0]);
-  }
-}
-
-__device__ __forceinline__ float sigmoidf_(float v) { return 1.0f / (1.0f + __expf(-v)); }
 
 template <int V>
 __global__ void __launch_bounds__(kThreads)
@@ -57,7 +25,7 @@ __global__ void __launch_bounds__(kThreads)
     load_bf<V>(gu + t * 2 * I + c, g);
     load_bf<V>(gu + t * 2 * I + I + c, u);
 #pragma unroll
-    for (int k = 0; k < V; ++k) g[k] = g[k] * sigmoidf_(g[k]) * u[k];
+    for (int k = 0; k < V; ++k) g[k] = g[k] * sigmoid_fast(g[k]) * u[k];
     store_bf<V>(h + t * I + c, g);
   }
 }
@@ -74,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_kernel(const bf16* __rest
     load_bf<V>(dh + t * I + c, d);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float s = sigmoidf_(g[k]);
+      const float s = sigmoid_fast(g[k]);
       const float dg = d[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
       u[k] = d[k] * g[k] * s;  // du
       g[k] = dg;
@@ -84,11 +52,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_kernel(const bf16* __rest
   }
 }
 
-dim3 grid_for(int64_t N, int64_t I, int V) {
-  const int64_t cols = (I / V + kThreads - 1) / kThreads;
-  const int64_t rows = N < 65535 ? N : 65535;
-  return dim3(static_cast<unsigned>(cols), static_cast<unsigned>(rows));
-}
+dim3 grid_for(int64_t N, int64_t I, int V) { return grid_cols_rows(I, V, kThreads, N); }
 
 void check_shape(const char* fn, int64_t N, int64_t I) {
   DS_CUDA_REQUIRE(N >= 0 && I > 0 && I <= (int64_t(1) << 34), std::string(fn) + ": N must be >= 0 and I > 0, got N=" +

@@ -1,0 +1,112 @@
+// Helpers for the tests that drive the trainer through the `deltastack` binary (test_train.cpp,
+// test_crash_safety.cpp): a fresh temp dir, a small model + corpus, running the CLI, reading metrics.jsonl.
+#pragma once
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/files.h"
+#include "model/config.h"
+#include "test_util.h"
+
+namespace ds::test {
+
+// An empty directory <tmp>/deltastack_<tag>_<pid> (removed first if it exists).
+inline std::string fresh_tmpdir(const std::string& tag) {
+  namespace fs = std::filesystem;
+  fs::path p = fs::temp_directory_path() / ("deltastack_" + tag + "_" + std::to_string(::getpid()));
+  fs::remove_all(p);
+  fs::create_directories(p);
+  return p.string();
+}
+
+// A small model over the real tokenizer's id range (vocab 151680, hidden 16) and 20 kB of text in `dir`, so a
+// step takes milliseconds. Returns the train arguments that use them.
+inline std::string small_setup(const std::string& dir) {
+  nlohmann::json c = ds::ModelConfig::preset("tiny").to_json();
+  c["vocab_size"] = 151680;
+  c["hidden_size"] = 16;
+  c["intermediate_size"] = 32;
+  c["num_attention_heads"] = 2;
+  c["num_key_value_heads"] = 1;
+  c["head_dim"] = 8;
+  c["linear_key_head_dim"] = 8;
+  c["linear_value_head_dim"] = 8;
+  ds::write_file_atomic(dir + "/config.json", c.dump());
+  std::string text = ds::read_file(data_path("tiny_shakespeare.txt")).substr(0, 20000);
+  ds::write_file_atomic(dir + "/corpus.txt", text);
+  // --device cpu: these tests pin the CPU reference engine (bitwise resume, thread counts), also on a GPU machine.
+  return "--device cpu --model " + dir + "/config.json --data " + dir +
+         "/corpus.txt --seq-len 32 --micro-batch 2 --eval-batches 1 --val-fraction 0.1 --eval-interval 0";
+}
+
+// Whitespace-separated words (CLI arguments; no quoting).
+inline std::vector<std::string> split_args(const std::string& s) {
+  std::istringstream in(s);
+  std::vector<std::string> v;
+  std::string w;
+  while (in >> w) v.push_back(w);
+  return v;
+}
+
+// Starts `deltastack <args>` with stdout/stderr appended to `log`; returns the child's pid.
+inline pid_t spawn(const std::string& args, const std::string& log) {
+  std::vector<std::string> a = split_args(args);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    FILE* f = std::fopen(log.c_str(), "a");
+    if (f) {
+      ::dup2(::fileno(f), 1);
+      ::dup2(::fileno(f), 2);
+    }
+    std::vector<char*> argv;
+    std::string bin = DELTASTACK_BIN;
+    argv.push_back(bin.data());
+    for (auto& s : a) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    ::execv(bin.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// Runs `deltastack <args>` to completion; returns the exit code (-1 if killed) and, when output is given, the
+// combined stdout/stderr.
+inline int run(const std::string& args, std::string* output = nullptr) {
+  namespace fs = std::filesystem;
+  static int n = 0;
+  std::string log =
+      (fs::temp_directory_path() / ("deltastack_run_log_" + std::to_string(::getpid()) + "_" + std::to_string(n++)))
+          .string();
+  pid_t pid = spawn(args, log);
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  if (output) *output = ds::file_exists(log) ? ds::read_file(log) : "";
+  fs::remove(log);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+// The records of a metrics.jsonl file, in order.
+inline std::vector<nlohmann::json> metrics(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(ds::read_file(path));
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// The "loss" of every record of a metrics.jsonl file that has one, in order.
+inline std::vector<double> train_losses(const std::string& path) {
+  std::vector<double> l;
+  for (auto& j : metrics(path))
+    if (j.contains("loss")) l.push_back(j["loss"].get<double>());
+  return l;
+}
+
+}  // namespace ds::test
