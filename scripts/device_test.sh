@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test sanitize probe parity train bench-ops bench-step (default: all).
+# Stages: env build test sanitize probe parity train real-shapes bench-ops bench-step (default: all).
 # The device image has no Debian -dev packages and no network, so the Debian 12 packages the build needs
 # travel as .deb files in .deps/ (scripts/fetch_device_deps.sh) and are unpacked into a private sysroot.
 set -uo pipefail
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ds_out}
 mkdir -p "$OUT"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env build test sanitize probe parity train bench-ops bench-step)
+[ ${#stages[@]} -eq 0 ] && stages=(env build test sanitize probe parity train real-shapes bench-ops bench-step)
 has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 SYS=/tmp/ds_sysroot
 if [ ! -d "$SYS/usr" ]; then
@@ -55,9 +55,15 @@ if has probe; then
 fi
 if has parity; then
   F=tests/fixtures/hf_qwen35_tiny_a
-  $BUILD/deltastack forward --device cuda --model $F --inputs $F/inputs.safetensors --output "$OUT/gpu_out.safetensors" \
-     --grads "$OUT/gpu_grads.safetensors" && python3 scripts/compare_safetensors.py "$OUT/gpu_out.safetensors" $F/outputs.safetensors \
-     "$OUT/gpu_grads.safetensors" $F/grads.safetensors 2>&1 | tee "$OUT/parity.txt"
+  $BUILD/deltastack forward --device cuda --model $F --inputs $F/inputs.safetensors --output /tmp/ds_gpu_out.safetensors \
+     --grads /tmp/ds_gpu_grads.safetensors && python3 scripts/compare_safetensors.py /tmp/ds_gpu_out.safetensors \
+     $F/outputs.safetensors /tmp/ds_gpu_grads.safetensors $F/grads.safetensors >"$OUT/parity.txt" 2>&1 || status=1
+  grep -E "^(logits|loss|worst)" "$OUT/parity.txt"
+fi
+if has real-shapes; then
+  # Every CUDA op against the CPU reference at Qwen3.5-2B/9B layer shapes, T = 8192 and 32768 (slow: CPU refs).
+  ( cd $BUILD && DELTASTACK_REAL_SHAPES=1 ./deltastack_tests --gtest_filter='*CudaRealShapes*' >"$OUT/realshapes.log" 2>&1 ) || status=1
+  grep -E "^\[  (PASSED|FAILED)|Failure" "$OUT/realshapes.log" | head -20
 fi
 if has bench-ops; then
   $BUILD/deltastack bench ops 2>&1 | tee "$OUT/bench_ops.txt"
@@ -70,9 +76,9 @@ if has train; then
   # resume from the step-100 checkpoint must reproduce steps 101..200 bitwise.
   D=$BUILD/deltastack
   rm -rf /tmp/ds_g1 /tmp/ds_g2 /tmp/ds_g3
-  $D train --device cuda --save-interval 100 --out /tmp/ds_g1 >"$OUT/train_gpu1.txt" 2>&1 || { tail "$OUT/train_gpu1.txt"; status=1; }
-  $D train --device cuda --out /tmp/ds_g2 >"$OUT/train_gpu2.txt" 2>&1 || status=1
-  $D train --resume /tmp/ds_g1/checkpoint-100 --out /tmp/ds_g3 >"$OUT/train_gpu3.txt" 2>&1 || status=1
+  $D train --device cuda --save-interval 100 --out /tmp/ds_g1 >/tmp/ds_train_gpu1.txt 2>&1 || { tail /tmp/ds_train_gpu1.txt; status=1; }
+  $D train --device cuda --out /tmp/ds_g2 >/tmp/ds_train_gpu2.txt 2>&1 || status=1
+  $D train --resume /tmp/ds_g1/checkpoint-100 --out /tmp/ds_g3 >/tmp/ds_train_gpu3.txt 2>&1 || status=1
   cp /tmp/ds_g1/metrics.jsonl "$OUT/metrics_gpu.jsonl"
   python3 - <<'PY' || status=1
 import json

@@ -1,8 +1,9 @@
 // Shared helpers of the CUDA op tests (tests/test_cuda_*.cpp; conventions in docs/cuda_backend.md "Tests"):
 // a device buffer that frees itself and can be poisoned with NaN, bf16 upload (round to nearest even) and
 // download, fresh seeds from std::random_device, the skip-without-device macro, the all-written (finite)
-// check, and the host-side bookkeeping several ops need (cu_seqlens, document starts and positions, GDN chunk
-// offsets, the embedding-backward grouping). Random fills here give the same values as ds::test::randn /
+// check, column slices of wider row buffers (with a check that nothing outside them was written), and the
+// host-side bookkeeping several ops need (cu_seqlens, document starts and positions, GDN chunk offsets, the
+// embedding-backward grouping). Random fills here give the same values as ds::test::randn /
 // randu for the same seed (the generator is counter-based), only filled on several threads.
 #pragma once
 #ifdef DELTASTACK_CUDA
@@ -129,6 +130,25 @@ template <typename T>
 bool all_finite(const std::vector<T>& x) {
   for (const auto& e : x)
     if (!std::isfinite(static_cast<double>(e))) return false;
+  return true;
+}
+
+// Columns [col0, col0 + cols) of every row of a [rows, stride] buffer, as [rows, cols]: inputs read from, and
+// outputs written into, a slice of a wider buffer (q / k / v inside the conv output, l2norm dx, GDN dv).
+template <typename T>
+std::vector<T> columns(const std::vector<T>& buf, int64_t stride, int64_t col0, int64_t cols) {
+  const int64_t rows = static_cast<int64_t>(buf.size()) / stride;
+  std::vector<T> out(rows * cols);
+#pragma omp parallel for schedule(static) if (rows * cols > (int64_t(1) << 22))
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(buf.begin() + r * stride + col0, cols, out.begin() + r * cols);
+  return out;
+}
+// Whether every bf16 element outside those columns still holds the 0xFFFF poison (nothing was written there).
+inline bool poisoned_outside(const std::vector<uint16_t>& bits, int64_t stride, int64_t col0, int64_t cols) {
+  for (size_t i = 0; i < bits.size(); ++i) {
+    const int64_t j = static_cast<int64_t>(i % stride);
+    if ((j < col0 || j >= col0 + cols) && bits[i] != 0xFFFF) return false;
+  }
   return true;
 }
 

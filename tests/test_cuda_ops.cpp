@@ -244,10 +244,7 @@ void check_l2norm(int64_t tokens, int64_t heads, int64_t dim, int64_t stride, in
   const float eps = 1e-6f;
   const int64_t rows = tokens * heads, n = rows * dim, nbuf = tokens * stride;
   const auto xbuf = rounded(randn<float>(nbuf, s.next()));
-  std::vector<float> xg(n);
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t j = 0; j < dim; ++j) xg[(t * heads + h) * dim + j] = xbuf[t * stride + col0 + h * dim + j];
+  const auto xg = columns(xbuf, stride, col0, heads * dim);
   std::vector<float> y_ref(n), rn_ref(rows), dx_ref(n);
   ds::ops::l2norm_forward<float>(xg.data(), y_ref.data(), rn_ref.data(), rows, dim, eps);
   const auto yb = rounded(y_ref);
@@ -275,11 +272,7 @@ void check_l2norm(int64_t tokens, int64_t heads, int64_t dim, int64_t stride, in
     dx_.poison();
     gpu::l2norm_backward(yin_.get(), rnin_.get(), dy_.get(), dx_.get() + col0, stride, tokens, heads, dim, nullptr);
     device_sync();
-    const auto full = download_bits(dx_);
-    o.dx.resize(n);
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t j = 0; j < dim; ++j) o.dx[(t * heads + h) * dim + j] = full[t * stride + col0 + h * dim + j];
+    o.dx = columns(download_bits(dx_), stride, col0, heads * dim);
     return o;
   };
   const Out a = run(), b = run();

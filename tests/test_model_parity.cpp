@@ -1,6 +1,8 @@
 // Parity with transformers 5.17's own Qwen3.5 code (fp32, CPU): the fixture in tests/fixtures/hf_qwen35_tiny_a
 // (see tests/fixtures/README.md) through the `deltastack forward` command, end to end.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -8,6 +10,7 @@
 #include <string>
 
 #include "core/bf16.h"
+#include "core/files.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "test_util.h"
@@ -125,16 +128,28 @@ TEST(ModelParity, PackedEqualsSeparateDocuments) {
 
 TEST(ModelParity, BadInputsAreClearErrors) {
   std::string dir = tmpdir("badin");
-  // input id outside the vocabulary
-  int64_t ids[3] = {1, 2, 999};
+  auto expect_error = [&](const std::string& a, const std::string& needle) {
+    std::string cmd = std::string(DELTASTACK_BIN) + " " + a + " > " + dir + "/log 2>&1";
+    int st = std::system(cmd.c_str());
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1) << a << " (a crash is not a clean error)";
+    std::string log = ds::read_file(dir + "/log");
+    EXPECT_NE(log.find(needle), std::string::npos) << a << "\n" << log;
+  };
+  int64_t ids[3] = {1, 2, 999};  // 999 is outside the fixture's vocabulary of 256
   ds::write_safetensors(dir + "/in.safetensors", {ds::make_tensor_i64("input_ids", {1, 3}, ids)});
-  EXPECT_NE(run("forward --model " + fixture("hf_qwen35_tiny_a") + " --inputs " + dir + "/in.safetensors --output " +
-                dir + "/o.safetensors"),
-            0);
+  expect_error("forward --model " + fixture("hf_qwen35_tiny_a") + " --inputs " + dir + "/in.safetensors --output " +
+                   dir + "/o.safetensors",
+               "999");
   EXPECT_FALSE(fs::exists(dir + "/o.safetensors"));
-  // missing model dir
-  EXPECT_NE(run("forward --model " + dir + "/nope --inputs " + dir + "/in.safetensors --output " + dir +
-                "/o.safetensors"),
-            0);
+  expect_error("forward --model " + dir + "/nope --inputs " + dir + "/in.safetensors --output " + dir + "/o.safetensors",
+               "nope");
+  // A config with fewer layers than the checkpoint's weights: refused, naming the first unused tensor.
+  fs::create_directories(dir + "/short");
+  auto cfg = nlohmann::json::parse(ds::read_file(fixture("hf_qwen35_tiny_a/config.json")));
+  cfg["num_hidden_layers"] = 2;
+  cfg["layer_types"] = {"linear_attention", "linear_attention"};
+  ds::write_file_atomic(dir + "/short/config.json", cfg.dump());
+  fs::copy_file(fixture("hf_qwen35_tiny_a/model.safetensors"), dir + "/short/model.safetensors");
+  expect_error("inspect " + dir + "/short", "model.layers.2.");
   fs::remove_all(dir);
 }

@@ -145,10 +145,24 @@ TEST(Train, NanGuardAndBadInputs) {
   bool skipped = false;
   for (auto& j : metrics(dir + "/skip/metrics.jsonl")) skipped |= j.value("skipped", false);
   EXPECT_TRUE(skipped);
-  // seq_len above max_position_embeddings, missing data, bad knob values.
-  EXPECT_NE(run("train " + args + " --steps 1 --seq-len 100000 --out " + dir + "/x"), 0);
-  EXPECT_NE(run("train " + args + " --steps 1 --data " + dir + "/missing.txt --out " + dir + "/x"), 0);
-  EXPECT_NE(run("train " + args + " --steps 1 --nan-policy maybe --out " + dir + "/x"), 0);
-  EXPECT_NE(run("train --resume " + dir + "/nowhere --out " + dir + "/x"), 0);
+  // Bad input: exit code 1 (a clean ds::Error, not a crash) and a message naming the flag, field or file.
+  auto expect_error = [&](const std::string& a, const std::string& needle) {
+    std::string log;
+    EXPECT_EQ(run(a, &log), 1) << a << "\n" << log;
+    EXPECT_NE(log.find(needle), std::string::npos) << a << "\n" << log;
+  };
+  expect_error("train " + args + " --steps 1 --seq-len 100000 --out " + dir + "/x", "max_position_embeddings");
+  expect_error("train " + args + " --steps 1 --data " + dir + "/missing.txt --out " + dir + "/x", "missing.txt");
+  expect_error("train " + args + " --steps 1 --nan-policy maybe --out " + dir + "/x", "--nan-policy");
+  expect_error("train " + args + " --steps 1 --micro-batch 0 --out " + dir + "/x", "--micro-batch");
+  expect_error("train " + args + " --steps 1 --adam-eps -1 --out " + dir + "/x", "--adam-eps");
+  expect_error("train " + args + " --steps 1 --threads 100000 --out " + dir + "/x", "--threads");
+  expect_error("train --resume " + dir + "/nowhere --out " + dir + "/x", "nowhere");
+  // --resume keeps the checkpoint's options: --steps defaults to the saved total, run-defining flags are refused.
+  ASSERT_EQ(run("train " + args + " --steps 2 --warmup 1 --threads 1 --save-interval 1 --out " + dir + "/r"), 0);
+  expect_error("train --resume " + dir + "/r/checkpoint-1 --lr 0.5", "--lr cannot change on --resume");
+  ASSERT_EQ(run("train --resume " + dir + "/r/checkpoint-1 --threads 1"), 0);  // continues runs/r to step 2
+  auto m = metrics(dir + "/r/metrics.jsonl");
+  EXPECT_EQ(m.back().value("step", -1), 2);
   fs::remove_all(dir);
 }

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <new>
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
@@ -113,6 +114,7 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    DS_CHECK(threads >= 0 && threads <= 1024, "--threads must be in [0, 1024] (0 = all cores), got {}", threads);
     ds::set_num_threads(threads);
     if (*forward) {
       std::string dev = forward->count("--device") ? to.device : "cpu";
@@ -128,13 +130,19 @@ int main(int argc, char** argv) {
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
     if (*train) {
       to.threads = threads;
-      to.device_given = train->count("--device") > 0;
+      for (CLI::Option* o : train->get_options())
+        if (o->count() > 0 && !o->get_lnames().empty()) to.given.push_back(o->get_lnames()[0]);
+      if (app.get_option("--threads")->count() > 0) to.given.push_back("threads");
       return ds::train(to);
     }
     fmt::print("{}", app.help());
     return 0;
   } catch (const ds::Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    fmt::print(stderr, "error: out of host memory (a larger model or batch than this machine holds; the fp32 "
+                       "engine keeps weights, gradients and two AdamW moments: 16 bytes per parameter)\n");
     return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "error: {}\n", e.what());

@@ -160,6 +160,17 @@ void Qwen35Model::load(const std::string& path) {
       DS_CHECK(std::isfinite(v[i]), "{}: tensor \"{}\" holds a non-finite value at index {}", path, name, i);
     std::copy(v.begin(), v.end(), weights_.begin() + p.offset);
   }
+  // Tensors of the text model that the config has no place for (more layers, a GDN tensor in an attention
+  // layer, ...) mean config and weights disagree: an error, never silently dropped. Vision and MTP tensors
+  // and a tied lm_head copy are expected extras.
+  for (const std::string& name : ck.names()) {
+    if (name.rfind(prefix, 0) != 0) continue;  // model.visual.*, mtp.*, lm_head.weight
+    std::string ours = "model." + name.substr(prefix.size());
+    if (prefix == "model." && name.rfind("model.language_model.", 0) == 0) continue;
+    if (prefix == "model." && name.rfind("model.visual.", 0) == 0) continue;
+    DS_CHECK(by_name_.count(ours), "{}: tensor \"{}\" does not fit the config ({}): config.json and the weights "
+             "disagree (e.g. num_hidden_layers or layer_types)", path, name, cfg_.source);
+  }
   if (cfg_.tie_word_embeddings && ck.has("lm_head.weight")) {
     std::vector<float> lm = ck.read_f32("lm_head.weight");
     const ParamSpec& e = spec("model.embed_tokens.weight");

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <set>
 #include <sstream>
 
 #include "core/error.h"
@@ -95,6 +96,8 @@ void validate(const TrainOptions& o) {
   DS_CHECK(o.weight_decay >= 0, "--weight-decay must be >= 0");
   DS_CHECK(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1, "--beta1/--beta2 must be in [0, 1)");
   DS_CHECK(o.clip >= 0, "--clip must be >= 0");
+  DS_CHECK(o.adam_eps > 0 && std::isfinite(o.adam_eps), "--adam-eps must be positive, got {}", o.adam_eps);
+  DS_CHECK(o.threads >= 0 && o.threads <= 1024, "--threads must be in [0, 1024] (0 = all cores), got {}", o.threads);
   DS_CHECK(o.z_loss >= 0, "--z-loss must be >= 0");
   DS_CHECK(o.val_fraction >= 0 && o.val_fraction < 1, "--val-fraction must be in [0, 1), got {}", o.val_fraction);
   DS_CHECK(o.eval_interval >= 0 && o.eval_batches >= 0 && o.save_interval >= 0,
@@ -156,13 +159,29 @@ int train(TrainOptions opt) {
       fail("{}: invalid JSON ({})", sp, e.what());
     }
     TrainOptions saved = opt;
-    DS_CHECK(resume_state.contains("options") && resume_state.contains("step"), "{}: missing options or step", sp);
+    DS_CHECK(resume_state.is_object() && resume_state.contains("options") && resume_state.contains("step"),
+             "{}: missing \"options\" or \"step\"", sp);
+    DS_CHECK(resume_state["step"].is_number_integer() && resume_state["step"].get<int64_t>() >= 0,
+             "{}: \"step\" must be a non-negative integer", sp);
     options_from_json(resume_state["options"], saved, sp);
-    saved.steps = opt.steps;
-    saved.out = opt.out;
+    // The checkpoint's options define the run. Only these may change on --resume; the others are an error, so
+    // a flag is never silently ignored.
+    const std::set<std::string> may_change = {"steps", "out", "resume", "threads", "device", "eval-interval",
+                                              "save-interval", "nan-policy"};
+    for (const std::string& g : opt.given)
+      DS_CHECK(may_change.count(g), "--{} cannot change on --resume: the checkpoint's options define the run "
+               "(only --steps, --out, --threads, --device, --eval-interval, --save-interval, --nan-policy may)", g);
+    auto given = [&](const char* n) { return std::find(opt.given.begin(), opt.given.end(), n) != opt.given.end(); };
     saved.resume = opt.resume;
     saved.threads = opt.threads;
-    if (opt.device_given) saved.device = opt.device;  // else the device the run started on (bitwise resume)
+    if (given("steps")) saved.steps = opt.steps;
+    if (given("out")) saved.out = opt.out;
+    else saved.out = fs::path(opt.resume).parent_path().string();  // continue in the run's own directory
+    if (given("device")) saved.device = opt.device;  // else the device the run used (bitwise resume)
+    if (given("eval-interval")) saved.eval_interval = opt.eval_interval;
+    if (given("save-interval")) saved.save_interval = opt.save_interval;
+    if (given("nan-policy")) saved.nan_policy = opt.nan_policy;
+    saved.given = opt.given;
     opt = saved;
   }
   if (opt.data.empty()) opt.data = {bundled_data_path()};
@@ -225,7 +244,8 @@ int train(TrainOptions opt) {
                                                val_set ? val_set->max_docs_per_window() : int64_t{1});
     gpu = std::make_unique<GpuModel>(model, plan);
   }
-  log_info("device: {}", use_gpu ? "cuda" : "cpu");
+  opt.device = use_gpu ? "cuda" : "cpu";  // saved in checkpoints: a resume continues on the same engine
+  log_info("device: {}", opt.device);
   auto fb = [&](const PackedBatch& b, double scale, double z) {
     return gpu ? gpu->forward_backward(b, scale, z) : model.forward_backward(b, scale, z);
   };

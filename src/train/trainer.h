@@ -35,7 +35,7 @@ struct TrainOptions {
   std::string nan_policy = "stop";     // stop | skip
   std::string resume;                  // checkpoint dir to resume from
   std::string device = "auto";          // auto (cuda when a GPU is present) | cpu | cuda
-  bool device_given = false;           // --device was on the command line (a resume keeps the saved device otherwise)
+  std::vector<std::string> given;      // long names of the flags on the command line (without "--")
 };
 
 // Runs training. Returns the exit code (0). Throws ds::Error on bad input or a NaN under nan_policy=stop.

@@ -26,6 +26,9 @@ std::string tokenizer_for(const std::string& model_dir, const std::string& token
 
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
                  int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed) {
+  DS_CHECK(max_new_tokens >= 0, "--max-new-tokens must be >= 0, got {}", max_new_tokens);
+  DS_CHECK(std::isfinite(temperature) && temperature >= 0, "--temperature must be finite and >= 0, got {}", temperature);
+  DS_CHECK(top_k >= 0, "--top-k must be >= 0, got {}", top_k);
   Qwen35Model model(ModelConfig::from_file(model_dir));
   model.load(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));

@@ -13,7 +13,7 @@ int cmd_probe() {
     fmt::print("{:<24} {:<8} {:<28} {:>12.3e} {:>10.1e}  {}\n", r.op, r.device, r.backend, r.error, r.band, r.status);
     ok = ok && r.status != "rejected";
   }
-  return 0;
+  return ok ? 0 : 1;  // non-zero when a fast backend failed its self-probe
 }
 
 }  // namespace ds::cli

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <charconv>
 #include <exception>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,6 +24,9 @@
 namespace ds::cli {
 
 int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl) {
+  std::error_code ec;
+  DS_CHECK(!std::filesystem::equivalent(input_jsonl, output_jsonl, ec),
+           "--output {} is the input file; write the ids to another file", output_jsonl);
   Tokenizer tok = Tokenizer::from_file(tokenizer_path);
   std::string input = read_file(input_jsonl);
 

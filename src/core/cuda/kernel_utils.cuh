@@ -7,8 +7,8 @@
 //   device:  bf16x8 <-> fp32 (unpack8, pack2, pack8, load_bf<V>, store_bf<V>), fp32x8 access (load_f8, ldg_f8,
 //            store_f8), sigmoid_fast, row_sum<LANES> (warp-slice or block sum in a fixed order)
 //   kernels: sum_partials_kernel + launch_sum_partials (fixed-order sum of per-slot partial rows)
-//   row-norm family (rmsnorm, gated_rmsnorm, l2norm): RowGeo<LANES>, RowPlan / row_plan, row_dispatch,
-//            row_scalar_threads
+//   row-norm family (rmsnorm, gated_rmsnorm, l2norm): RowGeo<LANES>, row_slots, row_load_sumsq, row_acc_zero /
+//            _add / _reduce (backward dw accumulators), RowPlan / row_plan, row_dispatch, row_scalar_threads
 #pragma once
 #include <cstdint>
 
@@ -174,8 +174,8 @@ __global__ void sum_partials_kernel(const float* __restrict__ part, int64_t P, i
 // launch it compile the kernel.
 template <int SUB = 8>
 void launch_sum_partials(const float* part, int64_t P, int64_t ld, int64_t ncols, float* out, cudaStream_t stream) {
-  sum_partials_kernel<SUB><<<static_cast<unsigned>((ncols + 31) / 32), dim3(32, SUB), 0, stream>>>(part, P, ld, ncols,
-                                                                                                   out);
+  sum_partials_kernel<SUB>
+      <<<static_cast<unsigned>((ncols + 31) / 32), dim3(32, SUB), 0, stream>>>(part, P, ld, ncols, out);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -185,8 +185,12 @@ void launch_sum_partials(const float* part, int64_t P, int64_t ld, int64_t ncols
 //   block kernels (LANES = 0): one row per block of blockDim threads (<= kRowMaxThreads);
 //   scalar kernels (any dim / alignment): one row per block of row_scalar_threads(dim) threads.
 
-constexpr int kRowGroupBlock = 256;  // threads per block for the LANES <= 32 kernels
-constexpr int kRowMaxThreads = 512;  // block-per-row kernels: <= 512 threads so 128 registers stay available
+constexpr int kRowGroupBlock = 256;    // threads per block for the LANES <= 32 kernels
+constexpr int kRowMaxThreads = 512;    // block-per-row kernels: <= 512 threads so 128 registers stay available
+constexpr int64_t kRowMaxSlots = 512;  // backward: at most this many row slots (partial dw rows)
+
+// Backward row slots: min(rows, kRowMaxSlots) slots of consecutive rows (a function of rows only).
+inline Slots row_slots(int64_t rows) { return make_slots(rows, kRowMaxSlots); }
 
 // Row/lane geometry: LANES > 0: several rows per block; LANES == 0: one row per block (blockDim threads).
 template <int LANES>
@@ -206,6 +210,55 @@ struct RowGeo {
     }
   }
 };
+
+// This thread's VPT vectors of row xr (zero where c >= nvec or !valid) into xv; returns their sum of squares
+// (fp32; vectors, then elements, in order).
+template <int VPT, int LANES>
+__device__ __forceinline__ float row_load_sumsq(const uint4* xr, bool valid, int nvec, const RowGeo<LANES>& g,
+                                                uint4 (&xv)[VPT]) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = g.lane + i * g.stride;
+    xv[i] = (valid && c < nvec) ? xr[c] : make_uint4(0, 0, 0, 0);
+    float f[8];
+    unpack8(xv[i], f);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) ss += f[k] * f[k];
+  }
+  return ss;
+}
+
+// Backward dw accumulators in shared memory: acc is this row group's [dim] fp32 row; each thread owns the floats
+// of its vectors c = lane + i * stride, so no two threads touch the same element.
+template <int VPT, int LANES>
+__device__ __forceinline__ void row_acc_zero(float* acc, int nvec, const RowGeo<LANES>& g) {
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int c = g.lane + i * g.stride;
+    if (c < nvec) {
+      reinterpret_cast<float4*>(acc)[2 * c] = make_float4(0.f, 0.f, 0.f, 0.f);
+      reinterpret_cast<float4*>(acc)[2 * c + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+}
+// acc[8c .. 8c+7] += f.
+__device__ __forceinline__ void row_acc_add(float* acc, int c, const float f[8]) {
+  float4* a = reinterpret_cast<float4*>(acc) + 2 * c;
+  float4 a0 = a[0], a1 = a[1];
+  a0.x += f[0], a0.y += f[1], a0.z += f[2], a0.w += f[3];
+  a1.x += f[4], a1.y += f[5], a1.z += f[6], a1.w += f[7];
+  a[0] = a0, a[1] = a1;
+}
+// prow[j] = sum over the row groups q = 0, 1, .. of acc_q[j] = gsum[q * dim + j], in that order (after a
+// __syncthreads: every thread reads every group's accumulators).
+__device__ __forceinline__ void row_acc_reduce(const float* gsum, int groups, int dim, float* prow) {
+  for (int j = threadIdx.x; j < dim; j += blockDim.x) {
+    float s = 0.f;
+    for (int q = 0; q < groups; ++q) s += gsum[q * dim + j];
+    prow[j] = s;
+  }
+}
 
 // Launch plan for the vector kernels. kind: 0 = scalar fallback, 1 = group (LANES <= 32), 2 = block per row.
 struct RowPlan {

@@ -21,10 +21,6 @@ namespace {
 
 using namespace ds::cuda;
 
-constexpr int64_t kMaxSlots = 512;
-
-Slots slots_for(int64_t rows) { return make_slots(rows, kMaxSlots); }
-
 template <int VPT, int LANES>
 __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     grms_fwd_vec(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
@@ -85,14 +81,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   float* acc = gsum + g.group * dim;
   float* ws = gsum + g.groups * dim;
   for (int j = threadIdx.x; j < dim; j += blockDim.x) ws[j] = w[j];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int c = g.lane + i * g.stride;
-    if (c < nvec) {
-      reinterpret_cast<float4*>(acc)[2 * c] = make_float4(0.f, 0.f, 0.f, 0.f);
-      reinterpret_cast<float4*>(acc)[2 * c + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  }
+  row_acc_zero<VPT>(acc, nvec, g);
   __syncthreads();
   const float inv_dim = 1.0f / static_cast<float>(dim);
   const int64_t iters = (r1 - r0 + g.groups - 1) / g.groups;  // uniform over the block
@@ -149,11 +138,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
         df[k] = df[k] * sz * xh;             // dw contribution
       }
       if (valid && c < nvec) {
-        float4* a = reinterpret_cast<float4*>(acc) + 2 * c;
-        float4 a0 = a[0], a1 = a[1];
-        a0.x += df[0], a0.y += df[1], a0.z += df[2], a0.w += df[3];
-        a1.x += df[4], a1.y += df[5], a1.z += df[6], a1.w += df[7];
-        a[0] = a0, a[1] = a1;
+        row_acc_add(acc, c, df);
         dxr[c] = pack8(xf);
         dzr[c] = pack8(zf);
       }
@@ -161,11 +146,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   }
   float* prow = partial + static_cast<int64_t>(blockIdx.x) * dim;
   __syncthreads();
-  for (int j = threadIdx.x; j < dim; j += blockDim.x) {
-    float s = 0.f;
-    for (int q = 0; q < g.groups; ++q) s += gsum[q * dim + j];
-    prow[j] = s;
-  }
+  row_acc_reduce(gsum, g.groups, dim, prow);
 }
 
 // ---- scalar fallback (any d, any alignment) ----
@@ -268,7 +249,7 @@ void gated_rmsnorm_forward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, con
 
 size_t gated_rmsnorm_scratch_bytes(int64_t rows, int64_t d) {
   if (rows <= 0 || d <= 0) return 0;
-  return static_cast<size_t>(slots_for(rows).count) * static_cast<size_t>(d) * sizeof(float);
+  return static_cast<size_t>(row_slots(rows).count) * static_cast<size_t>(d) * sizeof(float);
 }
 
 void gated_rmsnorm_backward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, const float* w, const float* rstd,
@@ -280,7 +261,7 @@ void gated_rmsnorm_backward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, co
   if (rows == 0) return;
   DS_CUDA_REQUIRE(x && z && w && rstd && dy && dx && dz && dw, "gated_rmsnorm_backward: null pointer argument");
   DS_CUDA_REQUIRE(scratch != nullptr, "gated_rmsnorm_backward: scratch is null (need gated_rmsnorm_scratch_bytes)");
-  const Slots s = slots_for(rows);
+  const Slots s = row_slots(rows);
   float* partial = static_cast<float*>(scratch);
   const bool vec_ok = aligned16(x) && aligned16(z) && aligned16(w) && aligned16(dy) && aligned16(dx) && aligned16(dz);
   const RowPlan p = plan_for(d, vec_ok, true);

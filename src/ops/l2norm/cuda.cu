@@ -30,17 +30,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   const int64_t rr = valid ? row : 0;
   const uint4* xr = reinterpret_cast<const uint4*>(x + (rr / heads) * x_stride + (rr % heads) * dim);
   uint4 xv[VPT];
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int c = g.lane + i * g.stride;
-    xv[i] = (valid && c < nvec) ? xr[c] : make_uint4(0, 0, 0, 0);
-    float f[8];
-    unpack8(xv[i], f);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) ss += f[k] * f[k];
-  }
-  ss = row_sum<LANES>(ss, red);
+  const float ss = row_sum<LANES>(row_load_sumsq(xr, valid, nvec, g, xv), red);
   const float rn = 1.0f / sqrtf(ss + eps);
   if (!valid) return;
   if (g.lane == 0) rnorm[row] = rn;

@@ -27,10 +27,6 @@ namespace {
 
 using namespace ds::cuda;
 
-constexpr int64_t kMaxSlots = 512;
-
-Slots slots_for(int64_t rows) { return make_slots(rows, kMaxSlots); }
-
 template <int VPT, int LANES>
 __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     rms_fwd_vec(const bf16* __restrict__ x, const float* __restrict__ w, bf16* __restrict__ y, float* __restrict__ rstd,
@@ -42,17 +38,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   const int nvec = dim >> 3;
   const uint4* xr = reinterpret_cast<const uint4*>(x + (valid ? row : 0) * dim);
   uint4 xv[VPT];
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int c = g.lane + i * g.stride;
-    xv[i] = (valid && c < nvec) ? xr[c] : make_uint4(0, 0, 0, 0);
-    float f[8];
-    unpack8(xv[i], f);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) ss += f[k] * f[k];
-  }
-  ss = row_sum<LANES>(ss, red);
+  const float ss = row_sum<LANES>(row_load_sumsq(xr, valid, nvec, g, xv), red);
   const float rs = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
   if (!valid) return;
   if (g.lane == 0) rstd[row] = rs;
@@ -86,14 +72,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   float* acc = gsum + g.group * dim;   // this group's dw accumulator row (each thread owns its columns)
   float* gam = gsum + g.groups * dim;  // gamma = (1 +) w, shared by the groups
   for (int j = threadIdx.x; j < dim; j += blockDim.x) gam[j] = zc ? 1.0f + w[j] : w[j];
-#pragma unroll
-  for (int i = 0; i < VPT; ++i) {
-    const int c = g.lane + i * g.stride;
-    if (c < nvec) {
-      reinterpret_cast<float4*>(acc)[2 * c] = make_float4(0.f, 0.f, 0.f, 0.f);
-      reinterpret_cast<float4*>(acc)[2 * c + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-  }
+  row_acc_zero<VPT>(acc, nvec, g);
   __syncthreads();
   const float inv_dim = 1.0f / static_cast<float>(dim);
   const int64_t iters = (r1 - r0 + g.groups - 1) / g.groups;  // uniform over the block
@@ -140,23 +119,14 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
         o[k] = rs * (df[k] * gm[k] - xh * mean_dot);
       }
       if (valid && c < nvec) {
-        float4* a = reinterpret_cast<float4*>(acc) + 2 * c;
-        float4 a0 = a[0], a1 = a[1];
-        a0.x += xf[0], a0.y += xf[1], a0.z += xf[2], a0.w += xf[3];
-        a1.x += xf[4], a1.y += xf[5], a1.z += xf[6], a1.w += xf[7];
-        a[0] = a0, a[1] = a1;
+        row_acc_add(acc, c, xf);
         dxr[c] = pack8(o);
       }
     }
   }
   float* prow = partial + static_cast<int64_t>(blockIdx.x) * dim;
   __syncthreads();
-  // Sum the groups' accumulators in a fixed order (one group when LANES == 0).
-  for (int j = threadIdx.x; j < dim; j += blockDim.x) {
-    float s = 0.f;
-    for (int q = 0; q < g.groups; ++q) s += gsum[q * dim + j];
-    prow[j] = s;
-  }
+  row_acc_reduce(gsum, g.groups, dim, prow);  // the groups' accumulators in a fixed order (one when LANES == 0)
 }
 
 // ---- scalar fallback (any dim, any alignment) ----
@@ -272,7 +242,7 @@ void rmsnorm_forward(const ds::cuda::bf16* x, const float* w, ds::cuda::bf16* y,
 
 size_t rmsnorm_scratch_bytes(int64_t rows, int64_t dim) {
   if (rows <= 0 || dim <= 0) return 0;
-  return static_cast<size_t>(slots_for(rows).count) * static_cast<size_t>(dim) * sizeof(float);
+  return static_cast<size_t>(row_slots(rows).count) * static_cast<size_t>(dim) * sizeof(float);
 }
 
 void rmsnorm_backward(const ds::cuda::bf16* x, const float* w, const float* rstd, const ds::cuda::bf16* dy,
@@ -284,7 +254,7 @@ void rmsnorm_backward(const ds::cuda::bf16* x, const float* w, const float* rstd
   if (rows == 0) return;
   DS_CUDA_REQUIRE(x && w && rstd && dy && dx && dw, "rmsnorm_backward: null pointer argument");
   DS_CUDA_REQUIRE(scratch != nullptr, "rmsnorm_backward: scratch is null (need rmsnorm_scratch_bytes)");
-  const Slots s = slots_for(rows);
+  const Slots s = row_slots(rows);
   float* partial = static_cast<float*>(scratch);
   const bool vec_ok = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx);
   const RowPlan p = plan_for(dim, vec_ok, true);
