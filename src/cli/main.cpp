@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
   tokenize->add_option("--input", input, "Input .jsonl")->required();
   tokenize->add_option("--output", output, "Output .jsonl")->required();
 
-  auto* bench = app.add_subcommand("bench", "GPU benchmarks: `bench ops`, `bench step --preset 2b`");
+  auto* bench = app.add_subcommand("bench", "Benchmarks: `bench ops`, `bench step --preset 2b` (GPU), `bench tokenizer` (CPU)");
   bench->require_subcommand(1);
   auto* bench_ops = bench->add_subcommand("ops", "Per-op timings, rates and roofline fractions");
   auto* bench_step = bench->add_subcommand("step", "Full training steps: tokens/s, MFU, peak memory");
@@ -96,6 +96,12 @@ int main(int argc, char** argv) {
   bench_step->add_option("--seq-len", bench_seq, "Tokens per sequence")->capture_default_str();
   bench_step->add_option("--micro-batch", bench_mb, "Sequences per step")->capture_default_str();
   bench_step->add_option("--steps", bench_steps, "Timed steps (after one warm-up)")->capture_default_str();
+  auto* bench_tok = bench->add_subcommand("tokenizer", "Tokenizer encode speed, MB/s on one core (CPU)");
+  std::string bench_tokenizer = ds::bundled_tokenizer_path(), bench_text = ds::bundled_data_path();
+  int bench_repeats = 5;
+  bench_tok->add_option("--tokenizer", bench_tokenizer, "tokenizer.json")->capture_default_str();
+  bench_tok->add_option("--input", bench_text, "Text file to encode")->capture_default_str();
+  bench_tok->add_option("--repeats", bench_repeats, "Timed passes after the first")->capture_default_str();
   auto* probe = app.add_subcommand("probe", "Backend per op and its self-probe error");
   auto* inspect = app.add_subcommand("inspect", "Show a checkpoint's config and tensors");
   std::string inspect_path;
@@ -126,6 +132,7 @@ int main(int argc, char** argv) {
     if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output);
     if (*probe) return ds::cli::cmd_probe();
     if (*bench_ops) return ds::cli::cmd_bench_ops();
+    if (*bench_tok) return ds::cli::cmd_bench_tokenizer(bench_tokenizer, bench_text, bench_repeats);
     if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps);
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
     if (*train) {

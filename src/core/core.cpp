@@ -69,7 +69,7 @@ void fsync_dir(const std::string& dir) {
 void write_file_atomic(const std::string& path, const void* data, size_t size) {
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) fail("{}: cannot create ({})", tmp, std::strerror(errno));
+  if (fd < 0) fail("{}: cannot write ({}; temporary file {})", path, std::strerror(errno), tmp);
   const char* p = static_cast<const char*>(data);
   size_t left = size;
   while (left > 0) {
@@ -79,7 +79,7 @@ void write_file_atomic(const std::string& path, const void* data, size_t size) {
       int e = errno;
       ::close(fd);
       ::unlink(tmp.c_str());
-      fail("{}: write failed ({})", tmp, std::strerror(e));
+      fail("{}: write failed ({}; temporary file {})", path, std::strerror(e), tmp);
     }
     p += w;
     left -= static_cast<size_t>(w);
@@ -87,7 +87,7 @@ void write_file_atomic(const std::string& path, const void* data, size_t size) {
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
     int e = errno;
     ::unlink(tmp.c_str());
-    fail("{}: fsync/close failed ({})", tmp, std::strerror(e));
+    fail("{}: fsync/close failed ({}; temporary file {})", path, std::strerror(e), tmp);
   }
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     int e = errno;

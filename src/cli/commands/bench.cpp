@@ -11,7 +11,10 @@
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
+#include "core/files.h"
+#include "core/parallel.h"
 #include "core/rng.h"
+#include "data/tokenizer.h"
 #include "model/config.h"
 #include "model/model.h"
 
@@ -30,6 +33,28 @@
 #endif
 
 namespace ds::cli {
+
+int cmd_bench_tokenizer(const std::string& tokenizer_path, const std::string& text_path, int repeats) {
+  DS_CHECK(repeats >= 1, "--repeats must be >= 1");
+  Tokenizer tok = Tokenizer::from_file(tokenizer_path);
+  std::string text = read_file(text_path);
+  DS_CHECK(!text.empty(), "{}: empty file", text_path);
+  // One thread: the number is MB/s per core. The first pass fills the per-thread word cache; both are reported.
+  set_num_threads(1);
+  std::vector<double> secs;
+  size_t ids = 0;
+  for (int r = 0; r < repeats + 1; ++r) {
+    auto t0 = std::chrono::steady_clock::now();
+    ids = tok.encode(text).size();
+    secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::vector<double> warm(secs.begin() + 1, secs.end());
+  std::sort(warm.begin(), warm.end());
+  const double mb = text.size() / 1e6;
+  fmt::print("tokenizer {} on {} ({:.2f} MB -> {} ids), one core: first pass {:.1f} MB/s, warm median {:.1f} MB/s\n",
+             tokenizer_path, text_path, mb, ids, mb / secs[0], mb / warm[warm.size() / 2]);
+  return 0;
+}
 
 #ifdef DELTASTACK_CUDA
 namespace {

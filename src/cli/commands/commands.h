@@ -36,6 +36,9 @@ int cmd_bench_ops();
 // `deltastack bench step`: tokens/s, MFU and peak memory of full training steps of a preset (GPU).
 int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps);
 
+// `deltastack bench tokenizer`: encode speed of a tokenizer.json on a text file, one core (MB/s).
+int cmd_bench_tokenizer(const std::string& tokenizer_path, const std::string& text_path, int repeats);
+
 // `deltastack probe`: the backend chosen per op and its self-probe error against the reference.
 int cmd_probe();
 
