@@ -181,23 +181,61 @@ void Qwen35Model::load(const std::string& path) {
   }
 }
 
+namespace {
+// A_log and the gated-norm weight stay fp32 as in released Qwen3.5 checkpoints (qwen35_model.md §5.3).
+DType stored_dtype(const ParamSpec& p, DType dtype) {
+  bool keep_f32 = p.name.find("A_log") != std::string::npos || p.name.find("linear_attn.norm.weight") != std::string::npos;
+  return keep_f32 ? DType::F32 : dtype;
+}
+}  // namespace
+
 std::vector<SaveTensor> Qwen35Model::to_tensors(const std::vector<float>& buffer, DType dtype) const {
   std::vector<SaveTensor> out;
-  for (const ParamSpec& p : params_) {
-    // A_log and the gated-norm weight stay fp32 as in released Qwen3.5 checkpoints (qwen35_model.md §5.3).
-    bool keep_f32 = p.name.find("A_log") != std::string::npos || p.name.find("linear_attn.norm.weight") != std::string::npos;
-    out.push_back(make_tensor_f32(p.name, p.shape, buffer.data() + p.offset, keep_f32 ? DType::F32 : dtype));
-  }
+  for (const ParamSpec& p : params_)
+    out.push_back(make_tensor_f32(p.name, p.shape, buffer.data() + p.offset, stored_dtype(p, dtype)));
   return out;
 }
 
-void Qwen35Model::save(const std::string& dir, DType dtype) const {
-  std::filesystem::create_directories(dir);
+void Qwen35Model::save(const std::string& dir, DType dtype, int64_t max_shard_bytes) const {
+  namespace fs = std::filesystem;
+  DS_CHECK(max_shard_bytes > 0, "save: max_shard_bytes must be positive");
+  fs::create_directories(dir);
   nlohmann::json cj = cfg_.to_json();
   if (dtype == DType::BF16) cj["dtype"] = "bfloat16";
-  write_file_atomic((std::filesystem::path(dir) / "config.json").string(), cj.dump(2) + "\n");
-  write_safetensors((std::filesystem::path(dir) / "model.safetensors").string(), to_tensors(weights_, dtype),
-                    {{"format", "pt"}});
+  write_file_atomic((fs::path(dir) / "config.json").string(), cj.dump(2) + "\n");
+  // Group parameters (in order) into shards of at most max_shard_bytes (a bigger tensor gets a shard alone).
+  std::vector<std::vector<size_t>> shards(1);
+  int64_t cur = 0, total = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    int64_t bytes = params_[i].numel * static_cast<int64_t>(dtype_size(stored_dtype(params_[i], dtype)));
+    if (!shards.back().empty() && cur + bytes > max_shard_bytes) {
+      shards.emplace_back();
+      cur = 0;
+    }
+    shards.back().push_back(i);
+    cur += bytes;
+    total += bytes;
+  }
+  auto shard_tensors = [&](const std::vector<size_t>& idx) {
+    std::vector<SaveTensor> t;
+    for (size_t i : idx) {
+      const ParamSpec& p = params_[i];
+      t.push_back(make_tensor_f32(p.name, p.shape, weights_.data() + p.offset, stored_dtype(p, dtype)));
+    }
+    return t;
+  };
+  if (shards.size() == 1) {
+    write_safetensors((fs::path(dir) / "model.safetensors").string(), shard_tensors(shards[0]), {{"format", "pt"}});
+    return;
+  }
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (size_t k = 0; k < shards.size(); ++k) {
+    std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
+    write_safetensors((fs::path(dir) / file).string(), shard_tensors(shards[k]), {{"format", "pt"}});
+    for (size_t i : shards[k]) weight_map[params_[i].name] = file;
+  }
+  nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  write_file_atomic((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -68,9 +68,11 @@ class Qwen35Model {
   // (an lm_head.weight present in a tied checkpoint must equal the embedding or it is an error). Every
   // parameter must be present with the right shape (ds::Error naming the file and tensor otherwise).
   void load(const std::string& path);
-  // Writes dir/config.json and dir/model.safetensors (HF names, "model." prefix; lm_head only when untied),
-  // each atomically. dtype F32 or BF16.
-  void save(const std::string& dir, DType dtype = DType::F32) const;
+  // Writes dir/config.json and the weights (HF names, "model." prefix; lm_head only when untied), each file
+  // atomically: dir/model.safetensors when they fit in max_shard_bytes (HF save_pretrained's 5 GB default),
+  // else model-0000k-of-0000n.safetensors shards plus model.safetensors.index.json. Memory beyond the model is
+  // about two shards. dtype F32 or BF16 (A_log and the gated-norm weight always F32, as released checkpoints).
+  void save(const std::string& dir, DType dtype = DType::F32, int64_t max_shard_bytes = 5000000000) const;
   // The parameters as safetensors entries (for optimizer state files etc.): name -> values from `buffer`.
   std::vector<SaveTensor> to_tensors(const std::vector<float>& buffer, DType dtype = DType::F32) const;
 
