@@ -14,8 +14,14 @@
 // o = scale·(e^g Sᵀq + u (k·q)) (k·q precomputed per staged token) and S ← e^g S + k uᵀ. At the start of every
 // chunk of C = chunk_size tokens of a sequence the state is stored in states[chunk_offsets[s] + c][h].
 //
-// Backward (gdn_bwd_kernel): one block per (sequence, value head), P·dv threads, chunks in reverse with dS (the
-// gradient w.r.t. the state after the chunk, zero after the last chunk) carried in registers. Per chunk of L
+// Backward (gdn_bwd_kernel): one block per (sequence, value head, group of TV = min(dv, 32) state columns), P·TV
+// threads, G = dv/TV groups, chunks in reverse with dS (the gradient w.r.t. the state after the chunk, zero after
+// the last chunk; its columns are the block's) carried in registers. Every per-column quantity (w, u, du, dv, the
+// S and dS columns) only needs the block's own columns; every column sum (dq, dk, dβ, dg, e_i and the pair dot
+// products dO_m·u_j, du_m·u_j of phase 3) is a sum over the groups of the same expression restricted to the
+// group's columns, and everything downstream of them is linear, so each block runs the algorithm below on its
+// columns and writes its dq, dk, dg, dβ as fp32 partials [G, ...] in scratch (the k·k and q̃·k pair products of
+// phase 3 are recomputed per group). Per chunk of L
 // tokens starting from S0 (read from states), with in-chunk cumulative gates c_i = Σ_{m≤i} g_m, G_i = e^{c_i},
 // Γ_ij = e^{c_i − c_j} (j ≤ i only, so no exponent is positive):
 //   phase 1, tokens forward: replay the recurrence from S0 (bitwise the forward kernel's arithmetic), keep w_i in
@@ -31,9 +37,11 @@
 //            with dS̄_i = Σ_{m≥i} Γ_mi (q̃_m dO_mᵀ − β_m k_m du_mᵀ) + Γ_{L−1,i} dS_end; the m-sum is a column sum of
 //            the row-wise exclusive prefix sums of M, with Γ_{L−1,j} e_j as an extra row m = L).
 //            Every term carries its own decay factor, so strong decay (g ≤ −50) gives tiny dg without cancellation.
-// dk is accumulated in an fp32 scratch [N, Hv, dk] (phase 2 writes, phase 3 adds). With GVA (Hv > Hk) dq and dk
-// are written per value head into fp32 scratch and summed over the group in head order by gdn_group_sum_kernel;
-// with Hv == Hk they are converted to bf16 in place. No atomics anywhere: results are bitwise reproducible.
+// dk is accumulated in an fp32 scratch [G, N, Hv, dk] (phase 2 writes, phase 3 adds). With G > 1 or GVA (Hv > Hk)
+// dq and dk are written per (column group, value head) into fp32 scratch and summed (value head of the GVA group
+// outer, column group inner) by gdn_reduce_kernel, which also sums the [G, N, Hv] dg and dβ partials when G > 1;
+// with G == 1 and Hv == Hk they are converted to bf16 in place. No atomics anywhere: results are bitwise
+// reproducible.
 //
 // Cost estimate (dk = dv = 128, C = 64; H200: 132 SMs, ~1.9 GHz). Forward: 3·dk·dv FMAs per token and head over
 // 128 threads per 32-column tile (per thread and token ≈ 100 FMAs, 4 shuffles, 24 vector shared loads); 32k
@@ -41,13 +49,14 @@
 // → ≈ 3–5 ms. Backward: per token and head ≈ 9·dk·dv FMAs in phases 1–2 plus the row contractions (≈ 60 shuffles
 // per thread and token) and 2 block barriers, ≈ 1200 cycles per token and phase for a 512-thread block, plus
 // phase 3 (≈ C²/2·(2dk+2dv) + C²/2·dk FMAs per chunk, ≈ 300 cycles per token) → ≈ 2700 cycles per token. One
-// block per (sequence, head): a single 32k-token sequence keeps only 32 SMs busy → ≈ 45 ms; with ≥ 132
-// (sequence, head) blocks (many documents) all SMs work and the same token count takes ≈ 4× less. fwd+bwd ≈ 50 ms for
-// 32k × 32 heads × 128² against the 3 ms goal: expected for this exact reference kernel (the chunked
-// tensor-core kernel replaces it; splitting dv across blocks would be the cheap next step for long sequences).
+// block per (sequence, head) kept a single 32k-token sequence on 32 SMs (measured 110 ms); with the columns split
+// into G = 4 groups of 32 (128-thread blocks, ≈ 98 KB shared memory, two fit per SM) the same problem runs 128
+// blocks, each with a quarter of the per-token work in phases 1–2 (phase 3's k·k, q̃·k products, ≈ C²/2·2dk per
+// chunk, are repeated in every group), plus one reduction pass over the fp32 partials (≈ 2·G·N·Hv·dk·4 bytes
+// read). The chunked tensor-core kernel replaces all of this.
 //
 // Limits: dk, dv ∈ {16, 32, 64, 128}; chunk_size ≤ 64 (the backward's shared memory is sized for 64 tokens:
-// 210 KB at dk = dv = 128, which needs Hopper's 227 KB per block).
+// ≈ 98 KB per block at dk = 128).
 #include "ops/gated_delta_rule/cuda.h"
 
 #include <cuda_bf16.h>
@@ -318,8 +327,14 @@ struct BwdArgs {
   int64_t dv_stride;
   float* dg;
   float* dbeta;
-  float* dq_part;  // [N, Hv, dk] fp32 when Hv > Hk, else null
-  float* dk_part;  // [N, Hv, dk] fp32 (always)
+  float* dq_part;    // [G, N, Hv, dk] fp32 partials unless direct_qk (then null)
+  float* dk_part;    // [G, N, Hv, dk] fp32 (always)
+  float* dg_part;    // [G, N, Hv] fp32 partials unless direct_gb (then null)
+  float* db_part;    // [G, N, Hv] fp32 partials unless direct_gb (then null)
+  int64_t pstride;   // N·Hv·dk: stride of the column groups in dq_part / dk_part
+  int64_t gstride;   // N·Hv: stride of the column groups in dg_part / db_part
+  bool direct_qk;    // G == 1 and Hv == Hk: dq, dk written as bf16 by the kernel
+  bool direct_gb;    // G == 1: dg, dβ written by the kernel
   int Hk, Hv, C;
   float scale;
   bool vec_qk, vec_v, vec_do;
@@ -328,7 +343,9 @@ struct BwdArgs {
 template <int DK, int DV>
 struct BwdCfg {
   static constexpr int R = Rows<DK>::R, P = Rows<DK>::P;
-  static constexpr int NT = P * DV;
+  static constexpr int TV = cmin(DV, 32);  // state columns per block
+  static constexpr int G = DV / TV;        // column groups per (sequence, head)
+  static constexpr int NT = P * TV;
   static constexpr int WT = cmin(NT, 32);  // threads per (possibly partial) warp
   static constexpr int NW = NT / WT;
   static constexpr int CPW = WT / P;  // state columns per warp
@@ -337,10 +354,10 @@ struct BwdCfg {
   static constexpr unsigned MASK = WT == 32 ? 0xffffffffu : ((1u << WT) - 1u);
   static constexpr int C = kMaxChunk;
   static constexpr int LP = C + 1;                             // row stride of the phase-3 pair matrices
-  static constexpr int KS = DK + 8, OS = DV + 8, WS = DV + 4;  // shared row strides (elements)
+  static constexpr int KS = DK + 8, OS = TV + 8, WS = TV + 4;  // shared row strides (elements)
   // Shared memory layout (bytes). The stash (S0, one float4 column per thread and register quad) is dead in
   // phase 3 and reused for the pair matrices M [(C+1) × LP] and Z [C × LP].
-  static constexpr int STASH = align16(cmax(DK * DV * 4, ((C + 1) * LP + C * LP) * 4));
+  static constexpr int STASH = align16(cmax(DK * TV * 4, ((C + 1) * LP + C * LP) * 4));
   static constexpr int OFF_K = STASH;
   static constexpr int OFF_Q = OFF_K + align16(C * KS * 2);
   static constexpr int OFF_O = OFF_Q + align16(C * KS * 2);
@@ -379,7 +396,9 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
   float* sB = sA + Cf::C * NW;  // dβ
   float* sE = sB + Cf::C * NW;  // e_i = k_iᵀ dS_end u_i
 
-  const int64_t task = blockIdx.x;
+  const int64_t blk = blockIdx.x;
+  const int64_t task = blk / Cf::G;
+  const int tile = static_cast<int>(blk - task * Cf::G);
   const int64_t s = task / a.Hv;
   const int h = static_cast<int>(task - s * a.Hv);
   const int ratio = a.Hv / a.Hk;
@@ -387,7 +406,14 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
   const int64_t bos = a.cu[s];
   const int len = a.cu[s + 1] - a.cu[s];
   if (len <= 0) return;
-  const int tid = threadIdx.x, lane = tid % WT, warp = tid / WT, p = tid % P, c = lane / P, b = tid / P;
+  constexpr int TV = Cf::TV;
+  // cl: the thread's column within the block's tile (shared-memory index); b: its state column.
+  const int tid = threadIdx.x, lane = tid % WT, warp = tid / WT, p = tid % P, c = lane / P, cl = tid / P;
+  const int b = tile * TV + cl;
+  float* const dq_part = a.direct_qk ? nullptr : a.dq_part + tile * a.pstride;
+  float* const dk_part = a.dk_part + tile * a.pstride;
+  float* const dg_out = a.direct_gb ? a.dg : a.dg_part + tile * a.gstride;
+  float* const db_out = a.direct_gb ? a.dbeta : a.db_part + tile * a.gstride;
   const int C = a.C;
   const int nch = (len + C - 1) / C;
   const int64_t cbase = a.chunk_off[s];
@@ -406,8 +432,10 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
     // ---- Phase 0: stage the chunk, S0 into registers and the stash.
     stage_rows<bf16>(Ks, KS, a.k + (t0 * a.Hk + hk) * DK, int64_t(a.Hk) * DK, L, DK, a.vec_qk, tid, NT);
     stage_rows<bf16>(Qs, KS, a.q + (t0 * a.Hk + hk) * DK, int64_t(a.Hk) * DK, L, DK, a.vec_qk, tid, NT);
-    stage_rows<bf16>(Os, OS, a.dout + (t0 * a.Hv + h) * DV, int64_t(a.Hv) * DV, L, DV, a.vec_do, tid, NT);
-    stage_rows<float>(Ws, WS, a.v + t0 * a.v_stride + int64_t(h) * DV, a.v_stride, L, DV, a.vec_v, tid, NT);
+    stage_rows<bf16>(Os, OS, a.dout + (t0 * a.Hv + h) * DV + tile * TV, int64_t(a.Hv) * DV, L, TV, a.vec_do, tid,
+                     NT);
+    stage_rows<float>(Ws, WS, a.v + t0 * a.v_stride + int64_t(h) * DV + tile * TV, a.v_stride, L, TV, a.vec_v, tid,
+                      NT);
     for (int i = tid; i < L; i += NT) {
       const float gv = a.g[(t0 + i) * a.Hv + h];
       gS[i] = gv;
@@ -442,8 +470,8 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
       const uint2* krow = reinterpret_cast<const uint2*>(Ks + i * KS);
 #pragma unroll
       for (int r4 = 0; r4 < R / 4; ++r4) kp[r4] = krow[r4 * P + p];
-      const float vb = Ws[i * WS + b];
-      const float dob = bf2f(Os[i * OS + b]);
+      const float vb = Ws[i * WS + cl];
+      const float dob = bf2f(Os[i * OS + cl]);
       float ak[4] = {0.f, 0.f, 0.f, 0.f}, ay[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int r4 = 0; r4 < R / 4; ++r4) {
@@ -490,7 +518,7 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
 #pragma unroll
       for (int o = 1; o < WT; o <<= 1) ep += __shfl_xor_sync(MASK, ep, o);
       __syncwarp(MASK);  // every lane of the column has read v_i before w_i replaces it
-      if (p == 0) Ws[i * WS + b] = w;
+      if (p == 0) Ws[i * WS + cl] = w;
       if (lane == 0) sE[i * NW + warp] = ep;
       float* rb = red + (buf * NW + warp) * DK;
       if (owner) {
@@ -505,10 +533,10 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
 #pragma unroll
         for (int wi = 1; wi < NW; ++wi) acc += rr[wi * DK];
         const float val = scale * acc;
-        if (ratio == 1)
+        if (a.direct_qk)
           a.dq[(t * a.Hk + hk) * DK + x] = __float2bfloat16_rn(val);
         else
-          a.dq_part[(t * a.Hv + h) * DK + x] = val;
+          dq_part[(t * a.Hv + h) * DK + x] = val;
       }
       buf ^= 1;
     }
@@ -524,9 +552,9 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
         qp[r4] = qrow[r4 * P + p];
       }
       const float bt = bS[i], eg = eS[i], Gi = GS[i];
-      const float wb = Ws[i * WS + b];
+      const float wb = Ws[i * WS + cl];
       const float u = bt * wb;
-      const float sdob = scale * bf2f(Os[i * OS + b]);
+      const float sdob = scale * bf2f(Os[i * OS + cl]);
       float ad[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int r4 = 0; r4 < R / 4; ++r4) {
@@ -545,7 +573,7 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
       for (int o = 1; o < P; o <<= 1) du += __shfl_xor_sync(MASK, du, o);
       const int64_t t = t0 + i;
       if (p == 0) {
-        Us[i * WS + b] = du;
+        Us[i * WS + cl] = du;
         a.dv[t * a.dv_stride + int64_t(h) * DV + b] = __float2bfloat16_rn(bt * du);
       }
       reload_k<R / 4, P>(kp, Ks + i * KS, p);
@@ -602,7 +630,7 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
         float acc = rr[0];
 #pragma unroll
         for (int wi = 1; wi < NW; ++wi) acc += rr[wi * DK];
-        a.dk_part[(t * a.Hv + h) * DK + x] = acc;
+        dk_part[(t * a.Hv + h) * DK + x] = acc;
       }
       buf ^= 1;
     }
@@ -634,7 +662,7 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
       const float4* um = reinterpret_cast<const float4*>(Us + m * WS);
       const float4* wj = reinterpret_cast<const float4*>(Ws + j * WS);
 #pragma unroll 2
-      for (int d8 = 0; d8 < DV / 8; ++d8) {
+      for (int d8 = 0; d8 < TV / 8; ++d8) {
         float fo[8];
         unpack8(om[d8], fo);
         const float4 u0 = um[2 * d8], u1 = um[2 * d8 + 1], w0 = wj[2 * d8], w1 = wj[2 * d8 + 1];
@@ -677,8 +705,8 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
         as += sA[i * NW + wi];
         bb += sB[i * NW + wi];
       }
-      a.dg[(t0 + i) * a.Hv + h] = as + bsum;
-      a.dbeta[(t0 + i) * a.Hv + h] = bb;
+      dg_out[(t0 + i) * a.Hv + h] = as + bsum;
+      db_out[(t0 + i) * a.Hv + h] = bb;
     }
     // dk_i −= Σ_{j<i} Z_ij k_j, then bf16 when there is no GVA group to sum.
     for (int idx = tid; idx < L * DK; idx += NT) {
@@ -687,25 +715,56 @@ __global__ void __launch_bounds__(BwdCfg<DK, DV>::NT, 1) gdn_bwd_kernel(const Bw
       for (int j = 0; j < i; ++j) acc = fmaf(Zm[i * LP + j], bf2f(Ks[j * KS + x]), acc);
       const int64_t t = t0 + i;
       const int64_t o = (t * a.Hv + h) * DK + x;
-      const float val = a.dk_part[o] - acc;
-      if (ratio == 1)
+      const float val = dk_part[o] - acc;
+      if (a.direct_qk)
         a.dk[(t * a.Hk + hk) * DK + x] = __float2bfloat16_rn(val);
       else
-        a.dk_part[o] = val;
+        dk_part[o] = val;
     }
   }
 }
 
-// out[t, j, :] = Σ_{m<r} part[t, j·r + m, :] in head order (the CPU reference's order), as bf16.
-__global__ void gdn_group_sum_kernel(const float* __restrict__ part, bf16* __restrict__ out, int64_t total, int r,
-                                     int dk) {
+// Deterministic second pass over the backward's fp32 partials (fixed order: value head of the GVA group outer,
+// column group inner, i.e. the CPU reference's head order):
+//   dq[t, j, :] = Σ_{m<r} Σ_{g<G} dq_part[g, t, j·r + m, :]  (same for dk), as bf16, for idx < 2·nqk (when nqk > 0);
+//   dg[t, h] = Σ_{g<G} dg_part[g, t, h]  (same for dβ), for the next 2·ngb indices (when ngb > 0).
+struct RedArgs {
+  const float* dq_part;
+  const float* dk_part;
+  const float* dg_part;
+  const float* db_part;
+  bf16* dq;
+  bf16* dk;
+  float* dg;
+  float* dbeta;
+  int64_t nqk;      // N·Hk·dk, or 0 when dq, dk were written directly
+  int64_t ngb;      // N·Hv, or 0 when dg, dβ were written directly
+  int64_t pstride;  // N·Hv·dk
+  int r, G, width;  // width: dk
+};
+
+__global__ void gdn_reduce_kernel(const RedArgs a) {
+  const int64_t total = 2 * a.nqk + 2 * a.ngb;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t row = idx / dk, x = idx - row * dk;  // row = t·Hk + j
-    const float* pp = part + row * r * dk + x;
-    float acc = pp[0];
-    for (int m = 1; m < r; ++m) acc += pp[int64_t(m) * dk];
-    out[idx] = __float2bfloat16_rn(acc);
+    if (idx < 2 * a.nqk) {
+      const bool is_k = idx >= a.nqk;
+      const int64_t e = is_k ? idx - a.nqk : idx;
+      const int64_t row = e / a.width, x = e - row * a.width;  // row = t·Hk + j
+      const float* pp = (is_k ? a.dk_part : a.dq_part) + row * a.r * a.width + x;
+      float acc = pp[0];
+      for (int m = 0; m < a.r; ++m)
+        for (int g = m == 0 ? 1 : 0; g < a.G; ++g) acc += pp[g * a.pstride + int64_t(m) * a.width];
+      (is_k ? a.dk : a.dq)[e] = __float2bfloat16_rn(acc);
+    } else {
+      const int64_t e0 = idx - 2 * a.nqk;
+      const bool is_b = e0 >= a.ngb;
+      const int64_t e = is_b ? e0 - a.ngb : e0;
+      const float* pp = (is_b ? a.db_part : a.dg_part) + e;
+      float acc = pp[0];
+      for (int g = 1; g < a.G; ++g) acc += pp[g * a.ngb];
+      (is_b ? a.dbeta : a.dg)[e] = acc;
+    }
   }
 }
 
@@ -739,7 +798,7 @@ void launch_fwd(const GdnDims& d, const FwdArgs& a, cudaStream_t stream) {
 template <int DK, int DV>
 void launch_bwd(const GdnDims& d, const BwdArgs& a, cudaStream_t stream) {
   using Cf = BwdCfg<DK, DV>;
-  const int64_t blocks = d.num_seqs * d.Hv;
+  const int64_t blocks = d.num_seqs * d.Hv * Cf::G;
   DS_CUDA_REQUIRE(blocks <= INT32_MAX, "gated_delta_rule_backward: too many (sequence, head) blocks");
   DS_CUDA_CHECK(cudaFuncSetAttribute(gdn_bwd_kernel<DK, DV>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cf::BYTES));
   gdn_bwd_kernel<DK, DV><<<static_cast<unsigned>(blocks), Cf::NT, Cf::BYTES, stream>>>(a);
@@ -793,8 +852,25 @@ struct BwdLaunch {
   }
 };
 
-size_t part_bytes(const GdnDims& d) { return static_cast<size_t>(d.N * d.Hv * d.dk) * sizeof(float); }
 size_t round256(size_t x) { return (x + 255) / 256 * 256; }
+// Column groups of the backward (BwdCfg::G): dv / 32 for dv ≥ 32, else 1.
+int64_t col_groups(const GdnDims& d) { return d.dv > 32 ? d.dv / 32 : 1; }
+// Scratch layout (each part 256-aligned): dk partials [G, N, Hv, dk]; dq partials [G, N, Hv, dk] when G > 1 or
+// Hv > Hk; dg and dβ partials [G, N, Hv] when G > 1.
+struct ScratchLayout {
+  size_t dk = 0, dq = 0, dg = 0, db = 0, total = 0;
+};
+ScratchLayout scratch_layout(const GdnDims& d) {
+  ScratchLayout l;
+  const int64_t G = col_groups(d);
+  const size_t part = static_cast<size_t>(G * d.N * d.Hv * d.dk) * sizeof(float);
+  const size_t gb = static_cast<size_t>(G * d.N * d.Hv) * sizeof(float);
+  size_t off = round256(part);
+  if (G > 1 || d.Hv > d.Hk) l.dq = off, off += round256(part);
+  if (G > 1) l.dg = off, off += round256(gb), l.db = off, off += round256(gb);
+  l.total = off;
+  return l;
+}
 
 }  // namespace
 
@@ -822,8 +898,7 @@ void gated_delta_rule_forward(const ds::ops::GdnDims& d, const bf16* q, const bf
 size_t gated_delta_rule_scratch_bytes(const ds::ops::GdnDims& d, int64_t total_chunks) {
   (void)total_chunks;
   if (d.N <= 0 || d.Hk <= 0) return 0;
-  const size_t part = part_bytes(d);
-  return d.Hv > d.Hk ? round256(part) + part : part;  // dk partials, then dq partials with GVA
+  return scratch_layout(d).total;
 }
 
 void gated_delta_rule_backward(const ds::ops::GdnDims& d, const bf16* q, const bf16* k, const bf16* v, int64_t v_stride,
@@ -839,13 +914,21 @@ void gated_delta_rule_backward(const ds::ops::GdnDims& d, const bf16* q, const b
   DS_CUDA_REQUIRE(q && k && v && g && beta && cu_seqlens && chunk_offsets && states && dout && dq && dk && dv && dg &&
                       dbeta && scratch,
                   "gated_delta_rule_backward: null pointer");
-  const bool gva = d.Hv > d.Hk;
+  const int64_t G = col_groups(d);
+  const ScratchLayout sl = scratch_layout(d);
+  char* const sc = static_cast<char*>(scratch);
   BwdArgs a{};
   a.q = q, a.k = k, a.v = v, a.v_stride = v_stride, a.g = g, a.beta = beta;
   a.cu = cu_seqlens, a.chunk_off = chunk_offsets, a.states = states, a.dout = dout;
   a.dq = dq, a.dk = dk, a.dv = dv, a.dv_stride = dv_stride, a.dg = dg, a.dbeta = dbeta;
-  a.dk_part = static_cast<float*>(scratch);
-  a.dq_part = gva ? reinterpret_cast<float*>(static_cast<char*>(scratch) + round256(part_bytes(d))) : nullptr;
+  a.direct_qk = G == 1 && d.Hv == d.Hk;
+  a.direct_gb = G == 1;
+  a.dk_part = reinterpret_cast<float*>(sc + sl.dk);
+  a.dq_part = a.direct_qk ? nullptr : reinterpret_cast<float*>(sc + sl.dq);
+  a.dg_part = a.direct_gb ? nullptr : reinterpret_cast<float*>(sc + sl.dg);
+  a.db_part = a.direct_gb ? nullptr : reinterpret_cast<float*>(sc + sl.db);
+  a.pstride = d.N * d.Hv * d.dk;
+  a.gstride = d.N * d.Hv;
   a.Hk = static_cast<int>(d.Hk), a.Hv = static_cast<int>(d.Hv), a.C = static_cast<int>(d.chunk_size);
   a.scale = static_cast<float>(d.scale);
   a.vec_qk = aligned16(q) && aligned16(k);
@@ -853,16 +936,18 @@ void gated_delta_rule_backward(const ds::ops::GdnDims& d, const bf16* q, const b
   a.vec_do = aligned16(dout);
   BwdLaunch f{d, a, stream};
   dispatch(d.dk, d.dv, f);
-  if (gva) {
-    const int64_t total = d.N * d.Hk * d.dk;
+  if (!a.direct_qk || !a.direct_gb) {
+    RedArgs ra{};
+    ra.dq_part = a.dq_part, ra.dk_part = a.dk_part, ra.dg_part = a.dg_part, ra.db_part = a.db_part;
+    ra.dq = dq, ra.dk = dk, ra.dg = dg, ra.dbeta = dbeta;
+    ra.nqk = a.direct_qk ? 0 : d.N * d.Hk * d.dk;
+    ra.ngb = a.direct_gb ? 0 : d.N * d.Hv;
+    ra.pstride = a.pstride;
+    ra.r = static_cast<int>(d.Hv / d.Hk), ra.G = static_cast<int>(G), ra.width = static_cast<int>(d.dk);
+    const int64_t total = 2 * ra.nqk + 2 * ra.ngb;
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>((total + threads - 1) / threads, 65536);
-    const int r = static_cast<int>(d.Hv / d.Hk);
-    gdn_group_sum_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a.dq_part, dq, total, r,
-                                                                                static_cast<int>(d.dk));
-    DS_CUDA_LAUNCH_CHECK();
-    gdn_group_sum_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a.dk_part, dk, total, r,
-                                                                                static_cast<int>(d.dk));
+    gdn_reduce_kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(ra);
     DS_CUDA_LAUNCH_CHECK();
   }
 }
