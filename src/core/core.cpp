@@ -33,13 +33,14 @@ LogLevel log_level() { return g_level; }
 void set_log_level(LogLevel level) { g_level = level; }
 
 static int g_threads = 0;
+// OpenBLAS never threads itself (it would change results with the thread count): pinned at load, before any op
+// runs, whether or not the program calls set_num_threads. Ops split GEMMs over fixed partitions instead.
+[[maybe_unused]] static const bool g_blas_pinned = (openblas_set_num_threads(1), true);
 void set_num_threads(int n) {
   if (n <= 0) n = omp_get_num_procs();
   g_threads = n;
   omp_set_num_threads(n);
-  // OpenBLAS stays single-threaded: its own threading changes results with the thread count, so the ops
-  // parallelise GEMMs themselves over fixed partitions (src/ops/linear/cpu.cpp, docs/determinism.md).
-  openblas_set_num_threads(1);
+  openblas_set_num_threads(1);  // stays single-threaded (see g_blas_pinned)
 }
 int num_threads() { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
 

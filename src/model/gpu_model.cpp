@@ -223,14 +223,7 @@ struct GpuModel::Impl {
     const int64_t N = b.size(), S = static_cast<int64_t>(b.cu_seqlens.size()) - 1;
     DS_CHECK(N <= plan.max_tokens && S <= plan.max_seqs,
              "gpu: batch of {} tokens / {} documents exceeds the plan ({} / {})", N, S, plan.max_tokens, plan.max_seqs);
-    for (int64_t t = 0; t < N; ++t) {
-      DS_CHECK(b.input_ids[t] >= 0 && b.input_ids[t] < c.vocab_size, "batch: token id {} at {} outside [0, {})",
-               b.input_ids[t], t, c.vocab_size);
-      DS_CHECK(b.targets[t] == -100 || (b.targets[t] >= 0 && b.targets[t] < c.vocab_size),
-               "batch: target {} at {} outside the vocabulary", b.targets[t], t);
-      DS_CHECK(b.positions[t] < c.max_position_embeddings, "batch: a document is longer than max_position_embeddings ({})",
-               c.max_position_embeddings);
-    }
+    b.check(c);
     std::vector<int32_t> ss(static_cast<size_t>(N)), co(static_cast<size_t>(S + 1), 0);
     for (int64_t s = 0; s < S; ++s) {
       for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) ss[static_cast<size_t>(t)] = b.cu_seqlens[s];

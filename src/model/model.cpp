@@ -41,6 +41,22 @@ void PackedBatch::finalize(const std::string& what) {
   }
 }
 
+void PackedBatch::check(const ModelConfig& c) const {
+  const int64_t N = size();
+  DS_CHECK(cu_seqlens.size() >= 2, "batch: cu_seqlens needs at least two entries");
+  DS_CHECK(static_cast<int64_t>(positions.size()) == N && static_cast<int64_t>(targets.size()) == N,
+           "batch: positions or targets not set (call finalize())");
+  for (int64_t t = 0; t < N; ++t) {
+    const int32_t id = input_ids[static_cast<size_t>(t)], y = targets[static_cast<size_t>(t)];
+    DS_CHECK(id >= 0 && id < c.vocab_size, "batch: token id {} at position {} is outside the vocabulary [0, {})", id,
+             t, c.vocab_size);
+    DS_CHECK(y == -100 || (y >= 0 && y < c.vocab_size), "batch: target {} at position {} is outside the vocabulary "
+             "[0, {})", y, t, c.vocab_size);
+    DS_CHECK(positions[static_cast<size_t>(t)] < c.max_position_embeddings,
+             "batch: a document is longer than max_position_embeddings ({})", c.max_position_embeddings);
+  }
+}
+
 int64_t PackedBatch::num_targets() const {
   return std::count_if(targets.begin(), targets.end(), [](int32_t t) { return t != -100; });
 }
@@ -493,21 +509,9 @@ struct Qwen35Model::Impl {
     add_into(dh, tmp);  // d h_in
   }
 
-  void check_batch() {
-    DS_CHECK(num_seqs >= 1, "batch: cu_seqlens needs at least two entries");
-    DS_CHECK(static_cast<int64_t>(batch.positions.size()) == N, "batch: positions not set (call finalize())");
-    for (int64_t t = 0; t < N; ++t) {
-      int32_t id = batch.input_ids[static_cast<size_t>(t)];
-      DS_CHECK(id >= 0 && id < c.vocab_size, "batch: token id {} at position {} is outside the vocabulary [0, {})", id,
-               t, c.vocab_size);
-      DS_CHECK(batch.positions[static_cast<size_t>(t)] < c.max_position_embeddings,
-               "batch: a document is longer than max_position_embeddings ({})", c.max_position_embeddings);
-    }
-  }
-
   // Runs embedding + all layers + final norm. Returns the final normed hidden states; fills caches.
   void trunk_forward(std::vector<LayerCache>& caches, Buf& h, Buf& hf, Buf& rstd_f, ForwardCapture* cap) {
-    check_batch();
+    batch.check(c);
     h.resize(N * H);
     const float* emb = m.weights_.data() + m.spec("model.embed_tokens.weight").offset;
     ops::embedding_forward(batch.input_ids.data(), N, emb, c.vocab_size, H, h.data());

@@ -30,6 +30,9 @@ struct PackedBatch {
   // Fills positions from cu_seqlens and checks the shapes; throws ds::Error with `what` in the message.
   void finalize(const std::string& what = "batch");
   int64_t num_targets() const;  // targets != -100
+  // Checks the batch against a model: token ids and targets inside the vocabulary, documents no longer than
+  // max_position_embeddings, positions set. Throws ds::Error naming the position. Both engines call it.
+  void check(const ModelConfig& c) const;
 };
 
 // What a forward pass can hand back to tools (`deltastack forward`): HF output_hidden_states and logits.

@@ -142,7 +142,6 @@ class WindowSampler {
   std::vector<int64_t> perm_;
 };
 
-std::string fmt_num(double v) { return fmt::format("{:.6g}", v); }
 
 }  // namespace
 
@@ -447,7 +446,6 @@ int train(TrainOptions opt) {
   }
   if (opt.steps == start_step && start_step == 0) save_checkpoint(0, elapsed_now());
   log_info("done: {} steps, {} tokens, {:.1f} s; metrics in {}", opt.steps, tokens_seen, elapsed_now(), metrics_path);
-  (void)fmt_num;
   return 0;
 }
 

@@ -8,12 +8,11 @@ namespace ds::ops {
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p) {
   const double bc1 = 1.0 - std::pow(p.beta1, static_cast<double>(p.step));
   const double bc2 = 1.0 - std::pow(p.beta2, static_cast<double>(p.step));
-  const float lr = static_cast<float>(p.lr), b1 = static_cast<float>(p.beta1), b2 = static_cast<float>(p.beta2);
+  const float b1 = static_cast<float>(p.beta1), b2 = static_cast<float>(p.beta2);
   const float decay = static_cast<float>(1.0 - p.lr * p.weight_decay);
   const float step_size = static_cast<float>(p.lr / bc1);
   const float inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   const float eps = static_cast<float>(p.eps), gs = static_cast<float>(p.grad_scale);
-  (void)lr;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     float g = grad[i] * gs;

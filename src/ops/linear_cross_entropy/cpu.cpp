@@ -150,16 +150,6 @@ struct Scratch {
   Scratch& operator=(const Scratch&) = delete;
 };
 
-// OpenBLAS runs single-threaded inside the scope: the op parallelises over its own fixed V-groups instead, so
-// the partition of every gemm (and so its rounding) does not depend on the thread count. (OpenBLAS's own
-// threading is not bitwise stable: 1 and 2 threads give different sgemm results for small shapes.)
-struct BlasSingleThread {
-  int prev = openblas_get_num_threads();
-  BlasSingleThread() { openblas_set_num_threads(1); }
-  ~BlasSingleThread() { openblas_set_num_threads(prev); }
-  BlasSingleThread(const BlasSingleThread&) = delete;
-  BlasSingleThread& operator=(const BlasSingleThread&) = delete;
-};
 
 }  // namespace
 
@@ -200,7 +190,6 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
   std::vector<T> hc(static_cast<size_t>(C * H)), dh_part;
   if (dh) dh_part.resize(static_cast<size_t>(G * C * H));
   std::vector<double> row_loss(static_cast<size_t>(C)), row_z(static_cast<size_t>(C));
-  BlasSingleThread blas_guard;
 
   for (int64_t r0 = 0; r0 < R; r0 += C) {
     const int64_t cn = std::min(C, R - r0);
