@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
-# Usage (device tool, from the repo root, with `.deps` carried): scripts/device_test.sh [stage ...]
+# Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
 # Stages: env build test sanitize probe parity train real-shapes bench-ops bench-step (default: all).
 # The device image has no Debian -dev packages and no network, so the Debian 12 packages the build needs
 # travel as .deb files in .deps/ (scripts/fetch_device_deps.sh) and are unpacked into a private sysroot.
@@ -21,6 +21,13 @@ export PKG_CONFIG_SYSROOT_DIR=$SYS
 export PKG_CONFIG_LIBDIR=$SYS/usr/lib/x86_64-linux-gnu/pkgconfig:$SYS/usr/lib/x86_64-linux-gnu/openblas-pthread/pkgconfig:$SYS/usr/share/pkgconfig
 export LD_LIBRARY_PATH=$SYS/usr/lib/x86_64-linux-gnu:$SYS/usr/lib/x86_64-linux-gnu/openblas-pthread:${LD_LIBRARY_PATH:-}
 PKGCONF=$(command -v pkg-config || echo "$SYS/usr/bin/pkgconf")
+# cuDNN lives inside PyTorch's wheel there: its headers for the build, its libcudnn.so.9 for dlopen at run time.
+CUDNN_DIR=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])" 2>/dev/null || true)
+if [ -n "$CUDNN_DIR" ]; then
+  export CUDNN_INCLUDE_DIR=$CUDNN_DIR/include
+  export LD_LIBRARY_PATH=$CUDNN_DIR/lib:$LD_LIBRARY_PATH
+fi
+[ -f third_party/cudnn_frontend/include/cudnn_frontend.h ] || echo "warning: third_party/cudnn_frontend not carried"
 export PATH=/usr/local/cuda/bin:$PATH
 BUILD=build-device
 status=0
@@ -43,7 +50,7 @@ if has test; then
 fi
 if has sanitize; then
   if command -v compute-sanitizer >/dev/null; then
-    compute-sanitizer --tool memcheck --error-exitcode 9 $BUILD/deltastack_tests --gtest_filter='CudaOps.*:CudaGatedDeltaRule.Packed16:CudaGatedDeltaRule.OddStrides:CudaLinear.ForwardBackwardRagged:CudaLinearCrossEntropy.OddVocab:CudaAttention.HeadDim64' \
+    compute-sanitizer --tool memcheck --error-exitcode 9 $BUILD/deltastack_tests --gtest_filter='CudaOps.*:CudaGatedDeltaRule.Packed16:CudaGatedDeltaRule.OddStrides:CudaLinear.ForwardBackwardRagged:CudaLinearCrossEntropy.OddVocab:CudaAttention.HeadDim64:CudnnAttention.PackedBucketsHeadDim128Gqa4' \
       >"$OUT/memcheck.log" 2>&1; echo "memcheck rc=$? ($(grep -c 'Invalid' "$OUT/memcheck.log") invalid accesses)"
     tail -3 "$OUT/memcheck.log"
   else
@@ -59,10 +66,17 @@ if has parity; then
      --grads /tmp/ds_gpu_grads.safetensors && python3 scripts/compare_safetensors.py /tmp/ds_gpu_out.safetensors \
      $F/outputs.safetensors /tmp/ds_gpu_grads.safetensors $F/grads.safetensors >"$OUT/parity.txt" 2>&1 || status=1
   grep -E "^(logits|loss|worst)" "$OUT/parity.txt"
+  # The same with cuDNN made unavailable: the simple attention kernel.
+  DELTASTACK_CUDNN_LIBRARY=/nonexistent/libcudnn.so.9 $BUILD/deltastack forward --device cuda --model $F \
+     --inputs $F/inputs.safetensors --output /tmp/ds_gpu_out2.safetensors --grads /tmp/ds_gpu_grads2.safetensors &&
+    python3 scripts/compare_safetensors.py /tmp/ds_gpu_out2.safetensors $F/outputs.safetensors \
+     /tmp/ds_gpu_grads2.safetensors $F/grads.safetensors >"$OUT/parity_simple.txt" 2>&1 || status=1
+  echo "(simple attention kernel:)"; grep -E "^(logits|loss|worst)" "$OUT/parity_simple.txt"
 fi
 if has real-shapes; then
   # Every CUDA op against the CPU reference at Qwen3.5-2B/9B layer shapes, T = 8192 and 32768 (slow: CPU refs).
-  ( cd $BUILD && DELTASTACK_REAL_SHAPES=1 ./deltastack_tests --gtest_filter='*CudaRealShapes*' >"$OUT/realshapes.log" 2>&1 ) || status=1
+  ( cd $BUILD && DELTASTACK_REAL_SHAPES=1 ./deltastack_tests --gtest_filter="${REAL_SHAPES_FILTER:-*CudaRealShapes*}" \
+      >"$OUT/realshapes.log" 2>&1 ) || status=1
   grep -E "^\[  (PASSED|FAILED)|Failure" "$OUT/realshapes.log" | head -20
 fi
 if has bench-ops; then

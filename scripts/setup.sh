@@ -14,3 +14,5 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# cudnn-frontend headers for the cuDNN attention backend (optional: warns and continues without them).
+"$(dirname "$0")/fetch_cudnn_frontend.sh"

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "cuda_test_util.h"
 #include "ops/attention/attention.h"
 #include "ops/attention/cuda.h"
+#include "ops/attention/cudnn.h"
 #include "ops/linear/cuda.h"
 #include "ops/linear/linear.h"
 #include "ops/linear_cross_entropy/cuda.h"
@@ -241,9 +243,11 @@ TEST(CudaLinearCrossEntropy, OddVocab) {
 // ---------------------------------------------------------------------------------------------------------
 // Attention
 
-void check_attention(int64_t hd) {
-  const std::vector<int> lens{1, 100, 257, 0, 600};
-  const int64_t Hq = 8, Hkv = 2;
+// Attention over documents `lens` (packed in this order), GQA Hq/Hkv, against the fp32 reference; forward twice
+// and backward twice agree bitwise. With cudnn_bounds, through cuDNN's SDPA built for those bounds (max_seqs may
+// exceed the batch's count, so graphs have unused entries; max_tokens 0: the batch's), else the simple kernel.
+void check_attention(int64_t hd, int64_t Hq, int64_t Hkv, const std::vector<int>& lens,
+                     const ds::ops::cudnn::AttnBounds* cudnn_bounds = nullptr) {
   std::vector<int32_t> cu{0};
   for (int l : lens) cu.push_back(cu.back() + l);
   ds::ops::AttnDims d;
@@ -256,19 +260,27 @@ void check_attention(int64_t hd) {
   const int64_t max_len = *std::max_element(lens.begin(), lens.end());
   const int64_t N = d.N;
   const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed) + " head_dim " + std::to_string(hd));
+  SCOPED_TRACE("seed " + std::to_string(seed) + " head_dim " + std::to_string(hd) + (cudnn_bounds ? " cuDNN" : ""));
   const auto q = rand_bf16(N * Hq * hd, seed, 1.0), k = rand_bf16(N * Hkv * hd, seed + 1, 1.0);
   const auto v = rand_bf16(N * Hkv * hd, seed + 2, 1.0), dout = rand_bf16(N * Hq * hd, seed + 3, 1.0);
 
   std::vector<float> o_ref(N * Hq * hd), lse_ref(N * Hq);
   ds::ops::attention_forward<float>(d, q.data(), k.data(), v.data(), cu.data(), o_ref.data(), lse_ref.data());
 
+  std::unique_ptr<ds::ops::cudnn::Attention> att;
+  if (cudnn_bounds) {
+    ds::ops::cudnn::AttnBounds b = *cudnn_bounds;
+    b.scale = d.scale;
+    if (b.max_tokens == 0) b.max_tokens = N;
+    att = std::make_unique<ds::ops::cudnn::Attention>(b);
+  }
   DevBuf<bf16> dq_in(q.size()), dk_in(k.size()), dv_in(v.size()), ddo(dout.size());
   DevBuf<bf16> o(q.size()), o2(q.size()), dq(q.size()), dq2(q.size()), dk(k.size()), dk2(k.size()), dv(v.size()),
       dv2(v.size());
   DevBuf<float> lse(N * Hq), lse2(N * Hq);
   DevBuf<int32_t> dcu(cu.size());
-  DevBuf<unsigned char> scratch(ds::ops::cuda::attention_scratch_bytes(d));
+  DevBuf<unsigned char> scratch(att ? att->workspace_bytes() : ds::ops::cuda::attention_scratch_bytes(d)),
+      meta(att ? att->meta_bytes() : 0);
   upload_bf16(dq_in, q);
   upload_bf16(dk_in, k);
   upload_bf16(dv_in, v);
@@ -278,15 +290,28 @@ void check_attention(int64_t hd) {
   lse.poison();
   lse2.poison();
   scratch.poison();
-
-  ds::ops::cuda::attention_forward(d, dq_in.get(), dk_in.get(), dv_in.get(), dcu.get(), max_len, o.get(), lse.get(),
-                                   nullptr);
-  ds::ops::cuda::attention_forward(d, dq_in.get(), dk_in.get(), dv_in.get(), dcu.get(), max_len, o2.get(), lse2.get(),
-                                   nullptr);
-  ds::ops::cuda::attention_backward(d, dq_in.get(), dk_in.get(), dv_in.get(), o.get(), lse.get(), ddo.get(), dcu.get(),
-                                    max_len, dq.get(), dk.get(), dv.get(), scratch.get(), nullptr);
-  ds::ops::cuda::attention_backward(d, dq_in.get(), dk_in.get(), dv_in.get(), o.get(), lse.get(), ddo.get(), dcu.get(),
-                                    max_len, dq2.get(), dk2.get(), dv2.get(), scratch.get(), nullptr);
+  if (att) {
+    ASSERT_TRUE(att->set_batch(cu.data(), d.num_seqs, meta.get(), nullptr));
+  }
+  auto forward = [&](DevBuf<bf16>& o_, DevBuf<float>& lse_) {
+    if (att)
+      att->forward(dq_in.get(), dk_in.get(), dv_in.get(), o_.get(), lse_.get(), scratch.get(), nullptr);
+    else
+      ds::ops::cuda::attention_forward(d, dq_in.get(), dk_in.get(), dv_in.get(), dcu.get(), max_len, o_.get(),
+                                       lse_.get(), nullptr);
+  };
+  auto backward = [&](DevBuf<bf16>& dq_, DevBuf<bf16>& dk_, DevBuf<bf16>& dv_) {
+    if (att)
+      att->backward(dq_in.get(), dk_in.get(), dv_in.get(), o.get(), lse.get(), ddo.get(), dq_.get(), dk_.get(),
+                    dv_.get(), scratch.get(), nullptr);
+    else
+      ds::ops::cuda::attention_backward(d, dq_in.get(), dk_in.get(), dv_in.get(), o.get(), lse.get(), ddo.get(),
+                                        dcu.get(), max_len, dq_.get(), dk_.get(), dv_.get(), scratch.get(), nullptr);
+  };
+  forward(o, lse);
+  forward(o2, lse2);
+  backward(dq, dk, dv);
+  backward(dq2, dk2, dv2);
   device_sync();
 
   const auto o_gpu = download_bf16(o);
@@ -308,6 +333,8 @@ void check_attention(int64_t hd) {
   EXPECT_TRUE(same_bits(dv, dv2));
 }
 
+void check_attention(int64_t hd) { check_attention(hd, 8, 2, {1, 100, 257, 0, 600}); }
+
 TEST(CudaAttention, HeadDim256) {
   DS_SKIP_WITHOUT_GPU();
   check_attention(256);
@@ -323,6 +350,46 @@ TEST(CudaAttention, HeadDim64) {
 TEST(CudaAttention, HeadDim32) {
   DS_SKIP_WITHOUT_GPU();
   check_attention(32);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Attention through cuDNN's fused SDPA (skips where cuDNN is unavailable: the probe then selects the kernel above)
+
+#define DS_SKIP_WITHOUT_CUDNN()                                                                    \
+  do {                                                                                             \
+    DS_SKIP_WITHOUT_GPU();                                                                         \
+    if (std::string why = ds::ops::cudnn::attention_unavailable(); !why.empty()) GTEST_SKIP() << why; \
+  } while (0)
+
+// Buckets 1..64, 65..128, 129..256, 257..512, 513..600 with interleaved documents, an empty one, lengths at
+// the bucket edges (64, 65, 128, 129).
+TEST(CudnnAttention, PackedBucketsHeadDim256) {
+  DS_SKIP_WITHOUT_CUDNN();
+  const ds::ops::cudnn::AttnBounds b{0, 16, 600, 8, 2, 256, 0};
+  check_attention(256, 8, 2, {1, 100, 257, 0, 600, 64, 65, 128, 129, 7}, &b);
+}
+TEST(CudnnAttention, PackedBucketsHeadDim128Gqa4) {
+  DS_SKIP_WITHOUT_CUDNN();
+  const ds::ops::cudnn::AttnBounds b{0, 8, 512, 8, 2, 128, 0};
+  check_attention(128, 8, 2, {300, 5, 64, 1, 33, 200}, &b);
+}
+TEST(CudnnAttention, OneDocumentHeadDim64) {
+  DS_SKIP_WITHOUT_CUDNN();
+  const ds::ops::cudnn::AttnBounds b{0, 1, 777, 4, 4, 64, 0};
+  check_attention(64, 4, 4, {777}, &b);
+}
+
+// More short documents than the first bucket was built for (max_tokens / 32): set_batch refuses the batch
+// (the GPU engine then runs the simple kernel); a batch that fits is accepted.
+TEST(CudnnAttention, RefusesTooManyShortDocuments) {
+  DS_SKIP_WITHOUT_CUDNN();
+  ds::ops::cudnn::Attention att({256, 256, 256, 2, 1, 64, 0.125});
+  DevBuf<unsigned char> meta(att.meta_bytes());
+  std::vector<int32_t> many{0}, few{0, 200, 256};
+  for (int i = 0; i < 64; ++i) many.push_back(many.back() + 4);
+  EXPECT_FALSE(att.set_batch(many.data(), 64, meta.get(), nullptr));
+  EXPECT_TRUE(att.set_batch(few.data(), 2, meta.get(), nullptr));
+  device_sync();
 }
 
 }  // namespace

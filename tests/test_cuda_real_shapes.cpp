@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +33,7 @@
 #include "model/config.h"
 #include "ops/attention/attention.h"
 #include "ops/attention/cuda.h"
+#include "ops/attention/cudnn.h"
 #include "ops/conv1d/conv1d.h"
 #include "ops/conv1d/cuda.h"
 #include "ops/embedding/cuda.h"
@@ -709,7 +711,7 @@ TEST(CudaRealShapes, GatedDeltaRule9B_T32768_OneDoc) {
 
 // Causal GQA attention at the 2B shape (Hq 8, Hkv 2, head_dim 256) over documents `lens`. The CPU backward sees
 // what the GPU backward saw: the GPU's bf16 o and the reference lse.
-void check_attention(const std::string& preset, const std::vector<int>& lens) {
+void check_attention(const std::string& preset, const std::vector<int>& lens, bool cudnn = false) {
   const ModelConfig c = ModelConfig::preset(preset);
   const auto cu = cu_from_lengths(lens);
   ds::ops::AttnDims d;
@@ -722,8 +724,15 @@ void check_attention(const std::string& preset, const std::vector<int>& lens) {
   Seeds s;
   const std::string what = "attention " + preset + " T=" + std::to_string(N) + " docs " + std::to_string(lens.size()) +
                            " Hq=" + std::to_string(d.Hq) + " Hkv=" + std::to_string(d.Hkv) +
-                           " hd=" + std::to_string(hd);
+                           " hd=" + std::to_string(hd) + (cudnn ? " (cuDNN)" : "");
   SCOPED_TRACE(what + ", " + s.str());
+  std::unique_ptr<ds::ops::cudnn::Attention> att;
+  if (cudnn) att = std::make_unique<ds::ops::cudnn::Attention>(ds::ops::cudnn::AttnBounds{
+                 N, d.num_seqs, max_len, d.Hq, d.Hkv, d.head_dim, d.scale});
+  DevBuf<unsigned char> ws(att ? att->workspace_bytes() : 0), meta(att ? att->meta_bytes() : 0);
+  if (att) {
+    ASSERT_TRUE(att->set_batch(cu.data(), d.num_seqs, meta.get(), nullptr));
+  }
   Measured m(what);
   const auto q = rand_bf16(nq, s.next()), k = rand_bf16(nkv, s.next()), v = rand_bf16(nkv, s.next());
   const auto dout = rand_bf16(nq, s.next());
@@ -747,9 +756,15 @@ void check_attention(const std::string& preset, const std::vector<int>& lens) {
   };
   auto run = [&] {
     o_.poison(), lse_.poison(), dq_.poison(), dk_.poison(), dv_.poison(), scratch.poison();
-    gpu::attention_forward(d, q_.get(), k_.get(), v_.get(), cu_.get(), max_len, o_.get(), lse_.get(), nullptr);
-    gpu::attention_backward(d, q_.get(), k_.get(), v_.get(), o_.get(), lse_.get(), dout_.get(), cu_.get(), max_len,
-                            dq_.get(), dk_.get(), dv_.get(), scratch.get(), nullptr);
+    if (att) {
+      att->forward(q_.get(), k_.get(), v_.get(), o_.get(), lse_.get(), ws.get(), nullptr);
+      att->backward(q_.get(), k_.get(), v_.get(), o_.get(), lse_.get(), dout_.get(), dq_.get(), dk_.get(), dv_.get(),
+                    ws.get(), nullptr);
+    } else {
+      gpu::attention_forward(d, q_.get(), k_.get(), v_.get(), cu_.get(), max_len, o_.get(), lse_.get(), nullptr);
+      gpu::attention_backward(d, q_.get(), k_.get(), v_.get(), o_.get(), lse_.get(), dout_.get(), cu_.get(), max_len,
+                              dq_.get(), dk_.get(), dv_.get(), scratch.get(), nullptr);
+    }
     device_sync();
     return Out{download_bits(o_), download_bits(dq_), download_bits(dk_), download_bits(dv_), download(lse_)};
   };
@@ -776,6 +791,18 @@ TEST(CudaRealShapes, Attention2B_B2xT4096) {
 TEST(CudaRealShapes, Attention2B_T8192) {
   DS_REQUIRE_REAL_SHAPES();
   check_attention("2b", {8192});
+}
+// cuDNN's fused SDPA (the engine's default backend where cuDNN loads) at the same shapes, and at the 9B heads
+// (Hq 16, Hkv 4) over a packed T = 8192 with documents in four length buckets.
+TEST(CudaRealShapes, AttentionCudnn2B_B2xT4096) {
+  DS_REQUIRE_REAL_SHAPES();
+  if (std::string why = ds::ops::cudnn::attention_unavailable(); !why.empty()) GTEST_SKIP() << why;
+  check_attention("2b", {4096, 4096}, true);
+}
+TEST(CudaRealShapes, AttentionCudnn9B_T8192_Packed) {
+  DS_REQUIRE_REAL_SHAPES();
+  if (std::string why = ds::ops::cudnn::attention_unavailable(); !why.empty()) GTEST_SKIP() << why;
+  check_attention("9b", {5000, 100, 2900, 1, 191}, true);
 }
 
 // ------------------------------------------------------------------------------------------------ linear + CE

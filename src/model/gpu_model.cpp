@@ -16,6 +16,7 @@
 #include "model/dims.h"
 #include "ops/adamw/cuda.h"
 #include "ops/attention/cuda.h"
+#include "ops/attention/cudnn.h"
 #include "ops/conv1d/cuda.h"
 #include "ops/elementwise/cuda.h"
 #include "ops/embedding/cuda.h"
@@ -103,6 +104,11 @@ struct GpuModel::Impl {
   size_t op_scratch_bytes = 0;
   void* ce_scratch = nullptr;
   void* sumsq_scratch = nullptr;
+  // cuDNN fused attention (when the registry selects it); per batch it may fall back to the simple kernel.
+  std::unique_ptr<ops::cudnn::Attention> cudnn_attn;
+  void* cudnn_meta = nullptr;
+  bool cudnn_batch = false;    // the current batch runs on cuDNN
+  bool cudnn_warned = false;
 
   int64_t max_chunks() const { return plan.max_tokens / 64 + plan.max_seqs + 1; }
 
@@ -201,7 +207,9 @@ struct GpuModel::Impl {
                         K::rmsnorm_scratch_bytes(N * Hkv, hd), K::gated_rmsnorm_scratch_bytes(N * Hv, c.linear_value_head_dim),
                         K::gdn_gate_scratch_bytes(N, Hv), K::conv1d_scratch_bytes(N, CD, c.linear_conv_kernel_dim),
                         K::gated_delta_rule_scratch_bytes(gdn_dims(c, N, S), max_chunks()),
-                        K::attention_scratch_bytes(attn_dims(c, N, S))});
+                        K::attention_scratch_bytes(attn_dims(c, N, S)),
+                        cudnn_attn ? cudnn_attn->workspace_bytes() : size_t{0}});
+    if (cudnn_attn) cudnn_meta = a.bytes(cudnn_attn->meta_bytes());
     op_scratch_bytes = scratch;
     op_scratch = a.bytes(scratch);
     ce_scratch = a.bytes(K::linear_cross_entropy_scratch_bytes(N, H, c.vocab_size, plan.ce_chunk_tokens));
@@ -261,6 +269,17 @@ struct GpuModel::Impl {
     total_chunks = co.back();
     max_seqlen = 0;
     for (int64_t s = 0; s < S; ++s) max_seqlen = std::max<int64_t>(max_seqlen, b.cu_seqlens[s + 1] - b.cu_seqlens[s]);
+    cudnn_batch = false;
+    if (cudnn_attn) {
+      DS_CHECK(max_seqlen <= plan.max_seqlen, "gpu: a document of {} tokens exceeds the plan's max_seqlen {}",
+               max_seqlen, plan.max_seqlen);
+      cudnn_batch = cudnn_attn->set_batch(b.cu_seqlens.data(), S, cudnn_meta, stream);
+      if (!cudnn_batch && !cudnn_warned) {
+        cudnn_warned = true;
+        log_warn("attention: a batch holds more short documents than cuDNN's smallest length buckets were built "
+                 "for; such batches use the simple attention kernel");
+      }
+    }
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // host vectors die at return
   }
   int64_t num_uniq = 0, total_chunks = 0, max_seqlen = 0;
@@ -325,7 +344,10 @@ struct GpuModel::Impl {
     K::rmsnorm_forward(Lb.kraw, W(L(i, "self_attn.k_norm.weight")), Lb.kr, Lb.rstd_k, N * Hkv, hd, eps, true, stream);
     K::rope_apply(Lb.qr, N, Hq, hd, c.rotary_dim(), cos_t, sin_t, false, stream);
     K::rope_apply(Lb.kr, N, Hkv, hd, c.rotary_dim(), cos_t, sin_t, false, stream);
-    K::attention_forward(attn_dims(c, N, S), Lb.qr, Lb.kr, Lb.vraw, cu, max_seqlen, Lb.ao, Lb.lse, stream);
+    if (cudnn_batch)
+      cudnn_attn->forward(Lb.qr, Lb.kr, Lb.vraw, Lb.ao, Lb.lse, op_scratch, stream);
+    else
+      K::attention_forward(attn_dims(c, N, S), Lb.qr, Lb.kr, Lb.vraw, cu, max_seqlen, Lb.ao, Lb.lse, stream);
     K::output_gate_forward(Lb.ao, Lb.graw, Lb.og, N * Hq * hd, stream);
     K::linear_forward(Lb.og, WB(L(i, "self_attn.o_proj.weight")), tmpH, N, Hq * hd, H, false, stream);
   }
@@ -335,8 +357,11 @@ struct GpuModel::Impl {
     K::linear_backward_data(dh, WB(L(i, "self_attn.o_proj.weight")), dog, N, Hq * hd, H, false, stream);
     K::linear_backward_weight(dh, Lb.og, G(L(i, "self_attn.o_proj.weight")), N, Hq * hd, H, stream);
     K::output_gate_backward(Lb.ao, Lb.graw, dog, dao, dgate, N * Hq * hd, stream);
-    K::attention_backward(attn_dims(c, N, S), Lb.qr, Lb.kr, Lb.vraw, Lb.ao, Lb.lse, dao, cu, max_seqlen, dqr, dkr, dvv,
-                          op_scratch, stream);
+    if (cudnn_batch)
+      cudnn_attn->backward(Lb.qr, Lb.kr, Lb.vraw, Lb.ao, Lb.lse, dao, dqr, dkr, dvv, op_scratch, stream);
+    else
+      K::attention_backward(attn_dims(c, N, S), Lb.qr, Lb.kr, Lb.vraw, Lb.ao, Lb.lse, dao, cu, max_seqlen, dqr, dkr, dvv,
+                            op_scratch, stream);
     K::rope_apply(dqr, N, Hq, hd, c.rotary_dim(), cos_t, sin_t, true, stream);
     K::rope_apply(dkr, N, Hkv, hd, c.rotary_dim(), cos_t, sin_t, true, stream);
     K::rmsnorm_backward(Lb.qraw, W(L(i, "self_attn.q_norm.weight")), Lb.rstd_q, dqr, dqr,
@@ -481,7 +506,21 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   for (size_t i = 0; i < m.params.size(); ++i) m.by_name[m.params[i].name] = i;
   m.plan = plan;
   m.P = host.num_parameters();
+  if (m.plan.max_seqlen <= 0) m.plan.max_seqlen = m.plan.max_tokens;
+  DS_CHECK(m.plan.max_seqlen <= m.plan.max_tokens, "gpu: max_seqlen {} exceeds max_tokens {}", m.plan.max_seqlen,
+           m.plan.max_tokens);
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  bool has_attention = false;
+  for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) has_attention = has_attention || m.c.is_full_attention(i);
+  if (has_attention && ops::select_backend("attention", "cuda").name.rfind("cudnn", 0) == 0) {
+    ops::cudnn::AttnBounds ab{m.plan.max_tokens, m.plan.max_seqs, m.plan.max_seqlen, m.c.num_attention_heads,
+                              m.c.num_key_value_heads, m.c.head_dim, attn_dims(m.c, 1, 1).scale};
+    try {
+      m.cudnn_attn = std::make_unique<ops::cudnn::Attention>(ab);
+    } catch (const Error& e) {
+      log_warn("attention: {}; using the simple attention kernel", e.what());
+    }
+  }
   Arena sizing;
   m.layout(sizing);
   m.arena_bytes = sizing.off;

@@ -15,6 +15,7 @@ namespace ds {
 struct GpuPlan {
   int64_t max_tokens = 0;         // tokens per micro-batch (packed)
   int64_t max_seqs = 0;           // documents per micro-batch
+  int64_t max_seqlen = 0;         // longest document (0: max_tokens); sizes cuDNN attention's length buckets
   int64_t ce_chunk_tokens = 2048; // fused-loss chunk
 };
 

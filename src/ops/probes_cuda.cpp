@@ -13,6 +13,7 @@
 #include <exception>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "ops/adamw/cuda.h"
 #include "ops/attention/attention.h"
 #include "ops/attention/cuda.h"
+#include "ops/attention/cudnn.h"
 #include "ops/conv1d/conv1d.h"
 #include "ops/conv1d/cuda.h"
 #include "ops/elementwise/cuda.h"
@@ -681,6 +683,60 @@ double probe_cuda_attention() {
       w.add(tag + "dq", rel_l2(c.down(dq_d), dq));
       w.add(tag + "dk", rel_l2(c.down(dk_d), dk));
       w.add(tag + "dv", rel_l2(c.down(dv_d), dv));
+    }
+  });
+}
+
+double probe_cudnn_attention() {
+  return guarded("attention", [](Worst& w) {
+    Ctx c;
+    // Lengths {1, 70, 0, 130, 5}: three length buckets (1..64, 65..128, 129..130) whose documents interleave in
+    // memory, unused (length-0) entries in two of them, an empty document.
+    const I32 lens = {1, 70, 0, 130, 5};
+    I32 cu{0};
+    for (int32_t l : lens) cu.push_back(cu.back() + l);
+    const int64_t max_len = *std::max_element(lens.begin(), lens.end());
+    for (const auto& [hd, Hq, Hkv] : {std::tuple<int64_t, int64_t, int64_t>{128, 4, 2}, {256, 4, 1}}) {
+      AttnDims d;
+      d.N = cu.back();
+      d.num_seqs = static_cast<int64_t>(lens.size());
+      d.Hq = Hq;
+      d.Hkv = Hkv;
+      d.head_dim = hd;
+      d.scale = 1.0 / std::sqrt(static_cast<double>(hd));
+      const std::string tag = "hd " + std::to_string(hd) + ": ";
+      const size_t nq = static_cast<size_t>(d.N * d.Hq * d.head_dim),
+                   nk = static_cast<size_t>(d.N * d.Hkv * d.head_dim);
+      Vec q = c.bf(nq, -2, 2), k = c.bf(nk, -2, 2), v = c.bf(nk, -1, 1), dout = c.bf(nq, -1, 1);
+      Vec o(nq), lse(d.N * d.Hq), dq(nq), dk(nk), dv(nk);
+      attention_forward<float>(d, q.data(), k.data(), v.data(), cu.data(), o.data(), lse.data());
+
+      cudnn::AttnBounds bnd{d.N, d.num_seqs, max_len, Hq, Hkv, hd, d.scale};
+      cudnn::Attention att(bnd);
+      auto q_d = c.up_bf16(q), k_d = c.up_bf16(k), v_d = c.up_bf16(v), dout_d = c.up_bf16(dout);
+      auto o_d = c.poisoned<bf16>(nq);
+      auto lse_d = c.poisoned<float>(lse.size());
+      Dev<unsigned char> ws(att.workspace_bytes()), meta(att.meta_bytes());
+      if (!att.set_batch(cu.data(), d.num_seqs, meta.get(), c.s)) throw Error("cuDNN attention refused the batch");
+      att.forward(q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), ws.get(), c.s);
+      const Vec o_gpu = c.down(o_d);
+      // The reference backward reads the bf16 o the forward stored.
+      attention_backward<float>(d, q.data(), k.data(), v.data(), o_gpu.data(), lse.data(), dout.data(), cu.data(),
+                                dq.data(), dk.data(), dv.data());
+      Vec runs[2][3];
+      for (auto& r : runs) {
+        auto dq_d = c.poisoned<bf16>(nq), dk_d = c.poisoned<bf16>(nk), dv_d = c.poisoned<bf16>(nk);
+        att.backward(q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), dout_d.get(), dq_d.get(), dk_d.get(),
+                     dv_d.get(), ws.get(), c.s);
+        r[0] = c.down(dq_d), r[1] = c.down(dk_d), r[2] = c.down(dv_d);
+      }
+      w.add(tag + "o", rel_l2(o_gpu, o));
+      w.add(tag + "lse", rel_l2(c.down(lse_d), lse));
+      w.add(tag + "dq", rel_l2(runs[0][0], dq));
+      w.add(tag + "dk", rel_l2(runs[0][1], dk));
+      w.add(tag + "dv", rel_l2(runs[0][2], dv));
+      const bool same = runs[0][0] == runs[1][0] && runs[0][1] == runs[1][1] && runs[0][2] == runs[1][2];
+      w.add(tag + "backward run twice (0: bitwise equal)", same ? 0.0 : INFINITY);
     }
   });
 }

@@ -26,6 +26,8 @@ double probe_cuda_output_gate();           // n 64 x 256; also add (in place), c
 double probe_cuda_linear();                // M 70, K 256, N 192: forward, backward data (both +/- accumulate), weight
 double probe_cuda_linear_cross_entropy();  // N 64, H 128, V 1000, chunks of 24, z-loss, ignored targets
 double probe_cuda_attention();             // packed {1, 70, 0, 130}, GQA 2: hd 64 (Hq 4), hd 256 (Hq 2)
+double probe_cudnn_attention();            // cuDNN SDPA: packed {1, 70, 0, 130, 5} (3 length buckets), GQA 2 and 4,
+                                           // hd 128 and 256; the backward twice must agree bitwise
 double probe_cuda_gated_delta_rule();      // packed {1, 70, 0, 130}, GVA 2: dk = dv = 32 and 128; strided v/dv
 double probe_cuda_adamw();                 // n 5003: update (deltas of param, m, v), bf16 copy, sum_squares, to_bf16
 

@@ -13,6 +13,9 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "ops/gated_delta_rule/dispatch.h"
+#ifdef DELTASTACK_CUDA
+#include "ops/attention/cudnn.h"
+#endif
 #include "ops/probes_cuda.h"
 
 namespace ds::ops {
@@ -58,7 +61,7 @@ void add_cuda_backends(std::vector<OpEntry>& t) {
   if (!has("output_gate")) {
     auto at = std::find_if(t.begin(), t.end(), [](const OpEntry& e) { return e.name == "attention"; });
     if (at != t.end()) ++at;
-    t.insert(at, OpEntry{"output_gate", {Backend{"cpu-reference", "cpu", true, {}, 0.0}}});
+    t.insert(at, OpEntry{"output_gate", {Backend{"cpu-reference", "cpu", true, {}, 0.0, {}}}});
   }
   for (const CudaProbe& p : probes) {
     auto e = std::find_if(t.begin(), t.end(), [&](const OpEntry& x) { return x.name == p.op; });
@@ -66,16 +69,20 @@ void add_cuda_backends(std::vector<OpEntry>& t) {
       t.push_back(OpEntry{p.op, {}});
       e = std::prev(t.end());
     }
-    e->backends.insert(e->backends.begin(), Backend{"cuda", "cuda", false, p.probe, p.band});
-    e->backends.push_back(Backend{"cpu-reference (no device fallback)", "cuda", true, {}, 0.0});
+    e->backends.insert(e->backends.begin(), Backend{"cuda", "cuda", false, p.probe, p.band, {}});
+    e->backends.push_back(Backend{"cpu-reference (no device fallback)", "cuda", true, {}, 0.0, {}});
   }
+  // Attention: cuDNN's fused SDPA first (where libcudnn loads), then the simple flash kernel above.
+  auto at = std::find_if(t.begin(), t.end(), [](const OpEntry& x) { return x.name == "attention"; });
+  at->backends.insert(at->backends.begin(), Backend{"cudnn (fused SDPA)", "cuda", false, &probe_cudnn_attention, 1e-2,
+                                                    &cudnn::attention_unavailable});
 }
 #endif
 
 std::vector<OpEntry> build_table() {
   std::vector<OpEntry> t;
   auto ref_only = [&](const char* name) {
-    t.push_back({name, {Backend{"cpu-reference", "cpu", true, {}, 0.0}}});
+    t.push_back({name, {Backend{"cpu-reference", "cpu", true, {}, 0.0, {}}}});
   };
   ref_only("embedding");
   ref_only("rmsnorm");
@@ -84,8 +91,8 @@ std::vector<OpEntry> build_table() {
   ref_only("gdn_gate");
   ref_only("l2norm");
   t.push_back({"gated_delta_rule",
-               {Backend{"cpu-chunked (chunk 64)", "cpu", false, &probe_chunked_gated_delta_rule, 1e-5},
-                Backend{"cpu-recurrent", "cpu", true, {}, 0.0}}});
+               {Backend{"cpu-chunked (chunk 64)", "cpu", false, &probe_chunked_gated_delta_rule, 1e-5, {}},
+                Backend{"cpu-recurrent", "cpu", true, {}, 0.0, {}}}});
   ref_only("gated_rmsnorm");
   ref_only("rope");
   ref_only("attention");
@@ -157,6 +164,13 @@ const Backend& select_backend(const std::string& op, const std::string& device) 
       break;
     }
     if (mode == KnobMode::Reference) continue;
+    if (b.unavailable) {
+      const std::string why = b.unavailable();
+      if (!why.empty()) {
+        log_info("{}: backend {} unavailable: {}; using the next one", op, b.name, why);
+        continue;
+      }
+    }
     double err = run_probe(op, b);
     if (err <= b.band) {
       chosen = &b;
@@ -192,10 +206,13 @@ std::vector<ProbeRow> probe_all() {
         ProbeRow r{op, b.device, b.name, "", 0, b.band};
         if (b.reference) {
           r.status = &b == &sel ? "selected (reference)" : "reference";
+        } else if (std::string why = b.unavailable ? b.unavailable() : std::string(); !why.empty()) {
+          r.error = NAN;
+          r.status = "unavailable (" + why + ")";
         } else {
           auto it = g_probe_error.find(probe_key(op, b));
           r.error = it != g_probe_error.end() ? it->second : run_probe(op, b);
-          r.status = &b == &sel ? "selected" : (r.error > b.band ? "rejected" : "off (knob)");
+          r.status = &b == &sel ? "selected" : (r.error > b.band ? "rejected" : "passed, not selected");
         }
         rows.push_back(r);
       }

@@ -27,10 +27,13 @@ struct Backend {
   // empty for references.
   std::function<double()> probe;
   double band = 0;         // largest accepted probe error
+  // Empty string when the backend can run here; else why not (e.g. a library missing). Unset: always available.
+  // An unavailable backend is skipped with one log line, without a probe.
+  std::function<std::string()> unavailable;
 };
 
 struct ProbeRow {
-  std::string op, device, backend, status;  // status: "reference", "selected", "rejected", "available", "off (knob)"
+  std::string op, device, backend, status;  // "reference", "selected", "rejected", "passed, not selected", "unavailable (why)"
   double error = 0, band = 0;
 };
 

@@ -23,6 +23,7 @@
 #include "core/cuda/device.h"
 #include "model/gpu_model.h"
 #include "ops/attention/cuda.h"
+#include "ops/attention/cudnn.h"
 #include "ops/conv1d/cuda.h"
 #include "ops/elementwise/random.h"
 #include "ops/gated_delta_rule/cuda.h"
@@ -229,9 +230,27 @@ int cmd_bench_ops() {
     double f = time_ms([&] { K::attention_forward(a, q, k, v, cu, T, o, lse, s); }, 1, 3);
     double b = time_ms([&] { K::attention_backward(a, q, k, v, o, lse, o, cu, T, dq, dk, dv, scratch, s); }, 1, 3);
     double fl_f = 4.0 * B * a.Hq * 256 * (T * (T + 1) / 2.0);
-    rows.push_back({"attention", "B2 T8192 16q/4kv d256 causal", f, f + b,
+    rows.push_back({"attention (simple kernel)", "B2 T8192 16q/4kv d256 causal", f, f + b,
                     fmt::format("{:.0f} / {:.0f} TFLOP/s", fl_f / (f * 1e-3) / 1e12, 2.5 * fl_f / (b * 1e-3) / 1e12),
                     3.5 * fl_f / ((f + b) * 1e-3) / kGemmRate});
+    // The same through cuDNN's fused SDPA (deterministic backward), as the GPU engine runs it: one document per
+    // row, ragged offsets, length buckets up to T.
+    const std::string why = ops::cudnn::attention_unavailable();
+    if (why.empty()) {
+      ops::cudnn::Attention att({a.N, B, T, a.Hq, a.Hkv, a.head_dim, a.scale});
+      void* ws = d.get<char>(att.workspace_bytes());
+      void* meta = d.get<char>(att.meta_bytes());
+      DS_CHECK(att.set_batch(hcu, B, meta, s), "bench: cuDNN attention refused the batch");
+      double cf = time_ms([&] { att.forward(q, k, v, o, lse, ws, s); }, 1, 3);
+      double cb = time_ms([&] { att.backward(q, k, v, o, lse, o, dq, dk, dv, ws, s); }, 1, 3);
+      rows.push_back({"attention (cuDNN " + ops::cudnn::loaded_version() + ")", "B2 T8192 16q/4kv d256 causal", cf,
+                      cf + cb,
+                      fmt::format("{:.0f} / {:.0f} TFLOP/s; ws {:.2f} GiB", fl_f / (cf * 1e-3) / 1e12,
+                                  2.5 * fl_f / (cb * 1e-3) / 1e12, att.workspace_bytes() / 1073741824.0),
+                      3.5 * fl_f / ((cf + cb) * 1e-3) / kGemmRate});
+    } else {
+      fmt::print("attention (cuDNN): unavailable: {}\n", why);
+    }
   }
   {  // linear (cuBLASLt): 16384 x 4096 -> 12288
     DevBuf d;
@@ -287,6 +306,7 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   GpuPlan plan;
   plan.max_tokens = seq_len * micro_batch;
   plan.max_seqs = micro_batch;
+  plan.max_seqlen = seq_len;
   GpuModel gpu(model, plan);
   // Random tokens, one document per row (the HF benchmark's layout).
   PackedBatch b;

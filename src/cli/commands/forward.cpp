@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <filesystem>
 
 #include "cli/commands/commands.h"
@@ -63,6 +64,8 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
     GpuPlan plan;
     plan.max_tokens = batch.size();
     plan.max_seqs = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
+    for (size_t i = 0; i + 1 < batch.cu_seqlens.size(); ++i)
+      plan.max_seqlen = std::max<int64_t>(plan.max_seqlen, batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]);
     GpuModel gpu(model, plan);
     r = gpu.forward_backward(batch, scale, 0.0, &cap);
     gpu.download_grads(model.grads());
