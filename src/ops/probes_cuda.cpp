@@ -716,7 +716,8 @@ double probe_cudnn_attention() {
       auto q_d = c.up_bf16(q), k_d = c.up_bf16(k), v_d = c.up_bf16(v), dout_d = c.up_bf16(dout);
       auto o_d = c.poisoned<bf16>(nq);
       auto lse_d = c.poisoned<float>(lse.size());
-      Dev<unsigned char> ws(att.workspace_bytes()), meta(att.meta_bytes());
+      auto ws = c.poisoned<unsigned char>(att.workspace_bytes());  // as the engine's shared scratch may hold NaN
+      Dev<unsigned char> meta(att.meta_bytes());
       if (!att.set_batch(cu.data(), d.num_seqs, meta.get(), c.s)) throw Error("cuDNN attention refused the batch");
       att.forward(q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), ws.get(), c.s);
       const Vec o_gpu = c.down(o_d);

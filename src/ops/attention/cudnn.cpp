@@ -109,6 +109,7 @@ struct Bucket {
   size_t meta_off = 0;  // int32 elements: seq[bmax], off_q[bmax + 1], off_kv[bmax + 1], off_st[bmax + 1]
   int64_t count = 0;    // documents of the current batch
   std::shared_ptr<fe::graph::Graph> fwd, bwd;
+  int64_t ws_fwd = 0, ws_bwd = 0;  // each graph's workspace (bytes)
 };
 
 }  // namespace
@@ -133,7 +134,7 @@ struct Attention::Impl {
              e.get_message());
   }
 
-  std::shared_ptr<fe::graph::Graph> build(const Bucket& bk, bool backward) {
+  std::shared_ptr<fe::graph::Graph> build(Bucket& bk, bool backward) {
     const int64_t B = bk.bmax, S = bk.S, D = b.head_dim, Hq = b.Hq, Hkv = b.Hkv;
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
@@ -209,6 +210,7 @@ struct Attention::Impl {
     int64_t ws = 0;
     check(g->get_workspace_size(ws), bk, which, "get_workspace_size");
     workspace = std::max(workspace, ws);
+    (backward ? bk.ws_bwd : bk.ws_fwd) = ws;
     return g;
   }
 
@@ -219,6 +221,11 @@ struct Attention::Impl {
     pack[kOffQ] = m + bk.bmax;
     pack[kOffKV] = m + 2 * bk.bmax + 1;
     pack[kOffSt] = m + 3 * bk.bmax + 2;
+    // The workspace is zeroed before every call: with it holding NaN bit patterns (the GPU engine shares it with
+    // other ops' scratch), the deterministic backward returned NaN gradients on the H200 (cuDNN 9.19) for a
+    // packed batch of documents 1..600 tokens long: parts of it are read before they are written.
+    const int64_t bytes = backward ? bk.ws_bwd : bk.ws_fwd;
+    if (bytes > 0) DS_CUDA_CHECK(cudaMemsetAsync(ws, 0, static_cast<size_t>(bytes), s));
     check((backward ? bk.bwd : bk.fwd)->execute(handle, pack, ws), bk, backward ? "backward" : "forward", "execute");
   }
 };
