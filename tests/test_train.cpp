@@ -135,6 +135,22 @@ TEST(Train, MetricsCheckpointsAndBitwiseResume) {
   fs::remove_all(dir);
 }
 
+// --keep-last 2 with a checkpoint every step: only the two newest stay, and a resume from the newest may keep
+// another number (it is not run-defining); foreign directories are left alone.
+TEST(Train, KeepLastCheckpoints) {
+  std::string dir = tmpdir("keep");
+  std::string args = small_setup(dir);
+  fs::create_directories(dir + "/a/checkpoint-notes");
+  ASSERT_EQ(run("train " + args + " --steps 4 --warmup 1 --threads 1 --save-interval 1 --keep-last 2 --out " + dir +
+                "/a"), 0);
+  for (int s = 1; s <= 4; ++s) EXPECT_EQ(fs::exists(dir + "/a/checkpoint-" + std::to_string(s)), s >= 3) << s;
+  EXPECT_TRUE(fs::exists(dir + "/a/checkpoint-notes"));
+  ASSERT_EQ(run("train --resume " + dir + "/a/checkpoint-4 --steps 6 --threads 1 --keep-last 1"), 0);
+  for (int s = 1; s <= 6; ++s) EXPECT_EQ(fs::exists(dir + "/a/checkpoint-" + std::to_string(s)), s == 6) << s;
+  EXPECT_NE(run("train " + args + " --steps 1 --keep-last -1 --out " + dir + "/b"), 0);
+  fs::remove_all(dir);
+}
+
 TEST(Train, NanGuardAndBadInputs) {
   std::string dir = tmpdir("nan");
   std::string args = small_setup(dir);

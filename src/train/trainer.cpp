@@ -4,6 +4,7 @@
 
 #include <fcntl.h>  // AT_FDCWD
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
@@ -47,6 +48,7 @@ json options_to_json(const TrainOptions& o) {
               {"clip", o.clip},             {"z_loss", o.z_loss},
               {"val_fraction", o.val_fraction}, {"eval_interval", o.eval_interval},
               {"eval_batches", o.eval_batches}, {"save_interval", o.save_interval},
+              {"keep_last", o.keep_last},
               {"seed", o.seed},             {"nan_policy", o.nan_policy},
               {"device", o.device}};
 }
@@ -75,6 +77,7 @@ void options_from_json(const json& j, TrainOptions& o, const std::string& src) {
     o.eval_interval = j.at("eval_interval");
     o.eval_batches = j.at("eval_batches");
     o.save_interval = j.at("save_interval");
+    o.keep_last = j.value("keep_last", int64_t{0});  // absent in checkpoints of earlier versions
     o.seed = j.at("seed");
     o.nan_policy = j.at("nan_policy");
     o.device = j.value("device", std::string("auto"));
@@ -100,8 +103,8 @@ void validate(const TrainOptions& o) {
   DS_CHECK(o.threads >= 0 && o.threads <= 1024, "--threads must be in [0, 1024] (0 = all cores), got {}", o.threads);
   DS_CHECK(o.z_loss >= 0, "--z-loss must be >= 0");
   DS_CHECK(o.val_fraction >= 0 && o.val_fraction < 1, "--val-fraction must be in [0, 1), got {}", o.val_fraction);
-  DS_CHECK(o.eval_interval >= 0 && o.eval_batches >= 0 && o.save_interval >= 0,
-           "--eval-interval, --eval-batches and --save-interval must be >= 0");
+  DS_CHECK(o.eval_interval >= 0 && o.eval_batches >= 0 && o.save_interval >= 0 && o.keep_last >= 0,
+           "--eval-interval, --eval-batches, --save-interval and --keep-last must be >= 0");
   DS_CHECK(o.nan_policy == "stop" || o.nan_policy == "skip", "--nan-policy must be stop or skip, got \"{}\"",
            o.nan_policy);
   DS_CHECK(o.device == "cpu" || o.device == "auto" || o.device == "cuda", "--device must be auto, cpu or cuda, got \"{}\"",
@@ -166,10 +169,11 @@ int train(TrainOptions opt) {
     // The checkpoint's options define the run. Only these may change on --resume; the others are an error, so
     // a flag is never silently ignored.
     const std::set<std::string> may_change = {"steps", "out", "resume", "threads", "device", "eval-interval",
-                                              "save-interval", "nan-policy"};
+                                              "save-interval", "keep-last", "nan-policy"};
     for (const std::string& g : opt.given)
       DS_CHECK(may_change.count(g), "--{} cannot change on --resume: the checkpoint's options define the run "
-               "(only --steps, --out, --threads, --device, --eval-interval, --save-interval, --nan-policy may)", g);
+               "(only --steps, --out, --threads, --device, --eval-interval, --save-interval, --keep-last, --nan-policy "
+               "may)", g);
     auto given = [&](const char* n) { return std::find(opt.given.begin(), opt.given.end(), n) != opt.given.end(); };
     saved.resume = opt.resume;
     saved.threads = opt.threads;
@@ -179,6 +183,7 @@ int train(TrainOptions opt) {
     if (given("device")) saved.device = opt.device;  // else the device the run used (bitwise resume)
     if (given("eval-interval")) saved.eval_interval = opt.eval_interval;
     if (given("save-interval")) saved.save_interval = opt.save_interval;
+    if (given("keep-last")) saved.keep_last = opt.keep_last;
     if (given("nan-policy")) saved.nan_policy = opt.nan_policy;
     saved.given = opt.given;
     opt = saved;
@@ -352,6 +357,23 @@ int train(TrainOptions opt) {
     }
     fsync_dir(opt.out);
     log_info("saved {}", final_dir);
+    if (opt.keep_last > 0) {
+      // Only after the new checkpoint is durable: remove the oldest checkpoint-N directories beyond keep_last.
+      std::vector<std::pair<int64_t, fs::path>> all;
+      for (const auto& e : fs::directory_iterator(opt.out)) {
+        const std::string n = e.path().filename().string();
+        if (!e.is_directory() || n.rfind("checkpoint-", 0) != 0 || n.size() == 11 ||
+            n.find_first_not_of("0123456789", 11) != std::string::npos)
+          continue;
+        all.emplace_back(std::stoll(n.substr(11)), e.path());
+      }
+      std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+      for (size_t i = static_cast<size_t>(opt.keep_last); i < all.size(); ++i) {
+        fs::remove_all(all[i].second);
+        log_info("removed {} (--keep-last {})", all[i].second.string(), opt.keep_last);
+      }
+      fsync_dir(opt.out);
+    }
   };
 
   auto elapsed_now = [&]() {

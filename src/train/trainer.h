@@ -29,6 +29,7 @@ struct TrainOptions {
   int64_t eval_interval = 50;          // steps between evaluations (0 = only at start and end)
   int64_t eval_batches = 4;            // micro-batches per evaluation
   int64_t save_interval = 0;           // steps between checkpoints (0 = only at the end)
+  int64_t keep_last = 0;               // checkpoints kept in --out, newest first (0 = all)
   uint64_t seed = 1234;
   std::string out = "runs/default";
   int threads = 0;                     // 0 = all cores
