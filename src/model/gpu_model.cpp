@@ -138,15 +138,32 @@ struct GpuModel::Impl {
     for (auto& h : hs) h = a.take<bf16>(N * H);
     layers.assign(static_cast<size_t>(c.num_hidden_layers), LayerBufs{});
     size_t scratch = 0;
+    // Activations that are cheap to recompute from what a layer keeps (one norm, elementwise or conv pass each)
+    // are not kept per layer: one buffer each, shared by all layers, written in the forward and rewritten by the
+    // same kernel on the same inputs in the backward (so the values are bitwise the forward's). Kept per layer:
+    // the residual stream, h_mid, the statistics, gu, mixed, z, ab, g, beta, core, the GDN chunk states and the
+    // attention q/k/v/gate/output.
+    bool any_gdn = false, any_attn = false;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_full_attention(i) ? any_attn : any_gdn) = true;
+    bf16* xn_s = a.take<bf16>(N * H);
+    bf16* act_s = a.take<bf16>(N * I);
+    bf16 *conv_s = nullptr, *qn_s = nullptr, *kn_s = nullptr, *y_s = nullptr, *og_s = nullptr;
+    if (any_gdn) {
+      conv_s = a.take<bf16>(N * CD);
+      qn_s = a.take<bf16>(N * KD);
+      kn_s = a.take<bf16>(N * KD);
+      y_s = a.take<bf16>(N * VD);
+    }
+    if (any_attn) og_s = a.take<bf16>(N * Hq * hd);
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       LayerBufs& L = layers[static_cast<size_t>(i)];
-      L.xn1 = a.take<bf16>(N * H);
+      L.xn1 = xn_s;  // recomputed
       L.rstd1 = a.take<float>(N);
       L.h_mid = a.take<bf16>(N * H);
-      L.xn2 = a.take<bf16>(N * H);
+      L.xn2 = xn_s;  // recomputed
       L.rstd2 = a.take<float>(N);
       L.gu = a.take<bf16>(N * 2 * I);
-      L.act = a.take<bf16>(N * I);
+      L.act = act_s;  // recomputed
       if (c.is_full_attention(i)) {
         L.qraw = a.take<bf16>(N * Hq * hd);
         L.graw = a.take<bf16>(N * Hq * hd);
@@ -155,7 +172,7 @@ struct GpuModel::Impl {
         L.qr = a.take<bf16>(N * Hq * hd);
         L.kr = a.take<bf16>(N * Hkv * hd);
         L.ao = a.take<bf16>(N * Hq * hd);
-        L.og = a.take<bf16>(N * Hq * hd);
+        L.og = og_s;  // recomputed
         L.rstd_q = a.take<float>(N * Hq);
         L.rstd_k = a.take<float>(N * Hkv);
         L.lse = a.take<float>(N * Hq);
@@ -163,9 +180,9 @@ struct GpuModel::Impl {
         L.mixed = a.take<bf16>(N * CD);
         L.z = a.take<bf16>(N * VD);
         L.ab = a.take<bf16>(N * 2 * Hv);
-        L.conv_out = a.take<bf16>(N * CD);
-        L.qn = a.take<bf16>(N * KD);
-        L.kn = a.take<bf16>(N * KD);
+        L.conv_out = conv_s;  // recomputed
+        L.qn = qn_s;          // recomputed
+        L.kn = kn_s;          // recomputed
         L.rq = a.take<float>(N * Hk);
         L.rk = a.take<float>(N * Hk);
         L.g = a.take<float>(N * Hv);
@@ -173,7 +190,7 @@ struct GpuModel::Impl {
         L.states = a.take<float>(static_cast<size_t>(max_chunks() * Hv * c.linear_key_head_dim * c.linear_value_head_dim));
         L.core = a.take<bf16>(N * VD);
         L.rstd_g = a.take<float>(N * Hv);
-        L.y = a.take<bf16>(N * VD);
+        L.y = y_s;  // recomputed
       }
     }
     hf = a.take<bf16>(N * H);
@@ -310,6 +327,13 @@ struct GpuModel::Impl {
     const int64_t H = c.hidden_size, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(),
                   Hv = c.linear_num_value_heads, Hk = c.linear_num_key_heads, dk = c.linear_key_head_dim,
                   dv = c.linear_value_head_dim;
+    // Recompute y, conv_out, qn, kn (shared buffers) exactly as gdn_forward made them.
+    K::gated_rmsnorm_forward(Lb.core, Lb.z, W(L(i, "linear_attn.norm.weight")), Lb.y, Lb.rstd_g, N * Hv, dv,
+                             static_cast<float>(c.rms_norm_eps), stream);
+    K::conv1d_silu_forward(Lb.mixed, W(L(i, "linear_attn.conv1d.weight")), seq_start, Lb.conv_out, N, CD,
+                           c.linear_conv_kernel_dim, stream);
+    K::l2norm_forward(Lb.conv_out, CD, Lb.qn, Lb.rq, N, Hk, dk, 1e-6f, stream);
+    K::l2norm_forward(Lb.conv_out + KD, CD, Lb.kn, Lb.rk, N, Hk, dk, 1e-6f, stream);
     K::linear_backward_data(dh, WB(L(i, "linear_attn.out_proj.weight")), dy, N, VD, H, false, stream);
     K::linear_backward_weight(dh, Lb.y, G(L(i, "linear_attn.out_proj.weight")), N, VD, H, stream);
     K::gated_rmsnorm_backward(Lb.core, Lb.z, W(L(i, "linear_attn.norm.weight")), Lb.rstd_g, dy, dcore, dz,
@@ -354,6 +378,7 @@ struct GpuModel::Impl {
 
   void attn_backward(int64_t i, LayerBufs& Lb, int64_t N, int64_t S) {
     const int64_t H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+    K::output_gate_forward(Lb.ao, Lb.graw, Lb.og, N * Hq * hd, stream);  // recompute og (shared buffer)
     K::linear_backward_data(dh, WB(L(i, "self_attn.o_proj.weight")), dog, N, Hq * hd, H, false, stream);
     K::linear_backward_weight(dh, Lb.og, G(L(i, "self_attn.o_proj.weight")), N, Hq * hd, H, stream);
     K::output_gate_backward(Lb.ao, Lb.graw, dog, dao, dgate, N * Hq * hd, stream);
@@ -399,6 +424,10 @@ struct GpuModel::Impl {
   void layer_backward(int64_t i, int64_t N, int64_t S) {
     const int64_t H = c.hidden_size, I = c.intermediate_size;
     LayerBufs& Lb = layers[static_cast<size_t>(i)];
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    // Recompute act and xn2 (shared buffers) exactly as layer_forward made them.
+    K::swiglu_forward(Lb.gu, Lb.act, N, I, stream);
+    K::rmsnorm_forward(Lb.h_mid, W(L(i, "post_attention_layernorm.weight")), Lb.xn2, Lb.rstd2, N, H, eps, true, stream);
     K::linear_backward_data(dh, WB(L(i, "mlp.down_proj.weight")), dact, N, I, H, false, stream);
     K::linear_backward_weight(dh, Lb.act, G(L(i, "mlp.down_proj.weight")), N, I, H, stream);
     K::swiglu_backward(Lb.gu, dact, dgu, N, I, stream);
@@ -407,6 +436,7 @@ struct GpuModel::Impl {
     K::rmsnorm_backward(Lb.h_mid, W(L(i, "post_attention_layernorm.weight")), Lb.rstd2, dxn, dtmp,
                         G(L(i, "post_attention_layernorm.weight")), N, H, true, op_scratch, stream);
     K::add(dh, dtmp, dh, N * H, stream);
+    K::rmsnorm_forward(hs[i], W(L(i, "input_layernorm.weight")), Lb.xn1, Lb.rstd1, N, H, eps, true, stream);  // xn1
     if (c.is_full_attention(i)) attn_backward(i, Lb, N, S);
     else gdn_backward(i, Lb, N, S);
     K::rmsnorm_backward(hs[i], W(L(i, "input_layernorm.weight")), Lb.rstd1, dxn, dtmp, G(L(i, "input_layernorm.weight")),
