@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "core/bf16.h"
 #include "core/error.h"
 #include "core/files.h"
@@ -165,6 +167,62 @@ TEST_F(SafetensorsTmp, RoundTripF32Bf16I64Metadata) {
   EXPECT_EQ(m.read_i64("c.i64"), i64);
   EXPECT_EQ(m.metadata(), meta);
   EXPECT_EQ(std::string(m.raw_bytes("b.bf16")), std::string(r.raw_bytes("b.bf16")));
+}
+
+// Views (make_tensor_f32_view) write exactly the bytes of copies (make_tensor_f32), F32 and BF16, including a
+// BF16 tensor longer than the writer's 1 Mi-element conversion piece; a view cannot be F16.
+TEST_F(SafetensorsTmp, ViewsWriteTheSameBytesAsCopies) {
+  std::vector<float> big((size_t{1} << 20) + 3);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(std::sin(0.001 * static_cast<double>(i)) * 1e3);
+  std::vector<float> small = {1.00390625f, -2.5f, 3.0e38f};
+  std::vector<ds::SaveTensor> copies, views;
+  for (auto as : {ds::DType::F32, ds::DType::BF16}) {
+    const std::string tag = as == ds::DType::F32 ? "f32" : "bf16";
+    copies.push_back(ds::make_tensor_f32("big." + tag, {static_cast<int64_t>(big.size())}, big.data(), as));
+    views.push_back(ds::make_tensor_f32_view("big." + tag, {static_cast<int64_t>(big.size())}, big.data(), as));
+    copies.push_back(ds::make_tensor_f32("small." + tag, {3}, small.data(), as));
+    views.push_back(ds::make_tensor_f32_view("small." + tag, {3}, small.data(), as));
+  }
+  copies.push_back(ds::make_tensor_f32("empty", {0}, nullptr));
+  views.push_back(ds::make_tensor_f32_view("empty", {0}, nullptr));
+  EXPECT_EQ(ds::serialize_safetensors(copies, {{"k", "v"}}), ds::serialize_safetensors(views, {{"k", "v"}}));
+  ds::write_safetensors(path("copies.safetensors"), copies);
+  ds::write_safetensors(path("views.safetensors"), views);
+  EXPECT_EQ(ds::read_file(path("copies.safetensors")), ds::read_file(path("views.safetensors")));
+  expect_error([&] { ds::make_tensor_f32_view("h", {3}, small.data(), ds::DType::F16); }, {"h", "F16"});
+}
+
+// write_safetensors_sharded: one file when the payload fits, else HF-style shards + index that CheckpointReader
+// reads back exactly; a tensor bigger than the limit gets a shard alone; no temporary files are left.
+TEST_F(SafetensorsTmp, ShardedWriterRoundTrip) {
+  std::vector<std::vector<float>> vals;
+  for (int i = 0; i < 5; ++i) {
+    vals.emplace_back(static_cast<size_t>(i == 2 ? 1000 : 100));
+    for (size_t j = 0; j < vals.back().size(); ++j) vals.back()[j] = static_cast<float>(i * 10000 + j) * 0.5f;
+  }
+  std::vector<ds::SaveTensor> ts;
+  for (int i = 0; i < 5; ++i)
+    ts.push_back(ds::make_tensor_f32_view("t" + std::to_string(i), {static_cast<int64_t>(vals[i].size())},
+                                          vals[i].data()));
+  ds::write_safetensors_sharded(dir_.string(), "one", ts, 1000000);
+  EXPECT_TRUE(std::filesystem::exists(path("one.safetensors")));
+  EXPECT_FALSE(std::filesystem::exists(path("one.safetensors.index.json")));
+  ds::write_safetensors_sharded(dir_.string(), "opt", ts, 1000);  // 400-byte tensors two per shard, the 4000-byte one alone
+  for (const char* f : {"opt-00001-of-00003.safetensors", "opt-00002-of-00003.safetensors",
+                        "opt-00003-of-00003.safetensors", "opt.safetensors.index.json"})
+    EXPECT_TRUE(std::filesystem::exists(path(f))) << f;
+  const auto index = nlohmann::json::parse(ds::read_file(path("opt.safetensors.index.json")));
+  EXPECT_EQ(index["metadata"]["total_size"].get<int64_t>(), 4 * 400 + 4000);
+  EXPECT_EQ(index["weight_map"]["t2"].get<std::string>(), "opt-00002-of-00003.safetensors");
+  EXPECT_EQ(index["weight_map"]["t4"].get<std::string>(), "opt-00003-of-00003.safetensors");
+  ds::CheckpointReader r(path("opt.safetensors.index.json"));
+  ds::CheckpointReader one(path("one.safetensors"));
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_EQ(r.read_f32("t" + std::to_string(i)), vals[i]);
+    EXPECT_EQ(one.read_f32("t" + std::to_string(i)), vals[i]);
+  }
+  for (const auto& e : std::filesystem::directory_iterator(dir_))
+    EXPECT_EQ(e.path().string().find(".tmp."), std::string::npos) << e.path();
 }
 
 TEST_F(SafetensorsTmp, NoMetadataKeyWhenEmpty) {

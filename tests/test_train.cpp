@@ -135,6 +135,27 @@ TEST(Train, MetricsCheckpointsAndBitwiseResume) {
   fs::remove_all(dir);
 }
 
+// --max-shard-mb 1: the weights and the AdamW moments go to shards plus index files, and a resume from them
+// continues bitwise like a resume from single files.
+TEST(Train, ShardedCheckpointsResumeBitwise) {
+  std::string dir = tmpdir("shards");
+  std::string args = small_setup(dir);
+  ASSERT_EQ(run("train " + args + " --steps 4 --warmup 1 --threads 1 --save-interval 2 --out " + dir + "/a"), 0);
+  ASSERT_EQ(run("train " + args + " --steps 4 --warmup 1 --threads 1 --save-interval 2 --max-shard-mb 1 --out " + dir +
+                "/b"), 0);
+  const std::string ck = dir + "/b/checkpoint-2";
+  for (const char* f : {"model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                        "optimizer.safetensors.index.json", "optimizer-00001-of-00003.safetensors"})
+    EXPECT_TRUE(fs::exists(ck + "/" + f)) << f;
+  EXPECT_FALSE(fs::exists(ck + "/optimizer.safetensors"));
+  ASSERT_EQ(run("train --resume " + ck + " --steps 4 --threads 1 --out " + dir + "/c"), 0);
+  auto la = train_losses(dir + "/a/metrics.jsonl"), lc = train_losses(dir + "/c/metrics.jsonl");
+  ASSERT_EQ(la.size(), 4u);
+  ASSERT_EQ(lc.size(), 2u);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(la[2 + i], lc[i]) << "step " << 3 + i;
+  fs::remove_all(dir);
+}
+
 // --keep-last 2 with a checkpoint every step: only the two newest stay, and a resume from the newest may keep
 // another number (it is not run-defining); foreign directories are left alone.
 TEST(Train, KeepLastCheckpoints) {

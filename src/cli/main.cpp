@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
   train->add_option("--eval-batches", to.eval_batches, "Micro-batches per evaluation")->capture_default_str();
   train->add_option("--save-interval", to.save_interval, "Steps between checkpoints (0 = end only)")->capture_default_str();
   train->add_option("--keep-last", to.keep_last, "Checkpoints kept in --out, newest first (0 = all)")->capture_default_str();
+  train->add_option("--max-shard-mb", to.max_shard_mb, "Checkpoint files split past this size (MB)")->capture_default_str();
   train->add_option("--seed", to.seed, "Seed for init and data order")->capture_default_str();
   train->add_option("--out", to.out, "Output dir (metrics.jsonl, checkpoint-STEP/)")->capture_default_str();
   train->add_option("--nan-policy", to.nan_policy, "On a NaN/Inf loss or grad: stop or skip the step")->capture_default_str();

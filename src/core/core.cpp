@@ -67,35 +67,54 @@ void fsync_dir(const std::string& dir) {
   ::close(fd);
 }
 
-void write_file_atomic(const std::string& path, const void* data, size_t size) {
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) fail("{}: cannot write ({}; temporary file {})", path, std::strerror(errno), tmp);
+AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
+  tmp_ = path_ + ".tmp." + std::to_string(::getpid());
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd_ < 0) fail("{}: cannot write ({}; temporary file {})", path_, std::strerror(errno), tmp_);
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (fd_ >= 0) {  // not committed
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFileWriter::write(const void* data, size_t size) {
+  DS_CHECK(fd_ >= 0, "{}: write after commit", path_);
   const char* p = static_cast<const char*>(data);
-  size_t left = size;
-  while (left > 0) {
-    ssize_t w = ::write(fd, p, left);
+  while (size > 0) {
+    ssize_t w = ::write(fd_, p, size);
     if (w < 0) {
       if (errno == EINTR) continue;
-      int e = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      fail("{}: write failed ({}; temporary file {})", path, std::strerror(e), tmp);
+      fail("{}: write failed ({}; temporary file {})", path_, std::strerror(errno), tmp_);
     }
     p += w;
-    left -= static_cast<size_t>(w);
+    size -= static_cast<size_t>(w);
   }
+}
+
+void AtomicFileWriter::commit() {
+  DS_CHECK(fd_ >= 0, "{}: committed twice", path_);
+  const int fd = fd_;
+  fd_ = -1;
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
     int e = errno;
-    ::unlink(tmp.c_str());
-    fail("{}: fsync/close failed ({}; temporary file {})", path, std::strerror(e), tmp);
+    ::unlink(tmp_.c_str());
+    fail("{}: fsync/close failed ({}; temporary file {})", path_, std::strerror(e), tmp_);
   }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
     int e = errno;
-    ::unlink(tmp.c_str());
-    fail("{}: rename failed ({})", path, std::strerror(e));
+    ::unlink(tmp_.c_str());
+    fail("{}: rename failed ({})", path_, std::strerror(e));
   }
-  fsync_dir(std::filesystem::path(path).parent_path().string());
+  fsync_dir(std::filesystem::path(path_).parent_path().string());
+}
+
+void write_file_atomic(const std::string& path, const void* data, size_t size) {
+  AtomicFileWriter w(path);
+  w.write(data, size);
+  w.commit();
 }
 
 }  // namespace ds

@@ -14,6 +14,24 @@ void write_file_atomic(const std::string& path, const void* data, size_t size);
 inline void write_file_atomic(const std::string& path, const std::string& data) {
   write_file_atomic(path, data.data(), data.size());
 }
+// The same for a file written piece by piece (no copy of the whole image in memory): bytes go to
+// "<path>.tmp.<pid>"; commit() fsyncs, renames over <path> and fsyncs the directory. Destroyed without commit()
+// (an exception on the way), the temporary file is removed and <path> is untouched. Throws ds::Error naming the
+// path on any failure.
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(std::string path);
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+  void write(const void* data, size_t size);
+  void commit();
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+};
+
 // fsync a directory (after renames inside it).
 void fsync_dir(const std::string& dir);
 bool file_exists(const std::string& path);

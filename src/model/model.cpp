@@ -219,39 +219,11 @@ void Qwen35Model::save(const std::string& dir, DType dtype, int64_t max_shard_by
   nlohmann::json cj = cfg_.to_json();
   if (dtype == DType::BF16) cj["dtype"] = "bfloat16";
   write_file_atomic((fs::path(dir) / "config.json").string(), cj.dump(2) + "\n");
-  // Group parameters (in order) into shards of at most max_shard_bytes (a bigger tensor gets a shard alone).
-  std::vector<std::vector<size_t>> shards(1);
-  int64_t cur = 0, total = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    int64_t bytes = params_[i].numel * static_cast<int64_t>(dtype_size(stored_dtype(params_[i], dtype)));
-    if (!shards.back().empty() && cur + bytes > max_shard_bytes) {
-      shards.emplace_back();
-      cur = 0;
-    }
-    shards.back().push_back(i);
-    cur += bytes;
-    total += bytes;
-  }
-  auto shard_tensors = [&](const std::vector<size_t>& idx) {
-    std::vector<SaveTensor> t;
-    for (size_t i : idx) {
-      const ParamSpec& p = params_[i];
-      t.push_back(make_tensor_f32(p.name, p.shape, weights_.data() + p.offset, stored_dtype(p, dtype)));
-    }
-    return t;
-  };
-  if (shards.size() == 1) {
-    write_safetensors((fs::path(dir) / "model.safetensors").string(), shard_tensors(shards[0]), {{"format", "pt"}});
-    return;
-  }
-  nlohmann::json weight_map = nlohmann::json::object();
-  for (size_t k = 0; k < shards.size(); ++k) {
-    std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
-    write_safetensors((fs::path(dir) / file).string(), shard_tensors(shards[k]), {{"format", "pt"}});
-    for (size_t i : shards[k]) weight_map[params_[i].name] = file;
-  }
-  nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-  write_file_atomic((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+  std::vector<SaveTensor> views;
+  views.reserve(params_.size());
+  for (const ParamSpec& p : params_)
+    views.push_back(make_tensor_f32_view(p.name, p.shape, weights_.data() + p.offset, stored_dtype(p, dtype)));
+  write_safetensors_sharded(dir, "model", views, max_shard_bytes, {{"format", "pt"}});
 }
 
 // ---------------------------------------------------------------------------------------------------------------

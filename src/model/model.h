@@ -74,7 +74,7 @@ class Qwen35Model {
   // Writes dir/config.json and the weights (HF names, "model." prefix; lm_head only when untied), each file
   // atomically: dir/model.safetensors when they fit in max_shard_bytes (HF save_pretrained's 5 GB default),
   // else model-0000k-of-0000n.safetensors shards plus model.safetensors.index.json. Memory beyond the model is
-  // about two shards. dtype F32 or BF16 (A_log and the gated-norm weight always F32, as released checkpoints).
+  // a few MiB (streamed). dtype F32 or BF16 (A_log and the gated-norm weight always F32, as released checkpoints).
   void save(const std::string& dir, DType dtype = DType::F32, int64_t max_shard_bytes = 5000000000) const;
   // The parameters as safetensors entries (for optimizer state files etc.): name -> values from `buffer`.
   std::vector<SaveTensor> to_tensors(const std::vector<float>& buffer, DType dtype = DType::F32) const;

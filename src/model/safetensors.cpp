@@ -370,6 +370,20 @@ SaveTensor make_tensor_f32(const std::string& name, std::vector<int64_t> shape, 
   return t;
 }
 
+SaveTensor make_tensor_f32_view(const std::string& name, std::vector<int64_t> shape, const float* values, DType as) {
+  int64_t n = 0;
+  check_shape_for_write(name, shape, &n);
+  if (n > 0 && !values) fail("tensor '{}': null values for {} elements", name, n);
+  if (as != DType::F32 && as != DType::BF16)
+    fail("tensor '{}': cannot store fp32 values as {} (only F32 and BF16)", name, dtype_name(as));
+  SaveTensor t;
+  t.name = name;
+  t.dtype = as;
+  t.shape = std::move(shape);
+  t.f32_source = n > 0 ? values : nullptr;
+  return t;
+}
+
 SaveTensor make_tensor_i64(const std::string& name, std::vector<int64_t> shape, const int64_t* values) {
   int64_t n = 0;
   check_shape_for_write(name, shape, &n);
@@ -383,8 +397,55 @@ SaveTensor make_tensor_i64(const std::string& name, std::vector<int64_t> shape, 
   return t;
 }
 
-std::string serialize_safetensors(const std::vector<SaveTensor>& tensors,
-                                  const std::map<std::string, std::string>& metadata, const std::string& what) {
+namespace {
+
+// Payload bytes of a tensor: its bytes, or numel * dtype size for a view.
+uint64_t payload_bytes(const SaveTensor& t, const std::string& what) {
+  int64_t n = 0;
+  for (int64_t d : t.shape)
+    if (d < 0) fail("{}: tensor '{}': negative dimension in shape {}", what, t.name, shape_str(t.shape));
+  if (!checked_numel(t.shape, &n))
+    fail("{}: tensor '{}': shape {} has too many elements", what, t.name, shape_str(t.shape));
+  const size_t dsize = dtype_size(t.dtype);
+  uint64_t need = 0;
+  if (__builtin_mul_overflow(static_cast<uint64_t>(n), dsize, &need))
+    fail("{}: tensor '{}': shape {} has too many bytes", what, t.name, shape_str(t.shape));
+  if (t.f32_source) {
+    if (!t.bytes.empty()) fail("{}: tensor '{}': both bytes and an fp32 source", what, t.name);
+    if (t.dtype != DType::F32 && t.dtype != DType::BF16)
+      fail("{}: tensor '{}': cannot store fp32 values as {}", what, t.name, dtype_name(t.dtype));
+    return need;
+  }
+  if (need != t.bytes.size())
+    fail("{}: tensor '{}': {} payload bytes, but shape {} x {} needs {} x {}", what, t.name, t.bytes.size(),
+         shape_str(t.shape), dtype_name(t.dtype), n, dsize);
+  return need;
+}
+
+// Streams the payload of t (bytes, or its fp32 source converted in pieces of 1 Mi elements) into sink.
+template <typename Sink>
+void emit_payload(const SaveTensor& t, uint64_t bytes, Sink&& sink) {
+  if (!t.f32_source) {
+    if (!t.bytes.empty()) sink(t.bytes.data(), t.bytes.size());
+    return;
+  }
+  if (t.dtype == DType::F32) {
+    sink(t.f32_source, bytes);
+    return;
+  }
+  const uint64_t n = bytes / 2;  // BF16
+  constexpr uint64_t kPiece = uint64_t{1} << 20;
+  std::vector<uint16_t> buf(static_cast<size_t>(std::min(n, kPiece)));
+  for (uint64_t i = 0; i < n; i += kPiece) {
+    const uint64_t m = std::min(kPiece, n - i);
+    for (uint64_t j = 0; j < m; ++j) buf[j] = f32_to_bf16_bits(t.f32_source[i + j]);
+    sink(buf.data(), m * 2);
+  }
+}
+
+// The 8-byte length and the padded JSON header of a file holding `tensors`.
+std::string safetensors_header(const std::vector<SaveTensor>& tensors, const std::map<std::string, std::string>& metadata,
+                               const std::string& what, std::vector<uint64_t>* sizes) {
   std::set<std::string> seen;
   std::string header = "{";
   bool first = true;
@@ -404,40 +465,81 @@ std::string serialize_safetensors(const std::vector<SaveTensor>& tensors,
     if (t.name.empty()) fail("{}: empty tensor name", what);
     if (t.name == kMetadataKey) fail("{}: a tensor cannot be named \"__metadata__\"", what);
     if (!seen.insert(t.name).second) fail("{}: duplicate tensor name '{}'", what, t.name);
-    int64_t n = 0;
-    for (int64_t d : t.shape)
-      if (d < 0) fail("{}: tensor '{}': negative dimension in shape {}", what, t.name, shape_str(t.shape));
-    if (!checked_numel(t.shape, &n))
-      fail("{}: tensor '{}': shape {} has too many elements", what, t.name, shape_str(t.shape));
-    const size_t dsize = dtype_size(t.dtype);
-    uint64_t need = 0;
-    if (__builtin_mul_overflow(static_cast<uint64_t>(n), dsize, &need) || need != t.bytes.size())
-      fail("{}: tensor '{}': {} payload bytes, but shape {} x {} needs {} x {}", what, t.name, t.bytes.size(),
-           shape_str(t.shape), dtype_name(t.dtype), n, dsize);
+    const uint64_t need = payload_bytes(t, what);
+    sizes->push_back(need);
     if (!first) header += ',';
     first = false;
     header += json_quote(t.name, what);
     header += fmt::format(":{{\"dtype\":\"{}\",\"shape\":[", dtype_name(t.dtype));
     for (size_t i = 0; i < t.shape.size(); ++i) header += (i ? "," : "") + std::to_string(t.shape[i]);
-    header += fmt::format("],\"data_offsets\":[{},{}]}}", offset, offset + t.bytes.size());
-    offset += t.bytes.size();
+    header += fmt::format("],\"data_offsets\":[{},{}]}}", offset, offset + need);
+    offset += need;
   }
   header += '}';
   header.append((8 - header.size() % 8) % 8, ' ');
-
   std::string out;
-  out.reserve(8 + header.size() + offset);
   const uint64_t hlen = header.size();
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((hlen >> (8 * i)) & 0xff));
-  out += header;
-  for (const auto& t : tensors) out.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+  return out + header;
+}
+
+}  // namespace
+
+std::string serialize_safetensors(const std::vector<SaveTensor>& tensors,
+                                  const std::map<std::string, std::string>& metadata, const std::string& what) {
+  std::vector<uint64_t> sizes;
+  std::string out = safetensors_header(tensors, metadata, what, &sizes);
+  for (size_t i = 0; i < tensors.size(); ++i)
+    emit_payload(tensors[i], sizes[i], [&](const void* p, uint64_t n) { out.append(static_cast<const char*>(p), n); });
   return out;
 }
 
 void write_safetensors(const std::string& path, const std::vector<SaveTensor>& tensors,
                        const std::map<std::string, std::string>& metadata) {
-  const std::string image = serialize_safetensors(tensors, metadata, path);
-  write_file_atomic(path, image);
+  std::vector<uint64_t> sizes;
+  const std::string header = safetensors_header(tensors, metadata, path, &sizes);
+  AtomicFileWriter w(path);
+  w.write(header.data(), header.size());
+  for (size_t i = 0; i < tensors.size(); ++i)
+    emit_payload(tensors[i], sizes[i], [&](const void* p, uint64_t n) { w.write(p, n); });
+  w.commit();
+}
+
+void write_safetensors_sharded(const std::string& dir, const std::string& base, const std::vector<SaveTensor>& tensors,
+                               int64_t max_shard_bytes, const std::map<std::string, std::string>& metadata) {
+  namespace fs = std::filesystem;
+  DS_CHECK(max_shard_bytes > 0, "{}: max_shard_bytes must be positive", (fs::path(dir) / base).string());
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t cur = 0, total = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const uint64_t bytes = payload_bytes(tensors[i], (fs::path(dir) / base).string());
+    if (!shards.back().empty() && cur + bytes > static_cast<uint64_t>(max_shard_bytes)) {
+      shards.emplace_back();
+      cur = 0;
+    }
+    shards.back().push_back(i);
+    cur += bytes;
+    total += bytes;
+  }
+  // Views stay views; an owned payload is copied once, for its shard's write.
+  auto pick = [&](const std::vector<size_t>& idx) {
+    std::vector<SaveTensor> t;
+    t.reserve(idx.size());
+    for (size_t i : idx) t.push_back(tensors[i]);
+    return t;
+  };
+  if (shards.size() == 1) {
+    write_safetensors((fs::path(dir) / (base + ".safetensors")).string(), tensors, metadata);
+    return;
+  }
+  json weight_map = json::object();
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const std::string file = fmt::format("{}-{:05d}-of-{:05d}.safetensors", base, k + 1, shards.size());
+    write_safetensors((fs::path(dir) / file).string(), pick(shards[k]), metadata);
+    for (size_t i : shards[k]) weight_map[tensors[i].name] = file;
+  }
+  json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+  write_file_atomic((fs::path(dir) / (base + ".safetensors.index.json")).string(), index.dump(2) + "\n");
 }
 
 // ---------------------------------------------------------------------------------------------------------

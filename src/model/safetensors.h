@@ -65,16 +65,22 @@ class SafetensorsReader {
   const TensorInfo& get(const std::string& name) const;
 };
 
-// One tensor to write. Build with the helpers below; bytes holds the little-endian payload.
+// One tensor to write. Build with the helpers below; bytes holds the little-endian payload, or, for a view
+// (make_tensor_f32_view), bytes is empty and f32_source points at numel fp32 values converted to dtype while
+// the file is written (the pointer must stay valid until then).
 struct SaveTensor {
   std::string name;
   DType dtype = DType::F32;
   std::vector<int64_t> shape;
   std::vector<uint8_t> bytes;
+  const float* f32_source = nullptr;
 };
 // fp32 values stored as `as` (F32, BF16 with round-to-nearest-even, F16 not supported -> ds::Error).
 SaveTensor make_tensor_f32(const std::string& name, std::vector<int64_t> shape, const float* values,
                            DType as = DType::F32);
+// The same without copying: the values are read (and converted) when the file is written.
+SaveTensor make_tensor_f32_view(const std::string& name, std::vector<int64_t> shape, const float* values,
+                                DType as = DType::F32);
 SaveTensor make_tensor_i64(const std::string& name, std::vector<int64_t> shape, const int64_t* values);
 
 // Writes a safetensors file atomically (temp file, fsync, rename). Tensors are laid out in the given order,
@@ -88,6 +94,13 @@ void write_safetensors(const std::string& path, const std::vector<SaveTensor>& t
 std::string serialize_safetensors(const std::vector<SaveTensor>& tensors,
                                   const std::map<std::string, std::string>& metadata = {},
                                   const std::string& what = "<memory>");
+// Hugging Face sharded layout: dir/<base>.safetensors when the payload fits in max_shard_bytes, else
+// <base>-0000k-of-0000n.safetensors (tensors in order, a shard closed before it would pass max_shard_bytes; a
+// bigger tensor gets a shard alone) plus <base>.safetensors.index.json ({"metadata": {"total_size"},
+// "weight_map"}), which CheckpointReader reads. Each file is written atomically and streamed (views are
+// converted piece by piece), so memory beyond the caller's tensors stays at a few MiB. Throws ds::Error.
+void write_safetensors_sharded(const std::string& dir, const std::string& base, const std::vector<SaveTensor>& tensors,
+                               int64_t max_shard_bytes, const std::map<std::string, std::string>& metadata = {});
 
 // A Hugging Face checkpoint directory: either model.safetensors, or model.safetensors.index.json
 // ({"weight_map": {name: shard file}}) with its shards (the index wins if both exist). Also accepts a path to a

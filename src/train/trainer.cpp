@@ -48,7 +48,7 @@ json options_to_json(const TrainOptions& o) {
               {"clip", o.clip},             {"z_loss", o.z_loss},
               {"val_fraction", o.val_fraction}, {"eval_interval", o.eval_interval},
               {"eval_batches", o.eval_batches}, {"save_interval", o.save_interval},
-              {"keep_last", o.keep_last},
+              {"keep_last", o.keep_last},   {"max_shard_mb", o.max_shard_mb},
               {"seed", o.seed},             {"nan_policy", o.nan_policy},
               {"device", o.device}};
 }
@@ -78,6 +78,7 @@ void options_from_json(const json& j, TrainOptions& o, const std::string& src) {
     o.eval_batches = j.at("eval_batches");
     o.save_interval = j.at("save_interval");
     o.keep_last = j.value("keep_last", int64_t{0});  // absent in checkpoints of earlier versions
+    o.max_shard_mb = j.value("max_shard_mb", int64_t{5000});
     o.seed = j.at("seed");
     o.nan_policy = j.at("nan_policy");
     o.device = j.value("device", std::string("auto"));
@@ -105,6 +106,8 @@ void validate(const TrainOptions& o) {
   DS_CHECK(o.val_fraction >= 0 && o.val_fraction < 1, "--val-fraction must be in [0, 1), got {}", o.val_fraction);
   DS_CHECK(o.eval_interval >= 0 && o.eval_batches >= 0 && o.save_interval >= 0 && o.keep_last >= 0,
            "--eval-interval, --eval-batches, --save-interval and --keep-last must be >= 0");
+  DS_CHECK(o.max_shard_mb >= 1 && o.max_shard_mb <= 1000000, "--max-shard-mb must be in [1, 1000000], got {}",
+           o.max_shard_mb);
   DS_CHECK(o.nan_policy == "stop" || o.nan_policy == "skip", "--nan-policy must be stop or skip, got \"{}\"",
            o.nan_policy);
   DS_CHECK(o.device == "cpu" || o.device == "auto" || o.device == "cuda", "--device must be auto, cpu or cuda, got \"{}\"",
@@ -169,11 +172,11 @@ int train(TrainOptions opt) {
     // The checkpoint's options define the run. Only these may change on --resume; the others are an error, so
     // a flag is never silently ignored.
     const std::set<std::string> may_change = {"steps", "out", "resume", "threads", "device", "eval-interval",
-                                              "save-interval", "keep-last", "nan-policy"};
+                                              "save-interval", "keep-last", "max-shard-mb", "nan-policy"};
     for (const std::string& g : opt.given)
       DS_CHECK(may_change.count(g), "--{} cannot change on --resume: the checkpoint's options define the run "
-               "(only --steps, --out, --threads, --device, --eval-interval, --save-interval, --keep-last, --nan-policy "
-               "may)", g);
+               "(only --steps, --out, --threads, --device, --eval-interval, --save-interval, --keep-last, --max-shard-mb, "
+               "--nan-policy may)", g);
     auto given = [&](const char* n) { return std::find(opt.given.begin(), opt.given.end(), n) != opt.given.end(); };
     saved.resume = opt.resume;
     saved.threads = opt.threads;
@@ -184,6 +187,7 @@ int train(TrainOptions opt) {
     if (given("eval-interval")) saved.eval_interval = opt.eval_interval;
     if (given("save-interval")) saved.save_interval = opt.save_interval;
     if (given("keep-last")) saved.keep_last = opt.keep_last;
+    if (given("max-shard-mb")) saved.max_shard_mb = opt.max_shard_mb;
     if (given("nan-policy")) saved.nan_policy = opt.nan_policy;
     saved.given = opt.given;
     opt = saved;
@@ -270,7 +274,9 @@ int train(TrainOptions opt) {
   int64_t start_step = 0, opt_steps = 0, tokens_seen = 0;
   double elapsed_before = 0;
   if (!opt.resume.empty()) {
-    SafetensorsReader os((fs::path(opt.resume) / "optimizer.safetensors").string());
+    // optimizer.safetensors, or optimizer.safetensors.index.json with its shards.
+    const fs::path oidx = fs::path(opt.resume) / "optimizer.safetensors.index.json";
+    CheckpointReader os(fs::exists(oidx) ? oidx.string() : (fs::path(opt.resume) / "optimizer.safetensors").string());
     for (const ParamSpec& p : model.params()) {
       std::vector<float> em = os.read_f32("exp_avg." + p.name), ev = os.read_f32("exp_avg_sq." + p.name);
       DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
@@ -328,13 +334,15 @@ int train(TrainOptions opt) {
       gpu->download_weights(model.weights());
       gpu->download_optimizer(m, v);
     }
-    model.save(tmp_dir, DType::F32);
+    const int64_t shard_bytes = opt.max_shard_mb * 1000000;
+    model.save(tmp_dir, DType::F32, shard_bytes);
+    // AdamW moments (fp32, HF-style names), streamed from m and v without a copy, sharded like the weights.
     std::vector<SaveTensor> ost;
     for (const ParamSpec& p : model.params()) {
-      ost.push_back(make_tensor_f32("exp_avg." + p.name, p.shape, m.data() + p.offset));
-      ost.push_back(make_tensor_f32("exp_avg_sq." + p.name, p.shape, v.data() + p.offset));
+      ost.push_back(make_tensor_f32_view("exp_avg." + p.name, p.shape, m.data() + p.offset));
+      ost.push_back(make_tensor_f32_view("exp_avg_sq." + p.name, p.shape, v.data() + p.offset));
     }
-    write_safetensors((fs::path(tmp_dir) / "optimizer.safetensors").string(), ost);
+    write_safetensors_sharded(tmp_dir, "optimizer", ost, shard_bytes);
     write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), read_file(opt.tokenizer));
     json st{{"step", step},         {"optimizer_steps", opt_steps}, {"tokens_seen", tokens_seen},
             {"elapsed_s", elapsed}, {"options", options_to_json(opt)}, {"deltastack_version", DELTASTACK_VERSION}};

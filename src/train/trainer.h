@@ -30,6 +30,7 @@ struct TrainOptions {
   int64_t eval_batches = 4;            // micro-batches per evaluation
   int64_t save_interval = 0;           // steps between checkpoints (0 = only at the end)
   int64_t keep_last = 0;               // checkpoints kept in --out, newest first (0 = all)
+  int64_t max_shard_mb = 5000;         // checkpoint files (weights, optimizer state) split past this size (MB)
   uint64_t seed = 1234;
   std::string out = "runs/default";
   int threads = 0;                     // 0 = all cores
