@@ -157,7 +157,8 @@ TEST(Train, ShardedCheckpointsResumeBitwise) {
 }
 
 // --keep-last 2 with a checkpoint every step: only the two newest stay, and a resume from the newest may keep
-// another number (it is not run-defining); foreign directories are left alone.
+// another number (it is not run-defining); foreign directories are left alone; a resume from an older checkpoint
+// never removes what it just saved or a newer checkpoint of the abandoned run.
 TEST(Train, KeepLastCheckpoints) {
   std::string dir = tmpdir("keep");
   std::string args = small_setup(dir);
@@ -169,6 +170,16 @@ TEST(Train, KeepLastCheckpoints) {
   ASSERT_EQ(run("train --resume " + dir + "/a/checkpoint-4 --steps 6 --threads 1 --keep-last 1"), 0);
   for (int s = 1; s <= 6; ++s) EXPECT_EQ(fs::exists(dir + "/a/checkpoint-" + std::to_string(s)), s == 6) << s;
   EXPECT_NE(run("train " + args + " --steps 1 --keep-last -1 --out " + dir + "/b"), 0);
+  // Resuming an earlier checkpoint into the same directory (a trailing slash too): the new checkpoint-2 and the
+  // abandoned, higher checkpoint-3 stay; only older ones are pruned.
+  ASSERT_EQ(run("train " + args + " --steps 3 --warmup 1 --threads 1 --save-interval 1 --out " + dir + "/c"), 0);
+  ASSERT_EQ(run("train --resume " + dir + "/c/checkpoint-1/ --steps 2 --threads 1 --keep-last 1"), 0);
+  EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-1"));
+  EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-2/model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-3/model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-1/checkpoint-2"));
+  for (const auto& e : fs::directory_iterator(dir + "/c"))
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
   fs::remove_all(dir);
 }
 

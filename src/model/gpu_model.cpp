@@ -547,7 +547,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
                               m.c.num_key_value_heads, m.c.head_dim, attn_dims(m.c, 1, 1).scale};
     try {
       m.cudnn_attn = std::make_unique<ops::cudnn::Attention>(ab);
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       log_warn("attention: {}; using the simple attention kernel", e.what());
     }
   }
@@ -556,6 +556,16 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   m.arena_bytes = sizing.off;
   size_t free_b = 0, total_b = 0;
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (m.cudnn_attn && m.arena_bytes + (512u << 20) >= free_b) {
+    // cuDNN's deterministic backward keeps an S^2 workspace; when that is what does not fit, drop to the simple
+    // kernel (no workspace) rather than fail.
+    log_warn("attention: the plan with cuDNN's {:.2f} GiB workspace does not fit in {:.2f} GiB free; using the "
+             "simple attention kernel", m.cudnn_attn->workspace_bytes() / 1073741824.0, free_b / 1073741824.0);
+    m.cudnn_attn.reset();
+    sizing = Arena{};
+    m.layout(sizing);
+    m.arena_bytes = sizing.off;
+  }
   DS_CHECK(m.arena_bytes + (512u << 20) < free_b,
            "gpu: the memory plan needs {:.2f} GiB but only {:.2f} GiB is free; lower --micro-batch or --seq-len",
            m.arena_bytes / 1073741824.0, free_b / 1073741824.0);
@@ -577,6 +587,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
 
 GpuModel::~GpuModel() {
   if (impl_) {
+    impl_->cudnn_attn.reset();  // its handle and plans before the stream and memory they were used with
     if (impl_->arena_base) cudaFree(impl_->arena_base);
     if (impl_->stream) cudaStreamDestroy(impl_->stream);
   }

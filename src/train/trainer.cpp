@@ -182,7 +182,12 @@ int train(TrainOptions opt) {
     saved.threads = opt.threads;
     if (given("steps")) saved.steps = opt.steps;
     if (given("out")) saved.out = opt.out;
-    else saved.out = fs::path(opt.resume).parent_path().string();  // continue in the run's own directory
+    else {  // continue in the run's own directory ("run/checkpoint-3/" too)
+      fs::path ck = fs::path(opt.resume).lexically_normal();
+      if (!ck.has_filename()) ck = ck.parent_path();
+      saved.out = ck.parent_path().string();
+      if (saved.out.empty()) saved.out = ".";
+    }
     if (given("device")) saved.device = opt.device;  // else the device the run used (bitwise resume)
     if (given("eval-interval")) saved.eval_interval = opt.eval_interval;
     if (given("save-interval")) saved.save_interval = opt.save_interval;
@@ -326,6 +331,37 @@ int train(TrainOptions opt) {
   std::ofstream metrics(metrics_path, std::ios::app);
   DS_CHECK(metrics.good(), "{}: cannot open for appending", metrics_path);
 
+  // --keep-last: after checkpoint-`step` is durable, the older checkpoint-N (N < step, canonical decimal names)
+  // beyond the newest keep_last - 1 are removed: each is first renamed to .checkpoint-N.old.tmp (which a later
+  // start removes, so a kill mid-delete never leaves a partial checkpoint-N), then deleted. Checkpoints with a
+  // higher step (an abandoned branch of a resumed run) are never counted or removed. Failures only warn.
+  auto prune_checkpoints = [&](int64_t step) {
+    try {
+      std::vector<std::pair<int64_t, fs::path>> older;
+      for (const auto& e : fs::directory_iterator(opt.out)) {
+        const std::string n = e.path().filename().string();
+        const std::string digits = n.rfind("checkpoint-", 0) == 0 ? n.substr(11) : std::string();
+        if (!e.is_directory() || digits.empty() || digits.size() > 18 ||
+            digits.find_first_not_of("0123456789") != std::string::npos || (digits.size() > 1 && digits[0] == '0'))
+          continue;
+        const int64_t s = std::stoll(digits);
+        if (s < step) older.emplace_back(s, e.path());
+      }
+      std::sort(older.begin(), older.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+      for (size_t i = static_cast<size_t>(opt.keep_last - 1); i < older.size(); ++i) {
+        const fs::path doomed = fs::path(opt.out) / fmt::format(".checkpoint-{}.old.tmp", older[i].first);
+        fs::remove_all(doomed);
+        fs::rename(older[i].second, doomed);
+        fsync_dir(opt.out);
+        fs::remove_all(doomed);
+        log_info("removed {} (--keep-last {})", older[i].second.string(), opt.keep_last);
+      }
+    } catch (const std::exception& e) {
+      log_warn("--keep-last: could not remove old checkpoints in {}: {}", opt.out, e.what());
+    }
+  };
+  const std::string tokenizer_json = read_file(opt.tokenizer);  // copied into every checkpoint
+
   auto save_checkpoint = [&](int64_t step, double elapsed) {
     std::string final_dir = (fs::path(opt.out) / fmt::format("checkpoint-{}", step)).string();
     std::string tmp_dir = (fs::path(opt.out) / fmt::format(".checkpoint-{}.tmp", step)).string();
@@ -343,7 +379,7 @@ int train(TrainOptions opt) {
       ost.push_back(make_tensor_f32_view("exp_avg_sq." + p.name, p.shape, v.data() + p.offset));
     }
     write_safetensors_sharded(tmp_dir, "optimizer", ost, shard_bytes);
-    write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), read_file(opt.tokenizer));
+    write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), tokenizer_json);
     json st{{"step", step},         {"optimizer_steps", opt_steps}, {"tokens_seen", tokens_seen},
             {"elapsed_s", elapsed}, {"options", options_to_json(opt)}, {"deltastack_version", DELTASTACK_VERSION}};
     write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
@@ -365,23 +401,7 @@ int train(TrainOptions opt) {
     }
     fsync_dir(opt.out);
     log_info("saved {}", final_dir);
-    if (opt.keep_last > 0) {
-      // Only after the new checkpoint is durable: remove the oldest checkpoint-N directories beyond keep_last.
-      std::vector<std::pair<int64_t, fs::path>> all;
-      for (const auto& e : fs::directory_iterator(opt.out)) {
-        const std::string n = e.path().filename().string();
-        if (!e.is_directory() || n.rfind("checkpoint-", 0) != 0 || n.size() == 11 ||
-            n.find_first_not_of("0123456789", 11) != std::string::npos)
-          continue;
-        all.emplace_back(std::stoll(n.substr(11)), e.path());
-      }
-      std::sort(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-      for (size_t i = static_cast<size_t>(opt.keep_last); i < all.size(); ++i) {
-        fs::remove_all(all[i].second);
-        log_info("removed {} (--keep-last {})", all[i].second.string(), opt.keep_last);
-      }
-      fsync_dir(opt.out);
-    }
+    if (opt.keep_last > 0) prune_checkpoints(step);
   };
 
   auto elapsed_now = [&]() {

@@ -106,7 +106,9 @@ enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV, kSeqQ, kSeq
 // One length bucket: documents with lo <= length <= S run as batch entries of graphs of shape [bmax, H, S, D].
 struct Bucket {
   int64_t lo = 1, S = 0, bmax = 0;
-  size_t meta_off = 0;  // int32 elements: seq[bmax], off_q[bmax + 1], off_kv[bmax + 1], off_st[bmax + 1]
+  // int32 element offsets in the metadata of seq[bmax], off_q[bmax + 1], off_kv[bmax + 1], off_st[bmax + 1]; each
+  // array starts on 16 bytes (the frontend's default alignment for tensors).
+  size_t o_seq = 0, o_q = 0, o_kv = 0, o_st = 0;
   int64_t count = 0;    // documents of the current batch
   std::shared_ptr<fe::graph::Graph> fwd, bwd;
   int64_t ws_fwd = 0, ws_bwd = 0;  // each graph's workspace (bytes)
@@ -215,12 +217,11 @@ struct Attention::Impl {
   }
 
   void run(const Bucket& bk, bool backward, std::unordered_map<int64_t, void*>& pack, void* ws, cudaStream_t s) {
-    int32_t* m = meta + bk.meta_off;
-    pack[kSeqQ] = m;
-    pack[kSeqKV] = m;
-    pack[kOffQ] = m + bk.bmax;
-    pack[kOffKV] = m + 2 * bk.bmax + 1;
-    pack[kOffSt] = m + 3 * bk.bmax + 2;
+    pack[kSeqQ] = meta + bk.o_seq;
+    pack[kSeqKV] = meta + bk.o_seq;
+    pack[kOffQ] = meta + bk.o_q;
+    pack[kOffKV] = meta + bk.o_kv;
+    pack[kOffSt] = meta + bk.o_st;
     // The workspace is zeroed before every call: with it holding NaN bit patterns (the GPU engine shares it with
     // other ops' scratch), the deterministic backward returned NaN gradients on the H200 (cuDNN 9.19) for a
     // packed batch of documents 1..600 tokens long: parts of it are read before they are written.
@@ -255,8 +256,15 @@ Attention::Attention(const AttnBounds& bounds) : impl_(std::make_unique<Impl>())
     bk.bmax = std::min(b.max_seqs, b.max_tokens / lo);
     if (lo == 1) bk.bmax = std::min(bk.bmax, std::max<int64_t>(b.max_tokens / 32, 1));
     bk.bmax = std::max<int64_t>(bk.bmax, 1);
-    bk.meta_off = m.meta_ints;
-    m.meta_ints += static_cast<size_t>(4 * bk.bmax + 3);
+    auto take = [&](int64_t n) {
+      const size_t at = m.meta_ints;
+      m.meta_ints += (static_cast<size_t>(n) + 3) / 4 * 4;
+      return at;
+    };
+    bk.o_seq = take(bk.bmax);
+    bk.o_q = take(bk.bmax + 1);
+    bk.o_kv = take(bk.bmax + 1);
+    bk.o_st = take(bk.bmax + 1);
     m.buckets.push_back(bk);
     if (bk.S >= b.max_seqlen) break;
     lo = bk.S + 1;
@@ -284,8 +292,9 @@ size_t Attention::meta_bytes() const { return impl_->meta_ints * sizeof(int32_t)
 bool Attention::set_batch(const int32_t* cu, int64_t num_seqs, void* meta, cudaStream_t stream) {
   Impl& m = *impl_;
   const AttnBounds& b = m.b;
-  DS_CHECK(num_seqs >= 0 && num_seqs <= b.max_seqs && cu[0] == 0,
+  DS_CHECK(num_seqs >= 0 && num_seqs <= b.max_seqs,
            "cuDNN attention: batch of {} documents exceeds the plan ({})", num_seqs, b.max_seqs);
+  DS_CHECK(cu[0] == 0, "cuDNN attention: cu_seqlens[0] is {}, not 0", cu[0]);
   std::vector<std::vector<int64_t>> docs(m.buckets.size());
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t len = cu[i + 1] - cu[i];
@@ -304,8 +313,8 @@ bool Attention::set_batch(const int32_t* cu, int64_t num_seqs, void* meta, cudaS
   for (size_t k = 0; k < docs.size(); ++k) {
     Bucket& bk = m.buckets[k];
     bk.count = static_cast<int64_t>(docs[k].size());
-    int32_t* seq = m.staging.data() + bk.meta_off;
-    int32_t *oq = seq + bk.bmax, *okv = oq + bk.bmax + 1, *ost = okv + bk.bmax + 1;
+    int32_t *seq = m.staging.data() + bk.o_seq, *oq = m.staging.data() + bk.o_q, *okv = m.staging.data() + bk.o_kv,
+            *ost = m.staging.data() + bk.o_st;
     // Entries past the count have length 0 and start where the bucket's last document ends.
     int64_t start = 0;
     for (int64_t j = 0; j <= bk.bmax; ++j) {
