@@ -12,6 +12,7 @@
 #include "core/files.h"
 #include "data/dataset.h"
 #include "model/config.h"
+#include "model/model.h"
 #include "test_util.h"
 #include "train_test_util.h"
 
@@ -153,6 +154,29 @@ TEST(Train, ShardedCheckpointsResumeBitwise) {
   ASSERT_EQ(la.size(), 4u);
   ASSERT_EQ(lc.size(), 2u);
   for (int i = 0; i < 2; ++i) EXPECT_EQ(la[2 + i], lc[i]) << "step " << 3 + i;
+  fs::remove_all(dir);
+}
+
+// `deltastack export` of the fp32 HF fixture in bf16 loads to exactly the HF-made release-layout fixture
+// (bf16 of every weight, A_log and the gated-norm weight fp32); it refuses a non-empty output directory and
+// leaves it untouched, and rejects a dtype other than bf16/f32.
+TEST(Export, Bf16MatchesReleaseLayoutFixture) {
+  std::string dir = tmpdir("export");
+  ASSERT_EQ(run("export " + ds::test::fixture("hf_qwen35_tiny_a") + " " + dir + "/bf16"), 0);
+  const auto cfg = nlohmann::json::parse(ds::read_file(dir + "/bf16/config.json"));
+  EXPECT_EQ(cfg.value("dtype", std::string()), "bfloat16");
+  ds::Qwen35Model ex(ds::ModelConfig::from_file(dir + "/bf16"));
+  ex.load(dir + "/bf16");
+  ds::Qwen35Model rel(ds::ModelConfig::from_file(ds::test::fixture("hf_qwen35_tiny_a_release_layout")));
+  rel.load(ds::test::fixture("hf_qwen35_tiny_a_release_layout"));
+  ASSERT_EQ(ex.weights().size(), rel.weights().size());
+  EXPECT_TRUE(ex.weights() == rel.weights());
+  fs::create_directories(dir + "/taken");
+  ds::write_file_atomic(dir + "/taken/keep.txt", "x");
+  EXPECT_NE(run("export " + ds::test::fixture("hf_qwen35_tiny_a") + " " + dir + "/taken"), 0);
+  EXPECT_EQ(ds::read_file(dir + "/taken/keep.txt"), "x");
+  EXPECT_FALSE(fs::exists(dir + "/taken/model.safetensors"));
+  EXPECT_NE(run("export " + ds::test::fixture("hf_qwen35_tiny_a") + " " + dir + "/x --dtype f16"), 0);
   fs::remove_all(dir);
 }
 

@@ -1,4 +1,4 @@
-// deltastack command line: train, forward, eval, generate, tokenize, probe, inspect.
+// deltastack command line: train, forward, eval, generate, tokenize, probe, inspect, export, bench.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -109,6 +109,14 @@ int main(int argc, char** argv) {
   std::string inspect_path;
   inspect->add_option("checkpoint", inspect_path, "Checkpoint dir or config.json")->required();
 
+  auto* exp = app.add_subcommand("export", "Write a checkpoint as an HF model dir (bf16 weights by default)");
+  std::string exp_in, exp_out, exp_dtype = "bf16";
+  int64_t exp_shard_mb = 5000;
+  exp->add_option("checkpoint", exp_in, "Checkpoint dir")->required();
+  exp->add_option("out", exp_out, "New output dir")->required();
+  exp->add_option("--dtype", exp_dtype, "bf16 or f32")->capture_default_str();
+  exp->add_option("--max-shard-mb", exp_shard_mb, "Split weight files past this size (MB)")->capture_default_str();
+
   // A scalar flag given twice takes its last value (so scripts can append overrides); lists keep every value.
   std::function<void(CLI::App*)> last_wins = [&](CLI::App* a) {
     for (CLI::Option* o : a->get_options())
@@ -137,6 +145,7 @@ int main(int argc, char** argv) {
     if (*bench_tok) return ds::cli::cmd_bench_tokenizer(bench_tokenizer, bench_text, bench_repeats);
     if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps);
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
+    if (*exp) return ds::cli::cmd_export(exp_in, exp_out, exp_dtype, exp_shard_mb);
     if (*train) {
       to.threads = threads;
       for (CLI::Option* o : train->get_options())

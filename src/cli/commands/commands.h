@@ -31,6 +31,11 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
 // `deltastack inspect`: config summary and tensor list of a checkpoint.
 int cmd_inspect(const std::string& path);
 
+// `deltastack export`: a checkpoint as an HF release-style model dir (config.json, weights as `dtype` "bf16" or
+// "f32" with A_log and linear_attn.norm.weight fp32, shards past max_shard_mb MB, tokenizer.json). `out` must not
+// exist or be empty; the checkpoint is validated by loading it.
+int cmd_export(const std::string& checkpoint, const std::string& out, const std::string& dtype, int64_t max_shard_mb);
+
 // `deltastack bench ops`: per op and shape, forward and forward+backward ms, rate and roofline fraction (GPU).
 int cmd_bench_ops();
 // `deltastack bench step`: tokens/s, MFU and peak memory of full training steps of a preset (GPU).
