@@ -157,6 +157,29 @@ TEST(Train, ShardedCheckpointsResumeBitwise) {
   fs::remove_all(dir);
 }
 
+// --val-data: evaluation on a separate file (its loss differs from the held-out split's), all of --data trains;
+// combined with an explicit --val-fraction it is a contradiction (exit 1 naming both flags).
+TEST(Train, SeparateValidationData) {
+  std::string dir = tmpdir("valdata");
+  const std::string args = small_setup(dir);  // holds --val-fraction 0.1
+  std::string no_frac = args;
+  no_frac.erase(no_frac.find(" --val-fraction 0.1"), std::string(" --val-fraction 0.1").size());
+  ds::write_file_atomic(dir + "/val.txt", ds::read_file(dir + "/corpus.txt").substr(0, 3000));
+  ASSERT_EQ(run("train " + args + " --steps 2 --warmup 1 --threads 1 --out " + dir + "/a"), 0);
+  std::string log;
+  ASSERT_EQ(run("train " + no_frac + " --steps 2 --warmup 1 --threads 1 --val-data " + dir + "/val.txt --out " + dir +
+                "/b", &log), 0);
+  EXPECT_NE(log.find("(--val-data)"), std::string::npos) << log;
+  auto ma = metrics(dir + "/a/metrics.jsonl"), mb = metrics(dir + "/b/metrics.jsonl");
+  ASSERT_TRUE(ma[0].contains("eval_loss") && mb[0].contains("eval_loss"));
+  EXPECT_NE(ma[0]["eval_loss"].get<double>(), mb[0]["eval_loss"].get<double>());
+  std::string err;
+  EXPECT_EQ(run("train " + args + " --steps 1 --val-fraction 0.2 --val-data " + dir + "/val.txt --out " + dir + "/c", &err),
+            1);
+  EXPECT_NE(err.find("--val-data and --val-fraction"), std::string::npos) << err;
+  fs::remove_all(dir);
+}
+
 // `deltastack export` of the fp32 HF fixture in bf16 loads to exactly the HF-made release-layout fixture
 // (bf16 of every weight, A_log and the gated-norm weight fp32); it refuses a non-empty output directory and
 // leaves it untouched, and rejects a dtype other than bf16/f32.

@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
   train->add_option("--clip", to.clip, "Max global grad norm (0 = off)")->capture_default_str();
   train->add_option("--z-loss", to.z_loss, "z-loss coefficient on lse^2 (0 = off)")->capture_default_str();
   train->add_option("--val-fraction", to.val_fraction, "Fraction of documents held out for evaluation")->capture_default_str();
+  train->add_option("--val-data", to.val_data, "Separate evaluation files (then nothing is held out of --data)");
   train->add_option("--eval-interval", to.eval_interval, "Steps between evaluations (0 = start and end only)")->capture_default_str();
   train->add_option("--eval-batches", to.eval_batches, "Micro-batches per evaluation")->capture_default_str();
   train->add_option("--save-interval", to.save_interval, "Steps between checkpoints (0 = end only)")->capture_default_str();

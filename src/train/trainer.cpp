@@ -46,7 +46,8 @@ json options_to_json(const TrainOptions& o) {
               {"weight_decay", o.weight_decay}, {"beta1", o.beta1},
               {"beta2", o.beta2},           {"adam_eps", o.adam_eps},
               {"clip", o.clip},             {"z_loss", o.z_loss},
-              {"val_fraction", o.val_fraction}, {"eval_interval", o.eval_interval},
+              {"val_fraction", o.val_fraction}, {"val_data", o.val_data},
+              {"eval_interval", o.eval_interval},
               {"eval_batches", o.eval_batches}, {"save_interval", o.save_interval},
               {"keep_last", o.keep_last},   {"max_shard_mb", o.max_shard_mb},
               {"seed", o.seed},             {"nan_policy", o.nan_policy},
@@ -74,6 +75,7 @@ void options_from_json(const json& j, TrainOptions& o, const std::string& src) {
     o.clip = j.at("clip");
     o.z_loss = j.at("z_loss");
     o.val_fraction = j.at("val_fraction");
+    o.val_data = j.value("val_data", std::vector<std::string>{});
     o.eval_interval = j.at("eval_interval");
     o.eval_batches = j.at("eval_batches");
     o.save_interval = j.at("save_interval");
@@ -104,6 +106,10 @@ void validate(const TrainOptions& o) {
   DS_CHECK(o.threads >= 0 && o.threads <= 1024, "--threads must be in [0, 1024] (0 = all cores), got {}", o.threads);
   DS_CHECK(o.z_loss >= 0, "--z-loss must be >= 0");
   DS_CHECK(o.val_fraction >= 0 && o.val_fraction < 1, "--val-fraction must be in [0, 1), got {}", o.val_fraction);
+  DS_CHECK(o.val_data.empty() ||
+               std::find(o.given.begin(), o.given.end(), "val-fraction") == o.given.end(),
+           "--val-data and --val-fraction contradict each other: with a separate evaluation set nothing is held out "
+           "of --data");
   DS_CHECK(o.eval_interval >= 0 && o.eval_batches >= 0 && o.save_interval >= 0 && o.keep_last >= 0,
            "--eval-interval, --eval-batches, --save-interval and --keep-last must be >= 0");
   DS_CHECK(o.max_shard_mb >= 1 && o.max_shard_mb <= 1000000, "--max-shard-mb must be in [1, 1000000], got {}",
@@ -224,16 +230,26 @@ int train(TrainOptions opt) {
   int32_t eos = tok.token_to_id("<|endoftext|>");
   std::vector<std::string> texts = read_documents(opt.data, parse_txt_split(opt.txt_split));
   std::vector<std::vector<int32_t>> docs = tokenize_documents(tok, texts, eos);
-  int64_t n_val = static_cast<int64_t>(std::floor(opt.val_fraction * static_cast<double>(docs.size())));
-  if (opt.val_fraction > 0 && n_val == 0 && docs.size() >= 2) n_val = 1;
-  std::vector<std::vector<int32_t>> train_docs(docs.begin(), docs.end() - n_val), val_docs(docs.end() - n_val, docs.end());
+  int64_t n_val = 0;
+  std::vector<std::vector<int32_t>> train_docs, val_docs;
+  if (!opt.val_data.empty()) {  // a separate evaluation set: all of --data trains
+    val_docs = tokenize_documents(tok, read_documents(opt.val_data, parse_txt_split(opt.txt_split)), eos);
+    n_val = static_cast<int64_t>(val_docs.size());
+    train_docs = std::move(docs);
+    docs = {};
+  } else {
+    n_val = static_cast<int64_t>(std::floor(opt.val_fraction * static_cast<double>(docs.size())));
+    if (opt.val_fraction > 0 && n_val == 0 && docs.size() >= 2) n_val = 1;
+    train_docs.assign(docs.begin(), docs.end() - n_val);
+    val_docs.assign(docs.end() - n_val, docs.end());
+  }
   DS_CHECK(!train_docs.empty(), "data: no training documents left after holding out {} for validation", n_val);
   PackedDataset train_set(train_docs, opt.seq_len);
   std::unique_ptr<PackedDataset> val_set;
   if (!val_docs.empty()) val_set = std::make_unique<PackedDataset>(val_docs, opt.seq_len);
-  log_info("data: {} documents ({} held out), {} training tokens in {} windows of {}; validation {} tokens",
-           docs.size(), n_val, train_set.num_tokens(), train_set.num_windows(), opt.seq_len,
-           val_set ? val_set->num_tokens() : 0);
+  log_info("data: {} training documents, {} validation documents{}, {} training tokens in {} windows of {}; "
+           "validation {} tokens", train_docs.size(), n_val, opt.val_data.empty() ? " (held out)" : " (--val-data)",
+           train_set.num_tokens(), train_set.num_windows(), opt.seq_len, val_set ? val_set->num_tokens() : 0);
 
   // Fixed evaluation windows, evenly spread over the validation set.
   std::vector<PackedBatch> eval_batches;

@@ -26,6 +26,7 @@ struct TrainOptions {
   double clip = 1.0;                   // max global grad norm (0 = off)
   double z_loss = 0.0;
   double val_fraction = 0.05;          // fraction of documents (from the end) held out
+  std::vector<std::string> val_data;   // separate evaluation files (then nothing is held out of `data`)
   int64_t eval_interval = 50;          // steps between evaluations (0 = only at start and end)
   int64_t eval_batches = 4;            // micro-batches per evaluation
   int64_t save_interval = 0;           // steps between checkpoints (0 = only at the end)
