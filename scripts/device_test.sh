@@ -112,5 +112,12 @@ print(f"same seed twice: {'bitwise identical' if same else 'DIFFERENT'}; resume 
 raise SystemExit(0 if same and resumed else 1)
 PY
   $D generate --model /tmp/ds_g1/checkpoint-200 --prompt "ROMEO:" --max-new-tokens 40 2>&1 | tail -3
+  # `deltastack eval` of that checkpoint on the GPU engine and on the CPU reference: within the bf16 band.
+  for dev in cuda cpu; do
+    $D eval --device $dev --model /tmp/ds_g1/checkpoint-200 --data data/tiny_shakespeare.txt --seq-len 256 \
+      --micro-batch 8 2>/dev/null | tail -1 >/tmp/ds_eval_$dev.json || status=1
+  done
+  python3 -c "import json; g, c = (json.load(open(f'/tmp/ds_eval_{d}.json'))['eval_loss'] for d in ('cuda', 'cpu')); \
+print(f'eval cuda {g:.5f} cpu {c:.5f} rel {abs(g - c) / c:.2e}'); raise SystemExit(0 if abs(g - c) / c < 1e-2 else 1)" || status=1
 fi
 exit $status

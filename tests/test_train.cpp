@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "core/cuda/device.h"
 #include "core/error.h"
 #include "core/files.h"
 #include "data/dataset.h"
@@ -177,6 +179,30 @@ TEST(Train, SeparateValidationData) {
   EXPECT_EQ(run("train " + args + " --steps 1 --val-fraction 0.2 --val-data " + dir + "/val.txt --out " + dir + "/c", &err),
             1);
   EXPECT_NE(err.find("--val-data and --val-fraction"), std::string::npos) << err;
+  fs::remove_all(dir);
+}
+
+// `deltastack eval` of a fresh checkpoint on its own training text: a finite loss, perplexity = exp(loss); the
+// same on the CPU twice is bitwise equal; --device cuda without a GPU, or a bad --device, is a clear error.
+TEST(Eval, CheckpointLossAndDevices) {
+  std::string dir = tmpdir("eval");
+  std::string args = small_setup(dir);
+  ASSERT_EQ(run("train " + args + " --steps 2 --warmup 1 --threads 1 --out " + dir + "/a"), 0);
+  const std::string ev = "eval --model " + dir + "/a/checkpoint-2 --data " + dir + "/corpus.txt --seq-len 32 --threads 1";
+  std::string out1, out2, err;
+  ASSERT_EQ(run(ev + " --device cpu", &out1), 0);
+  ASSERT_EQ(run(ev + " --device cpu", &out2), 0);
+  const auto j = nlohmann::json::parse(out1.substr(out1.find('{')));
+  const double loss = j["eval_loss"].get<double>();
+  EXPECT_TRUE(std::isfinite(loss) && loss > 0 && loss < 20) << out1;
+  EXPECT_NEAR(j["perplexity"].get<double>(), std::exp(loss), 1e-3 * std::exp(loss));
+  EXPECT_EQ(out1, out2);
+  EXPECT_EQ(run(ev + " --device tpu", &err), 1);
+  EXPECT_NE(err.find("--device"), std::string::npos) << err;
+  if (ds::cuda_device_count() == 0) {
+    EXPECT_EQ(run(ev + " --device cuda", &err), 1);
+    EXPECT_NE(err.find("cuda"), std::string::npos) << err;
+  }
   fs::remove_all(dir);
 }
 

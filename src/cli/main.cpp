@@ -83,6 +83,8 @@ int main(int argc, char** argv) {
   eval->add_option("--seq-len", seq_len, "Window length")->capture_default_str();
   eval->add_option("--micro-batch", micro_batch, "Windows per forward")->capture_default_str();
   eval->add_option("--txt-split", txt_split, "paragraph, line or file")->capture_default_str();
+  std::string eval_device = "auto";
+  eval->add_option("--device", eval_device, "auto (GPU when present), cpu or cuda")->capture_default_str();
 
   auto* tokenize = app.add_subcommand("tokenize", "Tokenize a .jsonl of {\"text\"} lines into {\"ids\"} lines");
   tokenize->add_option("--tokenizer", tokenizer, "HF tokenizer.json")->required();
@@ -139,7 +141,7 @@ int main(int argc, char** argv) {
       return ds::cli::cmd_forward(model_dir, inputs, output, grads, dev);
     }
     if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed);
-    if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split);
+    if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
     if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output);
     if (*probe) return ds::cli::cmd_probe();
     if (*bench_ops) return ds::cli::cmd_bench_ops();

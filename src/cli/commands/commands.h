@@ -24,9 +24,10 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
                  int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed);
 
-// `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows.
+// `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows. device
+// "auto" (the GPU engine when a GPU is present), "cpu" (fp32 reference) or "cuda".
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
-             int64_t seq_len, int64_t micro_batch, const std::string& txt_split);
+             int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device = "auto");
 
 // `deltastack inspect`: config summary and tensor list of a checkpoint.
 int cmd_inspect(const std::string& path);

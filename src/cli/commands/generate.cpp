@@ -3,14 +3,17 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <memory>
 #include <numeric>
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
+#include "core/cuda/device.h"
 #include "core/files.h"
 #include "core/rng.h"
 #include "data/dataset.h"
 #include "data/tokenizer.h"
+#include "model/gpu_model.h"
 #include "model/model.h"
 
 namespace ds::cli {
@@ -78,7 +81,9 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
 }
 
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
-             int64_t seq_len, int64_t micro_batch, const std::string& txt_split) {
+             int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device) {
+  DS_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device must be auto, cpu or cuda, got \"{}\"",
+           device);
   Qwen35Model model(ModelConfig::from_file(model_dir));
   model.load(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
@@ -87,12 +92,22 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   DS_CHECK(micro_batch >= 1, "--micro-batch must be >= 1");
   auto docs = tokenize_documents(tok, read_documents(data, parse_txt_split(txt_split)), tok.token_to_id("<|endoftext|>"));
   PackedDataset set(docs, seq_len);
+  // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present.
+  std::unique_ptr<GpuModel> gpu;
+  if (device == "cuda" || (device == "auto" && cuda_device_count() > 0)) {
+    GpuPlan plan;
+    plan.max_tokens = micro_batch * seq_len;
+    plan.max_seqs = micro_batch * set.max_docs_per_window();
+    plan.max_seqlen = seq_len;
+    gpu = std::make_unique<GpuModel>(model, plan);
+  }
   double sum = 0;
   int64_t n = 0;
   for (int64_t w = 0; w < set.num_windows(); w += micro_batch) {
     std::vector<int64_t> ws;
     for (int64_t i = w; i < std::min(set.num_windows(), w + micro_batch); ++i) ws.push_back(i);
-    LossResult r = model.forward_backward(set.batch(ws), 0.0);
+    const PackedBatch b = set.batch(ws);
+    LossResult r = gpu ? gpu->forward_backward(b, 0.0) : model.forward_backward(b, 0.0);
     sum += r.loss_sum;
     n += r.num_valid;
   }
