@@ -112,6 +112,12 @@ double now_s() {
 // uninterrupted run bitwise.
 TEST(CrashSafety, KillDuringCheckpointSaveKeepsCheckpointsIntact) {
   const std::string dir = tmpdir("kill");
+  // Every save pauses 150 ms between the weights and the optimizer state (trainer's test hook), so the kills
+  // aimed at a save in progress land inside one even on a loaded machine (the writes alone take a few ms).
+  ::setenv("DELTASTACK_TEST_SAVE_PAUSE_MS", "150", 1);
+  struct Unset {
+    ~Unset() { ::unsetenv("DELTASTACK_TEST_SAVE_PAUSE_MS"); }
+  } unset;
   const std::string args = small_setup(dir);
   const std::string tok = ds::read_file(std::string(DELTASTACK_SOURCE_DIR) + "/data/qwen3_tokenizer/tokenizer.json");
   const int S = 14;

@@ -7,12 +7,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
 #include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -388,6 +390,10 @@ int train(TrainOptions opt) {
     }
     const int64_t shard_bytes = opt.max_shard_mb * 1000000;
     model.save(tmp_dir, DType::F32, shard_bytes);
+    // Fault-injection hook for the crash-safety tests: a pause inside every save, so that a kill aimed at "a save
+    // in progress" lands there however fast the disk is. Unset in normal use.
+    if (const char* pause = std::getenv("DELTASTACK_TEST_SAVE_PAUSE_MS"))
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::strtol(pause, nullptr, 10)));
     // AdamW moments (fp32, HF-style names), streamed from m and v without a copy, sharded like the weights.
     std::vector<SaveTensor> ost;
     for (const ParamSpec& p : model.params()) {
