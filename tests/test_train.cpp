@@ -179,6 +179,7 @@ TEST(Train, SeparateValidationData) {
   EXPECT_EQ(run("train " + args + " --steps 1 --val-fraction 0.2 --val-data " + dir + "/val.txt --out " + dir + "/c", &err),
             1);
   EXPECT_NE(err.find("--val-data and --val-fraction"), std::string::npos) << err;
+  EXPECT_EQ(run("train " + no_frac + " --steps 1 --val-fraction 0 --val-data " + dir + "/val.txt --out " + dir + "/d"), 0);
   fs::remove_all(dir);
 }
 
@@ -226,6 +227,12 @@ TEST(Export, Bf16MatchesReleaseLayoutFixture) {
   EXPECT_EQ(ds::read_file(dir + "/taken/keep.txt"), "x");
   EXPECT_FALSE(fs::exists(dir + "/taken/model.safetensors"));
   EXPECT_NE(run("export " + ds::test::fixture("hf_qwen35_tiny_a") + " " + dir + "/x --dtype f16"), 0);
+  // Not into the checkpoint itself; no temporary directory is left next to the outputs.
+  ASSERT_EQ(run("export " + dir + "/bf16 " + dir + "/f32 --dtype f32"), 0);
+  EXPECT_EQ(run("export " + dir + "/f32 " + dir + "/f32/inner"), 1);
+  EXPECT_FALSE(fs::exists(dir + "/f32/inner"));
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
   fs::remove_all(dir);
 }
 
@@ -253,6 +260,25 @@ TEST(Train, KeepLastCheckpoints) {
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-1/checkpoint-2"));
   for (const auto& e : fs::directory_iterator(dir + "/c"))
     EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+  // A new run (another seed, not a resume) into a directory holding another run's checkpoints: warned about, and
+  // --keep-last prunes only the new run's own.
+  std::string log;
+  const std::string old3 = ds::read_file(dir + "/c/checkpoint-3/model.safetensors");
+  ASSERT_EQ(run("train " + args + " --steps 4 --warmup 1 --threads 1 --save-interval 2 --keep-last 1 --seed 99 --out " +
+                dir + "/c", &log), 0);
+  EXPECT_NE(log.find("of another run"), std::string::npos) << log;
+  EXPECT_EQ(ds::read_file(dir + "/c/checkpoint-3/model.safetensors"), old3);  // the other run's, kept as it was
+  EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-2"));  // the new run's own step 2, pruned
+  EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-4/model.safetensors"));
+  // "--resume CKPT/." continues in the run directory; a *file* named like the next checkpoint stops the save
+  // (exit 1) without touching it.
+  ASSERT_EQ(run("train --resume " + dir + "/c/checkpoint-4/. --steps 6 --threads 1"), 0);
+  EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-6/model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-4/checkpoint-6"));
+  ds::write_file_atomic(dir + "/c/checkpoint-8", "not a checkpoint");
+  EXPECT_EQ(run("train --resume " + dir + "/c/checkpoint-6 --steps 8 --threads 1", &log), 1);
+  EXPECT_NE(log.find("not a directory"), std::string::npos) << log;
+  EXPECT_EQ(ds::read_file(dir + "/c/checkpoint-8"), "not a checkpoint");
   fs::remove_all(dir);
 }
 

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -37,6 +38,24 @@ std::string bundled_data_path() { return std::string(DELTASTACK_SOURCE_DIR) + "/
 std::string bundled_tokenizer_path() { return std::string(DELTASTACK_SOURCE_DIR) + "/data/qwen3_tokenizer/tokenizer.json"; }
 
 namespace {
+
+// The run a checkpoint directory belongs to (trainer_state.json "run_id"); empty when absent or unreadable.
+std::string checkpoint_run_id(const std::filesystem::path& dir) {
+  try {
+    const json st = json::parse(read_file((dir / "trainer_state.json").string()));
+    return st.contains("run_id") && st["run_id"].is_string() ? st["run_id"].get<std::string>() : std::string();
+  } catch (const std::exception&) {
+    return std::string();
+  }
+}
+
+// A fresh run's id: 64 random bits in hex (kept across resumes; only used to tell runs apart in one --out).
+std::string new_run_id() {
+  std::random_device rd;
+  const uint64_t x = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                     static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  return fmt::format("{:016x}", x);
+}
 
 json options_to_json(const TrainOptions& o) {
   return json{{"model", o.model},           {"data", o.data},
@@ -108,7 +127,7 @@ void validate(const TrainOptions& o) {
   DS_CHECK(o.threads >= 0 && o.threads <= 1024, "--threads must be in [0, 1024] (0 = all cores), got {}", o.threads);
   DS_CHECK(o.z_loss >= 0, "--z-loss must be >= 0");
   DS_CHECK(o.val_fraction >= 0 && o.val_fraction < 1, "--val-fraction must be in [0, 1), got {}", o.val_fraction);
-  DS_CHECK(o.val_data.empty() ||
+  DS_CHECK(o.val_data.empty() || o.val_fraction == 0 ||
                std::find(o.given.begin(), o.given.end(), "val-fraction") == o.given.end(),
            "--val-data and --val-fraction contradict each other: with a separate evaluation set nothing is held out "
            "of --data");
@@ -191,10 +210,9 @@ int train(TrainOptions opt) {
     if (given("steps")) saved.steps = opt.steps;
     if (given("out")) saved.out = opt.out;
     else {  // continue in the run's own directory ("run/checkpoint-3/" too)
-      fs::path ck = fs::path(opt.resume).lexically_normal();
+      fs::path ck = fs::absolute(fs::path(opt.resume)).lexically_normal();  // also "--resume ." inside it
       if (!ck.has_filename()) ck = ck.parent_path();
       saved.out = ck.parent_path().string();
-      if (saved.out.empty()) saved.out = ".";
     }
     if (given("device")) saved.device = opt.device;  // else the device the run used (bitwise resume)
     if (given("eval-interval")) saved.eval_interval = opt.eval_interval;
@@ -295,6 +313,7 @@ int train(TrainOptions opt) {
   // ---- optimizer state
   std::vector<float> m(model.weights().size(), 0.0f), v(model.weights().size(), 0.0f);
   int64_t start_step = 0, opt_steps = 0, tokens_seen = 0;
+  std::string run_id = new_run_id();
   double elapsed_before = 0;
   if (!opt.resume.empty()) {
     // optimizer.safetensors, or optimizer.safetensors.index.json with its shards.
@@ -308,6 +327,8 @@ int train(TrainOptions opt) {
       std::copy(ev.begin(), ev.end(), v.begin() + p.offset);
     }
     start_step = resume_state["step"].get<int64_t>();
+    if (resume_state.contains("run_id") && resume_state["run_id"].is_string())
+      run_id = resume_state["run_id"].get<std::string>();
     opt_steps = resume_state.value("optimizer_steps", start_step);
     tokens_seen = resume_state.value("tokens_seen", int64_t{0});
     elapsed_before = resume_state.value("elapsed_s", 0.0);
@@ -330,6 +351,18 @@ int train(TrainOptions opt) {
       fs::remove_all(p);
     }
   }
+  {  // A run (not a resume of one of them) into a directory that holds another run's checkpoints: say so.
+    std::vector<std::string> foreign;
+    for (const auto& e : fs::directory_iterator(opt.out)) {
+      const std::string n = e.path().filename().string();
+      if (n.rfind("checkpoint-", 0) == 0 && e.is_directory() && checkpoint_run_id(e.path()) != run_id)
+        foreign.push_back(n);
+    }
+    if (!foreign.empty())
+      log_warn("{} holds {} checkpoint(s) of another run ({}{}): a save of the same step replaces one, --keep-last "
+               "leaves them alone; use another --out to keep them apart", opt.out, foreign.size(), foreign.front(),
+               foreign.size() > 1 ? ", ..." : "");
+  }
   std::string metrics_path = (fs::path(opt.out) / "metrics.jsonl").string();
   {
     std::string kept;
@@ -349,13 +382,14 @@ int train(TrainOptions opt) {
   std::ofstream metrics(metrics_path, std::ios::app);
   DS_CHECK(metrics.good(), "{}: cannot open for appending", metrics_path);
 
-  // --keep-last: after checkpoint-`step` is durable, the older checkpoint-N (N < step, canonical decimal names)
-  // beyond the newest keep_last - 1 are removed: each is first renamed to .checkpoint-N.old.tmp (which a later
-  // start removes, so a kill mid-delete never leaves a partial checkpoint-N), then deleted. Checkpoints with a
-  // higher step (an abandoned branch of a resumed run) are never counted or removed. Failures only warn.
+  // --keep-last: after checkpoint-`step` is durable, the older checkpoints of this run (N < step, canonical decimal
+  // names, the same run_id in trainer_state.json) beyond the newest keep_last - 1 are removed: each is first renamed
+  // to .checkpoint-N.old.tmp (which a later start removes, so a kill mid-delete never leaves a partial
+  // checkpoint-N), then deleted. Another run's checkpoints and higher steps (an abandoned branch of a resumed run)
+  // are never counted or removed. Failures only warn, one checkpoint at a time.
   auto prune_checkpoints = [&](int64_t step) {
+    std::vector<std::pair<int64_t, fs::path>> older;
     try {
-      std::vector<std::pair<int64_t, fs::path>> older;
       for (const auto& e : fs::directory_iterator(opt.out)) {
         const std::string n = e.path().filename().string();
         const std::string digits = n.rfind("checkpoint-", 0) == 0 ? n.substr(11) : std::string();
@@ -363,19 +397,24 @@ int train(TrainOptions opt) {
             digits.find_first_not_of("0123456789") != std::string::npos || (digits.size() > 1 && digits[0] == '0'))
           continue;
         const int64_t s = std::stoll(digits);
-        if (s < step) older.emplace_back(s, e.path());
+        if (s < step && checkpoint_run_id(e.path()) == run_id) older.emplace_back(s, e.path());
       }
-      std::sort(older.begin(), older.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-      for (size_t i = static_cast<size_t>(opt.keep_last - 1); i < older.size(); ++i) {
+    } catch (const std::exception& e) {
+      log_warn("--keep-last: cannot list {}: {}", opt.out, e.what());
+      return;
+    }
+    std::sort(older.begin(), older.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (size_t i = static_cast<size_t>(opt.keep_last - 1); i < older.size(); ++i) {
+      try {
         const fs::path doomed = fs::path(opt.out) / fmt::format(".checkpoint-{}.old.tmp", older[i].first);
         fs::remove_all(doomed);
         fs::rename(older[i].second, doomed);
         fsync_dir(opt.out);
         fs::remove_all(doomed);
         log_info("removed {} (--keep-last {})", older[i].second.string(), opt.keep_last);
+      } catch (const std::exception& e) {
+        log_warn("--keep-last: could not remove {}: {}", older[i].second.string(), e.what());
       }
-    } catch (const std::exception& e) {
-      log_warn("--keep-last: could not remove old checkpoints in {}: {}", opt.out, e.what());
     }
   };
   const std::string tokenizer_json = read_file(opt.tokenizer);  // copied into every checkpoint
@@ -403,9 +442,12 @@ int train(TrainOptions opt) {
     write_safetensors_sharded(tmp_dir, "optimizer", ost, shard_bytes);
     write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), tokenizer_json);
     json st{{"step", step},         {"optimizer_steps", opt_steps}, {"tokens_seen", tokens_seen},
-            {"elapsed_s", elapsed}, {"options", options_to_json(opt)}, {"deltastack_version", DELTASTACK_VERSION}};
+            {"elapsed_s", elapsed}, {"options", options_to_json(opt)}, {"deltastack_version", DELTASTACK_VERSION},
+            {"run_id", run_id}};
     write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
     fsync_dir(tmp_dir);
+    DS_CHECK(!fs::exists(final_dir) || fs::is_directory(final_dir),
+             "{} exists and is not a directory: not replacing it (the new checkpoint is in {})", final_dir, tmp_dir);
     if (fs::exists(final_dir)) {
       // Replacing a checkpoint of the same step (a resume from an earlier one into the same --out): swap the two
       // directories in one atomic rename so checkpoint-N never goes missing; the old one ends up in tmp_dir.

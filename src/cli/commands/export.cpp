@@ -21,12 +21,32 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
   DS_CHECK(!fs::exists(out, ec) || (fs::is_directory(out, ec) && fs::is_empty(out, ec)),
            "{}: output exists and is not an empty directory (nothing is overwritten)", out);
   DS_CHECK(fs::is_directory(checkpoint, ec), "{}: not a checkpoint directory", checkpoint);
+  const fs::path ck = fs::absolute(checkpoint).lexically_normal(), dst = fs::absolute(out).lexically_normal();
+  const auto rel = dst.lexically_relative(ck);
+  DS_CHECK(rel.empty() || *rel.begin() == "..", "{}: the output may not be inside the checkpoint {}", out, checkpoint);
   ModelConfig c = ModelConfig::from_file(checkpoint);
   Qwen35Model m(c);
   m.load(checkpoint);  // every parameter present, shapes match, values finite
-  m.save(out, dtype == "bf16" ? DType::BF16 : DType::F32, max_shard_mb * 1000000);
-  const std::string tok = (fs::path(checkpoint) / "tokenizer.json").string();
-  if (file_exists(tok)) write_file_atomic((fs::path(out) / "tokenizer.json").string(), read_file(tok));
+  // Built beside the destination and renamed into place at the end: a failure (or a kill) never leaves a partial
+  // `out` that would block the next attempt; only a `.<name>.export.tmp` directory, removed by that attempt.
+  fs::path tmp = dst;
+  tmp = tmp.has_filename() ? tmp : tmp.parent_path();
+  tmp = tmp.parent_path() / ("." + tmp.filename().string() + ".export.tmp");
+  fs::remove_all(tmp);
+  try {
+    m.save(tmp.string(), dtype == "bf16" ? DType::BF16 : DType::F32, max_shard_mb * 1000000);
+    const std::string tok = (fs::path(checkpoint) / "tokenizer.json").string();
+    if (file_exists(tok))
+      write_file_atomic((tmp / "tokenizer.json").string(), read_file(tok));
+    else
+      log_warn("{} has no tokenizer.json: the export has none either (pass --tokenizer to eval/generate)", checkpoint);
+    if (fs::exists(out, ec)) fs::remove(out);  // the empty directory checked above
+    fs::rename(tmp, out);
+    fsync_dir(dst.parent_path().string());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
   log_info("exported {} ({} parameters, {}) to {}", checkpoint, m.num_parameters(), dtype, out);
   return 0;
 }

@@ -84,6 +84,7 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
              int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device) {
   DS_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device must be auto, cpu or cuda, got \"{}\"",
            device);
+  DS_CHECK(device != "cuda" || cuda_device_count() > 0, "--device cuda: no CUDA device is available");
   Qwen35Model model(ModelConfig::from_file(model_dir));
   model.load(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
