@@ -379,6 +379,37 @@ TEST(CudnnAttention, OneDocumentHeadDim64) {
   check_attention(64, 4, 4, {777}, &b);
 }
 
+// The bucket plan (host math, runs without a device): S doubles from 64 and ends at max_seqlen; entry counts from
+// the token budget, tightened by the window structure; the first bucket capped at max_tokens / 32.
+TEST(CudnnAttention, BucketPlan) {
+  using ds::ops::cudnn::attention_buckets;
+  // The 2B trainer plan: 2 windows of 8192 tokens, up to 100 documents.
+  auto b = attention_buckets({16384, 100, 8192, 8, 2, 256, 0.0625, 2});
+  ASSERT_EQ(b.size(), 8u);
+  const int64_t S[] = {64, 128, 256, 512, 1024, 2048, 4096, 8192};
+  const int64_t lo[] = {1, 65, 129, 257, 513, 1025, 2049, 4097};
+  const int64_t bmax[] = {100, 100, 100, 62, 30, 14, 6, 2};  // min(100, 2 * (8192 / lo)), first: min(100, 512)
+  for (size_t i = 0; i < b.size(); ++i) {
+    EXPECT_EQ(b[i].S, S[i]) << i;
+    EXPECT_EQ(b[i].lo, lo[i]) << i;
+    EXPECT_EQ(b[i].bmax, bmax[i]) << i;
+  }
+  // Without the windows: the token budget alone (16384 / 4097 = 3 in the last bucket).
+  EXPECT_EQ(attention_buckets({16384, 100, 8192, 8, 2, 256, 0.0625, 0}).back().bmax, 3);
+  // Many short documents: the first bucket is capped at max_tokens / 32.
+  EXPECT_EQ(attention_buckets({16384, 100000, 8192, 8, 2, 256, 0.0625, 2}).front().bmax, 512);
+  // max_seqlen not a power of two, and below 64.
+  auto c = attention_buckets({1200, 10, 600, 4, 1, 64, 0.125, 2});
+  ASSERT_EQ(c.size(), 5u);
+  EXPECT_EQ(c.back().S, 600);
+  EXPECT_EQ(c.back().lo, 513);
+  EXPECT_EQ(c.back().bmax, 2);
+  auto d = attention_buckets({40, 4, 20, 4, 1, 64, 0.125, 2});
+  ASSERT_EQ(d.size(), 1u);
+  EXPECT_EQ(d[0].S, 20);
+  EXPECT_EQ(d[0].bmax, 1);  // max(1, 40 / 32)
+}
+
 // More short documents than the first bucket was built for (max_tokens / 32): set_batch refuses the batch
 // (the GPU engine then runs the simple kernel); a batch that fits is accepted.
 TEST(CudnnAttention, RefusesTooManyShortDocuments) {

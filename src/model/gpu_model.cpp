@@ -544,7 +544,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) has_attention = has_attention || m.c.is_full_attention(i);
   if (has_attention && ops::select_backend("attention", "cuda").name.rfind("cudnn", 0) == 0) {
     ops::cudnn::AttnBounds ab{m.plan.max_tokens, m.plan.max_seqs, m.plan.max_seqlen, m.c.num_attention_heads,
-                              m.c.num_key_value_heads, m.c.head_dim, attn_dims(m.c, 1, 1).scale};
+                              m.c.num_key_value_heads, m.c.head_dim, attn_dims(m.c, 1, 1).scale, m.plan.rows};
     try {
       m.cudnn_attn = std::make_unique<ops::cudnn::Attention>(ab);
     } catch (const std::exception& e) {

@@ -16,6 +16,7 @@ struct GpuPlan {
   int64_t max_tokens = 0;         // tokens per micro-batch (packed)
   int64_t max_seqs = 0;           // documents per micro-batch
   int64_t max_seqlen = 0;         // longest document (0: max_tokens); sizes cuDNN attention's length buckets
+  int64_t rows = 0;               // the tokens are `rows` windows of max_seqlen (micro-batch); 0: any packing
   int64_t ce_chunk_tokens = 2048; // fused-loss chunk
 };
 

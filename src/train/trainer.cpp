@@ -290,6 +290,7 @@ int train(TrainOptions opt) {
     GpuPlan plan;
     plan.max_tokens = opt.micro_batch * opt.seq_len;
     plan.max_seqlen = opt.seq_len;  // packing cuts documents at window boundaries
+    plan.rows = opt.micro_batch;
     plan.max_seqs = opt.micro_batch * std::max(train_set.max_docs_per_window(),
                                                val_set ? val_set->max_docs_per_window() : int64_t{1});
     gpu = std::make_unique<GpuModel>(model, plan);

@@ -307,6 +307,7 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   plan.max_tokens = seq_len * micro_batch;
   plan.max_seqs = micro_batch;
   plan.max_seqlen = seq_len;
+  plan.rows = micro_batch;
   GpuModel gpu(model, plan);
   // Random tokens, one document per row (the HF benchmark's layout).
   PackedBatch b;

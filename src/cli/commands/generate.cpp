@@ -100,6 +100,7 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
     plan.max_tokens = micro_batch * seq_len;
     plan.max_seqs = micro_batch * set.max_docs_per_window();
     plan.max_seqlen = seq_len;
+    plan.rows = micro_batch;
     gpu = std::make_unique<GpuModel>(model, plan);
   }
   double sum = 0;

@@ -97,13 +97,31 @@ std::string loaded_version() {
   return attention_unavailable().empty() ? load_state().version : std::string();
 }
 
+std::vector<BucketShape> attention_buckets(const AttnBounds& b) {
+  std::vector<BucketShape> out;
+  int64_t lo = 1;
+  for (int64_t s = 64;; s *= 2) {
+    BucketShape bk;
+    bk.lo = lo;
+    bk.S = std::min(s, b.max_seqlen);
+    bk.bmax = std::min(b.max_seqs, b.max_tokens / lo);
+    if (b.rows > 0) bk.bmax = std::min(bk.bmax, b.rows * (b.max_seqlen / lo));
+    if (lo == 1) bk.bmax = std::min(bk.bmax, std::max<int64_t>(b.max_tokens / 32, 1));
+    bk.bmax = std::max<int64_t>(bk.bmax, 1);
+    out.push_back(bk);
+    if (bk.S >= b.max_seqlen) break;
+    lo = bk.S + 1;
+  }
+  return out;
+}
+
 #ifdef DELTASTACK_CUDNN
 
 namespace {
 
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV, kSeqQ, kSeqKV, kOffQ, kOffKV, kOffSt };
 
-// One length bucket: documents with lo <= length <= S run as batch entries of graphs of shape [bmax, H, S, D].
+// One length bucket (BucketShape) with its metadata offsets and graphs.
 struct Bucket {
   int64_t lo = 1, S = 0, bmax = 0;
   // int32 element offsets in the metadata of seq[bmax], off_q[bmax + 1], off_kv[bmax + 1], off_st[bmax + 1]; each
@@ -245,17 +263,11 @@ Attention::Attention(const AttnBounds& bounds) : impl_(std::make_unique<Impl>())
   DS_CHECK(b.max_tokens * b.Hq * b.head_dim < (int64_t{1} << 31),
            "cuDNN attention: {} tokens x {} heads x {} exceeds the int32 ragged offsets", b.max_tokens, b.Hq,
            b.head_dim);
-  // Buckets S = 64, 128, ... capped at max_seqlen. A bucket's documents are longer than the previous bucket's S,
-  // so it holds at most max_tokens / lo of them; the first bucket (1..64 tokens) is capped at max_tokens / 32
-  // entries to keep its dP workspace small (a batch with more short documents uses the simple kernel).
-  int64_t lo = 1;
-  for (int64_t s = 64;; s *= 2) {
+  for (const BucketShape& shape : attention_buckets(b)) {
     Bucket bk;
-    bk.lo = lo;
-    bk.S = std::min(s, b.max_seqlen);
-    bk.bmax = std::min(b.max_seqs, b.max_tokens / lo);
-    if (lo == 1) bk.bmax = std::min(bk.bmax, std::max<int64_t>(b.max_tokens / 32, 1));
-    bk.bmax = std::max<int64_t>(bk.bmax, 1);
+    bk.lo = shape.lo;
+    bk.S = shape.S;
+    bk.bmax = shape.bmax;
     auto take = [&](int64_t n) {
       const size_t at = m.meta_ints;
       m.meta_ints += (static_cast<size_t>(n) + 3) / 4 * 4;
@@ -266,8 +278,6 @@ Attention::Attention(const AttnBounds& bounds) : impl_(std::make_unique<Impl>())
     bk.o_kv = take(bk.bmax + 1);
     bk.o_st = take(bk.bmax + 1);
     m.buckets.push_back(bk);
-    if (bk.S >= b.max_seqlen) break;
-    lo = bk.S + 1;
   }
   const auto t0 = std::chrono::steady_clock::now();
   {

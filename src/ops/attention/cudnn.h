@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/cuda/cuda_utils.h"
 
@@ -33,7 +34,19 @@ struct AttnBounds {
   int64_t max_seqlen = 0;   // longest document (<= max_tokens)
   int64_t Hq = 0, Hkv = 0, head_dim = 0;  // Hq % Hkv == 0, head_dim % 8 == 0, <= 256
   double scale = 0;         // softmax scale (head_dim^-0.5)
+  int64_t rows = 0;         // the tokens are `rows` windows of max_seqlen (the trainer's micro-batch), each holding
+                            // its own documents; 0: any packing. Tightens the buckets' entry counts.
 };
+
+// One length bucket: documents of lo..S tokens run as up to bmax entries of graphs of shape [bmax, H, S, D].
+struct BucketShape {
+  int64_t lo = 1, S = 0, bmax = 0;
+};
+// The buckets for `b` (host math only): S = 64, 128, 256, ... capped at max_seqlen. A bucket's documents are
+// longer than the previous S, so it holds at most max_tokens / lo of them, or rows * (max_seqlen / lo) when the
+// tokens are windows; never more than max_seqs; the first bucket (1..64 tokens) at most max_tokens / 32, to keep
+// its dP workspace small (a batch with more short documents than that uses the simple kernel).
+std::vector<BucketShape> attention_buckets(const AttnBounds& b);
 
 class Attention {
  public:
