@@ -230,6 +230,10 @@ TEST(Export, Bf16MatchesReleaseLayoutFixture) {
   // Not into the checkpoint itself; no temporary directory is left next to the outputs.
   ASSERT_EQ(run("export " + dir + "/bf16 " + dir + "/f32 --dtype f32"), 0);
   EXPECT_EQ(run("export " + dir + "/f32 " + dir + "/f32/inner"), 1);
+  fs::create_directory_symlink(dir + "/f32", dir + "/lnk");
+  EXPECT_EQ(run("export " + dir + "/f32 " + dir + "/lnk/inner"), 1);  // inside the checkpoint through the link
+  EXPECT_EQ(run("export " + dir + "/bf16 " + dir + "/lnk"), 1);        // a link as the output
+  EXPECT_FALSE(fs::exists(dir + "/f32/inner"));
   EXPECT_FALSE(fs::exists(dir + "/f32/inner"));
   for (const auto& e : fs::directory_iterator(dir))
     EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
@@ -275,6 +279,14 @@ TEST(Train, KeepLastCheckpoints) {
   ASSERT_EQ(run("train --resume " + dir + "/c/checkpoint-4/. --steps 6 --threads 1"), 0);
   EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-6/model.safetensors"));
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-4/checkpoint-6"));
+  // Resuming an earlier checkpoint with another --save-interval: the abandoned history's later checkpoints (4, 5)
+  // are left alone, the resumed history is pruned: after saving 3 and 6 with --keep-last 2, 3 and 6 remain of it.
+  ASSERT_EQ(run("train " + args + " --steps 6 --warmup 1 --threads 1 --save-interval 1 --out " + dir + "/h"), 0);
+  ASSERT_EQ(run("train --resume " + dir + "/h/checkpoint-2 --steps 6 --threads 1 --save-interval 3 --keep-last 2"), 0);
+  for (int s = 1; s <= 6; ++s) EXPECT_EQ(fs::exists(dir + "/h/checkpoint-" + std::to_string(s)), s >= 3) << s;
+  // Input paths are saved absolute (a resume works from any directory).
+  const auto st = nlohmann::json::parse(ds::read_file(dir + "/h/checkpoint-6/trainer_state.json"));
+  for (const auto& p : st["options"]["data"]) EXPECT_TRUE(fs::path(p.get<std::string>()).is_absolute()) << p;
   ds::write_file_atomic(dir + "/c/checkpoint-8", "not a checkpoint");
   EXPECT_EQ(run("train --resume " + dir + "/c/checkpoint-6 --steps 8 --threads 1", &log), 1);
   EXPECT_NE(log.find("not a directory"), std::string::npos) << log;

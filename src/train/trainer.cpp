@@ -49,6 +49,17 @@ std::string checkpoint_run_id(const std::filesystem::path& dir) {
   }
 }
 
+// The process that wrote a checkpoint (trainer_state.json "session_id"); empty when absent or unreadable.
+std::string checkpoint_session_id(const std::filesystem::path& dir) {
+  try {
+    const json st = json::parse(read_file((dir / "trainer_state.json").string()));
+    return st.contains("session_id") && st["session_id"].is_string() ? st["session_id"].get<std::string>()
+                                                                       : std::string();
+  } catch (const std::exception&) {
+    return std::string();
+  }
+}
+
 // A fresh run's id: 64 random bits in hex (kept across resumes; only used to tell runs apart in one --out).
 std::string new_run_id() {
   std::random_device rd;
@@ -210,8 +221,8 @@ int train(TrainOptions opt) {
     if (given("steps")) saved.steps = opt.steps;
     if (given("out")) saved.out = opt.out;
     else {  // continue in the run's own directory ("run/checkpoint-3/" too)
-      fs::path ck = fs::absolute(fs::path(opt.resume)).lexically_normal();  // also "--resume ." inside it
-      if (!ck.has_filename()) ck = ck.parent_path();
+      // The real directory (symlinks resolved; also "--resume ." inside it, or a trailing slash).
+      const fs::path ck = fs::canonical(fs::path(opt.resume));
       saved.out = ck.parent_path().string();
     }
     if (given("device")) saved.device = opt.device;  // else the device the run used (bitwise resume)
@@ -225,6 +236,16 @@ int train(TrainOptions opt) {
   }
   if (opt.data.empty()) opt.data = {bundled_data_path()};
   if (opt.tokenizer.empty()) opt.tokenizer = bundled_tokenizer_path();
+  if (opt.resume.empty()) {  // saved in checkpoints: absolute, so a resume works from any directory
+    auto absolute_if_exists = [](std::string& p) {
+      std::error_code ec;
+      if (!p.empty() && fs::exists(p, ec)) p = fs::absolute(p).lexically_normal().string();
+    };
+    for (std::string& p : opt.data) absolute_if_exists(p);
+    for (std::string& p : opt.val_data) absolute_if_exists(p);
+    absolute_if_exists(opt.tokenizer);
+    absolute_if_exists(opt.model);  // a path; preset names ("tiny", "2b") stay as they are
+  }
   validate(opt);
   set_num_threads(opt.threads);
 
@@ -315,6 +336,9 @@ int train(TrainOptions opt) {
   std::vector<float> m(model.weights().size(), 0.0f), v(model.weights().size(), 0.0f);
   int64_t start_step = 0, opt_steps = 0, tokens_seen = 0;
   std::string run_id = new_run_id();
+  // This process's saves. --keep-last prunes this run's checkpoints up to the resumed step (the history this
+  // process continues) and this session's own; later steps of an abandoned history are left alone.
+  const std::string session_id = new_run_id();
   double elapsed_before = 0;
   if (!opt.resume.empty()) {
     // optimizer.safetensors, or optimizer.safetensors.index.json with its shards.
@@ -328,8 +352,11 @@ int train(TrainOptions opt) {
       std::copy(ev.begin(), ev.end(), v.begin() + p.offset);
     }
     start_step = resume_state["step"].get<int64_t>();
-    if (resume_state.contains("run_id") && resume_state["run_id"].is_string())
-      run_id = resume_state["run_id"].get<std::string>();
+    // The run's id, kept across resumes (empty for checkpoints written before run ids existed: those count as
+    // this run's too).
+    run_id = resume_state.contains("run_id") && resume_state["run_id"].is_string()
+                 ? resume_state["run_id"].get<std::string>()
+                 : std::string();
     opt_steps = resume_state.value("optimizer_steps", start_step);
     tokens_seen = resume_state.value("tokens_seen", int64_t{0});
     elapsed_before = resume_state.value("elapsed_s", 0.0);
@@ -347,9 +374,28 @@ int train(TrainOptions opt) {
       if (n.rfind(".checkpoint-", 0) == 0 && n.size() > 16 && n.compare(n.size() - 4, 4, ".tmp") == 0)
         stale.push_back(e.path());
     }
+    std::error_code ec;
+    if (!opt.resume.empty()) {  // never the directory this run was just loaded from
+      const fs::path src = fs::canonical(opt.resume, ec);
+      std::erase_if(stale, [&](const fs::path& p) { return fs::canonical(p, ec) == src; });
+    }
     for (const fs::path& p : stale) {
       log_info("removing {} (left by an interrupted checkpoint save)", p.string());
       fs::remove_all(p);
+    }
+  }
+  {  // A file (not a directory) named like a checkpoint this run will write: stop now, not after the training.
+    for (const auto& e : fs::directory_iterator(opt.out)) {
+      const std::string n = e.path().filename().string();
+      const std::string digits = n.rfind("checkpoint-", 0) == 0 ? n.substr(11) : std::string();
+      if (e.is_directory() || digits.empty() || digits.size() > 18 ||
+          digits.find_first_not_of("0123456789") != std::string::npos)
+        continue;
+      const int64_t s = std::stoll(digits);
+      const bool planned = s > start_step && s <= opt.steps &&
+                           (s == opt.steps || (opt.save_interval > 0 && s % opt.save_interval == 0));
+      DS_CHECK(!planned, "{} exists and is not a directory, but this run saves checkpoint-{} there; move it away",
+               e.path().string(), s);
     }
   }
   {  // A run (not a resume of one of them) into a directory that holds another run's checkpoints: say so.
@@ -383,11 +429,12 @@ int train(TrainOptions opt) {
   std::ofstream metrics(metrics_path, std::ios::app);
   DS_CHECK(metrics.good(), "{}: cannot open for appending", metrics_path);
 
-  // --keep-last: after checkpoint-`step` is durable, the older checkpoints of this run (N < step, canonical decimal
-  // names, the same run_id in trainer_state.json) beyond the newest keep_last - 1 are removed: each is first renamed
-  // to .checkpoint-N.old.tmp (which a later start removes, so a kill mid-delete never leaves a partial
-  // checkpoint-N), then deleted. Another run's checkpoints and higher steps (an abandoned branch of a resumed run)
-  // are never counted or removed. Failures only warn, one checkpoint at a time.
+  // --keep-last: after checkpoint-`step` is durable, the older checkpoints of this run's current history (N < step,
+  // canonical decimal names, the same run_id in trainer_state.json, and N <= the resumed step or written by this
+  // process) beyond the newest keep_last - 1 are removed: each is first renamed to .checkpoint-N.old.tmp (which a
+  // later start removes, so a kill mid-delete never leaves a partial checkpoint-N), then deleted. Another run's
+  // checkpoints and the later steps of an abandoned history (a resume from an earlier checkpoint) are never counted
+  // or removed. Failures only warn, one checkpoint at a time.
   auto prune_checkpoints = [&](int64_t step) {
     std::vector<std::pair<int64_t, fs::path>> older;
     try {
@@ -398,7 +445,8 @@ int train(TrainOptions opt) {
             digits.find_first_not_of("0123456789") != std::string::npos || (digits.size() > 1 && digits[0] == '0'))
           continue;
         const int64_t s = std::stoll(digits);
-        if (s < step && checkpoint_run_id(e.path()) == run_id) older.emplace_back(s, e.path());
+        if (s >= step || checkpoint_run_id(e.path()) != run_id) continue;
+        if (s <= start_step || checkpoint_session_id(e.path()) == session_id) older.emplace_back(s, e.path());
       }
     } catch (const std::exception& e) {
       log_warn("--keep-last: cannot list {}: {}", opt.out, e.what());
@@ -444,7 +492,7 @@ int train(TrainOptions opt) {
     write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), tokenizer_json);
     json st{{"step", step},         {"optimizer_steps", opt_steps}, {"tokens_seen", tokens_seen},
             {"elapsed_s", elapsed}, {"options", options_to_json(opt)}, {"deltastack_version", DELTASTACK_VERSION},
-            {"run_id", run_id}};
+            {"run_id", run_id},     {"session_id", session_id}};
     write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
     fsync_dir(tmp_dir);
     DS_CHECK(!fs::exists(final_dir) || fs::is_directory(final_dir),

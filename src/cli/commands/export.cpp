@@ -18,10 +18,14 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
   DS_CHECK(dtype == "bf16" || dtype == "f32", "--dtype must be bf16 or f32, got \"{}\"", dtype);
   DS_CHECK(max_shard_mb >= 1 && max_shard_mb <= 1000000, "--max-shard-mb must be in [1, 1000000], got {}", max_shard_mb);
   std::error_code ec;
+  const std::string last = fs::path(out).lexically_normal().filename().string();
+  DS_CHECK(!last.empty() && last != "." && last != "..", "{}: name the output directory itself", out);
+  DS_CHECK(!fs::is_symlink(fs::path(out).lexically_normal(), ec), "{}: is a symbolic link; give the real path", out);
   DS_CHECK(!fs::exists(out, ec) || (fs::is_directory(out, ec) && fs::is_empty(out, ec)),
            "{}: output exists and is not an empty directory (nothing is overwritten)", out);
   DS_CHECK(fs::is_directory(checkpoint, ec), "{}: not a checkpoint directory", checkpoint);
-  const fs::path ck = fs::absolute(checkpoint).lexically_normal(), dst = fs::absolute(out).lexically_normal();
+  // Real paths (symlinks resolved) for the containment check and for every write below.
+  const fs::path ck = fs::canonical(checkpoint), dst = fs::weakly_canonical(out);
   const auto rel = dst.lexically_relative(ck);
   DS_CHECK(rel.empty() || *rel.begin() == "..", "{}: the output may not be inside the checkpoint {}", out, checkpoint);
   ModelConfig c = ModelConfig::from_file(checkpoint);
@@ -29,9 +33,8 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
   m.load(checkpoint);  // every parameter present, shapes match, values finite
   // Built beside the destination and renamed into place at the end: a failure (or a kill) never leaves a partial
   // `out` that would block the next attempt; only a `.<name>.export.tmp` directory, removed by that attempt.
-  fs::path tmp = dst;
-  tmp = tmp.has_filename() ? tmp : tmp.parent_path();
-  tmp = tmp.parent_path() / ("." + tmp.filename().string() + ".export.tmp");
+  const fs::path tmp = dst.parent_path() / ("." + dst.filename().string() + ".export.tmp");
+  DS_CHECK(tmp != ck, "{}: the checkpoint has the export's temporary name; rename it", checkpoint);
   fs::remove_all(tmp);
   try {
     m.save(tmp.string(), dtype == "bf16" ? DType::BF16 : DType::F32, max_shard_mb * 1000000);
@@ -40,8 +43,8 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
       write_file_atomic((tmp / "tokenizer.json").string(), read_file(tok));
     else
       log_warn("{} has no tokenizer.json: the export has none either (pass --tokenizer to eval/generate)", checkpoint);
-    if (fs::exists(out, ec)) fs::remove(out);  // the empty directory checked above
-    fs::rename(tmp, out);
+    if (fs::exists(dst, ec)) fs::remove(dst);  // the empty directory checked above
+    fs::rename(tmp, dst);
     fsync_dir(dst.parent_path().string());
   } catch (...) {
     fs::remove_all(tmp, ec);

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/cuda/device.h"
 #include "core/files.h"
+#include "core/log.h"
 #include "core/rng.h"
 #include "data/dataset.h"
 #include "data/tokenizer.h"
@@ -101,7 +102,12 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
     plan.max_seqs = micro_batch * set.max_docs_per_window();
     plan.max_seqlen = seq_len;
     plan.rows = micro_batch;
-    gpu = std::make_unique<GpuModel>(model, plan);
+    try {
+      gpu = std::make_unique<GpuModel>(model, plan);
+    } catch (const Error& e) {
+      if (device == "cuda") throw;
+      log_warn("eval: the GPU engine cannot take this model ({}); evaluating on the CPU", e.what());
+    }
   }
   double sum = 0;
   int64_t n = 0;
