@@ -18,6 +18,17 @@ struct GpuPlan {
   int64_t max_seqlen = 0;         // longest document (0: max_tokens); sizes cuDNN attention's length buckets
   int64_t rows = 0;               // the tokens are `rows` windows of max_seqlen (micro-batch); 0: any packing
   int64_t ce_chunk_tokens = 2048; // fused-loss chunk
+
+  // Batches of `micro_batch` packed windows of seq_len tokens, each holding at most docs_per_window documents
+  // (a document never spans windows): the trainer's, eval's and bench's batches.
+  static GpuPlan windows(int64_t micro_batch, int64_t seq_len, int64_t docs_per_window) {
+    GpuPlan p;
+    p.max_tokens = micro_batch * seq_len;
+    p.max_seqs = micro_batch * docs_per_window;
+    p.max_seqlen = seq_len;
+    p.rows = micro_batch;
+    return p;
+  }
 };
 
 class GpuModel {

@@ -208,7 +208,7 @@ DType stored_dtype(const ParamSpec& p, DType dtype) {
 std::vector<SaveTensor> Qwen35Model::to_tensors(const std::vector<float>& buffer, DType dtype) const {
   std::vector<SaveTensor> out;
   for (const ParamSpec& p : params_)
-    out.push_back(make_tensor_f32(p.name, p.shape, buffer.data() + p.offset, stored_dtype(p, dtype)));
+    out.push_back(make_tensor_f32_view(p.name, p.shape, buffer.data() + p.offset, stored_dtype(p, dtype)));
   return out;
 }
 
@@ -219,11 +219,7 @@ void Qwen35Model::save(const std::string& dir, DType dtype, int64_t max_shard_by
   nlohmann::json cj = cfg_.to_json();
   if (dtype == DType::BF16) cj["dtype"] = "bfloat16";
   write_file_atomic((fs::path(dir) / "config.json").string(), cj.dump(2) + "\n");
-  std::vector<SaveTensor> views;
-  views.reserve(params_.size());
-  for (const ParamSpec& p : params_)
-    views.push_back(make_tensor_f32_view(p.name, p.shape, weights_.data() + p.offset, stored_dtype(p, dtype)));
-  write_safetensors_sharded(dir, "model", views, max_shard_bytes, {{"format", "pt"}});
+  write_safetensors_sharded(dir, "model", to_tensors(weights_, dtype), max_shard_bytes, {{"format", "pt"}});
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -76,7 +76,8 @@ class Qwen35Model {
   // else model-0000k-of-0000n.safetensors shards plus model.safetensors.index.json. Memory beyond the model is
   // a few MiB (streamed). dtype F32 or BF16 (A_log and the gated-norm weight always F32, as released checkpoints).
   void save(const std::string& dir, DType dtype = DType::F32, int64_t max_shard_bytes = 5000000000) const;
-  // The parameters as safetensors entries (for optimizer state files etc.): name -> values from `buffer`.
+  // The parameters as safetensors entries: name -> values from `buffer` (weights, grads), as views: `buffer` must
+  // outlive the write. A_log and the gated-norm weight stay F32 whatever `dtype`.
   std::vector<SaveTensor> to_tensors(const std::vector<float>& buffer, DType dtype = DType::F32) const;
 
   void zero_grads();

@@ -646,43 +646,59 @@ double probe_cuda_linear_cross_entropy() {
   });
 }
 
+// One attention probe case over documents `cu`: fresh bf16-rounded inputs and the fp32 CPU reference forward; the
+// reference backward takes the o the GPU backward reads (the bf16 o the GPU forward stored).
+struct AttnCase {
+  AttnDims d;
+  const I32& cu;
+  size_t nq = 0, nk = 0;
+  Vec q, k, v, dout, o, lse;
+  std::string tag;
+  AttnCase(Ctx& c, const I32& cu_seqlens, int64_t Hq, int64_t Hkv, int64_t hd) : cu(cu_seqlens) {
+    d.N = cu.back();
+    d.num_seqs = static_cast<int64_t>(cu.size()) - 1;
+    d.Hq = Hq;
+    d.Hkv = Hkv;
+    d.head_dim = hd;
+    d.scale = 1.0 / std::sqrt(static_cast<double>(hd));
+    tag = "hd " + std::to_string(hd) + ": ";
+    nq = static_cast<size_t>(d.N * Hq * hd);
+    nk = static_cast<size_t>(d.N * Hkv * hd);
+    q = c.bf(nq, -2, 2), k = c.bf(nk, -2, 2), v = c.bf(nk, -1, 1), dout = c.bf(nq, -1, 1);
+    o.resize(nq);
+    lse.resize(static_cast<size_t>(d.N * Hq));
+    attention_forward<float>(d, q.data(), k.data(), v.data(), cu.data(), o.data(), lse.data());
+  }
+  void backward(const Vec& o_read, Vec& dq, Vec& dk, Vec& dv) const {
+    dq.resize(nq), dk.resize(nk), dv.resize(nk);
+    attention_backward<float>(d, q.data(), k.data(), v.data(), o_read.data(), lse.data(), dout.data(), cu.data(),
+                              dq.data(), dk.data(), dv.data());
+  }
+};
+
 double probe_cuda_attention() {
   return guarded("attention", [](Worst& w) {
     Ctx c;
     const Packed p;
     // GQA 2 at head_dim 64, and at Qwen3.5's head_dim 256 (each head_dim is its own kernel instantiation).
     for (const int64_t hd : {64, 256}) {
-      AttnDims d;
-      d.N = p.N;
-      d.num_seqs = p.S;
-      d.Hq = hd == 64 ? 4 : 2;
-      d.Hkv = d.Hq / 2;
-      d.head_dim = hd;
-      d.scale = 1.0 / std::sqrt(static_cast<double>(hd));
-      const std::string tag = "hd " + std::to_string(hd) + ": ";
-      const size_t nq = static_cast<size_t>(d.N * d.Hq * d.head_dim),
-                   nk = static_cast<size_t>(d.N * d.Hkv * d.head_dim);
-      Vec q = c.bf(nq, -2, 2), k = c.bf(nk, -2, 2), v = c.bf(nk, -1, 1), dout = c.bf(nq, -1, 1);
-      Vec o(nq), lse(d.N * d.Hq), dq(nq), dk(nk), dv(nk);
-      attention_forward<float>(d, q.data(), k.data(), v.data(), p.cu.data(), o.data(), lse.data());
-      Vec o_saved = rounded(o);  // the backward reads the bf16 o the forward stored
-      attention_backward<float>(d, q.data(), k.data(), v.data(), o_saved.data(), lse.data(), dout.data(), p.cu.data(),
-                                dq.data(), dk.data(), dv.data());
-
-      auto q_d = c.up_bf16(q), k_d = c.up_bf16(k), v_d = c.up_bf16(v), dout_d = c.up_bf16(dout);
+      const AttnCase a(c, p.cu, hd == 64 ? 4 : 2, hd == 64 ? 2 : 1, hd);
+      Vec dq, dk, dv;
+      a.backward(rounded(a.o), dq, dk, dv);
+      auto q_d = c.up_bf16(a.q), k_d = c.up_bf16(a.k), v_d = c.up_bf16(a.v), dout_d = c.up_bf16(a.dout);
       auto cu_d = c.up(p.cu);
-      auto o_d = c.poisoned<bf16>(nq), dq_d = c.poisoned<bf16>(nq), dk_d = c.poisoned<bf16>(nk),
-           dv_d = c.poisoned<bf16>(nk);
-      auto lse_d = c.poisoned<float>(lse.size());
-      Dev<unsigned char> scratch(K::attention_scratch_bytes(d));
-      K::attention_forward(d, q_d.get(), k_d.get(), v_d.get(), cu_d.get(), p.max_len, o_d.get(), lse_d.get(), c.s);
-      K::attention_backward(d, q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), dout_d.get(), cu_d.get(),
+      auto o_d = c.poisoned<bf16>(a.nq), dq_d = c.poisoned<bf16>(a.nq), dk_d = c.poisoned<bf16>(a.nk),
+           dv_d = c.poisoned<bf16>(a.nk);
+      auto lse_d = c.poisoned<float>(a.lse.size());
+      Dev<unsigned char> scratch(K::attention_scratch_bytes(a.d));
+      K::attention_forward(a.d, q_d.get(), k_d.get(), v_d.get(), cu_d.get(), p.max_len, o_d.get(), lse_d.get(), c.s);
+      K::attention_backward(a.d, q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), dout_d.get(), cu_d.get(),
                             p.max_len, dq_d.get(), dk_d.get(), dv_d.get(), scratch.get(), c.s);
-      w.add(tag + "o", rel_l2(c.down(o_d), o));
-      w.add(tag + "lse", rel_l2(c.down(lse_d), lse));
-      w.add(tag + "dq", rel_l2(c.down(dq_d), dq));
-      w.add(tag + "dk", rel_l2(c.down(dk_d), dk));
-      w.add(tag + "dv", rel_l2(c.down(dv_d), dv));
+      w.add(a.tag + "o", rel_l2(c.down(o_d), a.o));
+      w.add(a.tag + "lse", rel_l2(c.down(lse_d), a.lse));
+      w.add(a.tag + "dq", rel_l2(c.down(dq_d), dq));
+      w.add(a.tag + "dk", rel_l2(c.down(dk_d), dk));
+      w.add(a.tag + "dv", rel_l2(c.down(dv_d), dv));
     }
   });
 }
@@ -697,47 +713,32 @@ double probe_cudnn_attention() {
     for (int32_t l : lens) cu.push_back(cu.back() + l);
     const int64_t max_len = *std::max_element(lens.begin(), lens.end());
     for (const auto& [hd, Hq, Hkv] : {std::tuple<int64_t, int64_t, int64_t>{128, 4, 2}, {256, 4, 1}}) {
-      AttnDims d;
-      d.N = cu.back();
-      d.num_seqs = static_cast<int64_t>(lens.size());
-      d.Hq = Hq;
-      d.Hkv = Hkv;
-      d.head_dim = hd;
-      d.scale = 1.0 / std::sqrt(static_cast<double>(hd));
-      const std::string tag = "hd " + std::to_string(hd) + ": ";
-      const size_t nq = static_cast<size_t>(d.N * d.Hq * d.head_dim),
-                   nk = static_cast<size_t>(d.N * d.Hkv * d.head_dim);
-      Vec q = c.bf(nq, -2, 2), k = c.bf(nk, -2, 2), v = c.bf(nk, -1, 1), dout = c.bf(nq, -1, 1);
-      Vec o(nq), lse(d.N * d.Hq), dq(nq), dk(nk), dv(nk);
-      attention_forward<float>(d, q.data(), k.data(), v.data(), cu.data(), o.data(), lse.data());
-
-      cudnn::AttnBounds bnd{d.N, d.num_seqs, max_len, Hq, Hkv, hd, d.scale};
-      cudnn::Attention att(bnd);
-      auto q_d = c.up_bf16(q), k_d = c.up_bf16(k), v_d = c.up_bf16(v), dout_d = c.up_bf16(dout);
-      auto o_d = c.poisoned<bf16>(nq);
-      auto lse_d = c.poisoned<float>(lse.size());
+      const AttnCase a(c, cu, Hq, Hkv, hd);
+      cudnn::Attention att({a.d.N, a.d.num_seqs, max_len, Hq, Hkv, hd, a.d.scale});
+      auto q_d = c.up_bf16(a.q), k_d = c.up_bf16(a.k), v_d = c.up_bf16(a.v), dout_d = c.up_bf16(a.dout);
+      auto o_d = c.poisoned<bf16>(a.nq);
+      auto lse_d = c.poisoned<float>(a.lse.size());
       auto ws = c.poisoned<unsigned char>(att.workspace_bytes());  // as the engine's shared scratch may hold NaN
       Dev<unsigned char> meta(att.meta_bytes());
-      if (!att.set_batch(cu.data(), d.num_seqs, meta.get(), c.s)) throw Error("cuDNN attention refused the batch");
+      if (!att.set_batch(cu.data(), a.d.num_seqs, meta.get(), c.s)) throw Error("cuDNN attention refused the batch");
       att.forward(q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), ws.get(), c.s);
       const Vec o_gpu = c.down(o_d);
-      // The reference backward reads the bf16 o the forward stored.
-      attention_backward<float>(d, q.data(), k.data(), v.data(), o_gpu.data(), lse.data(), dout.data(), cu.data(),
-                                dq.data(), dk.data(), dv.data());
+      Vec dq, dk, dv;
+      a.backward(o_gpu, dq, dk, dv);
       Vec runs[2][3];
       for (auto& r : runs) {
-        auto dq_d = c.poisoned<bf16>(nq), dk_d = c.poisoned<bf16>(nk), dv_d = c.poisoned<bf16>(nk);
+        auto dq_d = c.poisoned<bf16>(a.nq), dk_d = c.poisoned<bf16>(a.nk), dv_d = c.poisoned<bf16>(a.nk);
         att.backward(q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), dout_d.get(), dq_d.get(), dk_d.get(),
                      dv_d.get(), ws.get(), c.s);
         r[0] = c.down(dq_d), r[1] = c.down(dk_d), r[2] = c.down(dv_d);
       }
-      w.add(tag + "o", rel_l2(o_gpu, o));
-      w.add(tag + "lse", rel_l2(c.down(lse_d), lse));
-      w.add(tag + "dq", rel_l2(runs[0][0], dq));
-      w.add(tag + "dk", rel_l2(runs[0][1], dk));
-      w.add(tag + "dv", rel_l2(runs[0][2], dv));
+      w.add(a.tag + "o", rel_l2(o_gpu, a.o));
+      w.add(a.tag + "lse", rel_l2(c.down(lse_d), a.lse));
+      w.add(a.tag + "dq", rel_l2(runs[0][0], dq));
+      w.add(a.tag + "dk", rel_l2(runs[0][1], dk));
+      w.add(a.tag + "dv", rel_l2(runs[0][2], dv));
       const bool same = runs[0][0] == runs[1][0] && runs[0][1] == runs[1][1] && runs[0][2] == runs[1][2];
-      w.add(tag + "backward run twice (0: bitwise equal)", same ? 0.0 : INFINITY);
+      w.add(a.tag + "backward run twice (0: bitwise equal)", same ? 0.0 : INFINITY);
     }
   });
 }

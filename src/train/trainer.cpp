@@ -39,25 +39,31 @@ std::string bundled_tokenizer_path() { return std::string(DELTASTACK_SOURCE_DIR)
 
 namespace {
 
-// The run a checkpoint directory belongs to (trainer_state.json "run_id"); empty when absent or unreadable.
-std::string checkpoint_run_id(const std::filesystem::path& dir) {
-  try {
-    const json st = json::parse(read_file((dir / "trainer_state.json").string()));
-    return st.contains("run_id") && st["run_id"].is_string() ? st["run_id"].get<std::string>() : std::string();
-  } catch (const std::exception&) {
-    return std::string();
-  }
+// The step of a checkpoint directory name as this trainer writes it ("checkpoint-N", N in canonical decimal);
+// -1 for any other name.
+int64_t checkpoint_step(const std::string& name) {
+  if (name.rfind("checkpoint-", 0) != 0) return -1;
+  const std::string digits = name.substr(11);
+  if (digits.empty() || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos ||
+      (digits.size() > 1 && digits[0] == '0'))
+    return -1;
+  return std::stoll(digits);
 }
 
-// The process that wrote a checkpoint (trainer_state.json "session_id"); empty when absent or unreadable.
-std::string checkpoint_session_id(const std::filesystem::path& dir) {
+// Who wrote a checkpoint (trainer_state.json): the run, kept across resumes, and the process. Empty strings when
+// absent (checkpoints of earlier versions) or unreadable.
+struct CheckpointOwner {
+  std::string run_id, session_id;
+};
+CheckpointOwner checkpoint_owner(const std::filesystem::path& dir) {
+  CheckpointOwner o;
   try {
     const json st = json::parse(read_file((dir / "trainer_state.json").string()));
-    return st.contains("session_id") && st["session_id"].is_string() ? st["session_id"].get<std::string>()
-                                                                       : std::string();
+    if (st.contains("run_id") && st["run_id"].is_string()) o.run_id = st["run_id"].get<std::string>();
+    if (st.contains("session_id") && st["session_id"].is_string()) o.session_id = st["session_id"].get<std::string>();
   } catch (const std::exception&) {
-    return std::string();
   }
+  return o;
 }
 
 // A fresh run's id: 64 random bits in hex (kept across resumes; only used to tell runs apart in one --out).
@@ -308,13 +314,8 @@ int train(TrainOptions opt) {
   const bool use_gpu = opt.device == "cuda" || (opt.device == "auto" && cuda_device_count() > 0);
   std::unique_ptr<GpuModel> gpu;
   if (use_gpu) {
-    GpuPlan plan;
-    plan.max_tokens = opt.micro_batch * opt.seq_len;
-    plan.max_seqlen = opt.seq_len;  // packing cuts documents at window boundaries
-    plan.rows = opt.micro_batch;
-    plan.max_seqs = opt.micro_batch * std::max(train_set.max_docs_per_window(),
-                                               val_set ? val_set->max_docs_per_window() : int64_t{1});
-    gpu = std::make_unique<GpuModel>(model, plan);
+    const int64_t docs = std::max(train_set.max_docs_per_window(), val_set ? val_set->max_docs_per_window() : 1);
+    gpu = std::make_unique<GpuModel>(model, GpuPlan::windows(opt.micro_batch, opt.seq_len, docs));
   }
   opt.device = use_gpu ? "cuda" : "cpu";  // saved in checkpoints: a resume continues on the same engine
   log_info("device: {}", opt.device);
@@ -384,26 +385,21 @@ int train(TrainOptions opt) {
       fs::remove_all(p);
     }
   }
-  {  // A file (not a directory) named like a checkpoint this run will write: stop now, not after the training.
-    for (const auto& e : fs::directory_iterator(opt.out)) {
-      const std::string n = e.path().filename().string();
-      const std::string digits = n.rfind("checkpoint-", 0) == 0 ? n.substr(11) : std::string();
-      if (e.is_directory() || digits.empty() || digits.size() > 18 ||
-          digits.find_first_not_of("0123456789") != std::string::npos)
-        continue;
-      const int64_t s = std::stoll(digits);
-      const bool planned = s > start_step && s <= opt.steps &&
-                           (s == opt.steps || (opt.save_interval > 0 && s % opt.save_interval == 0));
-      DS_CHECK(!planned, "{} exists and is not a directory, but this run saves checkpoint-{} there; move it away",
-               e.path().string(), s);
-    }
-  }
-  {  // A run (not a resume of one of them) into a directory that holds another run's checkpoints: say so.
+  {  // One look at the checkpoints already in --out: a file (not a directory) named like a checkpoint this run will
+     // write stops the run now, not after the training; another run's checkpoints get a warning.
     std::vector<std::string> foreign;
     for (const auto& e : fs::directory_iterator(opt.out)) {
       const std::string n = e.path().filename().string();
-      if (n.rfind("checkpoint-", 0) == 0 && e.is_directory() && checkpoint_run_id(e.path()) != run_id)
+      const int64_t s = checkpoint_step(n);
+      if (s < 0) continue;
+      if (!e.is_directory()) {
+        const bool planned = s > start_step && s <= opt.steps &&
+                             (s == opt.steps || (opt.save_interval > 0 && s % opt.save_interval == 0));
+        DS_CHECK(!planned, "{} exists and is not a directory, but this run saves checkpoint-{} there; move it away",
+                 e.path().string(), s);
+      } else if (checkpoint_owner(e.path()).run_id != run_id) {
         foreign.push_back(n);
+      }
     }
     if (!foreign.empty())
       log_warn("{} holds {} checkpoint(s) of another run ({}{}): a save of the same step replaces one, --keep-last "
@@ -439,14 +435,11 @@ int train(TrainOptions opt) {
     std::vector<std::pair<int64_t, fs::path>> older;
     try {
       for (const auto& e : fs::directory_iterator(opt.out)) {
-        const std::string n = e.path().filename().string();
-        const std::string digits = n.rfind("checkpoint-", 0) == 0 ? n.substr(11) : std::string();
-        if (!e.is_directory() || digits.empty() || digits.size() > 18 ||
-            digits.find_first_not_of("0123456789") != std::string::npos || (digits.size() > 1 && digits[0] == '0'))
-          continue;
-        const int64_t s = std::stoll(digits);
-        if (s >= step || checkpoint_run_id(e.path()) != run_id) continue;
-        if (s <= start_step || checkpoint_session_id(e.path()) == session_id) older.emplace_back(s, e.path());
+        const int64_t s = checkpoint_step(e.path().filename().string());
+        if (s < 0 || s >= step || !e.is_directory()) continue;
+        const CheckpointOwner owner = checkpoint_owner(e.path());
+        if (owner.run_id == run_id && (s <= start_step || owner.session_id == session_id))
+          older.emplace_back(s, e.path());
       }
     } catch (const std::exception& e) {
       log_warn("--keep-last: cannot list {}: {}", opt.out, e.what());

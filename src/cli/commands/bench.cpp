@@ -303,12 +303,7 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   ModelConfig cfg = ModelConfig::resolve(preset);
   Qwen35Model model(cfg);
   model.init_weights(1234);
-  GpuPlan plan;
-  plan.max_tokens = seq_len * micro_batch;
-  plan.max_seqs = micro_batch;
-  plan.max_seqlen = seq_len;
-  plan.rows = micro_batch;
-  GpuModel gpu(model, plan);
+  GpuModel gpu(model, GpuPlan::windows(micro_batch, seq_len, 1));
   // Random tokens, one document per row (the HF benchmark's layout).
   PackedBatch b;
   Rng rng(7);

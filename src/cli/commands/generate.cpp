@@ -97,13 +97,8 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present.
   std::unique_ptr<GpuModel> gpu;
   if (device == "cuda" || (device == "auto" && cuda_device_count() > 0)) {
-    GpuPlan plan;
-    plan.max_tokens = micro_batch * seq_len;
-    plan.max_seqs = micro_batch * set.max_docs_per_window();
-    plan.max_seqlen = seq_len;
-    plan.rows = micro_batch;
     try {
-      gpu = std::make_unique<GpuModel>(model, plan);
+      gpu = std::make_unique<GpuModel>(model, GpuPlan::windows(micro_batch, seq_len, set.max_docs_per_window()));
     } catch (const Error& e) {
       if (device == "cuda") throw;
       log_warn("eval: the GPU engine cannot take this model ({}); evaluating on the CPU", e.what());

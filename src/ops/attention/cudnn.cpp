@@ -234,18 +234,27 @@ struct Attention::Impl {
     return g;
   }
 
-  void run(const Bucket& bk, bool backward, std::unordered_map<int64_t, void*>& pack, void* ws, cudaStream_t s) {
-    pack[kSeqQ] = meta + bk.o_seq;
-    pack[kSeqKV] = meta + bk.o_seq;
-    pack[kOffQ] = meta + bk.o_q;
-    pack[kOffKV] = meta + bk.o_kv;
-    pack[kOffSt] = meta + bk.o_st;
-    // The workspace is zeroed before every call: with it holding NaN bit patterns (the GPU engine shares it with
-    // other ops' scratch), the deterministic backward returned NaN gradients on the H200 (cuDNN 9.19) for a
-    // packed batch of documents 1..600 tokens long: parts of it are read before they are written.
-    const int64_t bytes = backward ? bk.ws_bwd : bk.ws_fwd;
-    if (bytes > 0) DS_CUDA_CHECK(cudaMemsetAsync(ws, 0, static_cast<size_t>(bytes), s));
-    check((backward ? bk.bwd : bk.fwd)->execute(handle, pack, ws), bk, backward ? "backward" : "forward", "execute");
+  // Runs the forward or backward graph of every bucket the current batch uses, on `s`; `pack` holds the data
+  // tensors (uid -> device pointer), the bucket metadata is added here.
+  void run(bool backward, std::unordered_map<int64_t, void*>& pack, void* ws, cudaStream_t s) {
+    const char* which = backward ? "backward" : "forward";
+    DS_CHECK(meta, "cuDNN attention: {} before set_batch", which);
+    auto st = fe::detail::set_stream(handle, s);
+    DS_CHECK(st == CUDNN_STATUS_SUCCESS, "cuDNN attention: cudnnSetStream failed (status {})", static_cast<int>(st));
+    for (const Bucket& bk : buckets) {
+      if (bk.count == 0) continue;
+      pack[kSeqQ] = meta + bk.o_seq;
+      pack[kSeqKV] = meta + bk.o_seq;
+      pack[kOffQ] = meta + bk.o_q;
+      pack[kOffKV] = meta + bk.o_kv;
+      pack[kOffSt] = meta + bk.o_st;
+      // The workspace is zeroed before every call: with it holding NaN bit patterns (the GPU engine shares it with
+      // other ops' scratch), the deterministic backward returned NaN gradients on the H200 (cuDNN 9.19) for a
+      // packed batch of documents 1..600 tokens long: parts of it are read before they are written.
+      const int64_t bytes = backward ? bk.ws_bwd : bk.ws_fwd;
+      if (bytes > 0) DS_CUDA_CHECK(cudaMemsetAsync(ws, 0, static_cast<size_t>(bytes), s));
+      check((backward ? bk.bwd : bk.fwd)->execute(handle, pack, ws), bk, which, "execute");
+    }
   }
 };
 
@@ -349,26 +358,17 @@ bool Attention::set_batch(const int32_t* cu, int64_t num_seqs, void* meta, cudaS
 
 void Attention::forward(const ds::cuda::bf16* q, const ds::cuda::bf16* k, const ds::cuda::bf16* v,
                         ds::cuda::bf16* o, float* lse, void* workspace, cudaStream_t stream) {
-  Impl& m = *impl_;
-  DS_CHECK(m.meta, "cuDNN attention: forward before set_batch");
-  auto st = fe::detail::set_stream(m.handle, stream);
-  DS_CHECK(st == CUDNN_STATUS_SUCCESS, "cuDNN attention: cudnnSetStream failed (status {})", static_cast<int>(st));
   std::unordered_map<int64_t, void*> pack{{kQ, const_cast<ds::cuda::bf16*>(q)},
                                           {kK, const_cast<ds::cuda::bf16*>(k)},
                                           {kV, const_cast<ds::cuda::bf16*>(v)},
                                           {kO, o},
                                           {kStats, lse}};
-  for (const Bucket& bk : m.buckets)
-    if (bk.count > 0) m.run(bk, false, pack, workspace, stream);
+  impl_->run(false, pack, workspace, stream);
 }
 
 void Attention::backward(const ds::cuda::bf16* q, const ds::cuda::bf16* k, const ds::cuda::bf16* v,
                          const ds::cuda::bf16* o, const float* lse, const ds::cuda::bf16* dout, ds::cuda::bf16* dq,
                          ds::cuda::bf16* dk, ds::cuda::bf16* dv, void* workspace, cudaStream_t stream) {
-  Impl& m = *impl_;
-  DS_CHECK(m.meta, "cuDNN attention: backward before set_batch");
-  auto st = fe::detail::set_stream(m.handle, stream);
-  DS_CHECK(st == CUDNN_STATUS_SUCCESS, "cuDNN attention: cudnnSetStream failed (status {})", static_cast<int>(st));
   std::unordered_map<int64_t, void*> pack{{kQ, const_cast<ds::cuda::bf16*>(q)},
                                           {kK, const_cast<ds::cuda::bf16*>(k)},
                                           {kV, const_cast<ds::cuda::bf16*>(v)},
@@ -378,8 +378,7 @@ void Attention::backward(const ds::cuda::bf16* q, const ds::cuda::bf16* k, const
                                           {kdQ, dq},
                                           {kdK, dk},
                                           {kdV, dv}};
-  for (const Bucket& bk : m.buckets)
-    if (bk.count > 0) m.run(bk, true, pack, workspace, stream);
+  impl_->run(true, pack, workspace, stream);
 }
 
 #else  // no cudnn-frontend in this build: the class exists, construction reports why.
