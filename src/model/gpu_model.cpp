@@ -509,6 +509,8 @@ struct GpuModel::Impl {
     }
   }
 
+  float* buffer(Buffer which) const;
+
   void note_peak() {
     size_t free_b = 0, total_b = 0;
     if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess) peak = std::max(peak, total_b - free_b);
@@ -621,23 +623,37 @@ void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
   DS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
 }
 
-static void download(const float* src, int64_t n, std::vector<float>& out, cudaStream_t s) {
-  out.resize(static_cast<size_t>(n));
-  DS_CUDA_CHECK(cudaMemcpyAsync(out.data(), src, n * sizeof(float), cudaMemcpyDeviceToHost, s));
-  DS_CUDA_CHECK(cudaStreamSynchronize(s));
+float* GpuModel::Impl::buffer(Buffer which) const {
+  switch (which) {
+    case Buffer::Weights: return w;
+    case Buffer::Grads: return gw;
+    case Buffer::ExpAvg: return m;
+    case Buffer::ExpAvgSq: return v;
+  }
+  return nullptr;
 }
 
-void GpuModel::download_weights(std::vector<float>& out) const { download(impl_->w, impl_->P, out, impl_->stream); }
-void GpuModel::download_grads(std::vector<float>& out) const { download(impl_->gw, impl_->P, out, impl_->stream); }
-void GpuModel::download_optimizer(std::vector<float>& m, std::vector<float>& v) const {
-  download(impl_->m, impl_->P, m, impl_->stream);
-  download(impl_->v, impl_->P, v, impl_->stream);
+void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) const {
+  DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: read of [{}, {}) outside the {} parameters",
+           first, first + count, impl_->P);
+  if (count == 0) return;
+  DS_CUDA_CHECK(cudaMemcpyAsync(dst, impl_->buffer(which) + first, count * sizeof(float), cudaMemcpyDeviceToHost,
+                                impl_->stream));
+  DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
 }
-void GpuModel::upload_optimizer(const std::vector<float>& m, const std::vector<float>& v) {
-  DS_CHECK(static_cast<int64_t>(m.size()) == impl_->P && static_cast<int64_t>(v.size()) == impl_->P,
-           "gpu: optimizer state has the wrong size");
-  DS_CUDA_CHECK(cudaMemcpy(impl_->m, m.data(), impl_->P * sizeof(float), cudaMemcpyHostToDevice));
-  DS_CUDA_CHECK(cudaMemcpy(impl_->v, v.data(), impl_->P * sizeof(float), cudaMemcpyHostToDevice));
+
+void GpuModel::write(Buffer which, int64_t first, int64_t count, const float* src) {
+  DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: write of [{}, {}) outside the {} parameters",
+           first, first + count, impl_->P);
+  if (count == 0) return;
+  DS_CUDA_CHECK(cudaMemcpyAsync(impl_->buffer(which) + first, src, count * sizeof(float), cudaMemcpyHostToDevice,
+                                impl_->stream));
+  DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+}
+
+void GpuModel::download_grads(std::vector<float>& out) const {
+  out.resize(static_cast<size_t>(impl_->P));
+  read(Buffer::Grads, 0, impl_->P, out.data());
 }
 size_t GpuModel::planned_bytes() const { return impl_->arena_bytes; }
 size_t GpuModel::peak_bytes() const { return impl_->peak; }
@@ -656,10 +672,9 @@ LossResult GpuModel::forward_backward(const PackedBatch&, double, double, Forwar
 void GpuModel::zero_grads() {}
 double GpuModel::grad_sum_squares() { return 0; }
 void GpuModel::adamw_step(const ops::AdamWParams&, double) {}
-void GpuModel::download_weights(std::vector<float>&) const {}
+void GpuModel::read(Buffer, int64_t, int64_t, float*) const {}
+void GpuModel::write(Buffer, int64_t, int64_t, const float*) {}
 void GpuModel::download_grads(std::vector<float>&) const {}
-void GpuModel::download_optimizer(std::vector<float>&, std::vector<float>&) const {}
-void GpuModel::upload_optimizer(const std::vector<float>&, const std::vector<float>&) {}
 size_t GpuModel::planned_bytes() const { return 0; }
 size_t GpuModel::peak_bytes() const { return 0; }
 }  // namespace ds

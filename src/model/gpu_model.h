@@ -7,29 +7,11 @@
 #include <memory>
 #include <vector>
 
+#include "model/engine.h"
 #include "model/model.h"
 #include "ops/adamw/adamw.h"
 
 namespace ds {
-
-struct GpuPlan {
-  int64_t max_tokens = 0;         // tokens per micro-batch (packed)
-  int64_t max_seqs = 0;           // documents per micro-batch
-  int64_t max_seqlen = 0;         // longest document (0: max_tokens); sizes cuDNN attention's length buckets
-  int64_t rows = 0;               // the tokens are `rows` windows of max_seqlen (micro-batch); 0: any packing
-  int64_t ce_chunk_tokens = 2048; // fused-loss chunk
-
-  // Batches of `micro_batch` packed windows of seq_len tokens, each holding at most docs_per_window documents
-  // (a document never spans windows): the trainer's, eval's and bench's batches.
-  static GpuPlan windows(int64_t micro_batch, int64_t seq_len, int64_t docs_per_window) {
-    GpuPlan p;
-    p.max_tokens = micro_batch * seq_len;
-    p.max_seqs = micro_batch * docs_per_window;
-    p.max_seqlen = seq_len;
-    p.rows = micro_batch;
-    return p;
-  }
-};
 
 class GpuModel {
  public:
@@ -48,10 +30,12 @@ class GpuModel {
   // One AdamW update of every parameter (decay per ParamSpec::weight_decay), refreshing the bf16 copy.
   void adamw_step(const ops::AdamWParams& p, double weight_decay);
 
-  void download_weights(std::vector<float>& out) const;
-  void download_grads(std::vector<float>& out) const;
-  void download_optimizer(std::vector<float>& m, std::vector<float>& v) const;
-  void upload_optimizer(const std::vector<float>& m, const std::vector<float>& v);
+  // Host <-> device copies of elements [first, first + count) of one flat fp32 buffer (offsets as ParamSpec's),
+  // for checkpoints (streamed in slabs) and tests. ds::Error when the range is outside the buffer.
+  enum class Buffer { Weights, Grads, ExpAvg, ExpAvgSq };
+  void read(Buffer which, int64_t first, int64_t count, float* dst) const;
+  void write(Buffer which, int64_t first, int64_t count, const float* src);
+  void download_grads(std::vector<float>& out) const;  // the whole gradient buffer (tests)
 
   size_t planned_bytes() const;  // the single device allocation
   size_t peak_bytes() const;     // device memory in use by this process at its high point (cudaMemGetInfo)

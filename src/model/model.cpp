@@ -110,7 +110,6 @@ Qwen35Model::Qwen35Model(ModelConfig config) : cfg_(std::move(config)) {
   add_param("model.norm.weight", {H}, false);
   if (!c.tie_word_embeddings) add_param("lm_head.weight", {c.vocab_size, H}, true);
   weights_.assign(static_cast<size_t>(params_.back().offset + params_.back().numel), 0.0f);
-  grads_.assign(weights_.size(), 0.0f);
 }
 
 const ParamSpec& Qwen35Model::spec(const std::string& name) const {
@@ -119,7 +118,14 @@ const ParamSpec& Qwen35Model::spec(const std::string& name) const {
   return params_[it->second];
 }
 
-void Qwen35Model::zero_grads() { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+void Qwen35Model::zero_grads() {
+  grads_.assign(weights_.size(), 0.0f);  // allocated at first use: a GPU run never needs host gradients
+}
+
+void Qwen35Model::release_buffers() {
+  std::vector<float>().swap(weights_);
+  std::vector<float>().swap(grads_);
+}
 
 void Qwen35Model::init_weights(uint64_t seed) {
   for (size_t pi = 0; pi < params_.size(); ++pi) {
@@ -197,13 +203,22 @@ void Qwen35Model::load(const std::string& path) {
   }
 }
 
-namespace {
-// A_log and the gated-norm weight stay fp32 as in released Qwen3.5 checkpoints (qwen35_model.md §5.3).
+// A_log and the gated-norm weight stay fp32 as in released Qwen3.5 checkpoints (docs/model.md).
 DType stored_dtype(const ParamSpec& p, DType dtype) {
   bool keep_f32 = p.name.find("A_log") != std::string::npos || p.name.find("linear_attn.norm.weight") != std::string::npos;
   return keep_f32 ? DType::F32 : dtype;
 }
-}  // namespace
+
+void save_model_dir(const std::string& dir, const ModelConfig& cfg, const std::vector<SaveTensor>& tensors,
+                    DType dtype, int64_t max_shard_bytes) {
+  namespace fs = std::filesystem;
+  DS_CHECK(max_shard_bytes > 0, "save: max_shard_bytes must be positive");
+  fs::create_directories(dir);
+  nlohmann::json cj = cfg.to_json();
+  if (dtype == DType::BF16) cj["dtype"] = "bfloat16";
+  write_file_atomic((fs::path(dir) / "config.json").string(), cj.dump(2) + "\n");
+  write_safetensors_sharded(dir, "model", tensors, max_shard_bytes, {{"format", "pt"}});
+}
 
 std::vector<SaveTensor> Qwen35Model::to_tensors(const std::vector<float>& buffer, DType dtype) const {
   std::vector<SaveTensor> out;
@@ -213,13 +228,7 @@ std::vector<SaveTensor> Qwen35Model::to_tensors(const std::vector<float>& buffer
 }
 
 void Qwen35Model::save(const std::string& dir, DType dtype, int64_t max_shard_bytes) const {
-  namespace fs = std::filesystem;
-  DS_CHECK(max_shard_bytes > 0, "save: max_shard_bytes must be positive");
-  fs::create_directories(dir);
-  nlohmann::json cj = cfg_.to_json();
-  if (dtype == DType::BF16) cj["dtype"] = "bfloat16";
-  write_file_atomic((fs::path(dir) / "config.json").string(), cj.dump(2) + "\n");
-  write_safetensors_sharded(dir, "model", to_tensors(weights_, dtype), max_shard_bytes, {{"format", "pt"}});
+  save_model_dir(dir, cfg_, to_tensors(weights_, dtype), dtype, max_shard_bytes);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -534,6 +543,8 @@ struct Qwen35Model::Impl {
 
 LossResult Qwen35Model::forward_backward(const PackedBatch& batch, double grad_scale, double z_loss,
                                          ForwardCapture* capture) {
+  DS_CHECK(weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
+  if (grad_scale != 0.0 && grads_.size() != weights_.size()) grads_.assign(weights_.size(), 0.0f);
   Impl impl(*this, batch);
   return impl.run(grad_scale, z_loss, capture);
 }

@@ -49,6 +49,16 @@ struct LossResult {
   int64_t num_valid = 0;
 };
 
+// The dtype a parameter is stored in when a checkpoint is written as `dtype`: A_log and the gated-norm weight
+// stay F32 (as in released Qwen3.5 checkpoints), everything else follows `dtype`.
+DType stored_dtype(const ParamSpec& p, DType dtype);
+
+// Writes dir/config.json (cfg, with "dtype": "bfloat16" when dtype is BF16) and `tensors` (the weights, HF names),
+// each file atomically: dir/model.safetensors when they fit in max_shard_bytes, else model-0000k-of-0000n shards
+// plus model.safetensors.index.json (HF save_pretrained's layout). Streams the tensors (views or readers).
+void save_model_dir(const std::string& dir, const ModelConfig& cfg, const std::vector<SaveTensor>& tensors,
+                    DType dtype, int64_t max_shard_bytes);
+
 class Qwen35Model {
  public:
   explicit Qwen35Model(ModelConfig config);
@@ -56,10 +66,10 @@ class Qwen35Model {
   const ModelConfig& config() const { return cfg_; }
   const std::vector<ParamSpec>& params() const { return params_; }
   const ParamSpec& spec(const std::string& name) const;  // throws if unknown
-  int64_t num_parameters() const { return static_cast<int64_t>(weights_.size()); }
+  int64_t num_parameters() const { return params_.back().offset + params_.back().numel; }
   std::vector<float>& weights() { return weights_; }
   const std::vector<float>& weights() const { return weights_; }
-  std::vector<float>& grads() { return grads_; }
+  std::vector<float>& grads() { return grads_; }  // empty until zero_grads() or a backward
   float* weight(const std::string& name) { return weights_.data() + spec(name).offset; }
   float* grad(const std::string& name) { return grads_.data() + spec(name).offset; }
 
@@ -81,6 +91,9 @@ class Qwen35Model {
   std::vector<SaveTensor> to_tensors(const std::vector<float>& buffer, DType dtype = DType::F32) const;
 
   void zero_grads();
+  // Frees the host weight and gradient buffers (the GPU engine calls it after uploading the weights: a GPU run
+  // keeps no host copy). Afterwards only config() and params() may be used.
+  void release_buffers();
   // Forward, loss (sum over valid targets, z-loss optional) and, if grad_scale != 0, backward: the gradient of
   // grad_scale * loss_sum is ADDED to grads() (so micro-batches accumulate). Rejects token ids >= vocab_size
   // and batches longer than max_position_embeddings per document (ds::Error).

@@ -384,6 +384,21 @@ SaveTensor make_tensor_f32_view(const std::string& name, std::vector<int64_t> sh
   return t;
 }
 
+SaveTensor make_tensor_f32_reader(const std::string& name, std::vector<int64_t> shape,
+                                  std::function<void(int64_t, int64_t, float*)> reader, DType as) {
+  int64_t n = 0;
+  check_shape_for_write(name, shape, &n);
+  if (n > 0 && !reader) fail("tensor '{}': no reader for {} elements", name, n);
+  if (as != DType::F32 && as != DType::BF16)
+    fail("tensor '{}': cannot store fp32 values as {} (only F32 and BF16)", name, dtype_name(as));
+  SaveTensor t;
+  t.name = name;
+  t.dtype = as;
+  t.shape = std::move(shape);
+  if (n > 0) t.f32_reader = std::move(reader);
+  return t;
+}
+
 SaveTensor make_tensor_i64(const std::string& name, std::vector<int64_t> shape, const int64_t* values) {
   int64_t n = 0;
   check_shape_for_write(name, shape, &n);
@@ -410,8 +425,9 @@ uint64_t payload_bytes(const SaveTensor& t, const std::string& what) {
   uint64_t need = 0;
   if (__builtin_mul_overflow(static_cast<uint64_t>(n), dsize, &need))
     fail("{}: tensor '{}': shape {} has too many bytes", what, t.name, shape_str(t.shape));
-  if (t.f32_source) {
-    if (!t.bytes.empty()) fail("{}: tensor '{}': both bytes and an fp32 source", what, t.name);
+  if (t.f32_source || t.f32_reader) {
+    if (!t.bytes.empty() || (t.f32_source && t.f32_reader))
+      fail("{}: tensor '{}': more than one source of values", what, t.name);
     if (t.dtype != DType::F32 && t.dtype != DType::BF16)
       fail("{}: tensor '{}': cannot store fp32 values as {}", what, t.name, dtype_name(t.dtype));
     return need;
@@ -422,9 +438,26 @@ uint64_t payload_bytes(const SaveTensor& t, const std::string& what) {
   return need;
 }
 
-// Streams the payload of t (bytes, or its fp32 source converted in pieces of 1 Mi elements) into sink.
+// Streams the payload of t (bytes, or its fp32 source / reader converted in pieces of 1 Mi elements) into sink.
 template <typename Sink>
 void emit_payload(const SaveTensor& t, uint64_t bytes, Sink&& sink) {
+  constexpr uint64_t kPiece = uint64_t{1} << 20;
+  if (t.f32_reader) {
+    const uint64_t n = bytes / (t.dtype == DType::F32 ? 4 : 2);
+    std::vector<float> f(static_cast<size_t>(std::min(n, kPiece)));
+    std::vector<uint16_t> h(t.dtype == DType::F32 ? 0 : f.size());
+    for (uint64_t i = 0; i < n; i += kPiece) {
+      const uint64_t m = std::min(kPiece, n - i);
+      t.f32_reader(static_cast<int64_t>(i), static_cast<int64_t>(m), f.data());
+      if (t.dtype == DType::F32) {
+        sink(f.data(), m * 4);
+      } else {
+        for (uint64_t j = 0; j < m; ++j) h[j] = f32_to_bf16_bits(f[j]);
+        sink(h.data(), m * 2);
+      }
+    }
+    return;
+  }
   if (!t.f32_source) {
     if (!t.bytes.empty()) sink(t.bytes.data(), t.bytes.size());
     return;
@@ -434,7 +467,6 @@ void emit_payload(const SaveTensor& t, uint64_t bytes, Sink&& sink) {
     return;
   }
   const uint64_t n = bytes / 2;  // BF16
-  constexpr uint64_t kPiece = uint64_t{1} << 20;
   std::vector<uint16_t> buf(static_cast<size_t>(std::min(n, kPiece)));
   for (uint64_t i = 0; i < n; i += kPiece) {
     const uint64_t m = std::min(kPiece, n - i);

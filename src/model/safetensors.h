@@ -11,6 +11,7 @@
 // All multi-byte values are little-endian (the host must be little-endian too).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -74,6 +75,9 @@ struct SaveTensor {
   std::vector<int64_t> shape;
   std::vector<uint8_t> bytes;
   const float* f32_source = nullptr;
+  // Or fp32 values produced on demand, in slabs, while the file is written (e.g. read from a GPU): fills
+  // dst[0, count) with elements [first, first + count) of the tensor (row-major).
+  std::function<void(int64_t first, int64_t count, float* dst)> f32_reader;
 };
 // fp32 values stored as `as` (F32, BF16 with round-to-nearest-even, F16 not supported -> ds::Error).
 SaveTensor make_tensor_f32(const std::string& name, std::vector<int64_t> shape, const float* values,
@@ -81,6 +85,10 @@ SaveTensor make_tensor_f32(const std::string& name, std::vector<int64_t> shape, 
 // The same without copying: the values are read (and converted) when the file is written.
 SaveTensor make_tensor_f32_view(const std::string& name, std::vector<int64_t> shape, const float* values,
                                 DType as = DType::F32);
+// fp32 values fetched by `reader` in slabs of at most 1 Mi elements while the file is written.
+SaveTensor make_tensor_f32_reader(const std::string& name, std::vector<int64_t> shape,
+                                  std::function<void(int64_t first, int64_t count, float* dst)> reader,
+                                  DType as = DType::F32);
 SaveTensor make_tensor_i64(const std::string& name, std::vector<int64_t> shape, const int64_t* values);
 
 // Writes a safetensors file atomically (temp file, fsync, rename). Tensors are laid out in the given order,

@@ -25,7 +25,7 @@
 #include "data/dataset.h"
 #include "data/tokenizer.h"
 #include "core/cuda/device.h"
-#include "model/gpu_model.h"
+#include "model/engine.h"
 #include "model/model.h"
 #include "ops/adamw/adamw.h"
 
@@ -261,6 +261,7 @@ int train(TrainOptions opt) {
   DS_CHECK(opt.seq_len <= cfg.max_position_embeddings, "--seq-len {} is above the model's max_position_embeddings {}",
            opt.seq_len, cfg.max_position_embeddings);
   Qwen35Model model(cfg);
+  const int64_t num_params = model.num_parameters();
   if (!opt.resume.empty()) model.load(opt.resume);
   else if (model_is_checkpoint && (file_exists(opt.model + "/model.safetensors") ||
                                    file_exists(opt.model + "/model.safetensors.index.json")))
@@ -268,7 +269,7 @@ int train(TrainOptions opt) {
   else model.init_weights(opt.seed);
   log_info("model: {} layers ({} full attention), hidden {}, vocab {}, {:.2f}M parameters", cfg.num_hidden_layers,
            std::count(cfg.layer_types.begin(), cfg.layer_types.end(), "full_attention"), cfg.hidden_size,
-           cfg.vocab_size, model.num_parameters() / 1e6);
+           cfg.vocab_size, num_params / 1e6);
 
   // ---- data
   Tokenizer tok = Tokenizer::from_file(opt.tokenizer);
@@ -311,17 +312,13 @@ int train(TrainOptions opt) {
     }
   }
   // ---- device: the GPU when there is one (auto), else the CPU reference engine.
-  const bool use_gpu = opt.device == "cuda" || (opt.device == "auto" && cuda_device_count() > 0);
-  std::unique_ptr<GpuModel> gpu;
-  if (use_gpu) {
-    const int64_t docs = std::max(train_set.max_docs_per_window(), val_set ? val_set->max_docs_per_window() : 1);
-    gpu = std::make_unique<GpuModel>(model, GpuPlan::windows(opt.micro_batch, opt.seq_len, docs));
-  }
-  opt.device = use_gpu ? "cuda" : "cpu";  // saved in checkpoints: a resume continues on the same engine
+  const int64_t docs_per_window =
+      std::max(train_set.max_docs_per_window(), val_set ? val_set->max_docs_per_window() : 1);
+  std::unique_ptr<Engine> engine =
+      make_engine(opt.device, std::move(model), GpuPlan::windows(opt.micro_batch, opt.seq_len, docs_per_window));
+  opt.device = engine->device();  // saved in checkpoints: a resume continues on the same engine
   log_info("device: {}", opt.device);
-  auto fb = [&](const PackedBatch& b, double scale, double z) {
-    return gpu ? gpu->forward_backward(b, scale, z) : model.forward_backward(b, scale, z);
-  };
+  auto fb = [&](const PackedBatch& b, double scale, double z) { return engine->forward_backward(b, scale, z); };
   auto evaluate = [&]() {
     double sum = 0;
     int64_t n = 0;
@@ -334,7 +331,6 @@ int train(TrainOptions opt) {
   };
 
   // ---- optimizer state
-  std::vector<float> m(model.weights().size(), 0.0f), v(model.weights().size(), 0.0f);
   int64_t start_step = 0, opt_steps = 0, tokens_seen = 0;
   std::string run_id = new_run_id();
   // This process's saves. --keep-last prunes this run's checkpoints up to the resumed step (the history this
@@ -345,13 +341,12 @@ int train(TrainOptions opt) {
     // optimizer.safetensors, or optimizer.safetensors.index.json with its shards.
     const fs::path oidx = fs::path(opt.resume) / "optimizer.safetensors.index.json";
     CheckpointReader os(fs::exists(oidx) ? oidx.string() : (fs::path(opt.resume) / "optimizer.safetensors").string());
-    for (const ParamSpec& p : model.params()) {
-      std::vector<float> em = os.read_f32("exp_avg." + p.name), ev = os.read_f32("exp_avg_sq." + p.name);
-      DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
-               "{}: optimizer state for {} has the wrong size", os.path(), p.name);
-      std::copy(em.begin(), em.end(), m.begin() + p.offset);
-      std::copy(ev.begin(), ev.end(), v.begin() + p.offset);
-    }
+    engine->load_optimizer([&](const std::string& name, int64_t numel) {
+      std::vector<float> x = os.read_f32(name);
+      DS_CHECK(static_cast<int64_t>(x.size()) == numel, "{}: optimizer state {} has {} values, expected {}",
+               os.path(), name, x.size(), numel);
+      return x;
+    });
     start_step = resume_state["step"].get<int64_t>();
     // The run's id, kept across resumes (empty for checkpoints written before run ids existed: those count as
     // this run's too).
@@ -362,7 +357,6 @@ int train(TrainOptions opt) {
     tokens_seen = resume_state.value("tokens_seen", int64_t{0});
     elapsed_before = resume_state.value("elapsed_s", 0.0);
     log_info("resuming from {} at step {}", opt.resume, start_step);
-    if (gpu) gpu->upload_optimizer(m, v);
   }
   DS_CHECK(opt.steps >= start_step, "--steps {} is below the checkpoint's step {}", opt.steps, start_step);
 
@@ -465,23 +459,14 @@ int train(TrainOptions opt) {
     std::string final_dir = (fs::path(opt.out) / fmt::format("checkpoint-{}", step)).string();
     std::string tmp_dir = (fs::path(opt.out) / fmt::format(".checkpoint-{}.tmp", step)).string();
     fs::remove_all(tmp_dir);
-    if (gpu) {
-      gpu->download_weights(model.weights());
-      gpu->download_optimizer(m, v);
-    }
     const int64_t shard_bytes = opt.max_shard_mb * 1000000;
-    model.save(tmp_dir, DType::F32, shard_bytes);
+    save_model_dir(tmp_dir, engine->config(), engine->weight_tensors(DType::F32), DType::F32, shard_bytes);
     // Fault-injection hook for the crash-safety tests: a pause inside every save, so that a kill aimed at "a save
     // in progress" lands there however fast the disk is. Unset in normal use.
     if (const char* pause = std::getenv("DELTASTACK_TEST_SAVE_PAUSE_MS"))
       std::this_thread::sleep_for(std::chrono::milliseconds(std::strtol(pause, nullptr, 10)));
-    // AdamW moments (fp32, HF-style names), streamed from m and v without a copy, sharded like the weights.
-    std::vector<SaveTensor> ost;
-    for (const ParamSpec& p : model.params()) {
-      ost.push_back(make_tensor_f32_view("exp_avg." + p.name, p.shape, m.data() + p.offset));
-      ost.push_back(make_tensor_f32_view("exp_avg_sq." + p.name, p.shape, v.data() + p.offset));
-    }
-    write_safetensors_sharded(tmp_dir, "optimizer", ost, shard_bytes);
+    // The optimizer's state (AdamW moments, fp32, HF-style names), streamed from the engine, sharded like the weights.
+    write_safetensors_sharded(tmp_dir, "optimizer", engine->optimizer_tensors(), shard_bytes);
     write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), tokenizer_json);
     json st{{"step", step},         {"optimizer_steps", opt_steps}, {"tokens_seen", tokens_seen},
             {"elapsed_s", elapsed}, {"options", options_to_json(opt)}, {"deltastack_version", DELTASTACK_VERSION},
@@ -537,14 +522,12 @@ int train(TrainOptions opt) {
       valid += micro.back().num_targets();
       ntok += micro.back().size();
     }
-    if (gpu) gpu->zero_grads();
-    else model.zero_grads();
+    engine->zero_grads();
     double loss_sum = 0;
     for (const PackedBatch& b : micro)
       loss_sum += fb(b, valid > 0 ? 1.0 / static_cast<double>(valid) : 0.0, opt.z_loss).loss_sum;
     double loss = valid > 0 ? loss_sum / static_cast<double>(valid) : 0.0;
-    double gnorm = std::sqrt(gpu ? gpu->grad_sum_squares()
-                                 : ops::sum_squares(model.grads().data(), static_cast<int64_t>(model.grads().size())));
+    double gnorm = std::sqrt(engine->grad_sum_squares());
     double lr = lr_at(opt, step);
     bool bad = !std::isfinite(loss) || !std::isfinite(gnorm);
     tokens_seen += ntok;
@@ -559,34 +542,20 @@ int train(TrainOptions opt) {
     } else {
       ++opt_steps;
       double scale = (opt.clip > 0 && gnorm > opt.clip) ? opt.clip / (gnorm + 1e-6) : 1.0;
-      if (gpu) {
-        ops::AdamWParams ap;
-        ap.lr = lr;
-        ap.beta1 = opt.beta1;
-        ap.beta2 = opt.beta2;
-        ap.eps = opt.adam_eps;
-        ap.step = opt_steps;
-        ap.grad_scale = scale;
-        gpu->adamw_step(ap, opt.weight_decay);
-      }
-      for (const ParamSpec& p : model.params()) {
-        if (gpu) break;
-        ops::AdamWParams ap;
-        ap.lr = lr;
-        ap.beta1 = opt.beta1;
-        ap.beta2 = opt.beta2;
-        ap.eps = opt.adam_eps;
-        ap.weight_decay = p.weight_decay ? opt.weight_decay : 0.0;
-        ap.step = opt_steps;
-        ap.grad_scale = scale;
-        ops::adamw_update(model.weights().data() + p.offset, model.grads().data() + p.offset, m.data() + p.offset,
-                          v.data() + p.offset, p.numel, ap);
-      }
+      ops::AdamWParams ap;
+      ap.lr = lr;
+      ap.beta1 = opt.beta1;
+      ap.beta2 = opt.beta2;
+      ap.eps = opt.adam_eps;
+      ap.weight_decay = opt.weight_decay;
+      ap.step = opt_steps;
+      ap.grad_scale = scale;
+      engine->optimizer_step(ap);
       double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       double el = elapsed_now();
       json line{{"step", step}, {"loss", loss}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", ntok},
                 {"tokens_per_s", ntok / dt}, {"elapsed_s", el}};
-      if (gpu) line["peak_gib"] = gpu->peak_bytes() / 1073741824.0;
+      if (engine->device() == "cuda") line["peak_gib"] = engine->peak_bytes() / 1073741824.0;
       write_metrics(line);
       fmt::print("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | {:.1f} s\n",
                  step, opt.steps, loss, gnorm, lr, ntok, ntok / dt, el);

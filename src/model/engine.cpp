@@ -1,0 +1,143 @@
+// The two engines behind model/engine.h: the CPU reference (Qwen35Model + host AdamW state) and the CUDA engine
+// (GpuModel: everything on the device, checkpoints streamed from it in slabs).
+#include "model/engine.h"
+
+#include <utility>
+
+#include "core/cuda/device.h"
+#include "core/error.h"
+#include "model/gpu_model.h"
+
+namespace ds {
+
+namespace {
+
+// AdamW state names in optimizer.safetensors (fp32, one pair per parameter).
+std::string exp_avg_name(const ParamSpec& p) { return "exp_avg." + p.name; }
+std::string exp_avg_sq_name(const ParamSpec& p) { return "exp_avg_sq." + p.name; }
+
+// The per-parameter update of an engine-wide AdamW step: decay only where the ParamSpec says so.
+ops::AdamWParams for_param(const ops::AdamWParams& p, const ParamSpec& s) {
+  ops::AdamWParams q = p;
+  q.weight_decay = s.weight_decay ? p.weight_decay : 0.0;
+  return q;
+}
+
+class CpuEngine final : public Engine {
+ public:
+  explicit CpuEngine(Qwen35Model model)
+      : model_(std::move(model)),
+        m_(static_cast<size_t>(model_.num_parameters()), 0.0f),
+        v_(static_cast<size_t>(model_.num_parameters()), 0.0f) {}
+
+  std::string device() const override { return "cpu"; }
+  const ModelConfig& config() const override { return model_.config(); }
+  const std::vector<ParamSpec>& params() const override { return model_.params(); }
+  LossResult forward_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) override {
+    return model_.forward_backward(b, grad_scale, z_loss, cap);
+  }
+  void zero_grads() override { model_.zero_grads(); }
+  double grad_sum_squares() override {
+    return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
+  }
+  void optimizer_step(const ops::AdamWParams& p) override {
+    float *w = model_.weights().data(), *g = model_.grads().data();
+    for (const ParamSpec& s : model_.params())
+      ops::adamw_update(w + s.offset, g + s.offset, m_.data() + s.offset, v_.data() + s.offset, s.numel,
+                        for_param(p, s));
+  }
+  std::vector<SaveTensor> weight_tensors(DType dtype) override { return model_.to_tensors(model_.weights(), dtype); }
+  std::vector<SaveTensor> optimizer_tensors() override {
+    std::vector<SaveTensor> out;
+    for (const ParamSpec& p : model_.params()) {
+      out.push_back(make_tensor_f32_view(exp_avg_name(p), p.shape, m_.data() + p.offset));
+      out.push_back(make_tensor_f32_view(exp_avg_sq_name(p), p.shape, v_.data() + p.offset));
+    }
+    return out;
+  }
+  void load_optimizer(const TensorSource& read) override {
+    for (const ParamSpec& p : model_.params()) {
+      const std::vector<float> em = read(exp_avg_name(p), p.numel), ev = read(exp_avg_sq_name(p), p.numel);
+      DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
+               "optimizer state for {} has the wrong size", p.name);
+      std::copy(em.begin(), em.end(), m_.begin() + p.offset);
+      std::copy(ev.begin(), ev.end(), v_.begin() + p.offset);
+    }
+  }
+
+ private:
+  Qwen35Model model_;
+  std::vector<float> m_, v_;  // AdamW moments, flat like the weights
+};
+
+class CudaEngine final : public Engine {
+ public:
+  CudaEngine(Qwen35Model host, const GpuPlan& plan)
+      : cfg_(host.config()), params_(host.params()), gpu_(std::make_unique<GpuModel>(host, plan)) {
+    host.release_buffers();  // the device holds the only copy from here on
+  }
+
+  std::string device() const override { return "cuda"; }
+  const ModelConfig& config() const override { return cfg_; }
+  const std::vector<ParamSpec>& params() const override { return params_; }
+  LossResult forward_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) override {
+    return gpu_->forward_backward(b, grad_scale, z_loss, cap);
+  }
+  void zero_grads() override { gpu_->zero_grads(); }
+  double grad_sum_squares() override { return gpu_->grad_sum_squares(); }
+  void optimizer_step(const ops::AdamWParams& p) override { gpu_->adamw_step(p, p.weight_decay); }
+  std::vector<SaveTensor> weight_tensors(DType dtype) override {
+    std::vector<SaveTensor> out;
+    for (const ParamSpec& p : params_) out.push_back(reader(p.name, p, GpuModel::Buffer::Weights, stored_dtype(p, dtype)));
+    return out;
+  }
+  std::vector<SaveTensor> optimizer_tensors() override {
+    std::vector<SaveTensor> out;
+    for (const ParamSpec& p : params_) {
+      out.push_back(reader(exp_avg_name(p), p, GpuModel::Buffer::ExpAvg, DType::F32));
+      out.push_back(reader(exp_avg_sq_name(p), p, GpuModel::Buffer::ExpAvgSq, DType::F32));
+    }
+    return out;
+  }
+  void load_optimizer(const TensorSource& read) override {
+    for (const ParamSpec& p : params_) {
+      const std::vector<float> em = read(exp_avg_name(p), p.numel), ev = read(exp_avg_sq_name(p), p.numel);
+      DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
+               "optimizer state for {} has the wrong size", p.name);
+      gpu_->write(GpuModel::Buffer::ExpAvg, p.offset, p.numel, em.data());
+      gpu_->write(GpuModel::Buffer::ExpAvgSq, p.offset, p.numel, ev.data());
+    }
+  }
+  size_t peak_bytes() const override { return gpu_->peak_bytes(); }
+
+ private:
+  // A checkpoint entry whose values are copied from the device buffer slab by slab while the file is written.
+  SaveTensor reader(const std::string& name, const ParamSpec& p, GpuModel::Buffer which, DType as) {
+    GpuModel* gpu = gpu_.get();
+    const int64_t base = p.offset;
+    return make_tensor_f32_reader(name, p.shape, [gpu, which, base](int64_t first, int64_t count, float* dst) {
+      gpu->read(which, base + first, count, dst);
+    }, as);
+  }
+
+  ModelConfig cfg_;
+  std::vector<ParamSpec> params_;
+  std::unique_ptr<GpuModel> gpu_;
+};
+
+}  // namespace
+
+std::string resolve_device(const std::string& device) {
+  DS_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device must be auto, cpu or cuda (got \"{}\")",
+           device);
+  if (device == "auto") return cuda_device_count() > 0 ? "cuda" : "cpu";
+  return device;
+}
+
+std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan) {
+  const std::string d = resolve_device(device);
+  if (d == "cuda") return std::make_unique<CudaEngine>(std::move(host), plan);
+  return std::make_unique<CpuEngine>(std::move(host));
+}
+
+}  // namespace ds

@@ -1,0 +1,88 @@
+// The engine interface: what the trainer, `eval`, `generate`, `forward` and `bench` need from an engine that
+// runs the Qwen3.5 model (docs/architecture.md). Two engines implement it:
+//   - "cpu": the fp32 reference (model/model.h: Qwen35Model, ops' CPU references), AdamW state on the host;
+//   - "cuda": the GPU engine (model/gpu_model.h), every buffer on the device, no host copy of the weights,
+//     gradients or optimizer state; checkpoints stream from the device in bounded slabs.
+// The trainer never branches on the engine: it asks for a step, a gradient norm, an optimizer update and the
+// checkpoint tensors, all through this interface.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/model.h"
+#include "model/safetensors.h"
+#include "ops/adamw/adamw.h"
+
+namespace ds {
+
+// Sizes a GPU engine plans its memory for (the CPU engine ignores them).
+struct GpuPlan {
+  int64_t max_tokens = 0;          // tokens per micro-batch (packed)
+  int64_t max_seqs = 0;            // documents per micro-batch
+  int64_t max_seqlen = 0;          // longest document (0: max_tokens); sizes cuDNN attention's length buckets
+  int64_t rows = 0;                // the tokens are `rows` windows of max_seqlen (micro-batch); 0: any packing
+  int64_t ce_chunk_tokens = 2048;  // fused-loss chunk
+
+  // Batches of `micro_batch` packed windows of seq_len tokens, each holding at most docs_per_window documents
+  // (a document never spans windows): the trainer's, eval's and bench's batches.
+  static GpuPlan windows(int64_t micro_batch, int64_t seq_len, int64_t docs_per_window) {
+    GpuPlan p;
+    p.max_tokens = micro_batch * seq_len;
+    p.max_seqs = micro_batch * docs_per_window;
+    p.max_seqlen = seq_len;
+    p.rows = micro_batch;
+    return p;
+  }
+};
+
+// Reads fp32 values of the named tensor (shape as the engine expects it); ds::Error naming the file and tensor
+// when it is missing or has another shape. The trainer passes a checkpoint reader here on resume.
+using TensorSource = std::function<std::vector<float>(const std::string& name, int64_t numel)>;
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  virtual std::string device() const = 0;  // "cpu" | "cuda": saved in checkpoints, a resume keeps it
+  virtual const ModelConfig& config() const = 0;
+  virtual const std::vector<ParamSpec>& params() const = 0;  // HF names, shapes, decay flags, flat offsets
+
+  // Forward, loss (sum of per-token CE + z-loss over valid targets) and, when grad_scale != 0, the backward:
+  // the gradient of grad_scale * loss_sum is ADDED to the engine's gradients (micro-batches accumulate).
+  // capture (small inputs only): hidden states and full logits, as HF output_hidden_states / logits.
+  // ds::Error for a batch the model or the engine's plan cannot take (naming the position or the limit).
+  virtual LossResult forward_backward(const PackedBatch& batch, double grad_scale, double z_loss = 0.0,
+                                      ForwardCapture* capture = nullptr) = 0;
+  virtual void zero_grads() = 0;
+  // Sum of squares of every gradient element, in double, in a fixed order (bitwise reproducible).
+  virtual double grad_sum_squares() = 0;
+  // One AdamW update of every parameter (p.weight_decay applied to the parameters whose ParamSpec says so;
+  // p.grad_scale multiplies the gradients first: the clip factor). GPU: also refreshes the bf16 compute copy.
+  virtual void optimizer_step(const ops::AdamWParams& p) = 0;
+
+  // Checkpoint tensors, streamed: each entry reads its fp32 values from the engine while the file is written
+  // (no copy of the whole state in host memory). The engine must outlive the write.
+  //   weight_tensors: the parameters with HF names (A_log and linear_attn.norm.weight stay F32 whatever dtype);
+  //   optimizer_tensors: the optimizer's own state ("exp_avg.<name>", "exp_avg_sq.<name>" for AdamW, fp32).
+  virtual std::vector<SaveTensor> weight_tensors(DType dtype = DType::F32) = 0;
+  virtual std::vector<SaveTensor> optimizer_tensors() = 0;
+  // Restores the optimizer state that optimizer_tensors() wrote (names as there), one tensor at a time.
+  virtual void load_optimizer(const TensorSource& read) = 0;
+
+  virtual size_t peak_bytes() const { return 0; }  // device memory high point (0 on the CPU)
+};
+
+// Builds the engine for `device` ("cpu" or "cuda"; "auto" = cuda when a device is present) from a host model whose
+// weights are initialised or loaded. The CUDA engine uploads the weights and then releases the host model's
+// buffers (host.release_buffers()); the CPU engine takes the model over. ds::Error when CUDA is asked for but
+// unavailable, or the plan does not fit in device memory (the message gives the bytes).
+std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan);
+
+// "cuda" when device is "cuda", or "auto" and a CUDA device is present; else "cpu".
+std::string resolve_device(const std::string& device);
+
+}  // namespace ds
