@@ -1,5 +1,5 @@
-// GPU model: the layer sequence of model.cpp (HF Qwen3_5ForCausalLM, qwen35_model.md §2) on CUDA backends.
-// Compiled only with DELTASTACK_CUDA; the stub at the bottom reports a clear error otherwise.
+// The GPU engine's decoder and its assembly (gpu_model.h). Compiled only with DELTASTACK_CUDA; the stub at the
+// bottom reports a clear error otherwise.
 #include "model/gpu_model.h"
 
 #include "core/error.h"
@@ -7,20 +7,25 @@
 #ifdef DELTASTACK_CUDA
 #include <algorithm>
 #include <cmath>
-#include <map>
+#include <initializer_list>
+#include <memory>
 
 #include "core/bf16.h"
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
 #include "core/log.h"
 #include "model/dims.h"
+#include "model/gpu_activations.h"
+#include "model/gpu_memory.h"
+#include "model/gpu_optimizer.h"
+#include "model/gpu_params.h"
+#include "model/params.h"
 #include "ops/adamw/cuda.h"
-#include "ops/attention/cuda.h"
-#include "ops/attention/cudnn.h"
+#include "ops/attention/plan.h"
 #include "ops/conv1d/cuda.h"
 #include "ops/elementwise/cuda.h"
 #include "ops/embedding/cuda.h"
-#include "ops/gated_delta_rule/cuda.h"
+#include "ops/gated_delta_rule/plan.h"
 #include "ops/gated_rmsnorm/cuda.h"
 #include "ops/gdn_gate/cuda.h"
 #include "ops/l2norm/cuda.h"
@@ -38,41 +43,15 @@ using ds::cuda::bf16;
 namespace K = ds::ops::cuda;
 
 namespace {
-
-// Bump allocator over one device allocation. Run the layout once with base == nullptr to size it, then again
-// with the real base.
-struct Arena {
-  char* base = nullptr;
-  size_t off = 0;
-  template <typename T>
-  T* take(size_t n) {
-    off = (off + 255) / 256 * 256;
-    T* p = reinterpret_cast<T*>(base + off);
-    off += n * sizeof(T);
-    return base ? p : nullptr;
-  }
-  void* bytes(size_t n) { return take<char>(n); }
-};
-
-struct LayerBufs {
-  bf16 *xn1, *h_mid, *xn2, *gu, *act;
-  float *rstd1, *rstd2;
-  // GDN
-  bf16 *mixed = nullptr, *z = nullptr, *ab = nullptr, *conv_out = nullptr, *qn = nullptr, *kn = nullptr,
-       *core = nullptr, *y = nullptr;
-  float *rq = nullptr, *rk = nullptr, *g = nullptr, *beta = nullptr, *states = nullptr, *rstd_g = nullptr;
-  // attention
-  bf16 *qraw = nullptr, *graw = nullptr, *kraw = nullptr, *vraw = nullptr, *qr = nullptr, *kr = nullptr,
-       *ao = nullptr, *og = nullptr;
-  float *rstd_q = nullptr, *rstd_k = nullptr, *lse = nullptr;
-};
-
+inline size_t max_of(std::initializer_list<size_t> v) { return std::max(v); }
 }  // namespace
 
+// The decoder: the layer sequence of HF Qwen3_5ForCausalLM (docs/model.md §2) over the parameter store's views,
+// the activation plan and the op plans. All of it runs on one stream.
 struct GpuModel::Impl {
   ModelConfig c;
   std::vector<ParamSpec> params;
-  std::map<std::string, size_t> by_name;
+  std::shared_ptr<const ParamLayout> layout;
   GpuPlan plan;
   int64_t P = 0;  // parameter count
   cudaStream_t stream = nullptr;
@@ -80,181 +59,48 @@ struct GpuModel::Impl {
   size_t arena_bytes = 0;
   size_t peak = 0;
 
-  // parameters
-  float *w = nullptr, *gw = nullptr, *m = nullptr, *v = nullptr;
-  bf16* wb = nullptr;
-  // per-batch inputs
-  int32_t *ids = nullptr, *targets = nullptr, *cu = nullptr, *seq_start = nullptr, *chunk_off = nullptr,
-          *emb_uniq = nullptr, *emb_starts = nullptr, *emb_pos = nullptr;
-  float *cos_t = nullptr, *sin_t = nullptr;
-  double* loss_dev = nullptr;
-  double* sumsq_dev = nullptr;
-  // activations
-  std::vector<bf16*> hs;  // residual stream entering each layer, hs[L] = last layer's output
-  std::vector<LayerBufs> layers;
-  bf16 *hf = nullptr, *tmpH = nullptr, *qg = nullptr;
-  float* rstd_f = nullptr;
-  // backward scratch
-  bf16 *dh = nullptr, *dtmp = nullptr, *dxn = nullptr, *dact = nullptr, *dgu = nullptr, *dmixed = nullptr,
-       *dconv = nullptr, *dz = nullptr, *dab = nullptr, *dcore = nullptr, *dy = nullptr, *dqn = nullptr,
-       *dkn = nullptr, *dog = nullptr, *dao = nullptr, *dgate = nullptr, *dqr = nullptr, *dkr = nullptr,
-       *dvv = nullptr, *dqg = nullptr, *dhf = nullptr;
-  float *dg = nullptr, *dbeta = nullptr;
-  void* op_scratch = nullptr;
-  size_t op_scratch_bytes = 0;
-  void* ce_scratch = nullptr;
-  void* sumsq_scratch = nullptr;
-  // cuDNN fused attention (when the registry selects it); per batch it may fall back to the simple kernel.
-  std::unique_ptr<ops::cudnn::Attention> cudnn_attn;
-  void* cudnn_meta = nullptr;
-  bool cudnn_batch = false;    // the current batch runs on cuDNN
-  bool cudnn_warned = false;
+  std::unique_ptr<GpuParamStore> store;
+  std::unique_ptr<GpuOptimizer> optimizer;
+  GpuActivations acts;
+  std::unique_ptr<K::GatedDeltaRulePlan> gdn;  // null when the model has no GDN layer
+  std::unique_ptr<K::AttentionPlan> attn;      // null when the model has no attention layer
+  // the current micro-batch
+  int64_t N = 0, S = 0, num_uniq = 0;
 
-  int64_t max_chunks() const { return plan.max_tokens / 64 + plan.max_seqs + 1; }
-
-  void layout(Arena& a) {
-    const int64_t N = plan.max_tokens, S = plan.max_seqs, H = c.hidden_size, I = c.intermediate_size;
-    const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads,
-                  Hk = c.linear_num_key_heads, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads,
+  // The whole memory plan in one pass over `a` (sizing pass when a.base is null).
+  void layout_memory(Arena& a) {
+    const int64_t N = plan.max_tokens, S = plan.max_seqs, H = c.hidden_size, CD = c.conv_dim(),
+                  Hv = c.linear_num_value_heads, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads,
                   hd = c.head_dim;
-    w = a.take<float>(P);
-    gw = a.take<float>(P);
-    m = a.take<float>(P);
-    v = a.take<float>(P);
-    wb = a.take<bf16>(P);
-    ids = a.take<int32_t>(N);
-    targets = a.take<int32_t>(N);
-    cu = a.take<int32_t>(S + 1);
-    seq_start = a.take<int32_t>(N);
-    chunk_off = a.take<int32_t>(S + 1);
-    emb_uniq = a.take<int32_t>(N);
-    emb_starts = a.take<int32_t>(N + 1);
-    emb_pos = a.take<int32_t>(N);
-    cos_t = a.take<float>(N * c.rotary_dim() / 2);
-    sin_t = a.take<float>(N * c.rotary_dim() / 2);
-    loss_dev = a.take<double>(2);
-    sumsq_dev = a.take<double>(1);
-    hs.assign(static_cast<size_t>(c.num_hidden_layers + 1), nullptr);
-    for (auto& h : hs) h = a.take<bf16>(N * H);
-    layers.assign(static_cast<size_t>(c.num_hidden_layers), LayerBufs{});
-    size_t scratch = 0;
-    // Activations that are cheap to recompute from what a layer keeps (one norm, elementwise or conv pass each)
-    // are not kept per layer: one buffer each, shared by all layers, written in the forward and rewritten by the
-    // same kernel on the same inputs in the backward (so the values are bitwise the forward's). Kept per layer:
-    // the residual stream, h_mid, the statistics, gu, mixed, z, ab, g, beta, core, the GDN chunk states and the
-    // attention q/k/v/gate/output.
-    bool any_gdn = false, any_attn = false;
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_full_attention(i) ? any_attn : any_gdn) = true;
-    bf16* xn_s = a.take<bf16>(N * H);
-    bf16* act_s = a.take<bf16>(N * I);
-    bf16 *conv_s = nullptr, *qn_s = nullptr, *kn_s = nullptr, *y_s = nullptr, *og_s = nullptr;
-    if (any_gdn) {
-      conv_s = a.take<bf16>(N * CD);
-      qn_s = a.take<bf16>(N * KD);
-      kn_s = a.take<bf16>(N * KD);
-      y_s = a.take<bf16>(N * VD);
-    }
-    if (any_attn) og_s = a.take<bf16>(N * Hq * hd);
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-      LayerBufs& L = layers[static_cast<size_t>(i)];
-      L.xn1 = xn_s;  // recomputed
-      L.rstd1 = a.take<float>(N);
-      L.h_mid = a.take<bf16>(N * H);
-      L.xn2 = xn_s;  // recomputed
-      L.rstd2 = a.take<float>(N);
-      L.gu = a.take<bf16>(N * 2 * I);
-      L.act = act_s;  // recomputed
-      if (c.is_full_attention(i)) {
-        L.qraw = a.take<bf16>(N * Hq * hd);
-        L.graw = a.take<bf16>(N * Hq * hd);
-        L.kraw = a.take<bf16>(N * Hkv * hd);
-        L.vraw = a.take<bf16>(N * Hkv * hd);
-        L.qr = a.take<bf16>(N * Hq * hd);
-        L.kr = a.take<bf16>(N * Hkv * hd);
-        L.ao = a.take<bf16>(N * Hq * hd);
-        L.og = og_s;  // recomputed
-        L.rstd_q = a.take<float>(N * Hq);
-        L.rstd_k = a.take<float>(N * Hkv);
-        L.lse = a.take<float>(N * Hq);
-      } else {
-        L.mixed = a.take<bf16>(N * CD);
-        L.z = a.take<bf16>(N * VD);
-        L.ab = a.take<bf16>(N * 2 * Hv);
-        L.conv_out = conv_s;  // recomputed
-        L.qn = qn_s;          // recomputed
-        L.kn = kn_s;          // recomputed
-        L.rq = a.take<float>(N * Hk);
-        L.rk = a.take<float>(N * Hk);
-        L.g = a.take<float>(N * Hv);
-        L.beta = a.take<float>(N * Hv);
-        L.states = a.take<float>(static_cast<size_t>(max_chunks() * Hv * c.linear_key_head_dim * c.linear_value_head_dim));
-        L.core = a.take<bf16>(N * VD);
-        L.rstd_g = a.take<float>(N * Hv);
-        L.y = y_s;  // recomputed
-      }
-    }
-    hf = a.take<bf16>(N * H);
-    rstd_f = a.take<float>(N);
-    tmpH = a.take<bf16>(N * H);
-    qg = a.take<bf16>(N * Hq * 2 * hd);
-    dh = a.take<bf16>(N * H);
-    dtmp = a.take<bf16>(N * H);
-    dxn = a.take<bf16>(N * H);
-    dhf = a.take<bf16>(N * H);
-    dact = a.take<bf16>(N * I);
-    dgu = a.take<bf16>(N * 2 * I);
-    dmixed = a.take<bf16>(N * CD);
-    dconv = a.take<bf16>(N * CD);
-    dz = a.take<bf16>(N * VD);
-    dab = a.take<bf16>(N * 2 * Hv);
-    dcore = a.take<bf16>(N * VD);
-    dy = a.take<bf16>(N * VD);
-    dqn = a.take<bf16>(N * KD);
-    dkn = a.take<bf16>(N * KD);
-    dg = a.take<float>(N * Hv);
-    dbeta = a.take<float>(N * Hv);
-    dog = a.take<bf16>(N * Hq * hd);
-    dao = a.take<bf16>(N * Hq * hd);
-    dgate = a.take<bf16>(N * Hq * hd);
-    dqr = a.take<bf16>(N * Hq * hd);
-    dkr = a.take<bf16>(N * Hkv * hd);
-    dvv = a.take<bf16>(N * Hkv * hd);
-    dqg = a.take<bf16>(N * Hq * 2 * hd);
-    scratch = std::max({scratch, K::rmsnorm_scratch_bytes(N, H), K::rmsnorm_scratch_bytes(N * Hq, hd),
-                        K::rmsnorm_scratch_bytes(N * Hkv, hd), K::gated_rmsnorm_scratch_bytes(N * Hv, c.linear_value_head_dim),
-                        K::gdn_gate_scratch_bytes(N, Hv), K::conv1d_scratch_bytes(N, CD, c.linear_conv_kernel_dim),
-                        K::gated_delta_rule_scratch_bytes(gdn_dims(c, N, S), max_chunks()),
-                        K::attention_scratch_bytes(attn_dims(c, N, S)),
-                        cudnn_attn ? cudnn_attn->workspace_bytes() : size_t{0}});
-    if (cudnn_attn) cudnn_meta = a.bytes(cudnn_attn->meta_bytes());
-    op_scratch_bytes = scratch;
-    op_scratch = a.bytes(scratch);
-    ce_scratch = a.bytes(K::linear_cross_entropy_scratch_bytes(N, H, c.vocab_size, plan.ce_chunk_tokens));
-    sumsq_scratch = a.bytes(K::sum_squares_scratch_bytes(P));
+    store->reserve(a);
+    optimizer->reserve(a);
+    GpuActivations::Sizes sz;
+    sz.max_tokens = N;
+    sz.max_seqs = S;
+    sz.gdn_saved = gdn ? gdn->saved_bytes() : 0;
+    sz.gdn_batch = gdn ? gdn->batch_bytes() : 0;
+    sz.attn_batch = attn ? attn->batch_bytes() : 0;
+    sz.op_scratch = max_of({K::rmsnorm_scratch_bytes(N, H), K::rmsnorm_scratch_bytes(N * Hq, hd),
+                            K::rmsnorm_scratch_bytes(N * Hkv, hd),
+                            K::gated_rmsnorm_scratch_bytes(N * Hv, c.linear_value_head_dim),
+                            K::gdn_gate_scratch_bytes(N, Hv), K::conv1d_scratch_bytes(N, CD, c.linear_conv_kernel_dim),
+                            gdn ? gdn->workspace_bytes() : size_t{0}, attn ? attn->workspace_bytes() : size_t{0}});
+    sz.ce_scratch = K::linear_cross_entropy_scratch_bytes(N, H, c.vocab_size, plan.ce_chunk_tokens);
+    acts.reserve(a, c, sz);
   }
-
-  float* W(const std::string& name) { return w + spec(name).offset; }
-  float* G(const std::string& name) { return gw + spec(name).offset; }
-  bf16* WB(const std::string& name) { return wb + spec(name).offset; }
-  const ParamSpec& spec(const std::string& name) const {
-    auto it = by_name.find(name);
-    DS_CHECK(it != by_name.end(), "gpu model: unknown parameter {}", name);
-    return params[it->second];
-  }
-  static std::string L(int64_t i, const char* rest) { return "model.layers." + std::to_string(i) + "." + rest; }
 
   // ---------------------------------------------------------------------------------------------------------
-  void upload_batch(const PackedBatch& b) {
-    const int64_t N = b.size(), S = static_cast<int64_t>(b.cu_seqlens.size()) - 1;
+  // Per micro-batch: the inputs on the device and every op plan's batch data, once for all layers.
+  void prepare_batch(const PackedBatch& b) {
+    N = b.size();
+    S = static_cast<int64_t>(b.cu_seqlens.size()) - 1;
     DS_CHECK(N <= plan.max_tokens && S <= plan.max_seqs,
              "gpu: batch of {} tokens / {} documents exceeds the plan ({} / {})", N, S, plan.max_tokens, plan.max_seqs);
     b.check(c);
-    std::vector<int32_t> ss(static_cast<size_t>(N)), co(static_cast<size_t>(S + 1), 0);
-    for (int64_t s = 0; s < S; ++s) {
+    const GpuBatchBufs& d = acts.batch;
+    std::vector<int32_t> ss(static_cast<size_t>(N));
+    for (int64_t s = 0; s < S; ++s)
       for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) ss[static_cast<size_t>(t)] = b.cu_seqlens[s];
-      int64_t len = b.cu_seqlens[s + 1] - b.cu_seqlens[s];
-      co[static_cast<size_t>(s + 1)] = co[static_cast<size_t>(s)] + static_cast<int32_t>((len + 63) / 64);
-    }
     // Embedding backward grouping: positions sorted by id (stable), unique ids with offsets.
     std::vector<int32_t> pos(static_cast<size_t>(N));
     for (int64_t t = 0; t < N; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(t);
@@ -273,206 +119,219 @@ struct GpuModel::Impl {
     auto up = [&](void* dst, const void* src, size_t bytes) {
       if (bytes) DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
     };
-    up(ids, b.input_ids.data(), N * 4);
-    up(targets, b.targets.data(), N * 4);
-    up(cu, b.cu_seqlens.data(), (S + 1) * 4);
-    up(seq_start, ss.data(), N * 4);
-    up(chunk_off, co.data(), (S + 1) * 4);
-    up(emb_uniq, uniq.data(), uniq.size() * 4);
-    up(emb_starts, starts.data(), starts.size() * 4);
-    up(emb_pos, pos.data(), N * 4);
-    up(cos_t, ct.data(), ct.size() * 4);
-    up(sin_t, st.data(), st.size() * 4);
-    total_chunks = co.back();
-    max_seqlen = 0;
-    for (int64_t s = 0; s < S; ++s) max_seqlen = std::max<int64_t>(max_seqlen, b.cu_seqlens[s + 1] - b.cu_seqlens[s]);
-    cudnn_batch = false;
-    if (cudnn_attn) {
-      DS_CHECK(max_seqlen <= plan.max_seqlen, "gpu: a document of {} tokens exceeds the plan's max_seqlen {}",
-               max_seqlen, plan.max_seqlen);
-      cudnn_batch = cudnn_attn->set_batch(b.cu_seqlens.data(), S, cudnn_meta, stream);
-      if (!cudnn_batch && !cudnn_warned) {
-        cudnn_warned = true;
-        log_warn("attention: a batch holds more short documents than cuDNN's smallest length buckets were built "
-                 "for; such batches use the simple attention kernel");
-      }
-    }
+    up(d.ids, b.input_ids.data(), N * 4);
+    up(d.targets, b.targets.data(), N * 4);
+    up(d.cu, b.cu_seqlens.data(), (S + 1) * 4);
+    up(d.seq_start, ss.data(), N * 4);
+    up(d.emb_uniq, uniq.data(), uniq.size() * 4);
+    up(d.emb_starts, starts.data(), starts.size() * 4);
+    up(d.emb_pos, pos.data(), N * 4);
+    up(d.cos_t, ct.data(), ct.size() * 4);
+    up(d.sin_t, st.data(), st.size() * 4);
+    if (gdn) gdn->prepare(d.cu, N, S, d.gdn_batch, stream);
+    if (attn) attn->prepare(b.cu_seqlens.data(), d.cu, N, S, d.attn_batch, stream);
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // host vectors die at return
   }
-  int64_t num_uniq = 0, total_chunks = 0, max_seqlen = 0;
 
   // ---------------------------------------------------------------------------------------------------------
-  void gdn_forward(int64_t i, LayerBufs& Lb, int64_t N, int64_t S) {
+  // Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, docs/model.md §2.6): xn1 -> tmpH.
+  void gdn_forward(const GpuParamStore::Layer& p, GpuLayerActs& A) {
+    const GdnParams<const bf16*>& w = p.compute.gdn;
+    const GdnParams<const float*>& m = p.master.gdn;
     const int64_t H = c.hidden_size, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(),
                   Hv = c.linear_num_value_heads, Hk = c.linear_num_key_heads, dk = c.linear_key_head_dim,
                   dv = c.linear_value_head_dim;
-    K::linear_forward(Lb.xn1, WB(L(i, "linear_attn.in_proj_qkv.weight")), Lb.mixed, N, H, CD, false, stream);
-    K::linear_forward(Lb.xn1, WB(L(i, "linear_attn.in_proj_z.weight")), Lb.z, N, H, VD, false, stream);
-    // in_proj_b and in_proj_a are adjacent in the flat buffer: one [2Hv, H] GEMM gives [b | a] per token.
-    K::linear_forward(Lb.xn1, WB(L(i, "linear_attn.in_proj_b.weight")), Lb.ab, N, H, 2 * Hv, false, stream);
-    K::conv1d_silu_forward(Lb.mixed, W(L(i, "linear_attn.conv1d.weight")), seq_start, Lb.conv_out, N, CD,
-                           c.linear_conv_kernel_dim, stream);
-    K::l2norm_forward(Lb.conv_out, CD, Lb.qn, Lb.rq, N, Hk, dk, 1e-6f, stream);
-    K::l2norm_forward(Lb.conv_out + KD, CD, Lb.kn, Lb.rk, N, Hk, dk, 1e-6f, stream);
-    K::gdn_gate_forward(Lb.ab, W(L(i, "linear_attn.A_log")), W(L(i, "linear_attn.dt_bias")), Lb.g, Lb.beta, N, Hv,
-                        stream);
-    K::gated_delta_rule_forward(gdn_dims(c, N, S), Lb.qn, Lb.kn, Lb.conv_out + 2 * KD, CD, Lb.g, Lb.beta, cu, chunk_off,
-                                total_chunks, Lb.core, Lb.states, stream);
-    K::gated_rmsnorm_forward(Lb.core, Lb.z, W(L(i, "linear_attn.norm.weight")), Lb.y, Lb.rstd_g, N * Hv, dv,
-                             static_cast<float>(c.rms_norm_eps), stream);
-    K::linear_forward(Lb.y, WB(L(i, "linear_attn.out_proj.weight")), tmpH, N, VD, H, false, stream);
+    const GpuBatchBufs& B = acts.batch;
+    K::linear_forward(A.xn1, w.in_proj_qkv, A.mixed, N, H, CD, false, stream);
+    K::linear_forward(A.xn1, w.in_proj_z, A.z, N, H, VD, false, stream);
+    K::linear_forward(A.xn1, w.in_proj_ba, A.ab, N, H, 2 * Hv, false, stream);  // [b | a] per token
+    K::conv1d_silu_forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, CD, c.linear_conv_kernel_dim, stream);
+    K::l2norm_forward(A.conv_out, CD, A.qn, A.rq, N, Hk, dk, 1e-6f, stream);
+    K::l2norm_forward(A.conv_out + KD, CD, A.kn, A.rk, N, Hk, dk, 1e-6f, stream);
+    K::gdn_gate_forward(A.ab, m.A_log, m.dt_bias, A.g, A.beta, N, Hv, stream);
+    gdn->forward(gdn_io(A), A.gdn_saved, acts.op_scratch, stream);
+    K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps), stream);
+    K::linear_forward(A.y, w.out_proj, acts.tmpH, N, VD, H, false, stream);
   }
 
-  void gdn_backward(int64_t i, LayerBufs& Lb, int64_t N, int64_t S) {
+  K::GdnForwardIO gdn_io(const GpuLayerActs& A) const {
+    K::GdnForwardIO io;
+    io.q = A.qn;
+    io.k = A.kn;
+    io.v = A.conv_out + 2 * c.key_dim();
+    io.v_stride = c.conv_dim();
+    io.g = A.g;
+    io.beta = A.beta;
+    io.o = A.core;
+    return io;
+  }
+
+  // dh (gradient of the mixer output) -> dxn (gradient of xn1, overwritten).
+  void gdn_backward(const GpuParamStore::Layer& p, GpuLayerActs& A) {
+    const GdnParams<const bf16*>& w = p.compute.gdn;
+    const GdnParams<const float*>& m = p.master.gdn;
+    const GdnParams<float*>& gw = p.grad.gdn;
+    const GpuGradBufs& d = acts.grad;
+    const GpuBatchBufs& B = acts.batch;
     const int64_t H = c.hidden_size, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(),
                   Hv = c.linear_num_value_heads, Hk = c.linear_num_key_heads, dk = c.linear_key_head_dim,
                   dv = c.linear_value_head_dim;
+    void* scratch = acts.op_scratch;
     // Recompute y, conv_out, qn, kn (shared buffers) exactly as gdn_forward made them.
-    K::gated_rmsnorm_forward(Lb.core, Lb.z, W(L(i, "linear_attn.norm.weight")), Lb.y, Lb.rstd_g, N * Hv, dv,
-                             static_cast<float>(c.rms_norm_eps), stream);
-    K::conv1d_silu_forward(Lb.mixed, W(L(i, "linear_attn.conv1d.weight")), seq_start, Lb.conv_out, N, CD,
-                           c.linear_conv_kernel_dim, stream);
-    K::l2norm_forward(Lb.conv_out, CD, Lb.qn, Lb.rq, N, Hk, dk, 1e-6f, stream);
-    K::l2norm_forward(Lb.conv_out + KD, CD, Lb.kn, Lb.rk, N, Hk, dk, 1e-6f, stream);
-    K::linear_backward_data(dh, WB(L(i, "linear_attn.out_proj.weight")), dy, N, VD, H, false, stream);
-    K::linear_backward_weight(dh, Lb.y, G(L(i, "linear_attn.out_proj.weight")), N, VD, H, stream);
-    K::gated_rmsnorm_backward(Lb.core, Lb.z, W(L(i, "linear_attn.norm.weight")), Lb.rstd_g, dy, dcore, dz,
-                              G(L(i, "linear_attn.norm.weight")), N * Hv, dv, op_scratch, stream);
-    K::gated_delta_rule_backward(gdn_dims(c, N, S), Lb.qn, Lb.kn, Lb.conv_out + 2 * KD, CD, Lb.g, Lb.beta, cu,
-                                 chunk_off, total_chunks, Lb.states, dcore, dqn, dkn, dconv + 2 * KD, CD, dg, dbeta,
-                                 op_scratch, stream);
-    K::l2norm_backward(Lb.qn, Lb.rq, dqn, dconv, CD, N, Hk, dk, stream);
-    K::l2norm_backward(Lb.kn, Lb.rk, dkn, dconv + KD, CD, N, Hk, dk, stream);
-    K::gdn_gate_backward(Lb.ab, W(L(i, "linear_attn.A_log")), W(L(i, "linear_attn.dt_bias")), dg, dbeta, dab,
-                         G(L(i, "linear_attn.A_log")), G(L(i, "linear_attn.dt_bias")), N, Hv, op_scratch, stream);
-    K::conv1d_silu_backward(Lb.mixed, W(L(i, "linear_attn.conv1d.weight")), dconv, seq_start, dmixed,
-                            G(L(i, "linear_attn.conv1d.weight")), N, CD, c.linear_conv_kernel_dim, op_scratch, stream);
-    K::linear_backward_data(dmixed, WB(L(i, "linear_attn.in_proj_qkv.weight")), dxn, N, H, CD, false, stream);
-    K::linear_backward_data(dz, WB(L(i, "linear_attn.in_proj_z.weight")), dxn, N, H, VD, true, stream);
-    K::linear_backward_data(dab, WB(L(i, "linear_attn.in_proj_b.weight")), dxn, N, H, 2 * Hv, true, stream);
-    K::linear_backward_weight(dmixed, Lb.xn1, G(L(i, "linear_attn.in_proj_qkv.weight")), N, H, CD, stream);
-    K::linear_backward_weight(dz, Lb.xn1, G(L(i, "linear_attn.in_proj_z.weight")), N, H, VD, stream);
-    K::linear_backward_weight(dab, Lb.xn1, G(L(i, "linear_attn.in_proj_b.weight")), N, H, 2 * Hv, stream);
+    K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps), stream);
+    K::conv1d_silu_forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, CD, c.linear_conv_kernel_dim, stream);
+    K::l2norm_forward(A.conv_out, CD, A.qn, A.rq, N, Hk, dk, 1e-6f, stream);
+    K::l2norm_forward(A.conv_out + KD, CD, A.kn, A.rk, N, Hk, dk, 1e-6f, stream);
+    K::linear_backward_data(d.dh, w.out_proj, d.dy, N, VD, H, false, stream);
+    K::linear_backward_weight(d.dh, A.y, gw.out_proj, N, VD, H, stream);
+    K::gated_rmsnorm_backward(A.core, A.z, m.norm, A.rstd_g, d.dy, d.dcore, d.dz, gw.norm, N * Hv, dv, scratch, stream);
+    K::GdnBackwardIO gr;
+    gr.dout = d.dcore;
+    gr.dq = d.dqn;
+    gr.dk = d.dkn;
+    gr.dv = d.dconv + 2 * KD;
+    gr.dv_stride = CD;
+    gr.dg = d.dg;
+    gr.dbeta = d.dbeta;
+    gdn->backward(gdn_io(A), gr, A.gdn_saved, scratch, stream);
+    K::l2norm_backward(A.qn, A.rq, d.dqn, d.dconv, CD, N, Hk, dk, stream);
+    K::l2norm_backward(A.kn, A.rk, d.dkn, d.dconv + KD, CD, N, Hk, dk, stream);
+    K::gdn_gate_backward(A.ab, m.A_log, m.dt_bias, d.dg, d.dbeta, d.dab, gw.A_log, gw.dt_bias, N, Hv, scratch, stream);
+    K::conv1d_silu_backward(A.mixed, m.conv1d, d.dconv, B.seq_start, d.dmixed, gw.conv1d, N, CD,
+                            c.linear_conv_kernel_dim, scratch, stream);
+    K::linear_backward_data(d.dmixed, w.in_proj_qkv, d.dxn, N, H, CD, false, stream);
+    K::linear_backward_data(d.dz, w.in_proj_z, d.dxn, N, H, VD, true, stream);
+    K::linear_backward_data(d.dab, w.in_proj_ba, d.dxn, N, H, 2 * Hv, true, stream);
+    K::linear_backward_weight(d.dmixed, A.xn1, gw.in_proj_qkv, N, H, CD, stream);
+    K::linear_backward_weight(d.dz, A.xn1, gw.in_proj_z, N, H, VD, stream);
+    K::linear_backward_weight(d.dab, A.xn1, gw.in_proj_ba, N, H, 2 * Hv, stream);
   }
 
-  void attn_forward(int64_t i, LayerBufs& Lb, int64_t N, int64_t S) {
+  // Gated attention mixer (HF Qwen3_5Attention.forward, docs/model.md §2.5): xn1 -> tmpH.
+  void attn_forward(const GpuParamStore::Layer& p, GpuLayerActs& A) {
+    const AttnParams<const bf16*>& w = p.compute.attn;
+    const AttnParams<const float*>& m = p.master.attn;
+    const GpuBatchBufs& B = acts.batch;
     const int64_t H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
-    K::linear_forward(Lb.xn1, WB(L(i, "self_attn.q_proj.weight")), qg, N, H, Hq * 2 * hd, false, stream);
+    K::linear_forward(A.xn1, w.q_proj, acts.qg, N, H, Hq * 2 * hd, false, stream);
     // per head: [query (hd) | gate (hd)]
-    K::copy_rows(qg, 2 * hd, Lb.qraw, hd, N * Hq, hd, stream);
-    K::copy_rows(qg + hd, 2 * hd, Lb.graw, hd, N * Hq, hd, stream);
-    K::linear_forward(Lb.xn1, WB(L(i, "self_attn.k_proj.weight")), Lb.kraw, N, H, Hkv * hd, false, stream);
-    K::linear_forward(Lb.xn1, WB(L(i, "self_attn.v_proj.weight")), Lb.vraw, N, H, Hkv * hd, false, stream);
+    K::copy_rows(acts.qg, 2 * hd, A.qraw, hd, N * Hq, hd, stream);
+    K::copy_rows(acts.qg + hd, 2 * hd, A.graw, hd, N * Hq, hd, stream);
+    K::linear_forward(A.xn1, w.k_proj, A.kraw, N, H, Hkv * hd, false, stream);
+    K::linear_forward(A.xn1, w.v_proj, A.vraw, N, H, Hkv * hd, false, stream);
     const float eps = static_cast<float>(c.rms_norm_eps);
-    K::rmsnorm_forward(Lb.qraw, W(L(i, "self_attn.q_norm.weight")), Lb.qr, Lb.rstd_q, N * Hq, hd, eps, true, stream);
-    K::rmsnorm_forward(Lb.kraw, W(L(i, "self_attn.k_norm.weight")), Lb.kr, Lb.rstd_k, N * Hkv, hd, eps, true, stream);
-    K::rope_apply(Lb.qr, N, Hq, hd, c.rotary_dim(), cos_t, sin_t, false, stream);
-    K::rope_apply(Lb.kr, N, Hkv, hd, c.rotary_dim(), cos_t, sin_t, false, stream);
-    if (cudnn_batch)
-      cudnn_attn->forward(Lb.qr, Lb.kr, Lb.vraw, Lb.ao, Lb.lse, op_scratch, stream);
-    else
-      K::attention_forward(attn_dims(c, N, S), Lb.qr, Lb.kr, Lb.vraw, cu, max_seqlen, Lb.ao, Lb.lse, stream);
-    K::output_gate_forward(Lb.ao, Lb.graw, Lb.og, N * Hq * hd, stream);
-    K::linear_forward(Lb.og, WB(L(i, "self_attn.o_proj.weight")), tmpH, N, Hq * hd, H, false, stream);
+    K::rmsnorm_forward(A.qraw, m.q_norm, A.qr, A.rstd_q, N * Hq, hd, eps, true, stream);
+    K::rmsnorm_forward(A.kraw, m.k_norm, A.kr, A.rstd_k, N * Hkv, hd, eps, true, stream);
+    K::rope_apply(A.qr, N, Hq, hd, c.rotary_dim(), B.cos_t, B.sin_t, false, stream);
+    K::rope_apply(A.kr, N, Hkv, hd, c.rotary_dim(), B.cos_t, B.sin_t, false, stream);
+    attn->forward(A.qr, A.kr, A.vraw, A.ao, A.lse, acts.op_scratch, stream);
+    K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);
+    K::linear_forward(A.og, w.o_proj, acts.tmpH, N, Hq * hd, H, false, stream);
   }
 
-  void attn_backward(int64_t i, LayerBufs& Lb, int64_t N, int64_t S) {
+  void attn_backward(const GpuParamStore::Layer& p, GpuLayerActs& A) {
+    const AttnParams<const bf16*>& w = p.compute.attn;
+    const AttnParams<const float*>& m = p.master.attn;
+    const AttnParams<float*>& gw = p.grad.attn;
+    const GpuGradBufs& d = acts.grad;
+    const GpuBatchBufs& B = acts.batch;
     const int64_t H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
-    K::output_gate_forward(Lb.ao, Lb.graw, Lb.og, N * Hq * hd, stream);  // recompute og (shared buffer)
-    K::linear_backward_data(dh, WB(L(i, "self_attn.o_proj.weight")), dog, N, Hq * hd, H, false, stream);
-    K::linear_backward_weight(dh, Lb.og, G(L(i, "self_attn.o_proj.weight")), N, Hq * hd, H, stream);
-    K::output_gate_backward(Lb.ao, Lb.graw, dog, dao, dgate, N * Hq * hd, stream);
-    if (cudnn_batch)
-      cudnn_attn->backward(Lb.qr, Lb.kr, Lb.vraw, Lb.ao, Lb.lse, dao, dqr, dkr, dvv, op_scratch, stream);
-    else
-      K::attention_backward(attn_dims(c, N, S), Lb.qr, Lb.kr, Lb.vraw, Lb.ao, Lb.lse, dao, cu, max_seqlen, dqr, dkr, dvv,
-                            op_scratch, stream);
-    K::rope_apply(dqr, N, Hq, hd, c.rotary_dim(), cos_t, sin_t, true, stream);
-    K::rope_apply(dkr, N, Hkv, hd, c.rotary_dim(), cos_t, sin_t, true, stream);
-    K::rmsnorm_backward(Lb.qraw, W(L(i, "self_attn.q_norm.weight")), Lb.rstd_q, dqr, dqr,
-                        G(L(i, "self_attn.q_norm.weight")), N * Hq, hd, true, op_scratch, stream);
-    K::rmsnorm_backward(Lb.kraw, W(L(i, "self_attn.k_norm.weight")), Lb.rstd_k, dkr, dkr,
-                        G(L(i, "self_attn.k_norm.weight")), N * Hkv, hd, true, op_scratch, stream);
-    K::copy_rows(dqr, hd, dqg, 2 * hd, N * Hq, hd, stream);
-    K::copy_rows(dgate, hd, dqg + hd, 2 * hd, N * Hq, hd, stream);
-    K::linear_backward_data(dqg, WB(L(i, "self_attn.q_proj.weight")), dxn, N, H, Hq * 2 * hd, false, stream);
-    K::linear_backward_data(dkr, WB(L(i, "self_attn.k_proj.weight")), dxn, N, H, Hkv * hd, true, stream);
-    K::linear_backward_data(dvv, WB(L(i, "self_attn.v_proj.weight")), dxn, N, H, Hkv * hd, true, stream);
-    K::linear_backward_weight(dqg, Lb.xn1, G(L(i, "self_attn.q_proj.weight")), N, H, Hq * 2 * hd, stream);
-    K::linear_backward_weight(dkr, Lb.xn1, G(L(i, "self_attn.k_proj.weight")), N, H, Hkv * hd, stream);
-    K::linear_backward_weight(dvv, Lb.xn1, G(L(i, "self_attn.v_proj.weight")), N, H, Hkv * hd, stream);
+    void* scratch = acts.op_scratch;
+    K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);  // recompute og (shared buffer)
+    K::linear_backward_data(d.dh, w.o_proj, d.dog, N, Hq * hd, H, false, stream);
+    K::linear_backward_weight(d.dh, A.og, gw.o_proj, N, Hq * hd, H, stream);
+    K::output_gate_backward(A.ao, A.graw, d.dog, d.dao, d.dgate, N * Hq * hd, stream);
+    attn->backward(A.qr, A.kr, A.vraw, A.ao, A.lse, d.dao, d.dqr, d.dkr, d.dvv, scratch, stream);
+    K::rope_apply(d.dqr, N, Hq, hd, c.rotary_dim(), B.cos_t, B.sin_t, true, stream);
+    K::rope_apply(d.dkr, N, Hkv, hd, c.rotary_dim(), B.cos_t, B.sin_t, true, stream);
+    K::rmsnorm_backward(A.qraw, m.q_norm, A.rstd_q, d.dqr, d.dqr, gw.q_norm, N * Hq, hd, true, scratch, stream);
+    K::rmsnorm_backward(A.kraw, m.k_norm, A.rstd_k, d.dkr, d.dkr, gw.k_norm, N * Hkv, hd, true, scratch, stream);
+    K::copy_rows(d.dqr, hd, d.dqg, 2 * hd, N * Hq, hd, stream);
+    K::copy_rows(d.dgate, hd, d.dqg + hd, 2 * hd, N * Hq, hd, stream);
+    K::linear_backward_data(d.dqg, w.q_proj, d.dxn, N, H, Hq * 2 * hd, false, stream);
+    K::linear_backward_data(d.dkr, w.k_proj, d.dxn, N, H, Hkv * hd, true, stream);
+    K::linear_backward_data(d.dvv, w.v_proj, d.dxn, N, H, Hkv * hd, true, stream);
+    K::linear_backward_weight(d.dqg, A.xn1, gw.q_proj, N, H, Hq * 2 * hd, stream);
+    K::linear_backward_weight(d.dkr, A.xn1, gw.k_proj, N, H, Hkv * hd, stream);
+    K::linear_backward_weight(d.dvv, A.xn1, gw.v_proj, N, H, Hkv * hd, stream);
   }
 
-  // Decoder layer i: hs[i] -> hs[i+1] (qwen35_model.md §2.3).
-  void layer_forward(int64_t i, int64_t N, int64_t S) {
+  // Decoder layer i (HF Qwen3_5DecoderLayer, docs/model.md §2.3): hs[i] -> hs[i+1].
+  void layer_forward(int64_t i) {
     const int64_t H = c.hidden_size, I = c.intermediate_size;
-    LayerBufs& Lb = layers[static_cast<size_t>(i)];
+    const GpuParamStore::Layer p = store->layer_params(i);
+    GpuLayerActs& A = acts.layers[static_cast<size_t>(i)];
+    bf16 *h_in = acts.hs[i], *h_out = acts.hs[i + 1], *tmpH = acts.tmpH;
     const float eps = static_cast<float>(c.rms_norm_eps);
-    K::rmsnorm_forward(hs[i], W(L(i, "input_layernorm.weight")), Lb.xn1, Lb.rstd1, N, H, eps, true, stream);
-    if (c.is_full_attention(i)) attn_forward(i, Lb, N, S);
-    else gdn_forward(i, Lb, N, S);
-    K::add(hs[i], tmpH, Lb.h_mid, N * H, stream);
-    K::rmsnorm_forward(Lb.h_mid, W(L(i, "post_attention_layernorm.weight")), Lb.xn2, Lb.rstd2, N, H, eps, true, stream);
-    // gate_proj and up_proj are adjacent: one [2I, H] GEMM gives [gate | up] per token.
-    K::linear_forward(Lb.xn2, WB(L(i, "mlp.gate_proj.weight")), Lb.gu, N, H, 2 * I, false, stream);
-    K::swiglu_forward(Lb.gu, Lb.act, N, I, stream);
-    K::linear_forward(Lb.act, WB(L(i, "mlp.down_proj.weight")), tmpH, N, I, H, false, stream);
-    K::add(Lb.h_mid, tmpH, hs[i + 1], N * H, stream);
+    K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream);
+    if (p.compute.full_attention) attn_forward(p, A);
+    else gdn_forward(p, A);
+    K::add(h_in, tmpH, A.h_mid, N * H, stream);
+    K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
+    K::linear_forward(A.xn2, p.compute.mlp.gate_up, A.gu, N, H, 2 * I, false, stream);  // [gate | up] per token
+    K::swiglu_forward(A.gu, A.act, N, I, stream);
+    K::linear_forward(A.act, p.compute.mlp.down, tmpH, N, I, H, false, stream);
+    K::add(A.h_mid, tmpH, h_out, N * H, stream);
   }
 
   // dh holds d hs[i+1] on entry and d hs[i] on exit.
-  void layer_backward(int64_t i, int64_t N, int64_t S) {
+  void layer_backward(int64_t i) {
     const int64_t H = c.hidden_size, I = c.intermediate_size;
-    LayerBufs& Lb = layers[static_cast<size_t>(i)];
+    const GpuParamStore::Layer p = store->layer_params(i);
+    GpuLayerActs& A = acts.layers[static_cast<size_t>(i)];
+    const GpuGradBufs& d = acts.grad;
+    bf16* h_in = acts.hs[i];
+    void* scratch = acts.op_scratch;
     const float eps = static_cast<float>(c.rms_norm_eps);
     // Recompute act and xn2 (shared buffers) exactly as layer_forward made them.
-    K::swiglu_forward(Lb.gu, Lb.act, N, I, stream);
-    K::rmsnorm_forward(Lb.h_mid, W(L(i, "post_attention_layernorm.weight")), Lb.xn2, Lb.rstd2, N, H, eps, true, stream);
-    K::linear_backward_data(dh, WB(L(i, "mlp.down_proj.weight")), dact, N, I, H, false, stream);
-    K::linear_backward_weight(dh, Lb.act, G(L(i, "mlp.down_proj.weight")), N, I, H, stream);
-    K::swiglu_backward(Lb.gu, dact, dgu, N, I, stream);
-    K::linear_backward_data(dgu, WB(L(i, "mlp.gate_proj.weight")), dxn, N, H, 2 * I, false, stream);
-    K::linear_backward_weight(dgu, Lb.xn2, G(L(i, "mlp.gate_proj.weight")), N, H, 2 * I, stream);
-    K::rmsnorm_backward(Lb.h_mid, W(L(i, "post_attention_layernorm.weight")), Lb.rstd2, dxn, dtmp,
-                        G(L(i, "post_attention_layernorm.weight")), N, H, true, op_scratch, stream);
-    K::add(dh, dtmp, dh, N * H, stream);
-    K::rmsnorm_forward(hs[i], W(L(i, "input_layernorm.weight")), Lb.xn1, Lb.rstd1, N, H, eps, true, stream);  // xn1
-    if (c.is_full_attention(i)) attn_backward(i, Lb, N, S);
-    else gdn_backward(i, Lb, N, S);
-    K::rmsnorm_backward(hs[i], W(L(i, "input_layernorm.weight")), Lb.rstd1, dxn, dtmp, G(L(i, "input_layernorm.weight")),
-                        N, H, true, op_scratch, stream);
-    K::add(dh, dtmp, dh, N * H, stream);
+    K::swiglu_forward(A.gu, A.act, N, I, stream);
+    K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
+    K::linear_backward_data(d.dh, p.compute.mlp.down, d.dact, N, I, H, false, stream);
+    K::linear_backward_weight(d.dh, A.act, p.grad.mlp.down, N, I, H, stream);
+    K::swiglu_backward(A.gu, d.dact, d.dgu, N, I, stream);
+    K::linear_backward_data(d.dgu, p.compute.mlp.gate_up, d.dxn, N, H, 2 * I, false, stream);
+    K::linear_backward_weight(d.dgu, A.xn2, p.grad.mlp.gate_up, N, H, 2 * I, stream);
+    K::rmsnorm_backward(A.h_mid, p.master.post_attention_layernorm, A.rstd2, d.dxn, d.dtmp,
+                        p.grad.post_attention_layernorm, N, H, true, scratch, stream);
+    K::add(d.dh, d.dtmp, d.dh, N * H, stream);
+    K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream);  // xn1
+    if (p.compute.full_attention) attn_backward(p, A);
+    else gdn_backward(p, A);
+    K::rmsnorm_backward(h_in, p.master.input_layernorm, A.rstd1, d.dxn, d.dtmp, p.grad.input_layernorm, N, H, true,
+                        scratch, stream);
+    K::add(d.dh, d.dtmp, d.dh, N * H, stream);
+    store->after_layer_backward(i, stream);
   }
 
-  const std::string& lm_name() const {
-    static const std::string tied = "model.embed_tokens.weight", untied = "lm_head.weight";
-    return c.tie_word_embeddings ? tied : untied;
-  }
-
+  // The step: embedding, layers, final norm, fused linear + cross-entropy (its backward in the same call), then
+  // the layers in reverse and the embedding backward.
   LossResult run(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) {
-    upload_batch(b);
-    const int64_t N = b.size(), S = static_cast<int64_t>(b.cu_seqlens.size()) - 1, H = c.hidden_size;
-    K::embedding_forward(ids, WB("model.embed_tokens.weight"), hs[0], N, H, stream);
-    for (int64_t i = 0; i < c.num_hidden_layers; ++i) layer_forward(i, N, S);
-    K::rmsnorm_forward(hs[c.num_hidden_layers], W("model.norm.weight"), hf, rstd_f, N, H,
-                       static_cast<float>(c.rms_norm_eps), true, stream);
+    prepare_batch(b);
+    const int64_t H = c.hidden_size, L = c.num_hidden_layers;
+    const GpuParamStore::Model mp = store->model_params();
+    const GpuBatchBufs& B = acts.batch;
+    const GpuGradBufs& d = acts.grad;
+    K::embedding_forward(B.ids, mp.compute.embed_tokens, acts.hs[0], N, H, stream);
+    for (int64_t i = 0; i < L; ++i) layer_forward(i);
+    K::rmsnorm_forward(acts.hs[L], mp.master.norm, acts.hf, acts.rstd_f, N, H, static_cast<float>(c.rms_norm_eps),
+                       true, stream);
     const bool backward = grad_scale != 0.0;
     ops::LinearCeOptions opt;
     opt.z_loss = z_loss;
     opt.grad_scale = grad_scale;
     opt.chunk_tokens = plan.ce_chunk_tokens;
-    if (cap) capture(cap, N);
-    K::linear_cross_entropy(hf, WB(lm_name()), targets, N, H, c.vocab_size, opt, loss_dev, backward ? dhf : nullptr,
-                            backward ? G(lm_name()) : nullptr, ce_scratch, stream);
+    if (cap) capture(cap, mp);
+    K::linear_cross_entropy(acts.hf, mp.compute.lm_head, B.targets, N, H, c.vocab_size, opt, B.loss,
+                            backward ? d.dhf : nullptr, backward ? mp.grad.lm_head : nullptr, acts.ce_scratch, stream);
     double loss[2];
-    DS_CUDA_CHECK(cudaMemcpyAsync(loss, loss_dev, sizeof(loss), cudaMemcpyDeviceToHost, stream));
+    DS_CUDA_CHECK(cudaMemcpyAsync(loss, B.loss, sizeof(loss), cudaMemcpyDeviceToHost, stream));
     LossResult r;
     r.num_valid = b.num_targets();
     if (backward) {
-      K::rmsnorm_backward(hs[c.num_hidden_layers], W("model.norm.weight"), rstd_f, dhf, dh, G("model.norm.weight"),
-                          N, H, true, op_scratch, stream);
-      for (int64_t i = c.num_hidden_layers - 1; i >= 0; --i) layer_backward(i, N, S);
-      K::embedding_backward(emb_uniq, emb_starts, emb_pos, num_uniq, dh, G("model.embed_tokens.weight"), H, stream);
+      K::rmsnorm_backward(acts.hs[L], mp.master.norm, acts.rstd_f, d.dhf, d.dh, mp.grad.norm, N, H, true,
+                          acts.op_scratch, stream);
+      for (int64_t i = L - 1; i >= 0; --i) layer_backward(i);
+      K::embedding_backward(B.emb_uniq, B.emb_starts, B.emb_pos, num_uniq, d.dh, mp.grad.embed_tokens, H, stream);
     }
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
     note_peak();
@@ -482,7 +341,7 @@ struct GpuModel::Impl {
   }
 
   // Hidden states (bf16 -> fp32) and full fp32 logits, for `deltastack forward --device cuda` on small inputs.
-  void capture(ForwardCapture* cap, int64_t N) {
+  void capture(ForwardCapture* cap, const GpuParamStore::Model& mp) {
     const int64_t H = c.hidden_size, V = c.vocab_size;
     auto down_bf16 = [&](const bf16* src, int64_t n) {
       std::vector<uint16_t> raw(static_cast<size_t>(n));
@@ -494,13 +353,13 @@ struct GpuModel::Impl {
     };
     if (cap->hidden_states) {
       cap->hidden.clear();
-      for (int64_t i = 0; i < c.num_hidden_layers; ++i) cap->hidden.push_back(down_bf16(hs[i], N * H));
-      cap->hidden.push_back(down_bf16(hf, N * H));
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) cap->hidden.push_back(down_bf16(acts.hs[i], N * H));
+      cap->hidden.push_back(down_bf16(acts.hf, N * H));
     }
     if (cap->logits) {
       float* logits = nullptr;  // a one-off tool path, outside any training loop
       DS_CUDA_CHECK(cudaMalloc(&logits, static_cast<size_t>(N * V) * sizeof(float)));
-      K::gemm(false, true, N, V, H, 1.0f, hf, H, WB(lm_name()), H, 0.0f, logits, true, V, stream);
+      K::gemm(false, true, N, V, H, 1.0f, acts.hf, H, mp.compute.lm_head, H, 0.0f, logits, true, V, stream);
       cap->logits_values.resize(static_cast<size_t>(N * V));
       DS_CUDA_CHECK(cudaMemcpyAsync(cap->logits_values.data(), logits, N * V * sizeof(float), cudaMemcpyDeviceToHost,
                                     stream));
@@ -508,8 +367,6 @@ struct GpuModel::Impl {
       DS_CUDA_CHECK(cudaFree(logits));
     }
   }
-
-  float* buffer(Buffer which) const;
 
   void note_peak() {
     size_t free_b = 0, total_b = 0;
@@ -535,37 +392,41 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   DS_CHECK(m.c.linear_conv_kernel_dim <= 4, "--device cuda: linear_conv_kernel_dim must be at most 4 (got {})",
            m.c.linear_conv_kernel_dim);
   m.params = host.params();
-  for (size_t i = 0; i < m.params.size(); ++i) m.by_name[m.params[i].name] = i;
+  m.layout = std::make_shared<const ParamLayout>(m.c, m.params);
   m.plan = plan;
   m.P = host.num_parameters();
   if (m.plan.max_seqlen <= 0) m.plan.max_seqlen = m.plan.max_tokens;
   DS_CHECK(m.plan.max_seqlen <= m.plan.max_tokens, "gpu: max_seqlen {} exceeds max_tokens {}", m.plan.max_seqlen,
            m.plan.max_tokens);
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
-  bool has_attention = false;
-  for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) has_attention = has_attention || m.c.is_full_attention(i);
-  if (has_attention && ops::select_backend("attention", "cuda").name.rfind("cudnn", 0) == 0) {
-    ops::cudnn::AttnBounds ab{m.plan.max_tokens, m.plan.max_seqs, m.plan.max_seqlen, m.c.num_attention_heads,
-                              m.c.num_key_value_heads, m.c.head_dim, attn_dims(m.c, 1, 1).scale, m.plan.rows};
-    try {
-      m.cudnn_attn = std::make_unique<ops::cudnn::Attention>(ab);
-    } catch (const std::exception& e) {
-      log_warn("attention: {}; using the simple attention kernel", e.what());
-    }
+  m.store = std::make_unique<GpuParamStore>(*m.layout, m.P);
+  m.optimizer = std::make_unique<GpuAdamW>(m.params, m.P);
+  bool has_attention = false, has_gdn = false;
+  for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) (m.c.is_full_attention(i) ? has_attention : has_gdn) = true;
+  if (has_gdn) {
+    const ops::GdnDims d = gdn_dims(m.c, 1, 1);
+    m.gdn = K::make_gated_delta_rule_plan(
+        K::GdnLimits{m.plan.max_tokens, m.plan.max_seqs, d.Hk, d.Hv, d.dk, d.dv, d.scale});
+  }
+  if (has_attention) {
+    m.attn = std::make_unique<K::AttentionPlan>(K::AttnLimits{m.plan.max_tokens, m.plan.max_seqs, m.plan.max_seqlen,
+                                                              m.plan.rows, m.c.num_attention_heads,
+                                                              m.c.num_key_value_heads, m.c.head_dim,
+                                                              attn_dims(m.c, 1, 1).scale});
   }
   Arena sizing;
-  m.layout(sizing);
+  m.layout_memory(sizing);
   m.arena_bytes = sizing.off;
   size_t free_b = 0, total_b = 0;
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  if (m.cudnn_attn && m.arena_bytes + (512u << 20) >= free_b) {
+  if (m.attn && m.arena_bytes + (512u << 20) >= free_b && m.attn->name() != "cuda-simple") {
     // cuDNN's deterministic backward keeps an S^2 workspace; when that is what does not fit, drop to the simple
     // kernel (no workspace) rather than fail.
     log_warn("attention: the plan with cuDNN's {:.2f} GiB workspace does not fit in {:.2f} GiB free; using the "
-             "simple attention kernel", m.cudnn_attn->workspace_bytes() / 1073741824.0, free_b / 1073741824.0);
-    m.cudnn_attn.reset();
+             "simple attention kernel", m.attn->workspace_bytes() / 1073741824.0, free_b / 1073741824.0);
+    m.attn->drop_to_simple();
     sizing = Arena{};
-    m.layout(sizing);
+    m.layout_memory(sizing);
     m.arena_bytes = sizing.off;
   }
   DS_CHECK(m.arena_bytes + (512u << 20) < free_b,
@@ -574,22 +435,19 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   DS_CUDA_CHECK(cudaMalloc(&m.arena_base, m.arena_bytes));
   Arena real;
   real.base = m.arena_base;
-  m.layout(real);
-  DS_CUDA_CHECK(cudaMemcpy(m.w, host.weights().data(), m.P * sizeof(float), cudaMemcpyHostToDevice));
-  DS_CUDA_CHECK(cudaMemset(m.gw, 0, m.P * sizeof(float)));
-  DS_CUDA_CHECK(cudaMemset(m.m, 0, m.P * sizeof(float)));
-  DS_CUDA_CHECK(cudaMemset(m.v, 0, m.P * sizeof(float)));
-  K::to_bf16(m.w, m.wb, m.P, m.stream);
-  DS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
+  m.layout_memory(real);
+  m.optimizer->zero_state(m.stream);
+  m.store->upload(host.weights().data(), m.stream);
   m.note_peak();
-  log_info("gpu: {} ({}), one allocation of {:.2f} GiB for {} tokens x {} documents per micro-batch",
-           cuda_device_name(), "bf16 compute, fp32 master", m.arena_bytes / 1073741824.0, plan.max_tokens,
-           plan.max_seqs);
+  log_info("gpu: {} ({}), one allocation of {:.2f} GiB for {} tokens x {} documents per micro-batch; "
+           "gated delta rule: {}, attention: {}", cuda_device_name(), "bf16 compute, fp32 master",
+           m.arena_bytes / 1073741824.0, plan.max_tokens, plan.max_seqs, m.gdn ? m.gdn->name() : "-",
+           m.attn ? m.attn->name() : "-");
 }
 
 GpuModel::~GpuModel() {
   if (impl_) {
-    impl_->cudnn_attn.reset();  // its handle and plans before the stream and memory they were used with
+    impl_->attn.reset();  // cuDNN's handle and plans before the stream and memory they were used with
     if (impl_->arena_base) cudaFree(impl_->arena_base);
     if (impl_->stream) cudaStreamDestroy(impl_->stream);
   }
@@ -600,61 +458,39 @@ LossResult GpuModel::forward_backward(const PackedBatch& batch, double grad_scal
   return impl_->run(batch, grad_scale, z_loss, capture);
 }
 
-void GpuModel::zero_grads() {
-  DS_CUDA_CHECK(cudaMemsetAsync(impl_->gw, 0, impl_->P * sizeof(float), impl_->stream));
-}
+void GpuModel::zero_grads() { impl_->store->zero_grads(impl_->stream); }
 
-double GpuModel::grad_sum_squares() {
-  K::sum_squares(impl_->gw, impl_->P, impl_->sumsq_dev, impl_->sumsq_scratch, impl_->stream);
-  double s = 0;
-  DS_CUDA_CHECK(cudaMemcpyAsync(&s, impl_->sumsq_dev, sizeof(double), cudaMemcpyDeviceToHost, impl_->stream));
-  DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
-  return s;
-}
+double GpuModel::grad_sum_squares() { return impl_->store->grad_sum_squares(impl_->stream); }
 
 void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
-  Impl& m = *impl_;
-  for (const ParamSpec& s : m.params) {
-    ops::AdamWParams q = p;
-    q.weight_decay = s.weight_decay ? weight_decay : 0.0;
-    K::adamw_update(m.w + s.offset, m.gw + s.offset, m.m + s.offset, m.v + s.offset, m.wb + s.offset, s.numel, q,
-                    m.stream);
-  }
-  DS_CUDA_CHECK(cudaStreamSynchronize(m.stream));
-}
-
-float* GpuModel::Impl::buffer(Buffer which) const {
-  switch (which) {
-    case Buffer::Weights: return w;
-    case Buffer::Grads: return gw;
-    case Buffer::ExpAvg: return m;
-    case Buffer::ExpAvgSq: return v;
-  }
-  return nullptr;
+  ops::AdamWParams q = p;
+  q.weight_decay = weight_decay;
+  impl_->optimizer->step(*impl_->store, q, impl_->stream);
 }
 
 void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) const {
   DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: read of [{}, {}) outside the {} parameters",
            first, first + count, impl_->P);
+  if (which == Buffer::ExpAvg || which == Buffer::ExpAvgSq) {
+    impl_->optimizer->read_state(which == Buffer::ExpAvg ? 0 : 1, first, count, dst, impl_->stream);
+    return;
+  }
   if (count == 0) return;
-  DS_CUDA_CHECK(cudaMemcpyAsync(dst, impl_->buffer(which) + first, count * sizeof(float), cudaMemcpyDeviceToHost,
-                                impl_->stream));
+  const float* src = which == Buffer::Weights ? impl_->store->master() : impl_->store->grads();
+  DS_CUDA_CHECK(cudaMemcpyAsync(dst, src + first, count * sizeof(float), cudaMemcpyDeviceToHost, impl_->stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
 }
 
 void GpuModel::write(Buffer which, int64_t first, int64_t count, const float* src) {
-  DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: write of [{}, {}) outside the {} parameters",
-           first, first + count, impl_->P);
-  if (count == 0) return;
-  DS_CUDA_CHECK(cudaMemcpyAsync(impl_->buffer(which) + first, src, count * sizeof(float), cudaMemcpyHostToDevice,
-                                impl_->stream));
-  DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
+  DS_CHECK(which == Buffer::ExpAvg || which == Buffer::ExpAvgSq, "gpu: only the optimizer state can be written");
+  impl_->optimizer->write_state(which == Buffer::ExpAvg ? 0 : 1, first, count, src, impl_->stream);
 }
 
 void GpuModel::download_grads(std::vector<float>& out) const {
   out.resize(static_cast<size_t>(impl_->P));
   read(Buffer::Grads, 0, impl_->P, out.data());
 }
+
 size_t GpuModel::planned_bytes() const { return impl_->arena_bytes; }
 size_t GpuModel::peak_bytes() const { return impl_->peak; }
 

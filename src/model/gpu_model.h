@@ -1,7 +1,13 @@
-// The Qwen3.5 model on one CUDA GPU: fp32 master weights, AdamW moments and gradients, a bf16 compute copy of
-// the weights, bf16 activations (DESIGN.md §5). Every device buffer comes from one allocation planned up front
-// from GpuPlan (parameters, gradients, optimizer state, activations, scratch): nothing is allocated in the
-// step loop. Parameter layout and names are the host Qwen35Model's, so checkpoints move both ways.
+// The Qwen3.5 model on one CUDA GPU (the "cuda" engine of model/engine.h): bf16 activations and compute weights,
+// fp32 master weights, gradients and AdamW moments (numerics: docs/cuda_backend.md). Its parts:
+//   - the parameter store (model/gpu_params.h): master / compute / gradient buffers and typed per-layer views;
+//   - the optimizer (model/gpu_optimizer.h): its state layout, update and checkpoint tensors;
+//   - the activation plan (model/gpu_activations.h): the memory layout of one step;
+//   - the op plans (ops/gated_delta_rule/plan.h, ops/attention/plan.h): kernels chosen by the op registry, their
+//     saved state and workspace;
+//   - the decoder (gpu_model.cpp): layer forward/backward over those.
+// Every device buffer comes from one allocation planned up front from GpuPlan (model/gpu_memory.h): nothing is
+// allocated in the step loop. Parameter layout and names are the host Qwen35Model's, so checkpoints move both ways.
 #pragma once
 #include <cstdint>
 #include <memory>

@@ -1,5 +1,7 @@
 #include "model/model.h"
 
+#include <memory>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -109,6 +111,7 @@ Qwen35Model::Qwen35Model(ModelConfig config) : cfg_(std::move(config)) {
   }
   add_param("model.norm.weight", {H}, false);
   if (!c.tie_word_embeddings) add_param("lm_head.weight", {c.vocab_size, H}, true);
+  layout_ = std::make_shared<const ParamLayout>(c, params_);
   weights_.assign(static_cast<size_t>(params_.back().offset + params_.back().numel), 0.0f);
 }
 
@@ -236,13 +239,6 @@ void Qwen35Model::save(const std::string& dir, DType dtype, int64_t max_shard_by
 
 namespace {
 
-// Pointers to one layer's parameters inside a flat buffer (weights or grads).
-struct LayerPtrs {
-  float *in_ln, *post_ln, *gate, *up, *down;
-  float *qkv = nullptr, *z = nullptr, *b = nullptr, *a = nullptr, *conv = nullptr, *dt_bias = nullptr,
-        *A_log = nullptr, *gnorm = nullptr, *out = nullptr;
-  float *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-};
 
 // Activations one layer keeps for its backward.
 struct LayerCache {
@@ -271,50 +267,23 @@ struct Qwen35Model::Impl {
       : m(model), c(model.cfg_), batch(b), N(b.size()), H(model.cfg_.hidden_size),
         I(model.cfg_.intermediate_size), num_seqs(static_cast<int64_t>(b.cu_seqlens.size()) - 1) {}
 
-  LayerPtrs ptrs(int64_t i, float* base) {
-    std::string L = "model.layers." + std::to_string(i) + ".";
-    auto P = [&](const std::string& n) { return base + m.spec(L + n).offset; };
-    LayerPtrs p{};
-    p.in_ln = P("input_layernorm.weight");
-    p.post_ln = P("post_attention_layernorm.weight");
-    p.gate = P("mlp.gate_proj.weight");
-    p.up = P("mlp.up_proj.weight");
-    p.down = P("mlp.down_proj.weight");
-    if (c.is_full_attention(i)) {
-      p.q = P("self_attn.q_proj.weight");
-      p.k = P("self_attn.k_proj.weight");
-      p.v = P("self_attn.v_proj.weight");
-      p.o = P("self_attn.o_proj.weight");
-      p.q_norm = P("self_attn.q_norm.weight");
-      p.k_norm = P("self_attn.k_norm.weight");
-    } else {
-      p.qkv = P("linear_attn.in_proj_qkv.weight");
-      p.z = P("linear_attn.in_proj_z.weight");
-      p.b = P("linear_attn.in_proj_b.weight");
-      p.a = P("linear_attn.in_proj_a.weight");
-      p.conv = P("linear_attn.conv1d.weight");
-      p.dt_bias = P("linear_attn.dt_bias");
-      p.A_log = P("linear_attn.A_log");
-      p.gnorm = P("linear_attn.norm.weight");
-      p.out = P("linear_attn.out_proj.weight");
-    }
-    return p;
-  }
+  LayerParams<float*> ptrs(int64_t i, float* base) { return m.layout_->layer(i, base); }
+
 
   // --- Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, qwen35_model.md §2.6) ---
-  void gdn_forward(const LayerPtrs& w, LayerCache& s, Buf& out) {
+  void gdn_forward(const LayerParams<float*>& w, LayerCache& s, Buf& out) {
     const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads;
     const int64_t K = c.linear_conv_kernel_dim;
     s.mixed.resize(N * CD);
     s.zz.resize(N * VD);
     s.bb.resize(N * Hv);
     s.aa.resize(N * Hv);
-    ops::linear_forward(s.xn1.data(), w.qkv, s.mixed.data(), N, H, CD);
-    ops::linear_forward(s.xn1.data(), w.z, s.zz.data(), N, H, VD);
-    ops::linear_forward(s.xn1.data(), w.b, s.bb.data(), N, H, Hv);
-    ops::linear_forward(s.xn1.data(), w.a, s.aa.data(), N, H, Hv);
+    ops::linear_forward(s.xn1.data(), w.gdn.in_proj_qkv, s.mixed.data(), N, H, CD);
+    ops::linear_forward(s.xn1.data(), w.gdn.in_proj_z, s.zz.data(), N, H, VD);
+    ops::linear_forward(s.xn1.data(), w.gdn.in_proj_ba, s.bb.data(), N, H, Hv);
+    ops::linear_forward(s.xn1.data(), w.gdn.in_proj_a, s.aa.data(), N, H, Hv);
     s.conv_out.resize(N * CD);
-    ops::conv1d_silu_forward(s.mixed.data(), w.conv, batch.cu_seqlens.data(), num_seqs, N, CD, K, s.conv_out.data());
+    ops::conv1d_silu_forward(s.mixed.data(), w.gdn.conv1d, batch.cu_seqlens.data(), num_seqs, N, CD, K, s.conv_out.data());
     s.qc.resize(N * KD);
     s.kc.resize(N * KD);
     s.vc.resize(N * VD);
@@ -333,7 +302,7 @@ struct Qwen35Model::Impl {
     ops::l2norm_forward(s.kc.data(), s.kn.data(), s.rk.data(), rows_k, dk, 1e-6);
     s.g.resize(N * Hv);
     s.beta.resize(N * Hv);
-    ops::gdn_gate_forward(s.aa.data(), s.bb.data(), w.A_log, w.dt_bias, s.g.data(), s.beta.data(), N, Hv);
+    ops::gdn_gate_forward(s.aa.data(), s.bb.data(), w.gdn.A_log, w.gdn.dt_bias, s.g.data(), s.beta.data(), N, Hv);
     s.core.resize(N * VD);
     ops::gated_delta_rule_forward(gdn_dims(c, N, num_seqs), s.qn.data(), s.kn.data(), s.vc.data(), s.g.data(),
                                         s.beta.data(), batch.cu_seqlens.data(), static_cast<const float*>(nullptr),
@@ -341,20 +310,20 @@ struct Qwen35Model::Impl {
     const int64_t rows_v = N * Hv, dv = c.linear_value_head_dim;
     s.rstd_g.resize(rows_v);
     s.y.resize(N * VD);
-    ops::gated_rmsnorm_forward(s.core.data(), s.zz.data(), w.gnorm, s.y.data(), s.rstd_g.data(), rows_v, dv,
+    ops::gated_rmsnorm_forward(s.core.data(), s.zz.data(), w.gdn.norm, s.y.data(), s.rstd_g.data(), rows_v, dv,
                                c.rms_norm_eps);
-    ops::linear_forward(s.y.data(), w.out, out.data(), N, VD, H);
+    ops::linear_forward(s.y.data(), w.gdn.out_proj, out.data(), N, VD, H);
   }
 
   // dout: [N, H] gradient of the mixer output; dxn (out): [N, H] gradient of the normed input.
-  void gdn_backward(const LayerPtrs& w, const LayerPtrs& gw, LayerCache& s, const Buf& dout, Buf& dxn) {
+  void gdn_backward(const LayerParams<float*>& w, const LayerParams<float*>& gw, LayerCache& s, const Buf& dout, Buf& dxn) {
     const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads;
     const int64_t K = c.linear_conv_kernel_dim, dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
     Buf dy(N * VD);
-    ops::linear_backward(s.y.data(), w.out, dout.data(), dy.data(), gw.out, N, VD, H);
+    ops::linear_backward(s.y.data(), w.gdn.out_proj, dout.data(), dy.data(), gw.gdn.out_proj, N, VD, H);
     Buf dcore(N * VD), dz(N * VD);
-    ops::gated_rmsnorm_backward(s.core.data(), s.zz.data(), w.gnorm, s.rstd_g.data(), dy.data(), dcore.data(),
-                                dz.data(), gw.gnorm, N * Hv, dv);
+    ops::gated_rmsnorm_backward(s.core.data(), s.zz.data(), w.gdn.norm, s.rstd_g.data(), dy.data(), dcore.data(),
+                                dz.data(), gw.gdn.norm, N * Hv, dv);
     Buf dqn(N * KD), dkn(N * KD), dvc(N * VD), dg(N * Hv), dbeta(N * Hv);
     ops::gated_delta_rule_backward(gdn_dims(c, N, num_seqs), s.qn.data(), s.kn.data(), s.vc.data(), s.g.data(),
                                          s.beta.data(), batch.cu_seqlens.data(), static_cast<const float*>(nullptr),
@@ -365,8 +334,8 @@ struct Qwen35Model::Impl {
     ops::l2norm_backward(s.qn.data(), s.rq.data(), dqn.data(), dq.data(), rows_k, dk);
     ops::l2norm_backward(s.kn.data(), s.rk.data(), dkn.data(), dkk.data(), rows_k, dk);
     Buf da(N * Hv), db(N * Hv);
-    ops::gdn_gate_backward(s.aa.data(), s.bb.data(), w.A_log, w.dt_bias, dg.data(), dbeta.data(), da.data(),
-                           db.data(), gw.A_log, gw.dt_bias, N, Hv);
+    ops::gdn_gate_backward(s.aa.data(), s.bb.data(), w.gdn.A_log, w.gdn.dt_bias, dg.data(), dbeta.data(), da.data(),
+                           db.data(), gw.gdn.A_log, gw.gdn.dt_bias, N, Hv);
     Buf dconv(N * CD);
     for (int64_t t = 0; t < N; ++t) {
       float* row = dconv.data() + t * CD;
@@ -375,19 +344,19 @@ struct Qwen35Model::Impl {
       std::copy(dvc.data() + t * VD, dvc.data() + (t + 1) * VD, row + 2 * KD);
     }
     Buf dmixed(N * CD);
-    ops::conv1d_silu_backward(s.mixed.data(), w.conv, dconv.data(), batch.cu_seqlens.data(), num_seqs, N, CD, K,
-                              dmixed.data(), gw.conv);
-    ops::linear_backward(s.xn1.data(), w.qkv, dmixed.data(), dxn.data(), gw.qkv, N, H, CD, false);
-    ops::linear_backward(s.xn1.data(), w.z, dz.data(), dxn.data(), gw.z, N, H, VD, true);
-    ops::linear_backward(s.xn1.data(), w.b, db.data(), dxn.data(), gw.b, N, H, Hv, true);
-    ops::linear_backward(s.xn1.data(), w.a, da.data(), dxn.data(), gw.a, N, H, Hv, true);
+    ops::conv1d_silu_backward(s.mixed.data(), w.gdn.conv1d, dconv.data(), batch.cu_seqlens.data(), num_seqs, N, CD, K,
+                              dmixed.data(), gw.gdn.conv1d);
+    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_qkv, dmixed.data(), dxn.data(), gw.gdn.in_proj_qkv, N, H, CD, false);
+    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_z, dz.data(), dxn.data(), gw.gdn.in_proj_z, N, H, VD, true);
+    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_ba, db.data(), dxn.data(), gw.gdn.in_proj_ba, N, H, Hv, true);
+    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_a, da.data(), dxn.data(), gw.gdn.in_proj_a, N, H, Hv, true);
   }
 
   // --- Gated full attention (HF Qwen3_5Attention, qwen35_model.md §2.5) ---
-  void attn_forward(const LayerPtrs& w, LayerCache& s, Buf& out) {
+  void attn_forward(const LayerParams<float*>& w, LayerCache& s, Buf& out) {
     const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
     Buf qg(N * Hq * 2 * hd);
-    ops::linear_forward(s.xn1.data(), w.q, qg.data(), N, H, Hq * 2 * hd);
+    ops::linear_forward(s.xn1.data(), w.attn.q_proj, qg.data(), N, H, Hq * 2 * hd);
     s.qraw.resize(N * Hq * hd);
     s.graw.resize(N * Hq * hd);
     for (int64_t t = 0; t < N; ++t)
@@ -398,14 +367,14 @@ struct Qwen35Model::Impl {
       }
     s.kraw.resize(N * Hkv * hd);
     s.vraw.resize(N * Hkv * hd);
-    ops::linear_forward(s.xn1.data(), w.k, s.kraw.data(), N, H, Hkv * hd);
-    ops::linear_forward(s.xn1.data(), w.v, s.vraw.data(), N, H, Hkv * hd);
+    ops::linear_forward(s.xn1.data(), w.attn.k_proj, s.kraw.data(), N, H, Hkv * hd);
+    ops::linear_forward(s.xn1.data(), w.attn.v_proj, s.vraw.data(), N, H, Hkv * hd);
     s.qr.resize(N * Hq * hd);
     s.kr.resize(N * Hkv * hd);
     s.rstd_q.resize(N * Hq);
     s.rstd_k.resize(N * Hkv);
-    ops::rmsnorm_forward(s.qraw.data(), w.q_norm, s.qr.data(), s.rstd_q.data(), N * Hq, hd, c.rms_norm_eps, true);
-    ops::rmsnorm_forward(s.kraw.data(), w.k_norm, s.kr.data(), s.rstd_k.data(), N * Hkv, hd, c.rms_norm_eps, true);
+    ops::rmsnorm_forward(s.qraw.data(), w.attn.q_norm, s.qr.data(), s.rstd_q.data(), N * Hq, hd, c.rms_norm_eps, true);
+    ops::rmsnorm_forward(s.kraw.data(), w.attn.k_norm, s.kr.data(), s.rstd_k.data(), N * Hkv, hd, c.rms_norm_eps, true);
     ops::rope_apply(s.qr.data(), N, Hq, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), false);
     ops::rope_apply(s.kr.data(), N, Hkv, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), false);
     s.ao.resize(N * Hq * hd);
@@ -414,13 +383,13 @@ struct Qwen35Model::Impl {
                            s.ao.data(), s.lse.data());
     s.og.resize(N * Hq * hd);
     ops::output_gate_forward(s.ao.data(), s.graw.data(), s.og.data(), N * Hq * hd);
-    ops::linear_forward(s.og.data(), w.o, out.data(), N, Hq * hd, H);
+    ops::linear_forward(s.og.data(), w.attn.o_proj, out.data(), N, Hq * hd, H);
   }
 
-  void attn_backward(const LayerPtrs& w, const LayerPtrs& gw, LayerCache& s, const Buf& dout, Buf& dxn) {
+  void attn_backward(const LayerParams<float*>& w, const LayerParams<float*>& gw, LayerCache& s, const Buf& dout, Buf& dxn) {
     const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
     Buf dog(N * Hq * hd);
-    ops::linear_backward(s.og.data(), w.o, dout.data(), dog.data(), gw.o, N, Hq * hd, H);
+    ops::linear_backward(s.og.data(), w.attn.o_proj, dout.data(), dog.data(), gw.attn.o_proj, N, Hq * hd, H);
     Buf dao(N * Hq * hd), dgate(N * Hq * hd);
     ops::output_gate_backward(s.ao.data(), s.graw.data(), dog.data(), dao.data(), dgate.data(), N * Hq * hd);
     Buf dqr(N * Hq * hd), dkr(N * Hkv * hd), dvv(N * Hkv * hd);
@@ -429,8 +398,8 @@ struct Qwen35Model::Impl {
     ops::rope_apply(dqr.data(), N, Hq, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), true);
     ops::rope_apply(dkr.data(), N, Hkv, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), true);
     Buf dq(N * Hq * hd), dk(N * Hkv * hd);
-    ops::rmsnorm_backward(s.qraw.data(), w.q_norm, s.rstd_q.data(), dqr.data(), dq.data(), gw.q_norm, N * Hq, hd, true);
-    ops::rmsnorm_backward(s.kraw.data(), w.k_norm, s.rstd_k.data(), dkr.data(), dk.data(), gw.k_norm, N * Hkv, hd,
+    ops::rmsnorm_backward(s.qraw.data(), w.attn.q_norm, s.rstd_q.data(), dqr.data(), dq.data(), gw.attn.q_norm, N * Hq, hd, true);
+    ops::rmsnorm_backward(s.kraw.data(), w.attn.k_norm, s.rstd_k.data(), dkr.data(), dk.data(), gw.attn.k_norm, N * Hkv, hd,
                           true);
     Buf dqg(N * Hq * 2 * hd);
     for (int64_t t = 0; t < N; ++t)
@@ -439,19 +408,19 @@ struct Qwen35Model::Impl {
         std::copy(dq.data() + (t * Hq + h) * hd, dq.data() + (t * Hq + h + 1) * hd, dst);
         std::copy(dgate.data() + (t * Hq + h) * hd, dgate.data() + (t * Hq + h + 1) * hd, dst + hd);
       }
-    ops::linear_backward(s.xn1.data(), w.q, dqg.data(), dxn.data(), gw.q, N, H, Hq * 2 * hd, false);
-    ops::linear_backward(s.xn1.data(), w.k, dk.data(), dxn.data(), gw.k, N, H, Hkv * hd, true);
-    ops::linear_backward(s.xn1.data(), w.v, dvv.data(), dxn.data(), gw.v, N, H, Hkv * hd, true);
+    ops::linear_backward(s.xn1.data(), w.attn.q_proj, dqg.data(), dxn.data(), gw.attn.q_proj, N, H, Hq * 2 * hd, false);
+    ops::linear_backward(s.xn1.data(), w.attn.k_proj, dk.data(), dxn.data(), gw.attn.k_proj, N, H, Hkv * hd, true);
+    ops::linear_backward(s.xn1.data(), w.attn.v_proj, dvv.data(), dxn.data(), gw.attn.v_proj, N, H, Hkv * hd, true);
   }
 
   // --- Decoder layer (HF Qwen3_5DecoderLayer, qwen35_model.md §2.3): h_out = h_mid + mlp(norm2(h_mid)),
   //     h_mid = h_in + mixer(norm1(h_in)). `h` is updated in place.
   void layer_forward(int64_t i, LayerCache& s, Buf& h) {
-    LayerPtrs w = ptrs(i, m.weights_.data());
+    LayerParams<float*> w = ptrs(i, m.weights_.data());
     s.x_in = h;
     s.xn1.resize(N * H);
     s.rstd1.resize(N);
-    ops::rmsnorm_forward(h.data(), w.in_ln, s.xn1.data(), s.rstd1.data(), N, H, c.rms_norm_eps, true);
+    ops::rmsnorm_forward(h.data(), w.input_layernorm, s.xn1.data(), s.rstd1.data(), N, H, c.rms_norm_eps, true);
     Buf mix(N * H);
     if (c.is_full_attention(i)) attn_forward(w, s, mix);
     else gdn_forward(w, s, mix);
@@ -459,30 +428,30 @@ struct Qwen35Model::Impl {
     s.h_mid = h;
     s.xn2.resize(N * H);
     s.rstd2.resize(N);
-    ops::rmsnorm_forward(h.data(), w.post_ln, s.xn2.data(), s.rstd2.data(), N, H, c.rms_norm_eps, true);
+    ops::rmsnorm_forward(h.data(), w.post_attention_layernorm, s.xn2.data(), s.rstd2.data(), N, H, c.rms_norm_eps, true);
     s.gate.resize(N * I);
     s.up.resize(N * I);
     s.act.resize(N * I);
-    ops::linear_forward(s.xn2.data(), w.gate, s.gate.data(), N, H, I);
-    ops::linear_forward(s.xn2.data(), w.up, s.up.data(), N, H, I);
+    ops::linear_forward(s.xn2.data(), w.mlp.gate_up, s.gate.data(), N, H, I);
+    ops::linear_forward(s.xn2.data(), w.mlp.up, s.up.data(), N, H, I);
     ops::swiglu_forward(s.gate.data(), s.up.data(), s.act.data(), N * I);
-    ops::linear_forward(s.act.data(), w.down, h.data(), N, I, H, /*accumulate=*/true);
+    ops::linear_forward(s.act.data(), w.mlp.down, h.data(), N, I, H, /*accumulate=*/true);
   }
 
   // dh: gradient of the layer output on entry, of the layer input on exit.
   void layer_backward(int64_t i, LayerCache& s, Buf& dh) {
-    LayerPtrs w = ptrs(i, m.weights_.data());
-    LayerPtrs gw = ptrs(i, m.grads_.data());
+    LayerParams<float*> w = ptrs(i, m.weights_.data());
+    LayerParams<float*> gw = ptrs(i, m.grads_.data());
     Buf dact(N * I), dgate(N * I), dup(N * I), dxn(N * H), tmp(N * H);
-    ops::linear_backward(s.act.data(), w.down, dh.data(), dact.data(), gw.down, N, I, H);
+    ops::linear_backward(s.act.data(), w.mlp.down, dh.data(), dact.data(), gw.mlp.down, N, I, H);
     ops::swiglu_backward(s.gate.data(), s.up.data(), dact.data(), dgate.data(), dup.data(), N * I);
-    ops::linear_backward(s.xn2.data(), w.gate, dgate.data(), dxn.data(), gw.gate, N, H, I, false);
-    ops::linear_backward(s.xn2.data(), w.up, dup.data(), dxn.data(), gw.up, N, H, I, true);
-    ops::rmsnorm_backward(s.h_mid.data(), w.post_ln, s.rstd2.data(), dxn.data(), tmp.data(), gw.post_ln, N, H, true);
+    ops::linear_backward(s.xn2.data(), w.mlp.gate_up, dgate.data(), dxn.data(), gw.mlp.gate_up, N, H, I, false);
+    ops::linear_backward(s.xn2.data(), w.mlp.up, dup.data(), dxn.data(), gw.mlp.up, N, H, I, true);
+    ops::rmsnorm_backward(s.h_mid.data(), w.post_attention_layernorm, s.rstd2.data(), dxn.data(), tmp.data(), gw.post_attention_layernorm, N, H, true);
     add_into(dh, tmp);  // dh is now d h_mid
     if (c.is_full_attention(i)) attn_backward(w, gw, s, dh, dxn);
     else gdn_backward(w, gw, s, dh, dxn);
-    ops::rmsnorm_backward(s.x_in.data(), w.in_ln, s.rstd1.data(), dxn.data(), tmp.data(), gw.in_ln, N, H, true);
+    ops::rmsnorm_backward(s.x_in.data(), w.input_layernorm, s.rstd1.data(), dxn.data(), tmp.data(), gw.input_layernorm, N, H, true);
     add_into(dh, tmp);  // d h_in
   }
 
@@ -490,7 +459,7 @@ struct Qwen35Model::Impl {
   void trunk_forward(std::vector<LayerCache>& caches, Buf& h, Buf& hf, Buf& rstd_f, ForwardCapture* cap) {
     batch.check(c);
     h.resize(N * H);
-    const float* emb = m.weights_.data() + m.spec("model.embed_tokens.weight").offset;
+    const float* emb = m.layout_->model(m.weights_.data()).embed_tokens;
     ops::embedding_forward(batch.input_ids.data(), N, emb, c.vocab_size, H, h.data());
     cos_t.resize(N * c.rotary_dim() / 2);
     sin_t.resize(N * c.rotary_dim() / 2);
@@ -503,16 +472,16 @@ struct Qwen35Model::Impl {
     }
     hf.resize(N * H);
     rstd_f.resize(N);
-    ops::rmsnorm_forward(h.data(), m.weights_.data() + m.spec("model.norm.weight").offset, hf.data(), rstd_f.data(),
+    ops::rmsnorm_forward(h.data(), m.layout_->model(m.weights_.data()).norm, hf.data(), rstd_f.data(),
                          N, H, c.rms_norm_eps, true);
     if (cap && cap->hidden_states) cap->hidden.push_back(hf);
   }
 
   const float* lm_head_w() {
-    return m.weights_.data() + m.spec(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight").offset;
+    return m.layout_->model(m.weights_.data()).lm_head;
   }
   float* lm_head_g() {
-    return m.grads_.data() + m.spec(c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight").offset;
+    return m.layout_->model(m.grads_.data()).lm_head;
   }
 
   LossResult run(double grad_scale, double z_loss, ForwardCapture* cap) {
@@ -532,11 +501,11 @@ struct Qwen35Model::Impl {
     LossResult r{ce.loss_sum, ce.z_loss_sum, ce.num_valid};
     if (!backward) return r;
     Buf dh(N * H);
-    ops::rmsnorm_backward(h.data(), m.weights_.data() + m.spec("model.norm.weight").offset, rstd_f.data(), dhf.data(),
-                          dh.data(), m.grads_.data() + m.spec("model.norm.weight").offset, N, H, true);
+    ops::rmsnorm_backward(h.data(), m.layout_->model(m.weights_.data()).norm, rstd_f.data(), dhf.data(),
+                          dh.data(), m.layout_->model(m.grads_.data()).norm, N, H, true);
     for (int64_t i = c.num_hidden_layers - 1; i >= 0; --i) layer_backward(i, caches[static_cast<size_t>(i)], dh);
     ops::embedding_backward(batch.input_ids.data(), N, dh.data(), c.vocab_size, H,
-                            m.grads_.data() + m.spec("model.embed_tokens.weight").offset);
+                            m.layout_->model(m.grads_.data()).embed_tokens);
     return r;
   }
 };

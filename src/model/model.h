@@ -4,21 +4,16 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "model/config.h"
+#include "model/params.h"
 #include "model/safetensors.h"
 
 namespace ds {
 
-struct ParamSpec {
-  std::string name;             // HF name, e.g. "model.layers.0.linear_attn.A_log"
-  std::vector<int64_t> shape;   // HF shape
-  int64_t offset = 0;           // into the flat buffer (floats)
-  int64_t numel = 0;
-  bool weight_decay = false;    // matrices decay; norms, A_log, dt_bias, conv taps do not
-};
 
 // One packed batch of documents, flattened to N tokens (batch rows are documents too).
 struct PackedBatch {
@@ -66,6 +61,7 @@ class Qwen35Model {
   const ModelConfig& config() const { return cfg_; }
   const std::vector<ParamSpec>& params() const { return params_; }
   const ParamSpec& spec(const std::string& name) const;  // throws if unknown
+  const ParamLayout& layout() const { return *layout_; }  // typed views of the parameters
   int64_t num_parameters() const { return params_.back().offset + params_.back().numel; }
   std::vector<float>& weights() { return weights_; }
   const std::vector<float>& weights() const { return weights_; }
@@ -107,6 +103,7 @@ class Qwen35Model {
   ModelConfig cfg_;
   std::vector<ParamSpec> params_;
   std::map<std::string, size_t> by_name_;
+  std::shared_ptr<const ParamLayout> layout_;  // shared: a moved or copied model keeps the same offsets
   std::vector<float> weights_, grads_;
   void add_param(const std::string& name, std::vector<int64_t> shape, bool decay);
 };

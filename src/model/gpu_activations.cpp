@@ -1,0 +1,111 @@
+#include "model/gpu_activations.h"
+
+#ifdef DELTASTACK_CUDA
+namespace ds {
+
+void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
+  const int64_t N = s.max_tokens, S = s.max_seqs, H = c.hidden_size, I = c.intermediate_size;
+  const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads,
+                Hk = c.linear_num_key_heads, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+  GpuBatchBufs& b = batch;
+  b.ids = a.take<int32_t>(N);
+  b.targets = a.take<int32_t>(N);
+  b.cu = a.take<int32_t>(S + 1);
+  b.seq_start = a.take<int32_t>(N);
+  b.emb_uniq = a.take<int32_t>(N);
+  b.emb_starts = a.take<int32_t>(N + 1);
+  b.emb_pos = a.take<int32_t>(N);
+  b.cos_t = a.take<float>(N * c.rotary_dim() / 2);
+  b.sin_t = a.take<float>(N * c.rotary_dim() / 2);
+  b.loss = a.take<double>(2);
+  b.gdn_batch = s.gdn_batch ? a.bytes(s.gdn_batch) : nullptr;
+  b.attn_batch = s.attn_batch ? a.bytes(s.attn_batch) : nullptr;
+  hs.assign(static_cast<size_t>(c.num_hidden_layers + 1), nullptr);
+  for (auto& h : hs) h = a.take<bf16>(N * H);
+  layers.assign(static_cast<size_t>(c.num_hidden_layers), GpuLayerActs{});
+  bool any_gdn = false, any_attn = false;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_full_attention(i) ? any_attn : any_gdn) = true;
+  // The recomputed activations: one buffer each, shared by all layers.
+  bf16* xn_s = a.take<bf16>(N * H);
+  bf16* act_s = a.take<bf16>(N * I);
+  bf16 *conv_s = nullptr, *qn_s = nullptr, *kn_s = nullptr, *y_s = nullptr, *og_s = nullptr;
+  if (any_gdn) {
+    conv_s = a.take<bf16>(N * CD);
+    qn_s = a.take<bf16>(N * KD);
+    kn_s = a.take<bf16>(N * KD);
+    y_s = a.take<bf16>(N * VD);
+  }
+  if (any_attn) og_s = a.take<bf16>(N * Hq * hd);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    GpuLayerActs& L = layers[static_cast<size_t>(i)];
+    L.xn1 = xn_s;
+    L.rstd1 = a.take<float>(N);
+    L.h_mid = a.take<bf16>(N * H);
+    L.xn2 = xn_s;
+    L.rstd2 = a.take<float>(N);
+    L.gu = a.take<bf16>(N * 2 * I);
+    L.act = act_s;
+    if (c.is_full_attention(i)) {
+      L.qraw = a.take<bf16>(N * Hq * hd);
+      L.graw = a.take<bf16>(N * Hq * hd);
+      L.kraw = a.take<bf16>(N * Hkv * hd);
+      L.vraw = a.take<bf16>(N * Hkv * hd);
+      L.qr = a.take<bf16>(N * Hq * hd);
+      L.kr = a.take<bf16>(N * Hkv * hd);
+      L.ao = a.take<bf16>(N * Hq * hd);
+      L.og = og_s;
+      L.rstd_q = a.take<float>(N * Hq);
+      L.rstd_k = a.take<float>(N * Hkv);
+      L.lse = a.take<float>(N * Hq);
+    } else {
+      L.mixed = a.take<bf16>(N * CD);
+      L.z = a.take<bf16>(N * VD);
+      L.ab = a.take<bf16>(N * 2 * Hv);
+      L.conv_out = conv_s;
+      L.qn = qn_s;
+      L.kn = kn_s;
+      L.rq = a.take<float>(N * Hk);
+      L.rk = a.take<float>(N * Hk);
+      L.g = a.take<float>(N * Hv);
+      L.beta = a.take<float>(N * Hv);
+      L.gdn_saved = a.bytes(s.gdn_saved);
+      L.core = a.take<bf16>(N * VD);
+      L.rstd_g = a.take<float>(N * Hv);
+      L.y = y_s;
+    }
+  }
+  hf = a.take<bf16>(N * H);
+  rstd_f = a.take<float>(N);
+  tmpH = a.take<bf16>(N * H);
+  qg = a.take<bf16>(N * Hq * 2 * hd);
+  GpuGradBufs& d = grad;
+  d.dh = a.take<bf16>(N * H);
+  d.dtmp = a.take<bf16>(N * H);
+  d.dxn = a.take<bf16>(N * H);
+  d.dhf = a.take<bf16>(N * H);
+  d.dact = a.take<bf16>(N * I);
+  d.dgu = a.take<bf16>(N * 2 * I);
+  d.dmixed = a.take<bf16>(N * CD);
+  d.dconv = a.take<bf16>(N * CD);
+  d.dz = a.take<bf16>(N * VD);
+  d.dab = a.take<bf16>(N * 2 * Hv);
+  d.dcore = a.take<bf16>(N * VD);
+  d.dy = a.take<bf16>(N * VD);
+  d.dqn = a.take<bf16>(N * KD);
+  d.dkn = a.take<bf16>(N * KD);
+  d.dg = a.take<float>(N * Hv);
+  d.dbeta = a.take<float>(N * Hv);
+  d.dog = a.take<bf16>(N * Hq * hd);
+  d.dao = a.take<bf16>(N * Hq * hd);
+  d.dgate = a.take<bf16>(N * Hq * hd);
+  d.dqr = a.take<bf16>(N * Hq * hd);
+  d.dkr = a.take<bf16>(N * Hkv * hd);
+  d.dvv = a.take<bf16>(N * Hkv * hd);
+  d.dqg = a.take<bf16>(N * Hq * 2 * hd);
+  op_scratch_bytes = s.op_scratch;
+  op_scratch = a.bytes(s.op_scratch);
+  ce_scratch = a.bytes(s.ce_scratch);
+}
+
+}  // namespace ds
+#endif

@@ -1,0 +1,78 @@
+// The GPU engine's activation plan: every activation, gradient and scratch buffer of a step, laid out once for
+// the largest micro-batch (GpuPlan) in the engine's one allocation.
+//
+// Kept per layer for the backward: the residual stream entering it, h_mid, the norm statistics, gu (gate|up),
+// and per mixer GDN: mixed (qkv before the conv), z, ab (b|a), g, beta, the l2norm statistics, the core output
+// and the gated-norm statistics, plus the GDN plan's saved buffer; attention: q/gate/k/v before and after norm and
+// RoPE, the attention output and its lse. Cheap to recompute from those (one norm, elementwise or conv pass each)
+// and therefore shared by all layers, rewritten by the same kernel on the same inputs in the backward (bitwise
+// the forward's values): xn1, xn2, the SwiGLU output, the conv output, qn, kn, the gated-norm output y and the
+// gated attention output og.
+#pragma once
+#ifdef DELTASTACK_CUDA
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/cuda/cuda_utils.h"
+#include "model/config.h"
+#include "model/gpu_memory.h"
+
+namespace ds {
+
+struct GpuLayerActs {
+  using bf16 = ds::cuda::bf16;
+  bf16 *xn1, *h_mid, *xn2, *gu, *act;
+  float *rstd1, *rstd2;
+  // GDN
+  bf16 *mixed = nullptr, *z = nullptr, *ab = nullptr, *conv_out = nullptr, *qn = nullptr, *kn = nullptr,
+       *core = nullptr, *y = nullptr;
+  float *rq = nullptr, *rk = nullptr, *g = nullptr, *beta = nullptr, *rstd_g = nullptr;
+  void* gdn_saved = nullptr;  // the GDN plan's saved buffer of this layer
+  // attention
+  bf16 *qraw = nullptr, *graw = nullptr, *kraw = nullptr, *vraw = nullptr, *qr = nullptr, *kr = nullptr,
+       *ao = nullptr, *og = nullptr;
+  float *rstd_q = nullptr, *rstd_k = nullptr, *lse = nullptr;
+};
+
+// The per-micro-batch inputs on the device (uploaded by the engine, read by every layer).
+struct GpuBatchBufs {
+  int32_t *ids = nullptr, *targets = nullptr, *cu = nullptr, *seq_start = nullptr, *emb_uniq = nullptr,
+          *emb_starts = nullptr, *emb_pos = nullptr;
+  float *cos_t = nullptr, *sin_t = nullptr;
+  double* loss = nullptr;       // [2]: loss sum, z-loss sum
+  void* gdn_batch = nullptr;    // the GDN plan's per-batch indices
+  void* attn_batch = nullptr;   // the attention plan's per-batch metadata
+};
+
+// Gradients flowing backward through a layer (one set, reused by every layer).
+struct GpuGradBufs {
+  using bf16 = ds::cuda::bf16;
+  bf16 *dh, *dtmp, *dxn, *dhf, *dact, *dgu, *dmixed, *dconv, *dz, *dab, *dcore, *dy, *dqn, *dkn, *dog, *dao, *dgate,
+       *dqr, *dkr, *dvv, *dqg;
+  float *dg, *dbeta;
+};
+
+struct GpuActivations {
+  using bf16 = ds::cuda::bf16;
+  std::vector<bf16*> hs;  // residual stream entering each layer; hs[L] = the last layer's output
+  std::vector<GpuLayerActs> layers;
+  bf16 *hf = nullptr, *tmpH = nullptr, *qg = nullptr;
+  float* rstd_f = nullptr;
+  GpuBatchBufs batch;
+  GpuGradBufs grad{};
+  void* op_scratch = nullptr;  // shared by every op call (the largest need of any op or plan)
+  size_t op_scratch_bytes = 0;
+  void* ce_scratch = nullptr;
+
+  struct Sizes {
+    int64_t max_tokens = 0, max_seqs = 0;
+    size_t gdn_saved = 0, gdn_batch = 0, attn_batch = 0;  // from the op plans
+    size_t op_scratch = 0, ce_scratch = 0;                // the largest scratch of any op / the fused loss
+  };
+  // Lays every buffer out in `a` for config c and the sizes.
+  void reserve(Arena& a, const ModelConfig& c, const Sizes& s);
+};
+
+}  // namespace ds
+#endif
