@@ -2,7 +2,8 @@
 """Relative L2 error of every tensor of A against B (pairs of files), for GPU-vs-fixture parity checks.
 
 usage: compare_safetensors.py GOT1 WANT1 [GOT2 WANT2 ...]
-Prints one row per tensor (name, shape, rel L2) and exits 1 if the logits exceed 1e-2 (DESIGN.md bf16 band).
+Prints one row per tensor (name, shape, rel L2) and exits 1 if the logits exceed 1e-2
+(docs/cuda_backend.md "Numerics contract").
 """
 import sys
 

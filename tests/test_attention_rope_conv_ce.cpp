@@ -1,6 +1,6 @@
 // CPU reference tests: causal GQA attention (+ output gate), partial RoPE, causal depthwise conv1d + SiLU,
 // fused linear + cross-entropy. Naive float64 references are written here from the formulas in
-// qwen35_model.md §2.2, §2.5, §2.6, §2.8 and §4; gradients are checked with central finite differences.
+// docs/model.md §2.2, §2.5, §2.6, §2.8 and §4; gradients are checked with central finite differences.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -80,7 +80,7 @@ ModelConfig ModelConfig::from_json(const json& root, const std::string& source) 
              source, mt);
     jp = &root["text_config"];
     src = source + " (text_config)";
-    // The composite model ties by its top-level flag (qwen35_model.md §5.4); its default is false.
+    // The composite model ties by its top-level flag (docs/model.md §5.4); its default is false.
     top_tie_present = true;
     top_tie = get_bool(root, "tie_word_embeddings", false, source);
     const json& tc = *jp;

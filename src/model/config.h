@@ -1,4 +1,4 @@
-// Qwen3.5 dense text-model configuration (HF Qwen3_5TextConfig; qwen35_model.md §1). Reads the plain text form
+// Qwen3.5 dense text-model configuration (HF Qwen3_5TextConfig; docs/model.md §1). Reads the plain text form
 // (model_type "qwen3_5_text") and the released composite form (model_type "qwen3_5" with "text_config"), with
 // either `layer_types` or `full_attention_interval`, and `rope_parameters` (or legacy top-level rope_theta /
 // partial_rotary_factor). Writes the plain text form, which transformers loads as Qwen3_5ForCausalLM.
@@ -34,7 +34,7 @@ struct ModelConfig {
   int64_t eos_token_id = -1;             // -1: none
   std::string source = "<preset>";       // where it came from, for error messages
 
-  // Derived quantities (qwen35_model.md §1.1).
+  // Derived quantities (docs/model.md §1.1).
   int64_t key_dim() const { return linear_num_key_heads * linear_key_head_dim; }
   int64_t value_dim() const { return linear_num_value_heads * linear_value_head_dim; }
   int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
@@ -47,7 +47,7 @@ struct ModelConfig {
   static ModelConfig from_json(const nlohmann::json& j, const std::string& source);
   // Reads config.json from a file path or from a directory containing it.
   static ModelConfig from_file(const std::string& path);
-  // Published sizes "0.8b", "2b", "4b", "9b", "27b" (qwen35_model.md §1.2) and "tiny" (the embedded default).
+  // Published sizes "0.8b", "2b", "4b", "9b", "27b" (docs/model.md §1.2) and "tiny" (the embedded default).
   static ModelConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
   // A preset name, a config.json path, or a checkpoint directory.

@@ -1,6 +1,6 @@
 // `deltastack bench ops` and `deltastack bench step`: GPU timings with CUDA events (median of repeats after
 // warm-up), bytes or FLOPs per op, and the fraction of the measured ceilings of the H200 this project uses
-// (device copy 4.23 TB/s read+write, bf16 GEMM 8192^3 699 TFLOP/s; DESIGN.md §6).
+// (device copy 4.23 TB/s read+write, bf16 GEMM 8192^3 699 TFLOP/s; docs/gpu.md "Anchors").
 #include <fmt/format.h>
 
 #include <algorithm>

@@ -1,5 +1,5 @@
 // CPU reference for the causal depthwise conv1d + SiLU over packed sequences (Dao causal_conv1d_fn with
-// seq_idx, activation "silu", no bias; qwen35_model.md §2.6, §3.6; backward §4):
+// seq_idx, activation "silu", no bias; docs/model.md §2.6, §3.6; backward §4):
 //   p[t, c] = sum_{j=0..K-1} w[c, j] * x[t-(K-1)+j, c]   (taps before the segment start are zero; j ascending)
 //   y = silu(p) = p / (1 + exp(-p))
 //   dp = dy * sig(p) * (1 + p (1 - sig(p)))

@@ -20,7 +20,7 @@ struct GdnDims {
 };
 
 // Chunked (WY / UT-transform) form with chunk_size tokens per chunk, as HF torch_chunk_gated_delta_rule
-// (qwen35_model.md §3.2) but per packed sequence: the state resets at every cu_seqlens boundary.
+// (docs/model.md §3.2) but per packed sequence: the state resets at every cu_seqlens boundary.
 template <typename T>
 void chunk_gated_delta_rule_forward(const GdnDims& d, const T* q, const T* k, const T* v, const T* g,
                                     const T* beta, const int32_t* cu_seqlens, const T* initial_state, T* o,
@@ -41,7 +41,7 @@ void recurrent_gated_delta_rule_forward(const GdnDims& d, const T* q, const T* k
                                         const T* beta, const int32_t* cu_seqlens, const T* initial_state, T* o,
                                         T* final_state);
 
-// Reverse-time backward of the recurrent form (qwen35_model.md §4). Same contract as the chunked backward.
+// Reverse-time backward of the recurrent form (docs/model.md §4). Same contract as the chunked backward.
 template <typename T>
 void recurrent_gated_delta_rule_backward(const GdnDims& d, const T* q, const T* k, const T* v, const T* g,
                                          const T* beta, const int32_t* cu_seqlens, const T* initial_state,

@@ -10,7 +10,7 @@ namespace ds::ops {
 template <typename T>
 void gated_rmsnorm_forward(const T* x, const T* z, const T* w, T* y, T* rstd, int64_t rows, int64_t d, double eps);
 
-// dx, dz: [rows, d] (overwritten); dw: [d] (accumulated, fixed order). qwen35_model.md §4 "Gated RMSNorm".
+// dx, dz: [rows, d] (overwritten); dw: [d] (accumulated, fixed order). docs/model.md §4 "Gated RMSNorm".
 template <typename T>
 void gated_rmsnorm_backward(const T* x, const T* z, const T* w, const T* rstd, const T* dy, T* dx, T* dz, T* dw,
                             int64_t rows, int64_t d);

@@ -1,5 +1,5 @@
 // CPU reference of l2norm (see l2norm.h): y = x·ρ, ρ = (Σx² + eps)^-½ per row (FLA l2norm_fwd / HF l2norm),
-// backward dx = ρ·(dy − y·(dy·y)) (qwen35_model.md §4). Row sums are accumulated in double in a fixed order;
+// backward dx = ρ·(dy − y·(dy·y)) (docs/model.md §4). Row sums are accumulated in double in a fixed order;
 // rows run in parallel, so results do not depend on the thread count.
 #include "ops/l2norm/l2norm.h"
 

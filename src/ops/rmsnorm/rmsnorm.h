@@ -11,7 +11,7 @@ template <typename T>
 void rmsnorm_forward(const T* x, const T* w, T* y, T* rstd, int64_t rows, int64_t dim, double eps,
                      bool zero_centered);
 
-// Backward (qwen35_model.md §4): dx = rstd * (dxh - xh * mean(dxh * xh)), dxh = dy * gamma,
+// Backward (docs/model.md §4): dx = rstd * (dxh - xh * mean(dxh * xh)), dxh = dy * gamma,
 // dw += sum_rows dy * xh. dx: [rows, dim] (overwritten); dw: [dim] (accumulated, fixed order).
 template <typename T>
 void rmsnorm_backward(const T* x, const T* w, const T* rstd, const T* dy, T* dx, T* dw, int64_t rows,

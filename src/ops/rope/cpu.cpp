@@ -1,4 +1,4 @@
-// CPU reference for partial, half-split RoPE (qwen35_model.md §2.2, backward §4).
+// CPU reference for partial, half-split RoPE (docs/model.md §2.2, backward §4).
 // Tables follow HF Qwen3_5TextRotaryEmbedding for T = float:
 //   inv_freq[i] = 1.0f / powf(theta_f, float(2i) / float(rotary_dim))     (fp32 division, pow, reciprocal)
 //   angle       = inv_freq[i] * float(pos)                               (one fp32 product)

@@ -1,5 +1,5 @@
 // Partial rotary position embedding, half-split pairs (HF apply_rotary_pos_emb with rotate_half, Qwen3.5's
-// interleaved M-RoPE reduced to text positions; qwen35_model.md §2.2). For each head vector x of head_dim,
+// interleaved M-RoPE reduced to text positions; docs/model.md §2.2). For each head vector x of head_dim,
 // only the first rotary_dim values rotate; pair (i, i + rotary_dim/2) for i < rotary_dim/2:
 //   x1' = x1 cos - x2 sin;   x2' = x2 cos + x1 sin,   angle = pos * theta^(-2i / rotary_dim).
 #pragma once
