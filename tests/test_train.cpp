@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "core/cuda/device.h"
@@ -16,6 +17,7 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "test_util.h"
+#include "train/options.h"
 #include "train_test_util.h"
 
 namespace fs = std::filesystem;
@@ -109,6 +111,69 @@ TEST(Data, ReadersAndErrors) {
     }
   }
   fs::remove_all(dir);
+}
+
+// The option table (train/options.h) keeps trainer_state.json's format: the same keys and defaults; a checkpoint
+// of an earlier version (without the later keys) reads their defaults; a resume takes only the resumable flags.
+TEST(Train, OptionTableKeepsTheCheckpointFormat) {
+  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
+    try {
+      f();
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const ds::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  const ds::TrainOptions d;
+  const json j = ds::options_to_json(d);
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : j.items()) keys.push_back(k);
+  EXPECT_EQ(keys, (std::vector<std::string>{"adam_eps", "beta1", "beta2", "clip", "data", "device", "eval_batches",
+                                            "eval_interval", "grad_accum", "keep_last", "lr", "max_shard_mb",
+                                            "micro_batch", "min_lr_ratio", "model", "nan_policy", "save_interval",
+                                            "schedule", "seed", "seq_len", "steps", "tokenizer", "txt_split",
+                                            "val_data", "val_fraction", "warmup", "weight_decay", "z_loss"}));
+  EXPECT_EQ(j["model"], "tiny");
+  EXPECT_EQ(j["seq_len"], 128);
+  EXPECT_EQ(j["lr"], 3e-3);
+  EXPECT_EQ(j["seed"], 1234u);
+  EXPECT_EQ(j["val_data"], json::array());
+  EXPECT_EQ(d.out, "runs/default");
+  EXPECT_EQ(d.threads, 0);
+  EXPECT_NO_THROW(ds::validate(d));
+
+  json old = j;
+  for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data"}) old.erase(k);
+  old["lr"] = 0.5;
+  ds::TrainOptions cli;
+  cli.resume = "ck";
+  cli.out = "elsewhere";
+  cli.steps = 7;
+  cli.keep_last = 3;  // not given: the checkpoint's (here the default)
+  cli.lr = 0.25;
+  cli.given = {"resume", "out", "steps"};
+  const ds::TrainOptions r = ds::resumed_options(cli, old, "st.json");
+  EXPECT_EQ(r.lr, 0.5);
+  EXPECT_EQ(r.steps, 7);
+  EXPECT_EQ(r.keep_last, 0);
+  EXPECT_EQ(r.max_shard_mb, 5000);
+  EXPECT_EQ(r.device, "auto");
+  EXPECT_EQ(r.out, "elsewhere");
+  EXPECT_EQ(r.resume, "ck");
+  cli.given.push_back("lr");
+  expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "--lr cannot change on --resume");
+  old.erase("seq_len");
+  expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "st.json: bad or missing training option");
+
+  ds::TrainOptions bad;
+  bad.beta2 = 1.0;
+  expect_error([&] { ds::validate(bad); }, "--beta2 must be in [0, 1), got 1");
+  bad = ds::TrainOptions();
+  bad.schedule = "step";
+  expect_error([&] { ds::validate(bad); }, "--schedule must be cosine, linear or constant, got \"step\"");
+  bad = ds::TrainOptions();
+  bad.max_shard_mb = 0;
+  expect_error([&] { ds::validate(bad); }, "--max-shard-mb must be in [1, 1000000], got 0");
 }
 
 TEST(Train, MetricsCheckpointsAndBitwiseResume) {

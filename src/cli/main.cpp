@@ -10,6 +10,7 @@
 #include "cli/commands/commands.h"
 #include "core/error.h"
 #include "core/parallel.h"
+#include "train/options_cli.h"
 #include "train/trainer.h"
 
 int main(int argc, char** argv) {
@@ -17,42 +18,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
   app.fallthrough();  // --threads may come after the subcommand
   app.set_version_flag("--version", DELTASTACK_VERSION);
-  int threads = 0;
-  app.add_option("--threads", threads, "CPU threads for every subcommand (0 = all cores)");
-
   ds::TrainOptions to;
   auto* train = app.add_subcommand("train", "Train a model (no arguments: the tiny preset on bundled tiny Shakespeare)");
-  train->add_option("--model", to.model, "Preset (tiny, 0.8b, 2b, 4b, 9b, 27b), config.json, or HF checkpoint dir")
-      ->capture_default_str();
-  train->add_option("--data", to.data, "Data files (.txt split into documents by --txt-split, .jsonl with a \"text\" field)");
-  train->add_option("--tokenizer", to.tokenizer, "HF tokenizer.json (default: the bundled Qwen3 tokenizer)");
-  train->add_option("--txt-split", to.txt_split, "How .txt files become documents: paragraph, line, file")->capture_default_str();
-  train->add_option("--seq-len", to.seq_len, "Tokens per packed window")->capture_default_str();
-  train->add_option("--micro-batch", to.micro_batch, "Windows per micro-batch")->capture_default_str();
-  train->add_option("--grad-accum", to.grad_accum, "Micro-batches per optimizer step")->capture_default_str();
-  train->add_option("--steps", to.steps, "Optimizer steps (total, including resumed ones)")->capture_default_str();
-  train->add_option("--lr", to.lr, "Peak learning rate")->capture_default_str();
-  train->add_option("--warmup", to.warmup, "Linear warmup steps")->capture_default_str();
-  train->add_option("--schedule", to.schedule, "After warmup: cosine, linear or constant")->capture_default_str();
-  train->add_option("--min-lr-ratio", to.min_lr_ratio, "Final lr as a fraction of --lr")->capture_default_str();
-  train->add_option("--weight-decay", to.weight_decay, "AdamW decoupled weight decay (matrices only)")->capture_default_str();
-  train->add_option("--beta1", to.beta1, "AdamW beta1")->capture_default_str();
-  train->add_option("--beta2", to.beta2, "AdamW beta2")->capture_default_str();
-  train->add_option("--adam-eps", to.adam_eps, "AdamW epsilon")->capture_default_str();
-  train->add_option("--clip", to.clip, "Max global grad norm (0 = off)")->capture_default_str();
-  train->add_option("--z-loss", to.z_loss, "z-loss coefficient on lse^2 (0 = off)")->capture_default_str();
-  train->add_option("--val-fraction", to.val_fraction, "Fraction of documents held out for evaluation")->capture_default_str();
-  train->add_option("--val-data", to.val_data, "Separate evaluation files (then nothing is held out of --data)");
-  train->add_option("--eval-interval", to.eval_interval, "Steps between evaluations (0 = start and end only)")->capture_default_str();
-  train->add_option("--eval-batches", to.eval_batches, "Micro-batches per evaluation")->capture_default_str();
-  train->add_option("--save-interval", to.save_interval, "Steps between checkpoints (0 = end only)")->capture_default_str();
-  train->add_option("--keep-last", to.keep_last, "Checkpoints kept in --out, newest first (0 = all)")->capture_default_str();
-  train->add_option("--max-shard-mb", to.max_shard_mb, "Checkpoint files split past this size (MB)")->capture_default_str();
-  train->add_option("--seed", to.seed, "Seed for init and data order")->capture_default_str();
-  train->add_option("--out", to.out, "Output dir (metrics.jsonl, checkpoint-STEP/)")->capture_default_str();
-  train->add_option("--nan-policy", to.nan_policy, "On a NaN/Inf loss or grad: stop or skip the step")->capture_default_str();
-  train->add_option("--resume", to.resume, "Checkpoint dir to resume from (its options are reused)");
-  train->add_option("--device", to.device, "auto (a GPU when present), cpu or cuda")->capture_default_str();
+  ds::add_train_flags(app, *train, to);  // and --threads, on the app: it applies to every subcommand
 
   std::string model_dir, inputs, output, grads, tokenizer, prompt, input, txt_split = "paragraph";
   std::vector<std::string> data;
@@ -65,7 +33,8 @@ int main(int argc, char** argv) {
   forward->add_option("--inputs", inputs, "safetensors with input_ids [B,T], optional labels, cu_seqlens")->required();
   forward->add_option("--output", output, "safetensors to write logits, loss, hidden_states_i")->required();
   forward->add_option("--grads", grads, "safetensors to write parameter gradients (needs labels)");
-  forward->add_option("--device", to.device, "cpu (fp32 reference, default) or cuda (bf16)");
+  std::string forward_device = "cpu";
+  forward->add_option("--device", forward_device, "cpu (fp32 reference, default) or cuda (bf16)");
 
   auto* gen = app.add_subcommand("generate", "Sample text from a checkpoint");
   gen->add_option("--model", model_dir, "Checkpoint dir")->required();
@@ -133,12 +102,12 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    DS_CHECK(threads >= 0 && threads <= 1024, "--threads must be in [0, 1024] (0 = all cores), got {}", threads);
-    ds::set_num_threads(threads);
+    ds::train_option("threads").check(to);
+    ds::set_num_threads(to.threads);
     if (*forward) {
-      std::string dev = forward->count("--device") ? to.device : "cpu";
-      DS_CHECK(dev == "cpu" || dev == "cuda", "--device must be cpu or cuda, got \"{}\"", dev);
-      return ds::cli::cmd_forward(model_dir, inputs, output, grads, dev);
+      DS_CHECK(forward_device == "cpu" || forward_device == "cuda", "--device must be cpu or cuda, got \"{}\"",
+               forward_device);
+      return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device);
     }
     if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed);
     if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
@@ -150,10 +119,7 @@ int main(int argc, char** argv) {
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
     if (*exp) return ds::cli::cmd_export(exp_in, exp_out, exp_dtype, exp_shard_mb);
     if (*train) {
-      to.threads = threads;
-      for (CLI::Option* o : train->get_options())
-        if (o->count() > 0 && !o->get_lnames().empty()) to.given.push_back(o->get_lnames()[0]);
-      if (app.get_option("--threads")->count() > 0) to.given.push_back("threads");
+      ds::record_given_flags(app, *train, to);
       return ds::train(to);
     }
     fmt::print("{}", app.help());

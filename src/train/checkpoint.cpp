@@ -1,0 +1,231 @@
+#include "train/checkpoint.h"
+
+#include <fcntl.h>  // AT_FDCWD
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "model/model.h"
+#include "model/safetensors.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace ds {
+
+namespace {
+
+// The step of a checkpoint directory name as this trainer writes it ("checkpoint-N", N in canonical decimal);
+// -1 for any other name.
+int64_t checkpoint_step(const std::string& name) {
+  if (name.rfind("checkpoint-", 0) != 0) return -1;
+  const std::string digits = name.substr(11);
+  if (digits.empty() || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos ||
+      (digits.size() > 1 && digits[0] == '0'))
+    return -1;
+  return std::stoll(digits);
+}
+
+// Who wrote a checkpoint (trainer_state.json): the run, kept across resumes, and the process. Empty strings when
+// absent (checkpoints of earlier versions) or unreadable.
+struct CheckpointOwner {
+  std::string run_id, session_id;
+};
+CheckpointOwner checkpoint_owner(const fs::path& dir) {
+  CheckpointOwner o;
+  try {
+    const json st = json::parse(read_file((dir / "trainer_state.json").string()));
+    if (st.contains("run_id") && st["run_id"].is_string()) o.run_id = st["run_id"].get<std::string>();
+    if (st.contains("session_id") && st["session_id"].is_string()) o.session_id = st["session_id"].get<std::string>();
+  } catch (const std::exception&) {
+  }
+  return o;
+}
+
+// Temp dirs of checkpoint saves that a killed run left behind in `out` (never valid checkpoints): removed, but never
+// the directory this run is resumed from.
+void remove_stale_temps(const std::string& out, const std::string& resume) {
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".checkpoint-", 0) == 0 && n.size() > 16 && n.compare(n.size() - 4, 4, ".tmp") == 0)
+      stale.push_back(e.path());
+  }
+  std::error_code ec;
+  if (!resume.empty()) {
+    const fs::path src = fs::canonical(resume, ec);
+    std::erase_if(stale, [&](const fs::path& p) { return fs::canonical(p, ec) == src; });
+  }
+  for (const fs::path& p : stale) {
+    log_info("removing {} (left by an interrupted checkpoint save)", p.string());
+    fs::remove_all(p);
+  }
+}
+
+// Moves the complete checkpoint in tmp_dir to final_dir. Replacing a checkpoint of the same step (a resume from an
+// earlier one into the same --out) swaps the two directories in one atomic rename, so final_dir never goes missing.
+void rename_into_place(const std::string& tmp_dir, const std::string& final_dir) {
+  DS_CHECK(!fs::exists(final_dir) || fs::is_directory(final_dir),
+           "{} exists and is not a directory: not replacing it (the new checkpoint is in {})", final_dir, tmp_dir);
+  if (!fs::exists(final_dir)) {
+    fs::rename(tmp_dir, final_dir);
+  } else if (::renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(tmp_dir);  // the old checkpoint
+  } else {  // filesystem without RENAME_EXCHANGE: a short window where only checkpoint-N.old exists
+    const std::string old = final_dir + ".old";
+    fs::remove_all(old);
+    fs::rename(final_dir, old);
+    fs::rename(tmp_dir, final_dir);
+    fs::remove_all(old);
+  }
+}
+
+}  // namespace
+
+std::string new_run_id() {
+  std::random_device rd;
+  const uint64_t x = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^
+                     static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  return fmt::format("{:016x}", x);
+}
+
+SavedCheckpoint read_checkpoint_state(const std::string& dir) {
+  SavedCheckpoint c;
+  c.path = (fs::path(dir) / "trainer_state.json").string();
+  DS_CHECK(file_exists(c.path), "--resume {}: not a deltastack checkpoint (no trainer_state.json)", dir);
+  json st;
+  try {
+    st = json::parse(read_file(c.path));
+  } catch (const json::exception& e) {
+    fail("{}: invalid JSON ({})", c.path, e.what());
+  }
+  DS_CHECK(st.is_object() && st.contains("options") && st.contains("step"), "{}: missing \"options\" or \"step\"",
+           c.path);
+  DS_CHECK(st["step"].is_number_integer() && st["step"].get<int64_t>() >= 0,
+           "{}: \"step\" must be a non-negative integer", c.path);
+  c.state.step = st["step"].get<int64_t>();
+  c.state.optimizer_steps = st.value("optimizer_steps", c.state.step);
+  c.state.tokens_seen = st.value("tokens_seen", int64_t{0});
+  c.state.elapsed_s = st.value("elapsed_s", 0.0);
+  if (st.contains("run_id") && st["run_id"].is_string()) c.run_id = st["run_id"].get<std::string>();
+  c.options = st["options"];
+  return c;
+}
+
+void load_optimizer_state(Engine& engine, const std::string& dir) {
+  // optimizer.safetensors, or optimizer.safetensors.index.json with its shards.
+  const fs::path index = fs::path(dir) / "optimizer.safetensors.index.json";
+  CheckpointReader os(fs::exists(index) ? index.string() : (fs::path(dir) / "optimizer.safetensors").string());
+  engine.load_optimizer([&](const std::string& name, int64_t numel) {
+    std::vector<float> x = os.read_f32(name);
+    DS_CHECK(static_cast<int64_t>(x.size()) == numel, "{}: optimizer state {} has {} values, expected {}", os.path(),
+             name, x.size(), numel);
+    return x;
+  });
+}
+
+Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id)
+    : opt_(opt), start_step_(start_step), run_id_(std::move(run_id)), session_id_(new_run_id()) {
+  fs::create_directories(opt_.out);
+  remove_stale_temps(opt_.out, opt_.resume);
+  // One look at the checkpoints already in --out: a file (not a directory) named like a checkpoint this run will
+  // write stops the run now, not after the training; another run's checkpoints get a warning.
+  std::vector<std::string> foreign;
+  for (const auto& e : fs::directory_iterator(opt_.out)) {
+    const std::string n = e.path().filename().string();
+    const int64_t s = checkpoint_step(n);
+    if (s < 0) continue;
+    if (!e.is_directory()) {
+      DS_CHECK(!(s > start_step_ && due(s)),
+               "{} exists and is not a directory, but this run saves checkpoint-{} there; move it away",
+               e.path().string(), s);
+    } else if (checkpoint_owner(e.path()).run_id != run_id_) {
+      foreign.push_back(n);
+    }
+  }
+  if (!foreign.empty())
+    log_warn("{} holds {} checkpoint(s) of another run ({}{}): a save of the same step replaces one, --keep-last "
+             "leaves them alone; use another --out to keep them apart", opt_.out, foreign.size(), foreign.front(),
+             foreign.size() > 1 ? ", ..." : "");
+  tokenizer_json_ = read_file(opt_.tokenizer);
+}
+
+bool Checkpoints::due(int64_t step) const {
+  return step == opt_.steps || (step <= opt_.steps && opt_.save_interval > 0 && step % opt_.save_interval == 0);
+}
+
+void Checkpoints::save(Engine& engine, const TrainerState& state) {
+  const std::string final_dir = (fs::path(opt_.out) / fmt::format("checkpoint-{}", state.step)).string();
+  const std::string tmp_dir = (fs::path(opt_.out) / fmt::format(".checkpoint-{}.tmp", state.step)).string();
+  fs::remove_all(tmp_dir);
+  const int64_t shard_bytes = opt_.max_shard_mb * 1000000;
+  save_model_dir(tmp_dir, engine.config(), engine.weight_tensors(DType::F32), DType::F32, shard_bytes);
+  // Fault-injection hook for the crash-safety tests: a pause inside every save, so that a kill aimed at "a save in
+  // progress" lands there however fast the disk is. Unset in normal use.
+  if (const char* pause = std::getenv("DELTASTACK_TEST_SAVE_PAUSE_MS"))
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::strtol(pause, nullptr, 10)));
+  // The optimizer's state (AdamW moments, fp32, HF-style names), streamed from the engine, sharded like the weights.
+  write_safetensors_sharded(tmp_dir, "optimizer", engine.optimizer_tensors(), shard_bytes);
+  write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), tokenizer_json_);
+  const json st{{"step", state.step},
+                {"optimizer_steps", state.optimizer_steps},
+                {"tokens_seen", state.tokens_seen},
+                {"elapsed_s", state.elapsed_s},
+                {"options", options_to_json(opt_)},
+                {"deltastack_version", DELTASTACK_VERSION},
+                {"run_id", run_id_},
+                {"session_id", session_id_}};
+  write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
+  fsync_dir(tmp_dir);
+  rename_into_place(tmp_dir, final_dir);
+  fsync_dir(opt_.out);
+  log_info("saved {}", final_dir);
+  if (opt_.keep_last > 0) prune(state.step);
+}
+
+// --keep-last: after checkpoint-`step` is durable, the older checkpoints of this run's current history (N < step,
+// canonical decimal names, the same run_id in trainer_state.json, and N <= the resumed step or written by this
+// process) beyond the newest keep_last - 1 are removed: each is first renamed to .checkpoint-N.old.tmp (which a later
+// start removes, so a kill mid-delete never leaves a partial checkpoint-N), then deleted. Another run's checkpoints
+// and the later steps of an abandoned history (a resume from an earlier checkpoint) are never counted or removed.
+// Failures only warn, one checkpoint at a time.
+void Checkpoints::prune(int64_t step) {
+  std::vector<std::pair<int64_t, fs::path>> older;
+  try {
+    for (const auto& e : fs::directory_iterator(opt_.out)) {
+      const int64_t s = checkpoint_step(e.path().filename().string());
+      if (s < 0 || s >= step || !e.is_directory()) continue;
+      const CheckpointOwner owner = checkpoint_owner(e.path());
+      if (owner.run_id == run_id_ && (s <= start_step_ || owner.session_id == session_id_))
+        older.emplace_back(s, e.path());
+    }
+  } catch (const std::exception& e) {
+    log_warn("--keep-last: cannot list {}: {}", opt_.out, e.what());
+    return;
+  }
+  std::sort(older.begin(), older.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (size_t i = static_cast<size_t>(opt_.keep_last - 1); i < older.size(); ++i) {
+    try {
+      const fs::path doomed = fs::path(opt_.out) / fmt::format(".checkpoint-{}.old.tmp", older[i].first);
+      fs::remove_all(doomed);
+      fs::rename(older[i].second, doomed);
+      fsync_dir(opt_.out);
+      fs::remove_all(doomed);
+      log_info("removed {} (--keep-last {})", older[i].second.string(), opt_.keep_last);
+    } catch (const std::exception& e) {
+      log_warn("--keep-last: could not remove {}: {}", older[i].second.string(), e.what());
+    }
+  }
+}
+
+}  // namespace ds

@@ -1,0 +1,63 @@
+// The trainer's checkpoints (docs/checkpoints.md): OUT/checkpoint-STEP/ holds the weights (HF layout), the optimizer
+// state, tokenizer.json and trainer_state.json. A save writes a temp dir, fsyncs it and renames it into place, so a
+// kill never leaves a partial checkpoint-STEP; --keep-last prunes the run's older ones; resume reads them back.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "model/engine.h"
+#include "train/options.h"
+
+namespace ds {
+
+// Where a run stands: trainer_state.json, less the options.
+struct TrainerState {
+  int64_t step = 0;             // the checkpoint's step (skipped steps included)
+  int64_t optimizer_steps = 0;  // AdamW updates taken (its bias correction step)
+  int64_t tokens_seen = 0;
+  double elapsed_s = 0;
+};
+
+// A fresh run's id: 64 random bits in hex (only used to tell runs apart in one --out).
+std::string new_run_id();
+
+// A checkpoint's trainer_state.json: its state and saved options. ds::Error naming the file when it is missing,
+// not JSON, or without a non-negative "step" and "options".
+struct SavedCheckpoint {
+  TrainerState state;
+  // The run, kept across resumes; empty in checkpoints written before run ids existed (those count as this run's).
+  std::string run_id;
+  nlohmann::json options;
+  std::string path;  // of trainer_state.json
+};
+SavedCheckpoint read_checkpoint_state(const std::string& dir);
+
+// Restores the engine's optimizer state from checkpoint `dir` (optimizer.safetensors or its sharded index).
+void load_optimizer_state(Engine& engine, const std::string& dir);
+
+// The checkpoints in --out of a run that starts at start_step (its resumed step, or 0).
+class Checkpoints {
+ public:
+  // Creates --out, removes the temp dirs a killed save left there (never the --resume source) and looks at the
+  // checkpoints already there: a file named like a checkpoint this run will save is a ds::Error now, other runs'
+  // checkpoints get a warning. Reads the tokenizer that every checkpoint gets a copy of.
+  Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id);
+
+  // Whether the run saves a checkpoint after `step`: every --save-interval steps and at the last one.
+  bool due(int64_t step) const;
+  // Saves checkpoint-<state.step> (replacing one of the same step atomically), then prunes for --keep-last.
+  void save(Engine& engine, const TrainerState& state);
+
+ private:
+  void prune(int64_t step);
+
+  TrainOptions opt_;
+  int64_t start_step_;
+  std::string run_id_;
+  std::string session_id_;  // this process: --keep-last prunes its saves, and the run's up to the resumed step
+  std::string tokenizer_json_;
+};
+
+}  // namespace ds

@@ -1,0 +1,173 @@
+#include "train/options.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <type_traits>
+
+#include "core/error.h"
+
+namespace ds {
+
+namespace {
+
+using O = TrainOptions;
+
+// Range checks: each takes the flag and the value, and throws ds::Error saying what the flag must be.
+template <class B>
+auto at_least(B lo) {
+  return [lo](const std::string& f, auto v) { DS_CHECK(v >= lo, "--{} must be >= {}, got {}", f, lo, v); };
+}
+auto positive() {
+  return [](const std::string& f, double v) { DS_CHECK(v > 0 && std::isfinite(v), "--{} must be positive, got {}", f, v); };
+}
+// [lo, hi] or, with open_hi, [lo, hi).
+template <class B>
+auto in_range(B lo, B hi, bool open_hi = false) {
+  return [=](const std::string& f, auto v) {
+    DS_CHECK(v >= lo && (open_hi ? v < hi : v <= hi), "--{} must be in [{}, {}{}, got {}", f, lo, hi,
+             open_hi ? ")" : "]", v);
+  };
+}
+auto one_of(std::vector<std::string> names) {
+  return [names](const std::string& f, const std::string& v) {
+    DS_CHECK(std::find(names.begin(), names.end(), v) != names.end(), "--{} must be {} or {}, got \"{}\"", f,
+             fmt::join(names.begin(), names.end() - 1, ", "), names.back(), v);
+  };
+}
+auto not_empty() {
+  return [](const std::string& f, const std::string& v) { DS_CHECK(!v.empty(), "--{} must not be empty", f); };
+}
+
+template <class T>
+using Check = std::function<void(const std::string& flag, const T& value)>;
+
+template <class T>
+TrainOption opt(const char* flag, TrainMember<T> m, std::type_identity_t<T> def, const char* help,
+                Check<std::type_identity_t<T>> check = {}, unsigned traits = 0) {
+  TrainOption o;
+  o.flag = flag;
+  o.member = m;
+  o.help = help;
+  if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<std::string>>)
+    o.shows_default = !def.empty();
+  else
+    o.shows_default = (traits & kGlobal) == 0;  // --threads' help says what 0 means
+  o.traits = traits;
+  o.set_default = [m, def](TrainOptions& x) { x.*m = def; };
+  if (check) o.check = [m, check, f = o.flag](const TrainOptions& x) { check(f, x.*m); };
+  return o;
+}
+
+}  // namespace
+
+const std::vector<TrainOption>& train_options() {
+  static const std::vector<TrainOption> table = {
+      opt("model", &O::model, "tiny", "Preset (tiny, 0.8b, 2b, 4b, 9b, 27b), config.json, or HF checkpoint dir"),
+      opt("data", &O::data, {}, "Data files (.txt split into documents by --txt-split, .jsonl with a \"text\" field)"),
+      opt("tokenizer", &O::tokenizer, "", "HF tokenizer.json (default: the bundled Qwen3 tokenizer)"),
+      opt("txt-split", &O::txt_split, "paragraph", "How .txt files become documents: paragraph, line, file"),
+      opt("seq-len", &O::seq_len, 128, "Tokens per packed window", at_least(2)),
+      opt("micro-batch", &O::micro_batch, 8, "Windows per micro-batch", at_least(1)),
+      opt("grad-accum", &O::grad_accum, 1, "Micro-batches per optimizer step", at_least(1)),
+      opt("steps", &O::steps, 200, "Optimizer steps (total, including resumed ones)", at_least(0), kResumable),
+      opt("lr", &O::lr, 3e-3, "Peak learning rate", positive()),
+      opt("warmup", &O::warmup, 20, "Linear warmup steps", at_least(0)),
+      opt("schedule", &O::schedule, "cosine", "After warmup: cosine, linear or constant",
+          one_of({"cosine", "linear", "constant"})),
+      opt("min-lr-ratio", &O::min_lr_ratio, 0.1, "Final lr as a fraction of --lr", in_range(0, 1)),
+      opt("weight-decay", &O::weight_decay, 0.1, "AdamW decoupled weight decay (matrices only)", at_least(0)),
+      opt("beta1", &O::beta1, 0.9, "AdamW beta1", in_range(0, 1, true)),
+      opt("beta2", &O::beta2, 0.95, "AdamW beta2", in_range(0, 1, true)),
+      opt("adam-eps", &O::adam_eps, 1e-8, "AdamW epsilon", positive()),
+      opt("clip", &O::clip, 1.0, "Max global grad norm (0 = off)", at_least(0)),
+      opt("z-loss", &O::z_loss, 0.0, "z-loss coefficient on lse^2 (0 = off)", at_least(0)),
+      opt("val-fraction", &O::val_fraction, 0.05, "Fraction of documents held out for evaluation", in_range(0, 1, true)),
+      opt("val-data", &O::val_data, {}, "Separate evaluation files (then nothing is held out of --data)", {}, kNewerKey),
+      opt("eval-interval", &O::eval_interval, 50, "Steps between evaluations (0 = start and end only)", at_least(0),
+          kResumable),
+      opt("eval-batches", &O::eval_batches, 4, "Micro-batches per evaluation", at_least(0)),
+      opt("save-interval", &O::save_interval, 0, "Steps between checkpoints (0 = end only)", at_least(0), kResumable),
+      opt("keep-last", &O::keep_last, 0, "Checkpoints kept in --out, newest first (0 = all)", at_least(0),
+          kResumable | kNewerKey),
+      opt("max-shard-mb", &O::max_shard_mb, 5000, "Checkpoint files split past this size (MB)", in_range(1, 1000000),
+          kResumable | kNewerKey),
+      opt("seed", &O::seed, 1234, "Seed for init and data order"),
+      opt("out", &O::out, "runs/default", "Output dir (metrics.jsonl, checkpoint-STEP/)", not_empty(),
+          kResumable | kNotSaved),
+      opt("nan-policy", &O::nan_policy, "stop", "On a NaN/Inf loss or grad: stop or skip the step",
+          one_of({"stop", "skip"}), kResumable),
+      opt("resume", &O::resume, "", "Checkpoint dir to resume from (its options are reused)", {},
+          kResumable | kNotSaved),
+      opt("device", &O::device, "auto", "auto (a GPU when present), cpu or cuda", one_of({"auto", "cpu", "cuda"}),
+          kResumable | kNewerKey),
+      opt("threads", &O::threads, 0, "CPU threads for every subcommand (0 = all cores)", in_range(0, 1024),
+          kResumable | kNotSaved | kGlobal),
+  };
+  return table;
+}
+
+TrainOptions::TrainOptions() {
+  for (const TrainOption& e : train_options()) e.set_default(*this);
+}
+
+bool TrainOptions::was_given(std::string_view flag) const {
+  return std::find(given.begin(), given.end(), flag) != given.end();
+}
+
+std::string TrainOption::key() const {
+  std::string k = flag;
+  std::replace(k.begin(), k.end(), '-', '_');
+  return k;
+}
+
+const TrainOption& train_option(std::string_view flag) {
+  for (const TrainOption& e : train_options())
+    if (e.flag == flag) return e;
+  fail("no train option --{}", flag);
+}
+
+void validate(const TrainOptions& o) {
+  for (const TrainOption& e : train_options())
+    if (e.check) e.check(o);
+  DS_CHECK(o.val_data.empty() || o.val_fraction == 0 || !o.was_given("val-fraction"),
+           "--val-data and --val-fraction contradict each other: with a separate evaluation set nothing is held out "
+           "of --data");
+}
+
+nlohmann::json options_to_json(const TrainOptions& o) {
+  nlohmann::json j = nlohmann::json::object();
+  for (const TrainOption& e : train_options())
+    if (!e.has(kNotSaved)) std::visit([&](auto m) { j[e.key()] = o.*m; }, e.member);
+  return j;
+}
+
+TrainOptions resumed_options(const TrainOptions& cli, const nlohmann::json& saved, const std::string& src) {
+  TrainOptions r = cli;
+  try {
+    for (const TrainOption& e : train_options()) {
+      if (e.has(kNotSaved)) continue;
+      if (e.has(kNewerKey) && !saved.contains(e.key())) e.set_default(r);
+      else std::visit([&](auto m) { saved.at(e.key()).get_to(r.*m); }, e.member);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    fail("{}: bad or missing training option ({})", src, e.what());
+  }
+  std::vector<std::string> may;
+  for (const TrainOption& e : train_options())
+    if (e.has(kResumable) && e.flag != "resume") may.push_back("--" + e.flag);
+  for (const std::string& g : cli.given)
+    DS_CHECK(train_option(g).has(kResumable), "--{} cannot change on --resume: the checkpoint's options define the "
+             "run (only {} may)", g, fmt::join(may, ", "));
+  for (const TrainOption& e : train_options())
+    if (e.has(kResumable) && cli.was_given(e.flag)) std::visit([&](auto m) { r.*m = cli.*m; }, e.member);
+  // Not given: continue in the run's own directory ("run/checkpoint-3/" too), the real one (symlinks resolved; also
+  // "--resume ." inside it, or a trailing slash).
+  if (!cli.was_given("out")) r.out = std::filesystem::canonical(std::filesystem::path(cli.resume)).parent_path().string();
+  return r;
+}
+
+}  // namespace ds

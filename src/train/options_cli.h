@@ -1,0 +1,32 @@
+// The train options as CLI11 flags, registered from the table of options.h (header-only: CLI11 is linked into
+// the deltastack binary, src/cli/main.cpp, not into the library).
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include <variant>
+
+#include "train/options.h"
+
+namespace ds {
+
+// Registers every train option as --<flag> writing into `o` (the defaults are o's): the global ones (--threads)
+// on `app`, the others on its `train` subcommand.
+inline void add_train_flags(CLI::App& app, CLI::App& train, TrainOptions& o) {
+  for (const TrainOption& e : train_options()) {
+    CLI::App& where = e.has(kGlobal) ? app : train;
+    std::visit(
+        [&](auto m) {
+          CLI::Option* flag = where.add_option("--" + e.flag, o.*m, e.help);
+          if (e.shows_default) flag->capture_default_str();
+        },
+        e.member);
+  }
+}
+
+// After parsing: the train options given on the command line, into o.given.
+inline void record_given_flags(const CLI::App& app, const CLI::App& train, TrainOptions& o) {
+  for (const TrainOption& e : train_options())
+    if ((e.has(kGlobal) ? app : train).get_option("--" + e.flag)->count() > 0) o.given.push_back(e.flag);
+}
+
+}  // namespace ds
