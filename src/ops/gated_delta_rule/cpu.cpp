@@ -27,6 +27,15 @@
 //   dS0   = G_{L−1} dS + Σ_i G_i q̃_i dO_iᵀ − Σ_i β_i G_i k_i dr_iᵀ
 //   dc_i  collects every exp(c_i − c_j) and exp(c_i) factor (row minus column sums), then
 //   dg_m  = Σ_{i≥m} dc_i (reverse cumulative sum inside the chunk).
+//
+// Numerics of the gates (docs/parity.md has the measurements). With strong decay (g ≈ −13 per token) c reaches
+// ≈ −800 in a chunk, so an fp32 c_i − c_j would carry an absolute error ≈ |c|·2⁻²⁴ ≈ 5e-5 into every Γ_ij; and
+// dg is tiny next to the row and column sums that make up dc (each pair term enters dc_i with + and dc_j with −,
+// and the reverse cumulative sum cancels them again), so fp32 dc and fp32 cumulative sums lose digits exactly
+// there. Hence c and dc are kept in double (O(L) values per chunk): Γ_ij = exp(c_i − c_j) has its exponent
+// exact to the inputs, and dg_m = Σ_{i≥m} dc_i is the sum of its own pair terms up to double rounding, as
+// accurate as the recurrent form's direct dg_t = ⟨∂L/∂S̄_t, S̄_t⟩. Diagonal (i = j) factors are exp(0) = 1 and
+// are never differentiated (their + and − contributions are equal), so they add no rounding either.
 // Cost O(L·dk·dv + L²(dk+dv)) per chunk; memory nchunks·dk·dv + O(C·(C+dk+dv) + dk·dv) per task (plus, with
 // GVA, an [N, Hv, dk] scratch each for dq and dk).
 //
@@ -169,7 +178,8 @@ template <typename T>
 struct Work {
   int64_t C, dk, dv;
   std::vector<T> q, k, v, dO;                    // [C, dk] / [C, dv] chunk copies (q pre-scaled)
-  std::vector<T> g, beta, c, G, dc, dbeta;       // [C]
+  std::vector<T> g, beta, G, dbeta;              // [C]
+  std::vector<double> c, dc;                     // [C] c_i and ∂L/∂c_i, in double (see the top of this file)
   std::vector<T> E, KK, A, QK, Z;                // [C, C] (row i, column j)
   std::vector<T> ks, qs, w, u, du, dr, dSk;      // [C, dv]
   std::vector<T> dq, dk_, dSu;                   // [C, dk]
@@ -180,7 +190,9 @@ struct Work {
     const int64_t cc = C * C;
     for (auto* p : {&q, &k, &dq, &dk_, &dSu}) p->assign(C * dk, T(0));
     for (auto* p : {&v, &dO, &ks, &qs, &w, &u, &du, &dr, &dSk}) p->assign(C * dv, T(0));
-    for (auto* p : {&g, &beta, &c, &G, &dc, &dbeta}) p->assign(C, T(0));
+    for (auto* p : {&g, &beta, &G, &dbeta}) p->assign(C, T(0));
+    c.assign(C, 0.0);
+    dc.assign(C, 0.0);
     for (auto* p : {&E, &KK, &A, &QK, &Z}) p->assign(cc, T(0));
     for (auto* p : {&S, &dS, &ST, &dST}) p->assign(dk * dv, T(0));
     for (auto* p : {&cf1, &cf2}) p->assign(C, T(0));
@@ -213,14 +225,14 @@ void load_chunk(const GdnDims& d, Work<T>& W, const Task& tk, int64_t t0, int64_
 template <typename T>
 void chunk_core(Work<T>& W, int64_t L, const T* S0, bool s_zero) {
   const int64_t C = W.C, dk = W.dk, dv = W.dv;
-  T acc = 0;
+  double acc = 0;
   for (int64_t i = 0; i < L; ++i) {
-    acc += W.g[i];
+    acc += static_cast<double>(W.g[i]);
     W.c[i] = acc;
-    W.G[i] = std::exp(acc);
+    W.G[i] = std::exp(static_cast<T>(acc));
   }
-  for (int64_t i = 0; i < L; ++i)
-    for (int64_t j = 0; j <= i; ++j) W.E[i * C + j] = std::exp(W.c[i] - W.c[j]);  // j ≤ i only: exponent ≤ 0
+  for (int64_t i = 0; i < L; ++i)  // j ≤ i only: exponent ≤ 0; the difference is taken in double
+    for (int64_t j = 0; j <= i; ++j) W.E[i * C + j] = std::exp(static_cast<T>(W.c[i] - W.c[j]));
   if (s_zero) {
     std::fill(W.ks.begin(), W.ks.begin() + L * dv, T(0));
     std::copy(W.v.begin(), W.v.begin() + L * dv, W.w.begin());
@@ -410,7 +422,7 @@ void chunk_gated_delta_rule_backward(const GdnDims& dims, const T* q, const T* k
         for (int64_t j = 0; j < L; ++j)
           for (int64_t a = 0; a < Dk; ++a) W.dk_[j * Dk + a] = el[j] * W.dSu[j * Dk + a];
         for (int64_t i = 0; i < L; ++i) {
-          W.dc[i] = s_zero ? T(0) : W.G[i] * dot(&W.qs[i * Dv], &W.dO[i * Dv], Dv);
+          W.dc[i] = s_zero ? 0.0 : double(W.G[i] * dot(&W.qs[i * Dv], &W.dO[i * Dv], Dv));
           W.dbeta[i] = 0;
         }
         for (int64_t i = 0; i < L; ++i) {
@@ -475,11 +487,11 @@ void chunk_gated_delta_rule_backward(const GdnDims& dims, const T* q, const T* k
         gemm_tn_acc(Dk, Dv, L, K, Dk, W.dr.data(), Dv, dS, Dv, W.cf1.data());
         // Write this chunk's gradients; dg is the reverse cumulative sum of dc.
         const T sc = static_cast<T>(d.scale);
-        T acc = 0;
+        double acc = 0;
         for (int64_t i = L - 1; i >= 0; --i) {
           const int64_t t = t0 + i;
           acc += W.dc[i];
-          if (dg) dg[t * d.Hv + tk.h] = acc;
+          if (dg) dg[t * d.Hv + tk.h] = static_cast<T>(acc);
           if (dbeta) dbeta[t * d.Hv + tk.h] = W.dbeta[i];
           if (dv) {
             T* o = dv + (t * d.Hv + tk.h) * Dv;
