@@ -4,6 +4,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/numerics.h"
 #include "core/rng.h"
 #include "ops/registry.h"
 
@@ -12,16 +13,6 @@ namespace ds::ops {
 namespace {
 bool use_chunked() { return !select_backend("gated_delta_rule", "cpu").reference; }
 
-double rel(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    double x = a[i], y = b[i];
-    if (!std::isfinite(x)) return INFINITY;
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-}
 }  // namespace
 
 void gated_delta_rule_forward(const GdnDims& d, const float* q, const float* k, const float* v, const float* g,
@@ -103,7 +94,7 @@ double probe_chunked_gated_delta_rule() {
   double e = 0;
   for (auto [x, y] : {std::pair{&a.o, &b.o}, {&a.sT, &b.sT}, {&a.dq, &b.dq}, {&a.dk, &b.dk}, {&a.dv, &b.dv},
                       {&a.dg, &b.dg}, {&a.db, &b.db}, {&a.ds0, &b.ds0}})
-    e = std::max(e, rel(*x, *y));
+    e = std::max(e, rel_l2(*x, *y));
   return e;
 }
 
