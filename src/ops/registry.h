@@ -31,7 +31,7 @@ struct Backend {
   std::string name;
   std::string device;      // "cpu" | "cuda"
   bool reference = false;  // the ground truth the others are probed against
-  // Relative L2 error against the reference on fresh random inputs (max over outputs and gradients);
+  // Relative L2 error against the reference on fixed-seed inputs (max over outputs and gradients);
   // empty for references.
   std::function<double()> probe;
   double band = 0;         // largest accepted probe error

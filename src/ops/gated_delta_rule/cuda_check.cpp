@@ -101,28 +101,14 @@ Result check_gated_delta_rule(const GatedDeltaRuleCase& c) {
   return r;
 }
 
-// Each size is its own kernel instantiation; v and dv inside [N, q | k | v] rows (column 2 Hk dk).
+// Each size is its own kernel instantiation.
 std::vector<GatedDeltaRuleCase> gated_delta_rule_probe_cases() {
-  return {{.lens = {1, 70, 0, 130},
-           .Hk = 2,
-           .ratio = 2,
-           .dk = 32,
-           .dv = 32,
-           .v_col = 128,
-           .v_pad = 0,
-           .dv_col = 128,
-           .dv_pad = 0,
-           .twice = false},
-          {.lens = {1, 70, 0, 130},
-           .Hk = 1,
-           .ratio = 2,
-           .dk = 128,
-           .dv = 128,
-           .v_col = 256,
-           .v_pad = 0,
-           .dv_col = 256,
-           .dv_pad = 0,
-           .twice = false}};
+  auto case_of = [](int64_t Hk, int64_t dim) {  // v and dv inside [N, q | k | v] rows: column 2 Hk dk
+    GatedDeltaRuleCase c{.lens = {1, 70, 0, 130}, .Hk = Hk, .ratio = 2, .dk = dim, .dv = dim, .twice = false};
+    c.v_col = c.dv_col = 2 * Hk * dim, c.v_pad = c.dv_pad = 0;
+    return c;
+  };
+  return {case_of(2, 32), case_of(1, 128)};
 }
 
 double probe_cuda_gated_delta_rule() {
