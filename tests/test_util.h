@@ -1,5 +1,5 @@
-// Shared helpers for the GoogleTest suite: deterministic random tensors, relative L2 error, and a central
-// finite-difference gradient check in float64.
+// Shared helpers for the GoogleTest suite: deterministic random tensors, relative L2 error (core/numerics.h),
+// and a central finite-difference gradient check in float64.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/numerics.h"
 #include "core/rng.h"
 
 namespace ds::test {
@@ -30,19 +31,8 @@ std::vector<T> randu(size_t n, uint64_t seed, double lo, double hi) {
   return v;
 }
 
-// ||a - b|| / max(||b||, tiny). Returns +inf if sizes differ or any value is non-finite.
-template <typename A, typename B>
-double rel_l2(const A& a, const B& b) {
-  if (a.size() != b.size()) return INFINITY;
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    double x = static_cast<double>(a[i]), y = static_cast<double>(b[i]);
-    if (!std::isfinite(x) || !std::isfinite(y)) return INFINITY;
-    num += (x - y) * (x - y);
-    den += y * y;
-  }
-  return std::sqrt(num) / std::max(std::sqrt(den), 1e-300);
-}
+// The one relative L2 error of the library and the tests (core/numerics.h).
+using ::ds::rel_l2;
 
 // Central differences of a scalar function f over every entry of x (float64), step h.
 inline std::vector<double> numeric_grad(std::vector<double>& x, const std::function<double()>& f, double h = 1e-6) {

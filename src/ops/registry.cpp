@@ -14,9 +14,22 @@
 #include "core/log.h"
 #include "ops/gated_delta_rule/dispatch.h"
 #ifdef DELTASTACK_CUDA
+#include "ops/adamw/cuda_check.h"
+#include "ops/attention/cuda_check.h"
 #include "ops/attention/cudnn.h"
+#include "ops/conv1d/cuda_check.h"
+#include "ops/elementwise/cuda_check.h"
+#include "ops/embedding/cuda_check.h"
+#include "ops/gated_delta_rule/cuda_check.h"
+#include "ops/gated_rmsnorm/cuda_check.h"
+#include "ops/gdn_gate/cuda_check.h"
+#include "ops/l2norm/cuda_check.h"
+#include "ops/linear/cuda_check.h"
+#include "ops/linear_cross_entropy/cuda_check.h"
+#include "ops/rmsnorm/cuda_check.h"
+#include "ops/rope/cuda_check.h"
+#include "ops/swiglu/cuda_check.h"
 #endif
-#include "ops/probes_cuda.h"
 
 namespace ds::ops {
 
@@ -28,10 +41,12 @@ struct OpEntry {
 };
 
 #ifdef DELTASTACK_CUDA
-// Device "cuda": the CUDA backend first (probed against the fp32 CPU reference, probes_cuda.h), then a
-// reference entry last that only marks "no usable CUDA backend": the GPU engine has no per-op CPU fallback, so
-// selecting it makes require_cuda_backends() stop with a clear error. Bands (DESIGN.md §5): 1e-2 for ops with
-// gradients (2e-2 where dg/dbeta are outputs), 5e-3 for forward-only.
+// Device "cuda": the CUDA backend first, then a reference entry last that only marks "no usable CUDA backend":
+// the GPU engine has no per-op CPU fallback, so selecting it makes require_cuda_backends() stop with a clear
+// error. Each probe is probe_cuda_<op>() of src/ops/<op>/cuda_check.h: the op's check function (the same one
+// tests/test_cuda_*.cpp run) over its fixed probe cases, the worst relative L2 error against the fp32 CPU
+// reference. Bands (ops/check/check.h): 1e-2 for ops with gradients (2e-2 where dg/dbeta are outputs), 5e-3 for
+// the optimizer (forward only).
 void add_cuda_backends(std::vector<OpEntry>& t) {
   struct CudaProbe {
     const char* op;

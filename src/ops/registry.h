@@ -1,11 +1,19 @@
 // Op registry: every op has an ordered list of backends per device (fast first, reference last), an
 // environment knob DELTASTACK_<OP>=auto|fast|reference, and a numeric self-probe. At first use, each fast
-// backend runs against the reference on fresh random inputs (forward and backward, with a partial chunk and a
-// packed case); a wrong or non-finite backend is rejected with one log line and the next one is used.
+// backend runs against the reference on fixed-seed inputs (forward and backward, with a partial chunk and a
+// packed case: the same inputs on every start); a wrong or non-finite backend is rejected with one log line and
+// the next one is used.
 // On the CPU the gated delta rule has two backends (chunked = fast, token-recurrent = reference); every other
 // op has its reference only. In a CUDA build every op also has device "cuda" backends: the CUDA kernels (probed
-// against the fp32 CPU reference on bf16-rounded inputs, ops/probes_cuda.h) and, last, a reference entry that
-// stands for "no usable CUDA backend" (the GPU engine stops: require_cuda_backends()).
+// against the fp32 CPU reference on bf16-rounded inputs by probe_cuda_<op>() of src/ops/<op>/cuda_check.h, the
+// check functions the GPU tests run too) and, last, a reference entry that stands for "no usable CUDA backend"
+// (the GPU engine stops: require_cuda_backends()).
+//
+// Devices are independent: a selection is per (op, device), the backends of device "cpu" are only ever probed
+// against and chosen among themselves, and a CUDA probe's result is stored under its own key
+// (op/cuda/backend). So a failed (or throwing, or device-less) CUDA probe only makes that op's "cuda" selection
+// fall to its reference entry, i.e. the GPU engine refuses to start; the CPU backend of every op, and so every
+// CPU result, is the same whether the CUDA probes pass, fail or never run.
 #pragma once
 #include <functional>
 #include <string>
@@ -23,7 +31,7 @@ struct Backend {
   std::string name;
   std::string device;      // "cpu" | "cuda"
   bool reference = false;  // the ground truth the others are probed against
-  // Relative L2 error against the reference on fresh random inputs (max over outputs and gradients);
+  // Relative L2 error against the reference on fixed-seed inputs (max over outputs and gradients);
   // empty for references.
   std::function<double()> probe;
   double band = 0;         // largest accepted probe error

@@ -14,7 +14,7 @@ void gated_delta_rule_backward(const GdnDims& d, const float* q, const float* k,
                                const float* dout, const float* dfinal_state, float* dq, float* dk, float* dv,
                                float* dg, float* dbeta, float* dinitial_state);
 
-// Self-probe of the chunked form against the recurrent oracle: fresh random fp32 inputs with GVA 2, a packed
+// Self-probe of the chunked form against the recurrent oracle: fixed-seed random fp32 inputs with GVA 2, a packed
 // batch of lengths {1, 64, 70, 0, 129} (partial chunks), an initial state and a final-state gradient; returns
 // the largest relative L2 error over o, final state and all gradients.
 double probe_chunked_gated_delta_rule();

@@ -1,0 +1,68 @@
+// check_adamw (ops/adamw/cuda_check.h). CUDA builds only.
+#include "ops/adamw/cuda_check.h"
+
+#ifdef DELTASTACK_CUDA
+#include "ops/adamw/cuda.h"
+#include "ops/check/device.h"
+
+namespace ds::ops {
+
+using namespace check;
+
+Result check_adamw(const AdamwCase& c) {
+  Result r;
+  r.what = "adamw n " + std::to_string(c.n) + (c.with_bf16 ? "" : " no bf16 copy") +
+           (c.offset ? " offset " + std::to_string(c.offset) : "");
+  Ctx ctx(c.seed);
+  const int64_t n = c.n;
+  const Vec p0 = ctx.randn(n, 0.02), grad = ctx.randn(n, 1e-3), m0 = ctx.randn(n, 1e-3), v0 = ctx.uniform(n, 0, 1e-6);
+  Vec p = p0, m = m0, v = v0;
+  double ss = 0;
+  timed(&r.cpu_seconds, [&] {
+    adamw_update(p.data(), grad.data(), m.data(), v.data(), n, c.hp);
+    ss = sum_squares(grad.data(), n);
+  });
+
+  Buf<float> p_d(n, c.offset), m_d(n, c.offset), v_d(n, c.offset);
+  auto g_d = ctx.up(grad, c.offset);
+  Buf<bf16> pb_d(n, c.offset), gb_d(n, c.offset);
+  Buf<double> ss_d(1);
+  Buf<unsigned char> scratch(cuda::sum_squares_scratch_bytes(n));
+  struct Out {
+    Vec p, m, v;
+    Bits pb, gb;
+    std::vector<double> ss;
+    auto tie() const { return std::tie(p, m, v, pb, gb, ss); }
+  };
+  auto run = [&] {
+    ctx.upload(p_d, p0), ctx.upload(m_d, m0), ctx.upload(v_d, v0);
+    ctx.poison(pb_d), ctx.poison(gb_d), ctx.poison(ss_d);
+    cuda::sum_squares(g_d.get(), n, ss_d.get(), scratch.get(), ctx.s);
+    cuda::adamw_update(p_d.get(), g_d.get(), m_d.get(), v_d.get(), c.with_bf16 ? pb_d.get() : nullptr, n, c.hp, ctx.s);
+    cuda::to_bf16(g_d.get(), gb_d.get(), n, ctx.s);
+    return Out{ctx.down(p_d), ctx.down(m_d), ctx.down(v_d), ctx.bits(pb_d), ctx.bits(gb_d), ctx.down(ss_d)};
+  };
+  const Out a = run();
+  r.add("param", rel_l2(a.p, p), kForward);
+  r.add("m", rel_l2(a.m, m), kForward);
+  r.add("v", rel_l2(a.v, v), kForward);
+  r.add("param update", rel_l2(minus(a.p, p0), minus(p, p0)), kForward);
+  r.add("m update", rel_l2(minus(a.m, m0), minus(m, m0)), kForward);
+  r.add("v update", rel_l2(minus(a.v, v0), minus(v, v0)), kForward);
+  if (c.with_bf16) {
+    r.add("param bf16 copy", rel_l2(bf16_view(a.pb), p), kForward);
+    r.exact("param bf16 copy is the RNE rounding of the fp32 param", same_bits(to_f32(a.pb), rounded(a.p)));
+  }
+  r.exact("to_bf16 is round-to-nearest-even", same_bits(to_f32(a.gb), rounded(grad)));
+  r.add("sum_squares", rel_scalar(a.ss[0], ss), 1e-10);
+  if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
+  return r;
+}
+
+std::vector<AdamwCase> adamw_probe_cases() { return {{.n = 5003, .twice = false}}; }
+
+double probe_cuda_adamw() { return probe("adamw", adamw_probe_cases(), check_adamw); }
+
+}  // namespace ds::ops
+
+#endif  // DELTASTACK_CUDA

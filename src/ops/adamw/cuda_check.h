@@ -1,0 +1,32 @@
+// Numeric check of the CUDA optimizer kernels (ops/adamw/cuda.h: adamw_update with its bf16 copy, to_bf16,
+// sum_squares) against the CPU reference (ops/adamw/adamw.h), shared by the registry's start-up probe and
+// tests/test_cuda_ops.cpp; contract in ops/check/check.h.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "ops/adamw/adamw.h"
+#include "ops/check/check.h"
+
+namespace ds::ops {
+
+// n fp32 values: param (std 0.02), grad (std 1e-3), m (std 1e-3), v (uniform [0, 1e-6)). Values: param, m, v and
+// their updates new - old (the step is small next to the value; forward band); the bf16 copy of the new param
+// (forward band, and exactly its round-to-nearest-even), to_bf16(grad) exact, sum_squares(grad) (band 1e-10);
+// with twice, two runs bitwise equal.
+struct AdamwCase {
+  int64_t n = 5003;
+  size_t offset = 0;      // pointer shift in elements (1: unaligned, the scalar path)
+  bool with_bf16 = true;  // adamw_update also writes the bf16 compute copy
+  AdamWParams hp{3e-4, 0.9, 0.95, 1e-8, 0.1, 17, 0.7};
+  uint64_t seed = 1;
+  bool twice = true;
+};
+check::Result check_adamw(const AdamwCase& c);
+// The start-up probe: n 5003 (a vector body and a scalar tail).
+std::vector<AdamwCase> adamw_probe_cases();
+// The registry's probe: check::probe("adamw", adamw_probe_cases(), check_adamw).
+double probe_cuda_adamw();
+
+}  // namespace ds::ops

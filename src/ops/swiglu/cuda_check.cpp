@@ -1,0 +1,54 @@
+// check_swiglu (ops/swiglu/cuda_check.h). CUDA builds only.
+#include "ops/swiglu/cuda_check.h"
+
+#ifdef DELTASTACK_CUDA
+#include "ops/check/device.h"
+#include "ops/swiglu/cuda.h"
+#include "ops/swiglu/swiglu.h"
+
+namespace ds::ops {
+
+using namespace check;
+
+Result check_swiglu(const SwigluCase& c) {
+  Result r;
+  r.what = "swiglu [" + shape({c.N, c.I}) + "]" + (c.offset ? " offset " + std::to_string(c.offset) : "");
+  Ctx ctx(c.seed);
+  const int64_t N = c.N, I = c.I, n = N * I;
+  const Vec gate = ctx.randn_bf16(n, 2.0), up = ctx.randn_bf16(n), dh = ctx.randn_bf16(n);
+  Vec gu = widen(gate, I, 2 * I, 0, 0.f);  // [gate | up] per row
+  for (int64_t t = 0; t < N; ++t) std::copy_n(up.begin() + t * I, I, gu.begin() + t * 2 * I + I);
+  Vec h(n), dgate(n), dup(n);
+  timed(&r.cpu_seconds, [&] {
+    swiglu_forward<float>(gate.data(), up.data(), h.data(), n);
+    swiglu_backward<float>(gate.data(), up.data(), dh.data(), dgate.data(), dup.data(), n);
+  });
+
+  auto gu_d = ctx.up_bf16(gu, c.offset), dh_d = ctx.up_bf16(dh, c.offset);
+  Buf<bf16> h_d(n, c.offset), dgu_d(2 * n, c.offset);
+  struct Out {
+    Bits h, dgu;
+    auto tie() const { return std::tie(h, dgu); }
+  };
+  auto run = [&] {
+    ctx.poison(h_d), ctx.poison(dgu_d);
+    cuda::swiglu_forward(gu_d.get(), h_d.get(), N, I, ctx.s);
+    cuda::swiglu_backward(gu_d.get(), dh_d.get(), dgu_d.get(), N, I, ctx.s);
+    return Out{ctx.bits(h_d), ctx.bits(dgu_d)};
+  };
+  const Out a = run();
+  const Vec dgu = to_f32(a.dgu);
+  r.add("h", rel_l2(bf16_view(a.h), h), kForward);
+  r.add("dgate", rel_l2(columns(dgu, 2 * I, 0, I), dgate), kGradient);
+  r.add("dup", rel_l2(columns(dgu, 2 * I, I, I), dup), kGradient);
+  if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
+  return r;
+}
+
+std::vector<SwigluCase> swiglu_probe_cases() { return {{.N = 64, .I = 256, .twice = false}}; }
+
+double probe_cuda_swiglu() { return probe("swiglu", swiglu_probe_cases(), check_swiglu); }
+
+}  // namespace ds::ops
+
+#endif  // DELTASTACK_CUDA
