@@ -70,6 +70,7 @@ struct Args {
   float* ht = nullptr;
   bf16* hsave = nullptr;
   bf16 *W = nullptr, *U = nullptr, *X = nullptr /* V_new or dv_local */, *dv2 = nullptr, *dH = nullptr;
+  bf16* Tw = nullptr;  // T per (chunk, value head), bf16 [max_chunks, Hv, 64, 64]
   float* gam = nullptr;
   const bf16* dO = nullptr;
   const float* dht = nullptr;
@@ -133,12 +134,20 @@ __device__ __forceinline__ int frag_col(int n0, int nt) { return n0 + nt * 8 + (
 // AT = false: A stored [m][k] (row stride lda); AT = true: stored [k][m]. BT = false: B stored [k][n]; BT = true:
 // stored [n][k]. The k loop runs 0..K in steps of 16 in order (same fp32 accumulation order everywhere).
 template <int MT, int NT, bool AT, bool BT, int K>
+__device__ __forceinline__ void wmma_step(float (&acc)[MT][NT][4], const bf16* A, int lda, const bf16* B, int ldb,
+                                          int m0, int n0, int k0);
+template <int MT, int NT, bool AT, bool BT, int K, int UNROLL = K / 16>
 __device__ __forceinline__ void wmma(float (&acc)[MT][NT][4], const bf16* A, int lda, const bf16* B, int ldb, int m0,
                                      int n0) {
+#pragma unroll UNROLL
+  for (int k0 = 0; k0 < K; k0 += 16) wmma_step<MT, NT, AT, BT, K>(acc, A, lda, B, ldb, m0, n0, k0);
+}
+template <int MT, int NT, bool AT, bool BT, int K>
+__device__ __forceinline__ void wmma_step(float (&acc)[MT][NT][4], const bf16* A, int lda, const bf16* B, int ldb,
+                                          int m0, int n0, int k0) {
   static_assert(NT % 2 == 0, "NT must be even");
   const int l = threadIdx.x & 31;
-#pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
+  {
     uint32_t a[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -331,16 +340,15 @@ __global__ void __launch_bounds__(1024) k_index(const int32_t* cu, int n, int ma
 // ---------------------------------------------------------------------------------------------------------
 // k_prep: γ, T, W, U for one (chunk, value head).
 
-constexpr int PREP_SMEM = 3 * C * LD * 2 + C * LF * 4 + C * LC * 2 + 3 * C * 4;
+constexpr int PREP_SMEM = 2 * C * LD * 2 + C * LF * 4 + C * LC * 2 + 3 * C * 4;  // 61 KiB: 3 blocks per SM
 
 __global__ void __launch_bounds__(128) k_prep(const Args a) {
   ChunkPos p;
   if (!chunk_pos(a, blockIdx.x, p)) return;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(smem);
-  bf16* Vs = Ks + C * LD;
-  bf16* Xs = Vs + C * LD;
-  float* Af = reinterpret_cast<float*>(Xs + C * LD);
+  bf16* Ks = reinterpret_cast<bf16*>(smem);  // K, then β e^γ K
+  bf16* Vs = Ks + C * LD;                    // V, then β V
+  float* Af = reinterpret_cast<float*>(Vs + C * LD);
   bf16* Ts = reinterpret_cast<bf16*>(Af + C * LF);
   float* gsm = reinterpret_cast<float*>(Ts + C * LC);
   float* gam = gsm + C;
@@ -376,19 +384,30 @@ __global__ void __launch_bounds__(128) k_prep(const Args a) {
         Af[i * LF + j] = (j < i && i < L) ? acc[0][nt][e] * expf(gam[i] - gam[j]) : 0.f;
       }
   }
-  for (int i = tid; i < C * D / 2; i += 128) {
-    const int r = i / (D / 2), c = (i - r * (D / 2)) * 2;
-    const float f = bet[r] * expf(gam[r]);
-    const uint32_t kk = ld2(Ks + r * LD + c);
-    st2(Xs + r * LD + c, pack2(f * lo2f(kk), f * hi2f(kk)));
+  __syncthreads();
+  if (tid < C) {
+    tri_inverse(Af, bet, Ts, tid);
+  } else {
+    for (int i = tid - C; i < C * D / 2; i += 128 - C) {
+      const int r = i / (D / 2), c = (i - r * (D / 2)) * 2;
+      const float f = bet[r] * expf(gam[r]);
+      const uint32_t kk = ld2(Ks + r * LD + c), vv = ld2(Vs + r * LD + c);
+      st2(Ks + r * LD + c, pack2(f * lo2f(kk), f * hi2f(kk)));
+      st2(Vs + r * LD + c, pack2(bet[r] * lo2f(vv), bet[r] * hi2f(vv)));
+    }
   }
   __syncthreads();
-  tri_inverse(Af, bet, Ts, tid);
-  __syncthreads();
+  {
+    bf16* tg = a.Tw + (int64_t(blockIdx.x) * a.Hv + h) * C * C;
+    for (int i = tid; i < C * C / 8; i += 128) {
+      const int r = i >> 3, c = (i & 7) * 8;
+      *reinterpret_cast<uint4*>(tg + r * C + c) = *reinterpret_cast<const uint4*>(Ts + r * LC + c);
+    }
+  }
   for (int pass = 0; pass < 2; ++pass) {
     float acc[1][16][4];
     zero(acc);
-    wmma<1, 16, false, false, C>(acc, Ts, LC, Xs, LD, 16 * w, 0);
+    wmma<1, 16, false, false, C>(acc, Ts, LC, pass == 0 ? Ks : Vs, LD, 16 * w, 0);
     bf16* out = pass == 0 ? a.W : a.U;
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
@@ -397,15 +416,6 @@ __global__ void __launch_bounds__(128) k_prep(const Args a) {
         const int i = frag_row(16 * w, e), c = frag_col(0, nt);
         if (i < L) st2(out + ((int64_t(t0) + i) * a.Hv + h) * D + c, pack2(acc[0][nt][e], acc[0][nt][e + 1]));
       }
-    if (pass == 0) {
-      __syncthreads();
-      for (int i = tid; i < C * D / 2; i += 128) {
-        const int r = i / (D / 2), c = (i - r * (D / 2)) * 2;
-        const uint32_t vv = ld2(Vs + r * LD + c);
-        st2(Xs + r * LD + c, pack2(bet[r] * lo2f(vv), bet[r] * hi2f(vv)));
-      }
-      __syncthreads();
-    }
   }
 }
 
@@ -414,19 +424,33 @@ __global__ void __launch_bounds__(128) k_prep(const Args a) {
 
 template <int BV>
 struct ScanCfg {
-  static constexpr int LV = BV + 8, NT = BV / 8;
+  static_assert(BV == 32 || BV == 64, "scan tile");
+  static constexpr int LV = BV + 8, NT = BV / 8, NT2 = BV / 16;
   // stage: two 64x128 tiles, one 64xBV tile, 64 floats
   static constexpr int STAGE = 2 * C * LD * 2 + C * LV * 2 + C * 4;
   static constexpr int SMEM = 2 * STAGE + D * LV * 2 + C * LV * 2;
 };
 
+// Copies a 128 x BV bf16 tile from shared (rows of LV) to global rows of D elements, 16 bytes per thread.
 template <int BV>
-__global__ void __launch_bounds__(128) k_fwd_h(const Args a) {
+__device__ __forceinline__ void store_state_tile(bf16* g, const bf16* s, int tid) {
+  constexpr int LV = BV + 8, C8 = BV / 8;
+  for (int i = tid; i < D * C8; i += 256) {
+    const int r = i / C8, c = (i - r * C8) * 8;
+    *reinterpret_cast<uint4*>(g + int64_t(r) * D + c) = *reinterpret_cast<const uint4*>(s + r * LV + c);
+  }
+}
+
+// 256 threads: warp w holds state rows 16w..16w+15 (all BV columns); the 64 x BV products use warp tile
+// rows 16(w%4).., columns (BV/2)(w/4)..
+template <int BV>
+__global__ void __launch_bounds__(256) k_fwd_h(const Args a) {
   using Cf = ScanCfg<BV>;
-  constexpr int LV = Cf::LV, NT = Cf::NT;
+  constexpr int LV = Cf::LV, NT = Cf::NT, NT2 = Cf::NT2;
   extern __shared__ __align__(16) unsigned char smem[];
   const int seq = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * BV, hk = h / a.G;
   const int tid = threadIdx.x, w = tid >> 5;
+  const int rb = (w & 3) * 16, cb = (w >> 2) * (BV / 2);
   const int bos = cu_of(a)[seq], eos = cu_of(a)[seq + 1];
   const int c0 = coff_of(a)[seq], nc = coff_of(a)[seq + 1] - c0;
   auto Ws = [&](int st) { return reinterpret_cast<bf16*>(smem + st * Cf::STAGE); };
@@ -436,41 +460,34 @@ __global__ void __launch_bounds__(128) k_fwd_h(const Args a) {
   bf16* hs = reinterpret_cast<bf16*>(smem + 2 * Cf::STAGE);
   bf16* vns = hs + D * LV;
 
-  float S[2][NT][4];
+  float S[1][NT][4];
   const int64_t sbase = (int64_t(seq) * a.Hv + h) * D * D + v0;
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = frag_row(32 * w + 16 * mt, e), c = frag_col(0, nt) + (e & 1);
-        S[mt][nt][e] = a.h0 ? a.h0[sbase + int64_t(r) * D + c] : 0.f;
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int r = frag_row(16 * w, e), c = frag_col(0, nt) + (e & 1);
+      S[0][nt][e] = a.h0 ? a.h0[sbase + int64_t(r) * D + c] : 0.f;
+    }
 
   auto issue = [&](int ci, int st) {
     const int t0 = bos + C * ci, L = min(C, eos - t0);
-    load_tile<C, D>(Ws(st), LD, a.W + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 128);
-    load_tile<C, D>(Ks(st), LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 128);
-    load_tile<C, BV>(Us(st), LV, a.U + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 128);
+    load_tile<C, D>(Ws(st), LD, a.W + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 256);
+    load_tile<C, D>(Ks(st), LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+    load_tile<C, BV>(Us(st), LV, a.U + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 256);
     if (tid < C) Gs(st)[tid] = tid < L ? a.gam[(int64_t(t0) + tid) * a.Hv + h] : 0.f;
     cp_commit();
   };
   if (nc > 0) issue(0, 0);
   for (int ci = 0; ci < nc; ++ci) {
     const int st = ci & 1, t0 = bos + C * ci, L = min(C, eos - t0);
-    bf16* hg = a.hsave + (int64_t(c0 + ci) * a.Hv + h) * D * D + v0;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int r = frag_row(32 * w + 16 * mt, e), c = frag_col(0, nt);
-          const uint32_t pk = pack2(S[mt][nt][e], S[mt][nt][e + 1]);
-          st2(hs + r * LV + c, pk);
-          st2(hg + int64_t(r) * D + c, pk);
-        }
+      for (int e = 0; e < 4; e += 2) {
+        const int r = frag_row(16 * w, e), c = frag_col(0, nt);
+        st2(hs + r * LV + c, pack2(S[0][nt][e], S[0][nt][e + 1]));
+      }
     if (ci + 1 < nc) {
       issue(ci + 1, st ^ 1);
       cp_wait<1>();
@@ -478,18 +495,19 @@ __global__ void __launch_bounds__(128) k_fwd_h(const Args a) {
       cp_wait<0>();
     }
     __syncthreads();
+    store_state_tile<BV>(a.hsave + (int64_t(c0 + ci) * a.Hv + h) * D * D + v0, hs, tid);
     const float* gs = Gs(st);
     const float gl = gs[L - 1];
     {
-      float acc[1][NT][4];
+      float acc[1][NT2][4];
       zero(acc);
-      wmma<1, NT, false, false, D>(acc, Ws(st), LD, hs, LV, 16 * w, 0);
+      wmma<1, NT2, false, false, D>(acc, Ws(st), LD, hs, LV, rb, cb);
       const bf16* us = Us(st);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
-          const int r = frag_row(16 * w, e), c = frag_col(0, nt);
+          const int r = frag_row(rb, e), c = frag_col(cb, nt);
           const uint32_t uu = ld2(us + r * LV + c);
           const float x0 = lo2f(uu) - acc[0][nt][e], x1 = hi2f(uu) - acc[0][nt][e + 1];
           if (r < L) st2(a.X + ((int64_t(t0) + r) * a.Hv + h) * D + v0 + c, pack2(x0, x1));
@@ -500,24 +518,20 @@ __global__ void __launch_bounds__(128) k_fwd_h(const Args a) {
     __syncthreads();
     const float dl = expf(gl);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) S[mt][nt][e] *= dl;
-    wmma<2, NT, true, false, C>(S, Ks(st), LD, vns, LV, 32 * w, 0);
+      for (int e = 0; e < 4; ++e) S[0][nt][e] *= dl;
+    wmma<1, NT, true, false, C>(S, Ks(st), LD, vns, LV, 16 * w, 0);
     __syncthreads();
   }
   if (a.ht) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = frag_row(32 * w + 16 * mt, e), c = frag_col(0, nt) + (e & 1);
-          a.ht[sbase + int64_t(r) * D + c] = S[mt][nt][e];
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int r = frag_row(16 * w, e), c = frag_col(0, nt) + (e & 1);
+        a.ht[sbase + int64_t(r) * D + c] = S[0][nt][e];
+      }
   }
 }
 
@@ -526,7 +540,8 @@ __global__ void __launch_bounds__(128) k_fwd_h(const Args a) {
 
 constexpr int FWDO_SMEM = 3 * C * LD * 2 + D * LD * 2 + C * LC * 2 + C * 4;
 
-__global__ void __launch_bounds__(128) k_fwd_o(const Args a) {
+// 256 threads; 64x64 products: warp tile rows 16(w%4).., cols 32(w/4)..; 64x128: rows 16(w%4).., cols 64(w/4)..
+__global__ void __launch_bounds__(256) k_fwd_o(const Args a) {
   ChunkPos p;
   if (!chunk_pos(a, blockIdx.x, p)) return;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -537,60 +552,61 @@ __global__ void __launch_bounds__(128) k_fwd_o(const Args a) {
   bf16* Ps = Hs + D * LD;
   float* gs = reinterpret_cast<float*>(Ps + C * LC);
   const int tid = threadIdx.x, w = tid >> 5, h = blockIdx.y, hk = h / a.G, c = blockIdx.x;
+  const int rb = (w & 3) * 16, cs = (w >> 2) * 32, cb = (w >> 2) * 64;
   const int t0 = p.t0, L = p.L;
-  load_tile<C, D>(Qs, LD, a.q + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 128);
-  load_tile<C, D>(Ks, LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 128);
-  load_tile<C, D>(Vs, LD, a.X + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 128);
-  load_tile<D, D>(Hs, LD, a.hsave + (int64_t(c) * a.Hv + h) * D * D, D, D, tid, 128);
+  load_tile<C, D>(Qs, LD, a.q + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+  load_tile<C, D>(Ks, LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+  load_tile<C, D>(Vs, LD, a.X + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 256);
+  load_tile<D, D>(Hs, LD, a.hsave + (int64_t(c) * a.Hv + h) * D * D, D, D, tid, 256);
   cp_commit();
   if (tid < C) gs[tid] = tid < L ? a.gam[(int64_t(t0) + tid) * a.Hv + h] : 0.f;
   cp_wait<0>();
   __syncthreads();
   {
-    float acc[1][8][4];
+    float acc[1][4][4];
     zero(acc);
-    wmma<1, 8, false, true, D>(acc, Qs, LD, Ks, LD, 16 * w, 0);
+    wmma<1, 4, false, true, D>(acc, Qs, LD, Ks, LD, rb, cs);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
-        const int i = frag_row(16 * w, e), j = frag_col(0, nt);
+        const int i = frag_row(rb, e), j = frag_col(cs, nt);
         const float x0 = (j <= i && i < L) ? acc[0][nt][e] * expf(gs[i] - gs[j]) : 0.f;
         const float x1 = (j + 1 <= i && i < L) ? acc[0][nt][e + 1] * expf(gs[i] - gs[j + 1]) : 0.f;
         st2(Ps + i * LC + j, pack2(x0, x1));
       }
   }
-  __syncwarp();
-  float acc[1][16][4];
+  float acc[1][8][4];
   zero(acc);
-  wmma<1, 16, false, false, D>(acc, Qs, LD, Hs, LD, 16 * w, 0);
+  wmma<1, 8, false, false, D>(acc, Qs, LD, Hs, LD, rb, cb);
 #pragma unroll
   for (int e = 0; e < 4; e += 2) {
-    const int i = frag_row(16 * w, e);
+    const int i = frag_row(rb, e);
     const float f = i < L ? expf(gs[i]) : 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
+    for (int nt = 0; nt < 8; ++nt) {
       acc[0][nt][e] *= f;
       acc[0][nt][e + 1] *= f;
     }
   }
-  wmma<1, 16, false, false, C>(acc, Ps, LC, Vs, LD, 16 * w, 0);
+  __syncthreads();
+  wmma<1, 8, false, false, C>(acc, Ps, LC, Vs, LD, rb, cb);
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt)
+  for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
-      const int i = frag_row(16 * w, e), cc = frag_col(0, nt);
+      const int i = frag_row(rb, e), cc = frag_col(cb, nt);
       if (i < L)
         st2(a.o + ((int64_t(t0) + i) * a.Hv + h) * D + cc, pack2(a.scale * acc[0][nt][e], a.scale * acc[0][nt][e + 1]));
     }
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// k_dvlocal: scale (lower-incl(Γ ⊙ Q Kᵀ))ᵀ dO per (chunk, value head).
+// k_dvlocal: scale (lower-incl(Γ ⊙ Q Kᵀ))ᵀ dO per (chunk, value head). 256 threads, tiles as k_fwd_o.
 
 constexpr int DVL_SMEM = 3 * C * LD * 2 + C * LC * 2 + C * 4;
 
-__global__ void __launch_bounds__(128) k_dvlocal(const Args a) {
+__global__ void __launch_bounds__(256) k_dvlocal(const Args a) {
   ChunkPos p;
   if (!chunk_pos(a, blockIdx.x, p)) return;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -600,37 +616,38 @@ __global__ void __launch_bounds__(128) k_dvlocal(const Args a) {
   bf16* Ps = Os + C * LD;
   float* gs = reinterpret_cast<float*>(Ps + C * LC);
   const int tid = threadIdx.x, w = tid >> 5, h = blockIdx.y, hk = h / a.G;
+  const int rb = (w & 3) * 16, cs = (w >> 2) * 32, cb = (w >> 2) * 64;
   const int t0 = p.t0, L = p.L;
-  load_tile<C, D>(Qs, LD, a.q + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 128);
-  load_tile<C, D>(Ks, LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 128);
-  load_tile<C, D>(Os, LD, a.dO + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 128);
+  load_tile<C, D>(Qs, LD, a.q + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+  load_tile<C, D>(Ks, LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+  load_tile<C, D>(Os, LD, a.dO + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 256);
   cp_commit();
   if (tid < C) gs[tid] = tid < L ? a.gam[(int64_t(t0) + tid) * a.Hv + h] : 0.f;
   cp_wait<0>();
   __syncthreads();
   {
-    float acc[1][8][4];
+    float acc[1][4][4];
     zero(acc);
-    wmma<1, 8, false, true, D>(acc, Ks, LD, Qs, LD, 16 * w, 0);  // [j][i] = k_j·q_i
+    wmma<1, 4, false, true, D>(acc, Ks, LD, Qs, LD, rb, cs);  // [j][i] = k_j·q_i
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
-        const int j = frag_row(16 * w, e), i = frag_col(0, nt);
+        const int j = frag_row(rb, e), i = frag_col(cs, nt);
         const float x0 = (i >= j && i < L) ? a.scale * acc[0][nt][e] * expf(gs[i] - gs[j]) : 0.f;
         const float x1 = (i + 1 >= j && i + 1 < L) ? a.scale * acc[0][nt][e + 1] * expf(gs[i + 1] - gs[j]) : 0.f;
         st2(Ps + j * LC + i, pack2(x0, x1));
       }
   }
-  __syncwarp();
-  float acc[1][16][4];
+  __syncthreads();
+  float acc[1][8][4];
   zero(acc);
-  wmma<1, 16, false, false, C>(acc, Ps, LC, Os, LD, 16 * w, 0);
+  wmma<1, 8, false, false, C>(acc, Ps, LC, Os, LD, rb, cb);
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt)
+  for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; e += 2) {
-      const int j = frag_row(16 * w, e), cc = frag_col(0, nt);
+      const int j = frag_row(rb, e), cc = frag_col(cb, nt);
       if (j < L) st2(a.X + ((int64_t(t0) + j) * a.Hv + h) * D + cc, pack2(acc[0][nt][e], acc[0][nt][e + 1]));
     }
 }
@@ -640,18 +657,20 @@ __global__ void __launch_bounds__(128) k_dvlocal(const Args a) {
 
 template <int BV>
 struct DhCfg {
-  static constexpr int LV = BV + 8, NT = BV / 8;
+  static_assert(BV == 32 || BV == 64, "scan tile");
+  static constexpr int LV = BV + 8, NT = BV / 8, NT2 = BV / 16;
   static constexpr int STAGE = 3 * C * LD * 2 + 2 * C * LV * 2 + C * 4;
   static constexpr int SMEM = 2 * STAGE + D * LV * 2 + C * LV * 2;
 };
 
 template <int BV>
-__global__ void __launch_bounds__(128) k_bwd_dh(const Args a) {
+__global__ void __launch_bounds__(256) k_bwd_dh(const Args a) {
   using Cf = DhCfg<BV>;
-  constexpr int LV = Cf::LV, NT = Cf::NT;
+  constexpr int LV = Cf::LV, NT = Cf::NT, NT2 = Cf::NT2;
   extern __shared__ __align__(16) unsigned char smem[];
   const int seq = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * BV, hk = h / a.G;
   const int tid = threadIdx.x, w = tid >> 5;
+  const int rb = (w & 3) * 16, cb = (w >> 2) * (BV / 2);
   const int bos = cu_of(a)[seq], eos = cu_of(a)[seq + 1];
   const int c0 = coff_of(a)[seq], nc = coff_of(a)[seq + 1] - c0;
   auto Ks = [&](int st) { return reinterpret_cast<bf16*>(smem + st * Cf::STAGE); };
@@ -663,42 +682,35 @@ __global__ void __launch_bounds__(128) k_bwd_dh(const Args a) {
   bf16* dhs = reinterpret_cast<bf16*>(smem + 2 * Cf::STAGE);
   bf16* dvn = dhs + D * LV;
 
-  float S[2][NT][4];
+  float S[1][NT][4];
   const int64_t sbase = (int64_t(seq) * a.Hv + h) * D * D + v0;
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = frag_row(32 * w + 16 * mt, e), c = frag_col(0, nt) + (e & 1);
-        S[mt][nt][e] = a.dht ? a.dht[sbase + int64_t(r) * D + c] : 0.f;
-      }
+    for (int e = 0; e < 4; ++e) {
+      const int r = frag_row(16 * w, e), c = frag_col(0, nt) + (e & 1);
+      S[0][nt][e] = a.dht ? a.dht[sbase + int64_t(r) * D + c] : 0.f;
+    }
   auto issue = [&](int ci, int st) {
     const int t0 = bos + C * ci, L = min(C, eos - t0);
-    load_tile<C, D>(Ks(st), LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 128);
-    load_tile<C, D>(Ws(st), LD, a.W + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 128);
-    load_tile<C, D>(Qs(st), LD, a.q + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 128);
-    load_tile<C, BV>(Os(st), LV, a.dO + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 128);
-    load_tile<C, BV>(Ls(st), LV, a.X + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 128);
+    load_tile<C, D>(Ks(st), LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+    load_tile<C, D>(Ws(st), LD, a.W + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 256);
+    load_tile<C, D>(Qs(st), LD, a.q + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+    load_tile<C, BV>(Os(st), LV, a.dO + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 256);
+    load_tile<C, BV>(Ls(st), LV, a.X + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 256);
     if (tid < C) Gs(st)[tid] = tid < L ? a.gam[(int64_t(t0) + tid) * a.Hv + h] : 0.f;
     cp_commit();
   };
   if (nc > 0) issue(nc - 1, (nc - 1) & 1);
   for (int ci = nc - 1; ci >= 0; --ci) {
     const int st = ci & 1, t0 = bos + C * ci, L = min(C, eos - t0);
-    bf16* dg = a.dH + (int64_t(c0 + ci) * a.Hv + h) * D * D + v0;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const int r = frag_row(32 * w + 16 * mt, e), c = frag_col(0, nt);
-          const uint32_t pk = pack2(S[mt][nt][e], S[mt][nt][e + 1]);
-          st2(dhs + r * LV + c, pk);
-          st2(dg + int64_t(r) * D + c, pk);
-        }
+      for (int e = 0; e < 4; e += 2) {
+        const int r = frag_row(16 * w, e), c = frag_col(0, nt);
+        st2(dhs + r * LV + c, pack2(S[0][nt][e], S[0][nt][e + 1]));
+      }
     if (ci > 0) {
       issue(ci - 1, st ^ 1);
       cp_wait<1>();
@@ -706,18 +718,19 @@ __global__ void __launch_bounds__(128) k_bwd_dh(const Args a) {
       cp_wait<0>();
     }
     __syncthreads();
+    store_state_tile<BV>(a.dH + (int64_t(c0 + ci) * a.Hv + h) * D * D + v0, dhs, tid);
     const float* gs = Gs(st);
     const float gl = gs[L - 1];
     {
-      float acc[1][NT][4];
+      float acc[1][NT2][4];
       zero(acc);
-      wmma<1, NT, false, false, D>(acc, Ks(st), LD, dhs, LV, 16 * w, 0);
+      wmma<1, NT2, false, false, D>(acc, Ks(st), LD, dhs, LV, rb, cb);
       const bf16* ls = Ls(st);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int nt = 0; nt < NT2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; e += 2) {
-          const int r = frag_row(16 * w, e), c = frag_col(0, nt);
+          const int r = frag_row(rb, e), c = frag_col(cb, nt);
           const uint32_t ll = ld2(ls + r * LV + c);
           const float dec = r < L ? expf(gl - gs[r]) : 0.f;
           const float x0 = r < L ? lo2f(ll) + acc[0][nt][e] * dec : 0.f;
@@ -726,7 +739,7 @@ __global__ void __launch_bounds__(128) k_bwd_dh(const Args a) {
           st2(dvn + r * LV + c, pack2(-x0, -x1));
         }
       bf16* os = Os(st);
-      for (int i = tid; i < C * BV / 2; i += 128) {
+      for (int i = tid; i < C * BV / 2; i += 256) {
         const int r = i / (BV / 2), c = (i - r * (BV / 2)) * 2;
         const float f = r < L ? a.scale * expf(gs[r]) : 0.f;
         const uint32_t oo = ld2(os + r * LV + c);
@@ -736,25 +749,21 @@ __global__ void __launch_bounds__(128) k_bwd_dh(const Args a) {
     __syncthreads();
     const float dl = expf(gl);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) S[mt][nt][e] *= dl;
-    wmma<2, NT, true, false, C>(S, Qs(st), LD, Os(st), LV, 32 * w, 0);
-    wmma<2, NT, true, false, C>(S, Ws(st), LD, dvn, LV, 32 * w, 0);
+      for (int e = 0; e < 4; ++e) S[0][nt][e] *= dl;
+    wmma<1, NT, true, false, C>(S, Qs(st), LD, Os(st), LV, 16 * w, 0);
+    wmma<1, NT, true, false, C>(S, Ws(st), LD, dvn, LV, 16 * w, 0);
     __syncthreads();
   }
   if (a.dh0) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = frag_row(32 * w + 16 * mt, e), c = frag_col(0, nt) + (e & 1);
-          a.dh0[sbase + int64_t(r) * D + c] = S[mt][nt][e];
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int r = frag_row(16 * w, e), c = frag_col(0, nt) + (e & 1);
+        a.dh0[sbase + int64_t(r) * D + c] = S[0][nt][e];
+      }
   }
 }
 
@@ -767,15 +776,16 @@ constexpr int T128 = D * LD * 2;  // 128x128 bf16 tile
 constexpr int TC = C * LC * 2;    // 64x64 bf16 tile
 constexpr int OFF_Q = 0, OFF_K = T64, OFF_R1 = 2 * T64;
 constexpr int OFF_S = OFF_R1, OFF_DH = OFF_R1 + T128;
-constexpr int OFF_XW = OFF_R1, OFF_XU = OFF_R1 + T64, OFF_AF = OFF_R1 + 2 * T64, OFF_TS = OFF_AF + C * LF * 4;
+constexpr int OFF_XW = OFF_R1, OFF_XU = OFF_R1 + T64, OFF_AF = OFF_R1 + 2 * T64;
 constexpr int OFF_X1 = OFF_R1 + 2 * T128;
 constexpr int OFF_X2 = OFF_X1 + T64, OFF_X3 = OFF_X2 + T64, OFF_X4 = OFF_X3 + T64, OFF_X5 = OFF_X4 + T64;
 constexpr int OFF_DP = OFF_X5 + T64, OFF_MS = OFF_DP + TC;
 constexpr int OFF_SMALL = OFF_MS + TC;
 // small floats: gam[64], bet[64], dgs[64], dgp[16][64], dbp[6][64], red[8]
 constexpr int SMALL_FLOATS = 3 * C + 16 * C + 6 * C + 8;
-constexpr int SMEM = OFF_SMALL + SMALL_FLOATS * 4;
-static_assert(OFF_TS + TC <= OFF_X1, "R1 overflow");
+constexpr int OFF_TS = OFF_SMALL + SMALL_FLOATS * 4;
+constexpr int SMEM = OFF_TS + TC;
+static_assert(OFF_AF + C * LF * 4 <= OFF_X1, "R1 overflow");
 static_assert(SMEM <= 227 * 1024, "bwd_chunk shared memory");
 }  // namespace bc
 
@@ -831,6 +841,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
     load_tile<C, D>(X3, LD, a.dO + tb, rowv, L, tid, 256);
     load_tile<C, D>(X4, LD, a.dv2 + tb, rowv, L, tid, 256);
     load_tile<C, D>(X5, LD, a.v + int64_t(t0) * a.v_stride + int64_t(h) * D, a.v_stride, L, tid, 256);
+    load_tile<C, C>(Ts, LC, a.Tw + (int64_t(c) * a.Hv + h) * C * C, C, C, tid, 256);
     cp_commit();
     if (tid < C) {
       const int64_t gi = (int64_t(t0) + tid) * a.Hv + h;
@@ -843,7 +854,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
     {
       float acc[1][8][4];
       zero(acc);
-      wmma<1, 8, false, false, D>(acc, X1, LD, Ss, LD, rb, cb);
+      wmma<1, 8, false, false, D, 2>(acc, X1, LD, Ss, LD, rb, cb);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -860,7 +871,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
       float acc[1][8][4];
       // (a) dQ_inter = scale e^γ dO Sᵀ
       zero(acc);
-      wmma<1, 8, false, true, D>(acc, X3, LD, Ss, LD, rb, cb);
+      wmma<1, 8, false, true, D, 2>(acc, X3, LD, Ss, LD, rb, cb);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = frag_row(rb, e);
@@ -874,7 +885,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
       rowdot(acc, Qs, LD, rb, cb, dgp + (0 + (w >> 2)) * C);
       // (b) dK_direct = e^{γ_L−γ} V_new dHᵀ
       zero(acc);
-      wmma<1, 8, false, true, D>(acc, X2, LD, dHs, LD, rb, cb);
+      wmma<1, 8, false, true, D, 2>(acc, X2, LD, dHs, LD, rb, cb);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = frag_row(rb, e);
@@ -888,7 +899,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
       rowdot(acc, Ks, LD, rb, cb, dgp + (2 + (w >> 2)) * C);
       // (c) dW = −dV2 Sᵀ -> X1
       zero(acc);
-      wmma<1, 8, false, true, D>(acc, X4, LD, Ss, LD, rb, cb);
+      wmma<1, 8, false, true, D, 2>(acc, X4, LD, Ss, LD, rb, cb);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -902,8 +913,8 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
       float acc[1][4][4], qk[1][4][4];
       zero(acc);
       zero(qk);
-      wmma<1, 4, false, true, D>(acc, X3, LD, X2, LD, rb, cs);
-      wmma<1, 4, false, true, D>(qk, Qs, LD, Ks, LD, rb, cs);
+      wmma<1, 4, false, true, D, 2>(acc, X3, LD, X2, LD, rb, cs);
+      wmma<1, 4, false, true, D, 2>(qk, Qs, LD, Ks, LD, rb, cs);
       float r2[4][4];
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
@@ -934,12 +945,12 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
     }
     __syncthreads();
     // P4
-    wmma<1, 8, false, false, C>(dqa, Dps, LC, Ks, LD, rb, cb);
-    wmma<1, 8, true, false, C>(dka, Dps, LC, Qs, LD, rb, cb);
+    wmma<1, 8, false, false, C, 2>(dqa, Dps, LC, Ks, LD, rb, cb);
+    wmma<1, 8, true, false, C, 2>(dka, Dps, LC, Qs, LD, rb, cb);
     {
       float acc[1][4][4];
       zero(acc);
-      wmma<1, 4, false, true, D>(acc, Ks, LD, Ks, LD, rb, cs);
+      wmma<1, 4, false, true, D, 2>(acc, Ks, LD, Ks, LD, rb, cs);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -956,12 +967,12 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
       st2(Xu + r * LD + cc, pack2(bet[r] * lo2f(vv), bet[r] * hi2f(vv)));
     }
     __syncthreads();
-    // P5: dT -> Dps; T
+    // P5: dT -> Dps
     {
       float acc[1][4][4];
       zero(acc);
-      wmma<1, 4, false, true, D>(acc, X1, LD, Xw, LD, rb, cs);
-      wmma<1, 4, false, true, D>(acc, X4, LD, Xu, LD, rb, cs);
+      wmma<1, 4, false, true, D, 2>(acc, X1, LD, Xw, LD, rb, cs);
+      wmma<1, 4, false, true, D, 2>(acc, X4, LD, Xu, LD, rb, cs);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -972,13 +983,12 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
           st2(Dps + i * LC + j, pack2(x0, x1));
         }
     }
-    tri_inverse(Af, bet, Ts, tid);
     __syncthreads();
     // P6
     {
       float acc[1][8][4];
       zero(acc);
-      wmma<1, 8, true, false, C>(acc, Ts, LC, X1, LD, rb, cb);  // dX_w = Tᵀ dW
+      wmma<1, 8, true, false, C, 2>(acc, Ts, LC, X1, LD, rb, cb);  // dX_w = Tᵀ dW
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = frag_row(rb, e);
@@ -988,7 +998,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
       }
       rowdot(acc, Ks, LD, rb, cb, dbp + (0 + (w >> 2)) * C);
       zero(acc);
-      wmma<1, 8, true, false, C>(acc, Ts, LC, X4, LD, rb, cb);  // dX_u = Tᵀ dV2
+      wmma<1, 8, true, false, C, 2>(acc, Ts, LC, X4, LD, rb, cb);  // dX_u = Tᵀ dV2
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -1003,7 +1013,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
     {
       float acc[1][4][4];
       zero(acc);
-      wmma<1, 4, true, false, C>(acc, Ts, LC, Dps, LC, rb, cs);  // M = Tᵀ dT
+      wmma<1, 4, true, false, C, 2>(acc, Ts, LC, Dps, LC, rb, cs);  // M = Tᵀ dT
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -1015,7 +1025,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
     {
       float acc[1][4][4];
       zero(acc);
-      wmma<1, 4, false, true, C>(acc, Ms, LC, Ts, LC, rb, cs);
+      wmma<1, 4, false, true, C, 2>(acc, Ms, LC, Ts, LC, rb, cs);
       float rb_[4][4], rr[4][4];
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
@@ -1041,8 +1051,8 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
     }
     __syncthreads();
     // P8: dK += dB K + dBᵀ K; dγ, dβ, dg
-    wmma<1, 8, false, false, C>(dka, Ms, LC, Ks, LD, rb, cb);
-    wmma<1, 8, true, false, C>(dka, Ms, LC, Ks, LD, rb, cb);
+    wmma<1, 8, false, false, C, 2>(dka, Ms, LC, Ks, LD, rb, cb);
+    wmma<1, 8, true, false, C, 2>(dka, Ms, LC, Ks, LD, rb, cb);
     if (tid < C) {
       const int i = tid;
       float dgi = 0.f, dbi = 0.f;
@@ -1092,7 +1102,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
 size_t al256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct WsLayout {
-  size_t W, U, X, dv2, dH, gam, total;
+  size_t W, U, X, dv2, dH, gam, T, total;
 };
 WsLayout ws_layout(const GdnChunkedPlan& p) {
   WsLayout l{};
@@ -1104,11 +1114,12 @@ WsLayout ws_layout(const GdnChunkedPlan& p) {
   l.dv2 = o, o += al256(tok);
   l.gam = o, o += al256(size_t(p.max_tokens) * p.Hv * 4);
   l.dH = o, o += al256(size_t(p.max_chunks) * p.Hv * D * D * 2);
+  l.T = o, o += al256(size_t(p.max_chunks) * p.Hv * C * C * 2);
   l.total = o;
   return l;
 }
 
-int g_scan_bv = 0;  // 0 = auto
+int g_scan_bv = 0;  // 0 = auto; else 32 or 64
 
 int pick_bv(const GdnChunkedPlan& plan, const GdnDims& d) {
   if (g_scan_bv) return g_scan_bv;
@@ -1146,6 +1157,7 @@ Args make_args(const GdnChunkedPlan& plan, const GdnDims& d, const void* index, 
   a.dv2 = reinterpret_cast<bf16*>(ws + l.dv2);
   a.gam = reinterpret_cast<float*>(ws + l.gam);
   a.dH = reinterpret_cast<bf16*>(ws + l.dH);
+  a.Tw = reinterpret_cast<bf16*>(ws + l.T);
   return a;
 }
 
@@ -1160,37 +1172,31 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
       break;
     case GdnPhase::kFwdH: {
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
-      if (bv == 16) {
-        set_smem(k_fwd_h<16>, ScanCfg<16>::SMEM);
-        k_fwd_h<16><<<g, 128, ScanCfg<16>::SMEM, s>>>(a);
-      } else if (bv == 32) {
+      if (bv == 32) {
         set_smem(k_fwd_h<32>, ScanCfg<32>::SMEM);
-        k_fwd_h<32><<<g, 128, ScanCfg<32>::SMEM, s>>>(a);
+        k_fwd_h<32><<<g, 256, ScanCfg<32>::SMEM, s>>>(a);
       } else {
         set_smem(k_fwd_h<64>, ScanCfg<64>::SMEM);
-        k_fwd_h<64><<<g, 128, ScanCfg<64>::SMEM, s>>>(a);
+        k_fwd_h<64><<<g, 256, ScanCfg<64>::SMEM, s>>>(a);
       }
       break;
     }
     case GdnPhase::kFwdO:
       set_smem(k_fwd_o, FWDO_SMEM);
-      k_fwd_o<<<gchunk, 128, FWDO_SMEM, s>>>(a);
+      k_fwd_o<<<gchunk, 256, FWDO_SMEM, s>>>(a);
       break;
     case GdnPhase::kBwdDvLocal:
       set_smem(k_dvlocal, DVL_SMEM);
-      k_dvlocal<<<gchunk, 128, DVL_SMEM, s>>>(a);
+      k_dvlocal<<<gchunk, 256, DVL_SMEM, s>>>(a);
       break;
     case GdnPhase::kBwdDh: {
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
-      if (bv == 16) {
-        set_smem(k_bwd_dh<16>, DhCfg<16>::SMEM);
-        k_bwd_dh<16><<<g, 128, DhCfg<16>::SMEM, s>>>(a);
-      } else if (bv == 32) {
+      if (bv == 32) {
         set_smem(k_bwd_dh<32>, DhCfg<32>::SMEM);
-        k_bwd_dh<32><<<g, 128, DhCfg<32>::SMEM, s>>>(a);
+        k_bwd_dh<32><<<g, 256, DhCfg<32>::SMEM, s>>>(a);
       } else {
         set_smem(k_bwd_dh<64>, DhCfg<64>::SMEM);
-        k_bwd_dh<64><<<g, 128, DhCfg<64>::SMEM, s>>>(a);
+        k_bwd_dh<64><<<g, 256, DhCfg<64>::SMEM, s>>>(a);
       }
       break;
     }
