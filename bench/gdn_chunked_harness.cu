@@ -415,12 +415,13 @@ static void time_shape(const char* name, const std::vector<int>& lens, int Hk, i
     const float fh = median_ms([&] { run_phase(p, GdnPhase::kFwdH); });
     const float fo = median_ms([&] { run_phase(p, GdnPhase::kFwdO); });
     run_fwd(p);
+    const float bp = median_ms([&] { run_phase(p, GdnPhase::kBwdPrep); });
     const float dl = median_ms([&] { run_phase(p, GdnPhase::kBwdDvLocal); });
     const float dh = median_ms([&] { run_phase(p, GdnPhase::kBwdDh); });
     const float bc = median_ms([&] { run_phase(p, GdnPhase::kBwdChunk); });
-    printf("  bv=%-2d fwd %.3f ms  fwd+bwd %.3f ms | prep %.3f fwd_h %.3f fwd_o %.3f | dvlocal %.3f bwd_dh %.3f "
-           "bwd_chunk %.3f\n",
-           bv, f, fb, pp, fh, fo, dl, dh, bc);
+    printf("  bv=%-2d fwd %.3f ms  fwd+bwd %.3f ms | prep %.3f fwd_h %.3f fwd_o %.3f | bwd_prep %.3f dvlocal %.3f "
+           "bwd_dh %.3f bwd_chunk %.3f\n",
+           bv, f, fb, pp, fh, fo, bp, dl, dh, bc);
     fflush(stdout);
   }
   gdn_chunked_set_scan_bv(0);

@@ -342,37 +342,56 @@ __global__ void __launch_bounds__(1024) k_index(const int32_t* cu, int n, int ma
 
 constexpr int PREP_SMEM = 2 * C * LD * 2 + C * LF * 4 + C * LC * 2 + 3 * C * 4;  // 61 KiB: 3 blocks per SM
 
+// Copies rows < L of a 64 x 128 bf16 shared tile (rows of LD) to global rows of row_stride elements, 16 B per thread.
+__device__ __forceinline__ void store_rows(bf16* g, int64_t row_stride, const bf16* s, int L, int tid, int nth) {
+  for (int i = tid; i < C * (D / 8); i += nth) {
+    const int r = i >> 4, c = (i & 15) * 8;
+    if (r < L) *reinterpret_cast<uint4*>(g + r * row_stride + c) = *reinterpret_cast<const uint4*>(s + r * LD + c);
+  }
+}
+
+// LIGHT = false (forward): γ, Gram, T -> saved (T, γ), W, U -> workspace. LIGHT = true (backward): T and γ read back
+// from saved, only W, U recomputed (bitwise the forward's values).
+template <bool LIGHT>
 __global__ void __launch_bounds__(128) k_prep(const Args a) {
   ChunkPos p;
   if (!chunk_pos(a, blockIdx.x, p)) return;
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(smem);  // K, then β e^γ K
+  bf16* Ks = reinterpret_cast<bf16*>(smem);  // K, then β e^γ K, then U staging
   bf16* Vs = Ks + C * LD;                    // V, then β V
-  float* Af = reinterpret_cast<float*>(Vs + C * LD);
+  float* Af = reinterpret_cast<float*>(Vs + C * LD);  // Γ ⊙ Gram, then W staging (bf16 [64][LD])
   bf16* Ts = reinterpret_cast<bf16*>(Af + C * LF);
   float* gsm = reinterpret_cast<float*>(Ts + C * LC);
   float* gam = gsm + C;
   float* bet = gam + C;
   const int tid = threadIdx.x, w = tid >> 5, h = blockIdx.y, hk = h / a.G;
   const int t0 = p.t0, L = p.L;
+  bf16* tg = a.Tw + (int64_t(blockIdx.x) * a.Hv + h) * C * C;
   load_tile<C, D>(Ks, LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 128);
   load_tile<C, D>(Vs, LD, a.v + int64_t(t0) * a.v_stride + int64_t(h) * D, a.v_stride, L, tid, 128);
+  if constexpr (LIGHT) load_tile<C, C>(Ts, LC, tg, C, C, tid, 128);
   cp_commit();
   if (tid < C) {
     const int64_t gi = (int64_t(t0) + tid) * a.Hv + h;
-    gsm[tid] = tid < L ? a.g[gi] : 0.f;
     bet[tid] = tid < L ? a.beta[gi] : 0.f;
+    if constexpr (LIGHT) {
+      gam[tid] = tid < L ? a.gam[gi] : 0.f;
+    } else {
+      gsm[tid] = tid < L ? a.g[gi] : 0.f;
+    }
   }
   __syncthreads();
-  if (tid < C) {
-    float s = 0.f;
-    for (int i = 0; i <= tid; ++i) s += gsm[i];
-    gam[tid] = s;
-    if (tid < L) a.gam[(int64_t(t0) + tid) * a.Hv + h] = s;
+  if constexpr (!LIGHT) {
+    if (tid < C) {
+      float s = 0.f;
+      for (int i = 0; i <= tid; ++i) s += gsm[i];
+      gam[tid] = s;
+      if (tid < L) a.gam[(int64_t(t0) + tid) * a.Hv + h] = s;
+    }
   }
   cp_wait<0>();
   __syncthreads();
-  {
+  if constexpr (!LIGHT) {
     float acc[1][8][4];
     zero(acc);
     wmma<1, 8, false, true, D>(acc, Ks, LD, Ks, LD, 16 * w, 0);
@@ -383,12 +402,13 @@ __global__ void __launch_bounds__(128) k_prep(const Args a) {
         const int i = frag_row(16 * w, e), j = frag_col(0, nt) + (e & 1);
         Af[i * LF + j] = (j < i && i < L) ? acc[0][nt][e] * expf(gam[i] - gam[j]) : 0.f;
       }
+    __syncthreads();
   }
-  __syncthreads();
-  if (tid < C) {
+  if (!LIGHT && tid < C) {
     tri_inverse(Af, bet, Ts, tid);
   } else {
-    for (int i = tid - C; i < C * D / 2; i += 128 - C) {
+    const int t1 = LIGHT ? tid : tid - C, nth = LIGHT ? 128 : 128 - C;
+    for (int i = t1; i < C * D / 2; i += nth) {
       const int r = i / (D / 2), c = (i - r * (D / 2)) * 2;
       const float f = bet[r] * expf(gam[r]);
       const uint32_t kk = ld2(Ks + r * LD + c), vv = ld2(Vs + r * LD + c);
@@ -397,26 +417,38 @@ __global__ void __launch_bounds__(128) k_prep(const Args a) {
     }
   }
   __syncthreads();
-  {
-    bf16* tg = a.Tw + (int64_t(blockIdx.x) * a.Hv + h) * C * C;
+  if constexpr (!LIGHT) {
     for (int i = tid; i < C * C / 8; i += 128) {
       const int r = i >> 3, c = (i & 7) * 8;
       *reinterpret_cast<uint4*>(tg + r * C + c) = *reinterpret_cast<const uint4*>(Ts + r * LC + c);
     }
   }
-  for (int pass = 0; pass < 2; ++pass) {
+  bf16* Wst = reinterpret_cast<bf16*>(Af);
+  const int64_t gbase = (int64_t(t0) * a.Hv + h) * D, gstride = int64_t(a.Hv) * D;
+  {
     float acc[1][16][4];
     zero(acc);
-    wmma<1, 16, false, false, C>(acc, Ts, LC, pass == 0 ? Ks : Vs, LD, 16 * w, 0);
-    bf16* out = pass == 0 ? a.W : a.U;
+    wmma<1, 16, false, false, C>(acc, Ts, LC, Ks, LD, 16 * w, 0);
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; e += 2) {
-        const int i = frag_row(16 * w, e), c = frag_col(0, nt);
-        if (i < L) st2(out + ((int64_t(t0) + i) * a.Hv + h) * D + c, pack2(acc[0][nt][e], acc[0][nt][e + 1]));
-      }
+      for (int e = 0; e < 4; e += 2)
+        st2(Wst + frag_row(16 * w, e) * LD + frag_col(0, nt), pack2(acc[0][nt][e], acc[0][nt][e + 1]));
   }
+  __syncthreads();  // W staged; Ks free
+  store_rows(a.W + gbase, gstride, Wst, L, tid, 128);
+  {
+    float acc[1][16][4];
+    zero(acc);
+    wmma<1, 16, false, false, C>(acc, Ts, LC, Vs, LD, 16 * w, 0);
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; e += 2)
+        st2(Ks + frag_row(16 * w, e) * LD + frag_col(0, nt), pack2(acc[0][nt][e], acc[0][nt][e + 1]));
+  }
+  __syncthreads();
+  store_rows(a.U + gbase, gstride, Ks, L, tid, 128);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -428,7 +460,7 @@ struct ScanCfg {
   static constexpr int LV = BV + 8, NT = BV / 8, NT2 = BV / 16;
   // stage: two 64x128 tiles, one 64xBV tile, 64 floats
   static constexpr int STAGE = 2 * C * LD * 2 + C * LV * 2 + C * 4;
-  static constexpr int SMEM = 2 * STAGE + D * LV * 2 + C * LV * 2;
+  static constexpr int SMEM = 2 * STAGE + 2 * (D * LV * 2 + C * LV * 2);  // tiles double-buffered by chunk parity
 };
 
 // Copies a 128 x BV bf16 tile from shared (rows of LV) to global rows of D elements, 16 bytes per thread.
@@ -457,8 +489,8 @@ __global__ void __launch_bounds__(256) k_fwd_h(const Args a) {
   auto Ks = [&](int st) { return Ws(st) + C * LD; };
   auto Us = [&](int st) { return Ws(st) + 2 * C * LD; };
   auto Gs = [&](int st) { return reinterpret_cast<float*>(Ws(st) + 2 * C * LD + C * LV); };
-  bf16* hs = reinterpret_cast<bf16*>(smem + 2 * Cf::STAGE);
-  bf16* vns = hs + D * LV;
+  bf16* hs0 = reinterpret_cast<bf16*>(smem + 2 * Cf::STAGE);  // [2][D*LV] state, [2][C*LV] scaled V_new
+  bf16* vns0 = hs0 + 2 * D * LV;
 
   float S[1][NT][4];
   const int64_t sbase = (int64_t(seq) * a.Hv + h) * D * D + v0;
@@ -481,6 +513,8 @@ __global__ void __launch_bounds__(256) k_fwd_h(const Args a) {
   if (nc > 0) issue(0, 0);
   for (int ci = 0; ci < nc; ++ci) {
     const int st = ci & 1, t0 = bos + C * ci, L = min(C, eos - t0);
+    bf16* hs = hs0 + st * D * LV;
+    bf16* vns = vns0 + st * C * LV;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -488,13 +522,9 @@ __global__ void __launch_bounds__(256) k_fwd_h(const Args a) {
         const int r = frag_row(16 * w, e), c = frag_col(0, nt);
         st2(hs + r * LV + c, pack2(S[0][nt][e], S[0][nt][e + 1]));
       }
-    if (ci + 1 < nc) {
-      issue(ci + 1, st ^ 1);
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    __syncthreads();
+    cp_wait<0>();
+    __syncthreads();  // chunk ci's tiles and hs visible; every warp is done with chunk ci-1
+    if (ci + 1 < nc) issue(ci + 1, st ^ 1);
     store_state_tile<BV>(a.hsave + (int64_t(c0 + ci) * a.Hv + h) * D * D + v0, hs, tid);
     const float* gs = Gs(st);
     const float gl = gs[L - 1];
@@ -522,7 +552,6 @@ __global__ void __launch_bounds__(256) k_fwd_h(const Args a) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) S[0][nt][e] *= dl;
     wmma<1, NT, true, false, C>(S, Ks(st), LD, vns, LV, 16 * w, 0);
-    __syncthreads();
   }
   if (a.ht) {
 #pragma unroll
@@ -660,7 +689,7 @@ struct DhCfg {
   static_assert(BV == 32 || BV == 64, "scan tile");
   static constexpr int LV = BV + 8, NT = BV / 8, NT2 = BV / 16;
   static constexpr int STAGE = 3 * C * LD * 2 + 2 * C * LV * 2 + C * 4;
-  static constexpr int SMEM = 2 * STAGE + D * LV * 2 + C * LV * 2;
+  static constexpr int SMEM = 2 * STAGE + 2 * (D * LV * 2 + C * LV * 2);
 };
 
 template <int BV>
@@ -679,8 +708,8 @@ __global__ void __launch_bounds__(256) k_bwd_dh(const Args a) {
   auto Os = [&](int st) { return Ks(st) + 3 * C * LD; };
   auto Ls = [&](int st) { return Ks(st) + 3 * C * LD + C * LV; };
   auto Gs = [&](int st) { return reinterpret_cast<float*>(Ks(st) + 3 * C * LD + 2 * C * LV); };
-  bf16* dhs = reinterpret_cast<bf16*>(smem + 2 * Cf::STAGE);
-  bf16* dvn = dhs + D * LV;
+  bf16* dhs0 = reinterpret_cast<bf16*>(smem + 2 * Cf::STAGE);  // [2][D*LV] dH, [2][C*LV] −dV2
+  bf16* dvn0 = dhs0 + 2 * D * LV;
 
   float S[1][NT][4];
   const int64_t sbase = (int64_t(seq) * a.Hv + h) * D * D + v0;
@@ -704,6 +733,8 @@ __global__ void __launch_bounds__(256) k_bwd_dh(const Args a) {
   if (nc > 0) issue(nc - 1, (nc - 1) & 1);
   for (int ci = nc - 1; ci >= 0; --ci) {
     const int st = ci & 1, t0 = bos + C * ci, L = min(C, eos - t0);
+    bf16* dhs = dhs0 + st * D * LV;
+    bf16* dvn = dvn0 + st * C * LV;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -711,13 +742,9 @@ __global__ void __launch_bounds__(256) k_bwd_dh(const Args a) {
         const int r = frag_row(16 * w, e), c = frag_col(0, nt);
         st2(dhs + r * LV + c, pack2(S[0][nt][e], S[0][nt][e + 1]));
       }
-    if (ci > 0) {
-      issue(ci - 1, st ^ 1);
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    __syncthreads();
+    cp_wait<0>();
+    __syncthreads();  // chunk ci's tiles and dhs visible; every warp is done with chunk ci+1
+    if (ci > 0) issue(ci - 1, st ^ 1);
     store_state_tile<BV>(a.dH + (int64_t(c0 + ci) * a.Hv + h) * D * D + v0, dhs, tid);
     const float* gs = Gs(st);
     const float gl = gs[L - 1];
@@ -754,7 +781,6 @@ __global__ void __launch_bounds__(256) k_bwd_dh(const Args a) {
       for (int e = 0; e < 4; ++e) S[0][nt][e] *= dl;
     wmma<1, NT, true, false, C>(S, Qs(st), LD, Os(st), LV, 16 * w, 0);
     wmma<1, NT, true, false, C>(S, Ws(st), LD, dvn, LV, 16 * w, 0);
-    __syncthreads();
   }
   if (a.dh0) {
 #pragma unroll
@@ -829,26 +855,29 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
     const int h = hk * a.G + ig;
     __syncthreads();
     // P1: loads
+    // three cp.async groups, waited for just before the phase that first needs them
     if (ig == 0) {
       load_tile<C, D>(Qs, LD, a.q + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
       load_tile<C, D>(Ks, LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
     }
-    load_tile<D, D>(Ss, LD, a.hsave + (int64_t(c) * a.Hv + h) * D * D, D, D, tid, 256);
-    load_tile<D, D>(dHs, LD, a.dH + (int64_t(c) * a.Hv + h) * D * D, D, D, tid, 256);
     const int64_t tb = (int64_t(t0) * a.Hv + h) * D;
+    load_tile<D, D>(Ss, LD, a.hsave + (int64_t(c) * a.Hv + h) * D * D, D, D, tid, 256);
     load_tile<C, D>(X1, LD, a.W + tb, rowv, L, tid, 256);
     load_tile<C, D>(X2, LD, a.U + tb, rowv, L, tid, 256);
+    cp_commit();  // group: P2
+    load_tile<D, D>(dHs, LD, a.dH + (int64_t(c) * a.Hv + h) * D * D, D, D, tid, 256);
     load_tile<C, D>(X3, LD, a.dO + tb, rowv, L, tid, 256);
     load_tile<C, D>(X4, LD, a.dv2 + tb, rowv, L, tid, 256);
+    cp_commit();  // group: P3
     load_tile<C, D>(X5, LD, a.v + int64_t(t0) * a.v_stride + int64_t(h) * D, a.v_stride, L, tid, 256);
     load_tile<C, C>(Ts, LC, a.Tw + (int64_t(c) * a.Hv + h) * C * C, C, C, tid, 256);
-    cp_commit();
+    cp_commit();  // group: P4 on
     if (tid < C) {
       const int64_t gi = (int64_t(t0) + tid) * a.Hv + h;
       gam[tid] = tid < L ? a.gam[gi] : 0.f;
       bet[tid] = tid < L ? a.beta[gi] : 0.f;
     }
-    cp_wait<0>();
+    cp_wait<2>();
     __syncthreads();
     // P2: V_new = U − W S (in place over U)
     {
@@ -864,6 +893,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
           st2(X2 + i * LD + cc, pack2(lo2f(uu) - acc[0][nt][e], hi2f(uu) - acc[0][nt][e + 1]));
         }
     }
+    cp_wait<1>();
     __syncthreads();
     const float gl = gam[L - 1];
     // P3
@@ -943,6 +973,7 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       if ((tid & 31) == 0) red[w] = s;
     }
+    cp_wait<0>();
     __syncthreads();
     // P4
     wmma<1, 8, false, false, C, 2>(dqa, Dps, LC, Ks, LD, rb, cb);
@@ -1102,8 +1133,20 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
 size_t al256(size_t x) { return (x + 255) / 256 * 256; }
 
 struct WsLayout {
-  size_t W, U, X, dv2, dH, gam, T, total;
+  size_t W, U, X, dv2, dH, total;
 };
+struct SavedLayout {
+  size_t h, T, gam, total;
+};
+SavedLayout saved_layout(const GdnChunkedPlan& p) {
+  SavedLayout l{};
+  size_t o = 0;
+  l.h = o, o += al256(size_t(p.max_chunks) * p.Hv * D * D * 2);
+  l.T = o, o += al256(size_t(p.max_chunks) * p.Hv * C * C * 2);
+  l.gam = o, o += al256(size_t(p.max_tokens) * p.Hv * 4);
+  l.total = o;
+  return l;
+}
 WsLayout ws_layout(const GdnChunkedPlan& p) {
   WsLayout l{};
   const size_t tok = size_t(p.max_tokens) * p.Hv * D * 2;
@@ -1112,9 +1155,7 @@ WsLayout ws_layout(const GdnChunkedPlan& p) {
   l.U = o, o += al256(tok);
   l.X = o, o += al256(tok);
   l.dv2 = o, o += al256(tok);
-  l.gam = o, o += al256(size_t(p.max_tokens) * p.Hv * 4);
   l.dH = o, o += al256(size_t(p.max_chunks) * p.Hv * D * D * 2);
-  l.T = o, o += al256(size_t(p.max_chunks) * p.Hv * C * C * 2);
   l.total = o;
   return l;
 }
@@ -1141,7 +1182,7 @@ void check_dims(const GdnChunkedPlan& plan, const GdnDims& d, const char* who) {
   DS_CUDA_REQUIRE(d.N <= plan.max_tokens && d.num_seqs <= plan.max_seqs, w + ": batch exceeds the plan");
 }
 
-Args make_args(const GdnChunkedPlan& plan, const GdnDims& d, const void* index, void* workspace) {
+Args make_args(const GdnChunkedPlan& plan, const GdnDims& d, const void* index, void* saved, void* workspace) {
   Args a;
   a.idx = static_cast<const int32_t*>(index);
   a.max_seqs = static_cast<int>(plan.max_seqs);
@@ -1155,9 +1196,12 @@ Args make_args(const GdnChunkedPlan& plan, const GdnDims& d, const void* index, 
   a.U = reinterpret_cast<bf16*>(ws + l.U);
   a.X = reinterpret_cast<bf16*>(ws + l.X);
   a.dv2 = reinterpret_cast<bf16*>(ws + l.dv2);
-  a.gam = reinterpret_cast<float*>(ws + l.gam);
   a.dH = reinterpret_cast<bf16*>(ws + l.dH);
-  a.Tw = reinterpret_cast<bf16*>(ws + l.T);
+  const SavedLayout sl = saved_layout(plan);
+  unsigned char* sv = static_cast<unsigned char*>(saved);
+  a.hsave = reinterpret_cast<bf16*>(sv + sl.h);
+  a.Tw = reinterpret_cast<bf16*>(sv + sl.T);
+  a.gam = reinterpret_cast<float*>(sv + sl.gam);
   return a;
 }
 
@@ -1167,8 +1211,12 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
   if (d.num_seqs == 0 || plan.max_chunks == 0) return;
   switch (ph) {
     case GdnPhase::kPrep:
-      set_smem(k_prep, PREP_SMEM);
-      k_prep<<<gchunk, 128, PREP_SMEM, s>>>(a);
+      set_smem(k_prep<false>, PREP_SMEM);
+      k_prep<false><<<gchunk, 128, PREP_SMEM, s>>>(a);
+      break;
+    case GdnPhase::kBwdPrep:
+      set_smem(k_prep<true>, PREP_SMEM);
+      k_prep<true><<<gchunk, 128, PREP_SMEM, s>>>(a);
       break;
     case GdnPhase::kFwdH: {
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
@@ -1215,7 +1263,7 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
 void gdn_chunked_set_scan_bv(int bv) { g_scan_bv = bv; }
 
 size_t GdnChunkedPlan::index_bytes() const { return al256(4 * size_t(1 + 2 * (max_seqs + 1) + 2 * max_chunks)); }
-size_t GdnChunkedPlan::saved_bytes() const { return al256(size_t(max_chunks) * Hv * dk * dv * 2); }
+size_t GdnChunkedPlan::saved_bytes() const { return saved_layout(*this).total; }
 size_t GdnChunkedPlan::workspace_bytes() const { return ws_layout(*this).total; }
 
 GdnChunkedPlan gdn_chunked_plan(int64_t max_tokens, int64_t max_seqs, int64_t Hk, int64_t Hv, int64_t dk,
@@ -1252,9 +1300,9 @@ void gdn_chunked_run_phase(GdnPhase phase, const GdnChunkedPlan& plan, const Gdn
                            cudaStream_t stream) {
   check_dims(plan, d, "gdn_chunked");
   DS_CUDA_REQUIRE(v_stride % 8 == 0 && v_stride >= d.Hv * d.dv, "gdn_chunked: v_stride must be >= Hv*dv, a multiple of 8");
-  Args a = make_args(plan, d, index, workspace);
+  Args a = make_args(plan, d, index, saved, workspace);
   a.q = q, a.k = k, a.v = v, a.v_stride = v_stride, a.g = g, a.beta = beta, a.h0 = initial_state;
-  a.o = o, a.ht = final_state, a.hsave = static_cast<bf16*>(saved);
+  a.o = o, a.ht = final_state;
   a.dO = dout, a.dht = dfinal_state, a.dq = dq, a.dk = dk, a.dv = dv, a.dv_stride = dv_stride;
   a.dg = dg, a.dbeta = dbeta, a.dh0 = dinitial_state;
   launch(phase, plan, d, a, stream);
@@ -1276,7 +1324,7 @@ void gdn_chunked_backward(const GdnChunkedPlan& plan, const GdnDims& d, const vo
                           bf16* dv, int64_t dv_stride, float* dg, float* dbeta, float* dinitial_state,
                           void* workspace, cudaStream_t stream) {
   DS_CUDA_REQUIRE(dv_stride >= d.Hv * d.dv && dv_stride % 2 == 0, "gdn_chunked_backward: bad dv_stride");
-  for (GdnPhase ph : {GdnPhase::kPrep, GdnPhase::kBwdDvLocal, GdnPhase::kBwdDh, GdnPhase::kBwdChunk})
+  for (GdnPhase ph : {GdnPhase::kBwdPrep, GdnPhase::kBwdDvLocal, GdnPhase::kBwdDh, GdnPhase::kBwdChunk})
     gdn_chunked_run_phase(ph, plan, d, index, q, k, v, v_stride, g, beta, nullptr, nullptr, nullptr,
                           const_cast<void*>(saved), dout, dfinal_state, dq, dk, dv, dv_stride, dg, dbeta,
                           dinitial_state, workspace, stream);

@@ -27,7 +27,9 @@ struct GdnChunkedPlan {
   int64_t max_chunks = 0;  // ceil(max_tokens / 64) + max_seqs: an upper bound on the chunks of any batch
   // int32 chunk table written by gdn_chunked_prepare.
   size_t index_bytes() const;
-  // Kept from forward to backward: the bf16 state at the start of every chunk, [max_chunks, Hv, dk, dv].
+  // Kept from forward to backward: the bf16 state at the start of every chunk [max_chunks, Hv, dk, dv] (32 KiB per
+  // chunk and value head), T = (I + A)^{-1} bf16 [max_chunks, Hv, 64, 64] (8 KiB) and the in-chunk cumulative gates
+  // fp32 [max_tokens, Hv].
   size_t saved_bytes() const;
   // Scratch used by forward and by backward (need not survive between them).
   size_t workspace_bytes() const;
@@ -59,7 +61,7 @@ void gdn_chunked_backward(const GdnChunkedPlan& plan, const ds::ops::GdnDims& d,
                           cudaStream_t stream);
 
 // Per-phase launchers for timing (same arguments as above); each phase needs the earlier ones of its direction.
-enum class GdnPhase { kPrep, kFwdH, kFwdO, kBwdDvLocal, kBwdDh, kBwdChunk };
+enum class GdnPhase { kPrep, kFwdH, kFwdO, kBwdPrep, kBwdDvLocal, kBwdDh, kBwdChunk };
 void gdn_chunked_run_phase(GdnPhase phase, const GdnChunkedPlan& plan, const ds::ops::GdnDims& d, const void* index,
                            const ds::cuda::bf16* q, const ds::cuda::bf16* k, const ds::cuda::bf16* v,
                            int64_t v_stride, const float* g, const float* beta, const float* initial_state,
