@@ -1,8 +1,11 @@
 // Standalone test + timing harness for the chunked gated delta rule (src/ops/gated_delta_rule/chunked.cu).
-// Links only chunked.cu and (for the ratio) the simple kernel cuda.cu. Build (from the repo root):
-//   nvcc -std=c++20 -gencode arch=compute_90a,code=sm_90a -O3 -lineinfo -Isrc -Xcompiler -fopenmp \
-//        bench/gdn_chunked_harness.cu src/ops/gated_delta_rule/chunked.cu src/ops/gated_delta_rule/cuda.cu -o gdn_h
-//   ./gdn_h [test] [time] [sanitize]
+// Links only chunked.cu and (for the ratio) the simple kernel cuda.cu. Build from the repo root with
+// bench/build_gdn_harness.sh [out] (nvcc -std=c++20 -gencode arch=compute_90a,code=sm_90a -O3 -lineinfo -Isrc
+// --expt-relaxed-constexpr, -Xcompiler -fopenmp for the reference). Run:
+//   gdn_h [test] [time]   the correctness cases below / the goal shapes' timings (+ a k-head-0 check of 2x8192)
+//   gdn_h sanitize        one small case, for compute-sanitizer
+//   gdn_h profile         one forward + backward at 2x8192 hk16/hv16, for ncu
+//   gdn_h check32k        accuracy on k-head 0 of 1x32768 hk16/hv32 with realistic gates, h0 and dht (slow CPU ref)
 // Tests: random inputs from a fixed seed (generated on the device, q/k l2-normalised in bf16), a float64
 // token-recurrent reference on the CPU (decay, then error; forward and reverse-time backward), relative L2 per
 // tensor (o, final state <= 5e-3; dq, dk, dv, dh0 <= 8e-3; dβ, dg <= 2e-2), finiteness, and two runs bitwise
@@ -44,7 +47,8 @@ __device__ __forceinline__ float urand(uint64_t seed, uint64_t i) {  // uniform 
   return float((x >> 40) * (1.0 / 16777216.0)) * 2.f - 1.f;
 }
 __global__ void k_gen_bf16(bf16* p, int64_t rows, int cols, int64_t stride, uint64_t seed, float sc) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < rows * cols; i += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t n = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i % cols;
     p[r * stride + c] = __float2bfloat16_rn(urand(seed, i) * 1.7320508f * sc);
   }
@@ -204,7 +208,8 @@ static Ref reference(const Prob& p, int hk_lo, int hk_hi) {
   auto q = d2h(p.q, N * Hk * D), k = d2h(p.k, N * Hk * D), v = d2h(p.v, N * p.vs), dO = d2h(p.dO, N * Hv * D);
   auto g = d2h(p.g, N * Hv), beta = d2h(p.beta, N * Hv);
   const int64_t st = p.S * Hv * D * D;
-  std::vector<float> h0 = p.h0 ? d2h(p.h0, st) : std::vector<float>(), dht = p.dht ? d2h(p.dht, st) : std::vector<float>();
+  std::vector<float> h0 = p.h0 ? d2h(p.h0, st) : std::vector<float>();
+  std::vector<float> dht = p.dht ? d2h(p.dht, st) : std::vector<float>();
   const double scale = 1.0 / std::sqrt(128.0);
   Ref r;
   r.o.assign(N * Hv * D, 0), r.ht.assign(st, 0), r.dq.assign(N * Hk * D, 0), r.dk.assign(N * Hk * D, 0);
@@ -337,7 +342,8 @@ static bool check(Prob& p, const char* name, int hk_lo, int hk_hi) {
   CK(cudaDeviceSynchronize());
   bool same = false;
   {
-    auto o2 = d2h(p.o, N * Hv * D), dq2 = d2h(p.dq, N * Hk * D), dk2 = d2h(p.dk, N * Hk * D), dv2 = d2h(p.dv, N * p.dvs);
+    auto o2 = d2h(p.o, N * Hv * D), dq2 = d2h(p.dq, N * Hk * D), dk2 = d2h(p.dk, N * Hk * D);
+    auto dv2 = d2h(p.dv, N * p.dvs);
     auto dg2 = d2h(p.dg, N * Hv), db2 = d2h(p.dbeta, N * Hv), dh02 = d2h(p.dh0, st), ht2 = d2h(p.ht, st);
     same = !memcmp(o.data(), o2.data(), o.size() * 2) && !memcmp(dq.data(), dq2.data(), dq.size() * 2) &&
            !memcmp(dk.data(), dk2.data(), dk.size() * 2) && !memcmp(dvs.data(), dv2.data(), dvs.size() * 2) &&
@@ -363,8 +369,8 @@ static bool check(Prob& p, const char* name, int hk_lo, int hk_hi) {
                   e_dg <= 2e-2 && e_db <= 2e-2 && same;
   printf("%-22s N=%-6lld S=%-4lld Hk=%d Hv=%d | o %.2e ht %.2e dq %.2e dk %.2e dv %.2e dh0 %.2e dg %.2e db %.2e | "
          "bitwise %s | %s\n",
-         name, (long long)N, (long long)p.S, Hk, Hv, e_o, e_ht, e_dq, e_dk, e_dv, e_dh0, e_dg, e_db, same ? "yes" : "NO",
-         ok ? "PASS" : "FAIL");
+         name, (long long)N, (long long)p.S, Hk, Hv, e_o, e_ht, e_dq, e_dk, e_dv, e_dh0, e_dg, e_db,
+         same ? "yes" : "NO", ok ? "PASS" : "FAIL");
   fflush(stdout);
   return ok;
 }
@@ -471,6 +477,13 @@ int main(int argc, char** argv) {
     CK(cudaDeviceSynchronize());
     free_prob(p);
     return 0;
+  }
+  if (argc > 1 && !strcmp(argv[1], "check32k")) {  // accuracy on k-head 0 of the 32K-token goal shape
+    Prob p = make_prob({32768}, 16, 32, 3, true, true, 0, 99);
+    gdn_chunked_prepare(p.plan, p.cu_d, p.S, p.N, p.index, 0);
+    const bool ok = check(p, "T32768_real_h0_dht[hk0]", 0, 1);
+    free_prob(p);
+    return ok ? 0 : 1;
   }
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "test")) do_test = true;

@@ -20,26 +20,45 @@
 //          (+ Σ_j E_j + e^{γ_{L−1}} ⟨S, dH⟩ on the last row), R2 = Dp ⊙ QKᵀ, R = dA ⊙ A, E_i = k_i·dK_direct_i;
 //   dg = reverse cumsum of dγ within the chunk.
 //
-// Kernels (all deterministic, no atomics; D = dk = dv = 128, C = 64):
-//   k_index      1 block: chunk table from cu_seqlens on the device (chunk offsets per sequence, (seq, t0) per
-//                chunk, total count), so later grids use the bound max_chunks and idle blocks exit.
-//   k_prep       grid (chunk, Hv), 128 threads: γ, Gram K Kᵀ (MMA), T (fp32 forward substitution by 64 threads),
-//                W, U (MMA) -> bf16 workspace; γ fp32 workspace.
-//   k_fwd_h<BV>  grid (seq, Hv, 128/BV), 128 threads (warp w holds state rows 32w..32w+31, fp32 MMA
-//                accumulators): serial over the sequence's chunks with a 2-stage cp.async ring of W, K, U, γ;
-//                stores the bf16 chunk-start state (saved), V_new (bf16 workspace), final state fp32.
-//   k_fwd_o      grid (chunk, Hv), 128 threads (warp w: rows 16w..16w+15): O.
-//   k_dvlocal    grid (chunk, Hv): scale (lower-incl(Γ ⊙ Q Kᵀ))ᵀ dO -> bf16 workspace.
-//   k_bwd_dh<BV> grid (seq, Hv, 128/BV), reverse scan of dH (fp32 accumulators), stores bf16 dH per chunk, dV2,
-//                dh0.
-//   k_bwd_chunk  grid (chunk, Hk), 256 threads (warp w: rows 16(w%4).., cols 64(w/4).. of 64x128 tiles): loops
-//                over the Hv/Hk value heads of the k-head in order, recomputes V_new = U − W S and T, and
-//                emits dv, dβ, dg per value head and dq, dk summed over the value heads in registers.
-// Backward reruns k_prep (W, U, γ are workspace, not saved).
+// Kernels (all deterministic: no atomics, every sum in a fixed order; D = dk = dv = 128, C = 64). Warp tiles: a
+// 64x128 product over 8 warps is rows 16(w%4).. x cols 64(w/4)..; a 64x64 one rows 16(w%4).. x cols 32(w/4)..
+//   k_index        1 block of 1024: chunk table from cu_seqlens on the device (per-sequence chunk offsets,
+//                  (seq, t0) per chunk, total count; no host sync). Chunk grids use the bound max_chunks on x and
+//                  blocks past the total exit.
+//   k_prep<false>  forward, grid (max_chunks, Hv), 128 threads, 61 KiB (3 blocks/SM): γ (sequential cumsum),
+//                  Gram K Kᵀ (MMA, warp w rows 16w..), A, T by forward substitution (64 threads, one column each,
+//                  4 partial sums) while warps 2-3 scale K, V by βe^γ, β; W = T·(βe^γK), U = T·(βV) (MMA) staged
+//                  in shared memory and stored 16 B per thread. T, γ -> saved; W, U -> workspace.
+//   k_fwd_h<BV>    grid (num_seqs, Hv, 128/BV), BV = 32 (auto) or 64, 256 threads: warp w holds state rows
+//                  16w..16w+15 x BV as fp32 MMA accumulators for the whole sequence; per chunk (2 barriers): the
+//                  bf16 state -> shared (double-buffered by chunk parity) and -> saved, V_new = U − W S (MMA),
+//                  V_new -> workspace, S = e^{γ_L} S + Kᵀ (e^{γ_L−γ} V_new) (MMA); W, K, U, γ of the next chunk
+//                  arrive by cp.async in a 2-stage ring while the current one computes. Final state fp32.
+//   k_fwd_o        grid (max_chunks, Hv), 256 threads, 94 KiB: O from Q, K, V_new, saved state.
+//   k_prep<true>   backward: W, U again from the saved T, γ (no Gram, no inverse; same arithmetic as the forward).
+//   k_dvlocal      grid (max_chunks, Hv), 256 threads: scale (lower-incl(Γ ⊙ Q Kᵀ))ᵀ dO -> workspace.
+//   k_bwd_dh<BV>   grid (num_seqs, Hv, 128/BV), 256 threads, mapping as k_fwd_h, reverse over chunks: stores the
+//                  bf16 dH of every chunk, dV2 (bf16), dh0 (fp32).
+//   k_bwd_chunk    grid (max_chunks, Hk), 256 threads, 220 KiB (1 block/SM): loops over the Hv/Hk value heads of
+//                  the k-head in order; recomputes V_new = U − W S (same operands and MMA order as the forward),
+//                  loads T; phases P2..P8 in the code; dv, dβ, dg per value head; dq, dk summed over the group's
+//                  value heads in fp32 registers and written once (bf16). Row/column sums (dγ, dβ) go through
+//                  per-warp partial slots in shared memory, summed in a fixed order.
 //
-// Bytes: saved (forward -> backward) = bf16 chunk-start states, max_chunks·Hv·dk·dv·2 (32 KiB per chunk and value
-// head: 16 KiB/token at Hv = 32). Workspace = W, U, V_new-or-dv_local, dV2 (bf16 N·Hv·128 each), γ (fp32
-// N·Hv), dH (bf16 per chunk, like saved). All element offsets are int64.
+// Bytes (plan.saved_bytes(), kept from forward to backward): bf16 chunk-start states max_chunks·Hv·dk·dv·2
+// (32 KiB per chunk and value head, 16 KiB/token at Hv = 32, dk = dv = 128), T bf16 max_chunks·Hv·64·64·2
+// (4 KiB/token at Hv = 32) and γ fp32 max_tokens·Hv·4 (128 B/token). Workspace (plan.workspace_bytes(), scratch):
+// W, U, V_new-or-dv_local, dV2 (bf16 max_tokens·Hv·128 each) and dH (bf16, like the states). At 1 x 32768
+// tokens, Hv = 32: saved 645 MiB, workspace 1537 MiB. All element offsets are int64; token indices int32.
+//
+// Numerics: fp32 state, dH, γ, T solve, dg, dβ, dh0, final state; bf16 only as MMA operands (state, dH, W, U,
+// V_new, T, gated K/V/dO, Dp, dT, dB) and outputs. Measured relative L2 vs a float64 recurrent reference: o 2.9e-3
+// .. 4.2e-3, dq/dk/dv 2.8e-3 .. 5.1e-3, dβ/dg <= 4.3e-3 (bench/gdn_chunked_harness.cu;
+// docs/results/2026-12-01_h200_gdn_chunked.txt).
+//
+// Limits: dk = dv = 128 only; Hv % Hk == 0; g <= 0 (masks come before every exponential, so a positive g would
+// overflow); q, k, v, do, v_stride 16-byte aligned (strides multiples of 8 elements), dv_stride even; N < 2^31;
+// grid y = Hv (or Hk) <= 65535. Sequences of any length (0 included) and tails of any length.
 #include "ops/gated_delta_rule/chunked_cuda.h"
 
 #include <cuda_bf16.h>
@@ -200,7 +219,8 @@ __device__ __forceinline__ void load_tile(bf16* dst, int ld, const bf16* src, in
 // Per-row sums over the warp's columns of acc ⊙ X (X bf16 shared [.][ld], tile at (r0, c0)); out[row] written by
 // the lane with (lane & 3) == 0. Fixed shuffle order.
 template <int NT>
-__device__ __forceinline__ void rowdot(const float (&acc)[1][NT][4], const bf16* X, int ld, int r0, int c0, float* out) {
+__device__ __forceinline__ void rowdot(const float (&acc)[1][NT][4], const bf16* X, int ld, int r0, int c0,
+                                       float* out) {
   float s0 = 0.f, s1 = 0.f;
   const int ra = frag_row(r0, 0), rb = frag_row(r0, 2);
 #pragma unroll
@@ -351,7 +371,7 @@ __device__ __forceinline__ void store_rows(bf16* g, int64_t row_stride, const bf
 }
 
 // LIGHT = false (forward): γ, Gram, T -> saved (T, γ), W, U -> workspace. LIGHT = true (backward): T and γ read back
-// from saved, only W, U recomputed (bitwise the forward's values).
+// from saved, only W, U recomputed (same arithmetic as the forward).
 template <bool LIGHT>
 __global__ void __launch_bounds__(128) k_prep(const Args a) {
   ChunkPos p;
@@ -1299,7 +1319,8 @@ void gdn_chunked_run_phase(GdnPhase phase, const GdnChunkedPlan& plan, const Gdn
                            int64_t dv_stride, float* dg, float* dbeta, float* dinitial_state, void* workspace,
                            cudaStream_t stream) {
   check_dims(plan, d, "gdn_chunked");
-  DS_CUDA_REQUIRE(v_stride % 8 == 0 && v_stride >= d.Hv * d.dv, "gdn_chunked: v_stride must be >= Hv*dv, a multiple of 8");
+  DS_CUDA_REQUIRE(v_stride % 8 == 0 && v_stride >= d.Hv * d.dv,
+                  "gdn_chunked: v_stride must be >= Hv*dv and a multiple of 8");
   Args a = make_args(plan, d, index, saved, workspace);
   a.q = q, a.k = k, a.v = v, a.v_stride = v_stride, a.g = g, a.beta = beta, a.h0 = initial_state;
   a.o = o, a.ht = final_state;
