@@ -2,7 +2,10 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test sanitize probe parity train real-shapes bench-ops bench-step (default: all).
+# Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops bench-step (default: all but
+# test-gpu, which runs only the CUDA tests). With a source tree of an earlier commit in .base (e.g.
+# `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
+# (build-base) and `train` / `bench-step` compare against it: losses bitwise, step time.
 # The device image has no Debian -dev packages and no network, so the Debian 12 packages the build needs
 # travel as .deb files in .deps/ (scripts/fetch_device_deps.sh) and are unpacked into a private sysroot.
 set -uo pipefail
@@ -35,6 +38,16 @@ if has env; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv; nvcc --version | tail -2;
     cmake --version | head -1; g++ --version | head -1; cat /etc/os-release | head -2; nproc; } 2>&1 | tee "$OUT/env.txt"
 fi
+BASE_SRC=${BASE_SRC:-.base}
+if has build && [ -f "$BASE_SRC/CMakeLists.txt" ]; then
+  ( cmake -S "$BASE_SRC" -B build-base -G Ninja -DCMAKE_BUILD_TYPE=Release -DDELTASTACK_TESTS=OFF \
+        -DDS_CUDNN_FRONTEND_INCLUDE="$PWD/third_party/cudnn_frontend/include" -DPKG_CONFIG_EXECUTABLE="$PKGCONF" \
+        -DCMAKE_PREFIX_PATH="$SYS/usr;$SYS/usr/lib/x86_64-linux-gnu/cmake;$SYS/usr/share/cmake" \
+        -DCMAKE_CXX_FLAGS="-isystem $SYS/usr/include -isystem $SYS/usr/include/x86_64-linux-gnu" \
+        -DCMAKE_CUDA_FLAGS="-isystem $SYS/usr/include" >"$OUT/configure_base.log" 2>&1 &&
+    cmake --build build-base -j6 --target deltastack >"$OUT/build_base.log" 2>&1; echo "base build rc=$?" ) &
+  BASE_PID=$!
+fi
 if has build; then
   t0=$(date +%s)
   cmake -S . -B $BUILD -G Ninja -DCMAKE_BUILD_TYPE=Release -DDELTASTACK_CUDA=${DS_CUDA:-ON} -DPKG_CONFIG_EXECUTABLE="$PKGCONF" \
@@ -43,6 +56,11 @@ if has build; then
         -DCMAKE_CUDA_FLAGS="-isystem $SYS/usr/include" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
   cmake --build $BUILD -j"$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
   echo "build: ok in $(( $(date +%s) - t0 )) s"
+  [ -n "${BASE_PID:-}" ] && wait "$BASE_PID"
+fi
+if has test-gpu; then
+  ( cd $BUILD && timeout 300 ./deltastack_tests --gtest_filter='Cuda*:Cudnn*:-CudaRealShapes*' >"$OUT/tests_gpu.log" 2>&1 ) || status=1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED)|^\[==========\]" "$OUT/tests_gpu.log" | tail -20
 fi
 if has test; then
   ( cd $BUILD && ./deltastack_tests >"$OUT/tests.log" 2>&1 ) || status=1
@@ -83,7 +101,13 @@ if has bench-ops; then
   $BUILD/deltastack bench ops 2>&1 | tee "$OUT/bench_ops.txt"
 fi
 if has bench-step; then
-  $BUILD/deltastack bench step --preset 2b --seq-len 8192 --micro-batch 2 2>&1 | tee "$OUT/bench_step.txt"
+  for preset in ${BENCH_PRESETS:-2b}; do
+    $BUILD/deltastack bench step --preset $preset --seq-len 8192 --micro-batch 2 2>&1 | tee -a "$OUT/bench_step.txt"
+    DELTASTACK_GATED_DELTA_RULE=cuda-simple $BUILD/deltastack bench step --preset $preset --seq-len 8192 --micro-batch 2 \
+      2>&1 | sed 's/^/[cuda-simple] /' | tee -a "$OUT/bench_step.txt"
+    [ -x build-base/deltastack ] && [ -n "${BENCH_BASE:-}" ] && build-base/deltastack bench step --preset $preset \
+      --seq-len 8192 --micro-batch 2 2>&1 | sed 's/^/[base] /' | tee -a "$OUT/bench_step.txt"
+  done
 fi
 if has train; then
   # GPU training on the embedded default: two runs with one seed must give bitwise-identical losses, and a
@@ -93,6 +117,13 @@ if has train; then
   $D train --device cuda --save-interval 100 --out /tmp/ds_g1 >/tmp/ds_train_gpu1.txt 2>&1 || { tail /tmp/ds_train_gpu1.txt; status=1; }
   $D train --device cuda --out /tmp/ds_g2 >/tmp/ds_train_gpu2.txt 2>&1 || status=1
   $D train --resume /tmp/ds_g1/checkpoint-100 --out /tmp/ds_g3 >/tmp/ds_train_gpu3.txt 2>&1 || status=1
+  if [ -x build-base/deltastack ]; then  # the same run with the earlier commit's binary: losses must be bitwise equal
+    rm -rf /tmp/ds_g0
+    build-base/deltastack train --device cuda --out /tmp/ds_g0 >/tmp/ds_train_gpu0.txt 2>&1 || status=1
+    python3 -c "import json; L=lambda p: [(j['step'], j.get('loss'), j.get('eval_loss'), j.get('grad_norm')) for j in map(json.loads, open(p))]; \
+a, b = L('/tmp/ds_g0/metrics.jsonl'), L('/tmp/ds_g1/metrics.jsonl'); print(f'vs base binary: {len(a)} lines, ' + ('bitwise identical' if a == b else 'DIFFERENT')); \
+raise SystemExit(0 if a == b else 1)" || status=1
+  fi
   cp /tmp/ds_g1/metrics.jsonl "$OUT/metrics_gpu.jsonl"
   python3 - <<'PY' || status=1
 import json

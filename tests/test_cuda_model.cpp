@@ -2,7 +2,8 @@
 // loss within the bf16 band and the whole gradient within 5e-2 relative L2 (the HF fixture's GPU gradients are
 // 7e-3 .. 4e-2, docs/gpu.md). Two batches exercise both attention paths of the engine: a few documents (cuDNN's
 // fused SDPA where it loads) and 64 four-token documents (more than cuDNN's first length bucket holds, so the
-// engine runs the simple kernel for that batch). A second forward_backward of the same batch is bitwise equal.
+// engine runs the simple kernel for that batch). A third uses GDN head dim 128, so the GDN layers run the chunked
+// kernel's plan. A second forward_backward of the same batch is bitwise equal.
 #ifdef DELTASTACK_CUDA
 
 #include <gtest/gtest.h>
@@ -37,9 +38,12 @@ ds::PackedBatch make_batch(const std::vector<int>& lens, int64_t vocab, uint64_t
   return b;
 }
 
-void check_engine(const std::vector<int>& lens) {
+// gdn_head_dim 128 makes the engine's GDN layers run the chunked tensor-core kernel (cuda-chunked takes head dim
+// 128 only); the tiny preset's 16 runs the simple kernel.
+void check_engine(const std::vector<int>& lens, int64_t gdn_head_dim = 0) {
   ds::ModelConfig c = ds::ModelConfig::preset("tiny");
   c.vocab_size = 4096;  // the CPU reference's LM head stays cheap
+  if (gdn_head_dim) c.linear_key_head_dim = c.linear_value_head_dim = gdn_head_dim;
   ds::Qwen35Model cpu(c);
   cpu.init_weights(11);
   const uint64_t seed = 20 + lens.size();  // fixed: the same batch on every run
@@ -76,6 +80,10 @@ TEST(CudaEngine, FewDocumentsMatchesCpu) {
 TEST(CudaEngine, ManyShortDocumentsMatchesCpu) {
   DS_SKIP_WITHOUT_GPU();
   check_engine(std::vector<int>(64, 4));
+}
+TEST(CudaEngine, ChunkedGatedDeltaRuleMatchesCpu) {
+  DS_SKIP_WITHOUT_GPU();
+  check_engine({100, 1, 155, 39}, 128);
 }
 
 }  // namespace

@@ -87,6 +87,13 @@ void add_cuda_backends(std::vector<OpEntry>& t) {
     e->backends.insert(e->backends.begin(), Backend{"cuda", "cuda", false, p.probe, p.band, {}});
     e->backends.push_back(Backend{"cpu-reference (no device fallback)", "cuda", true, {}, 0.0, {}});
   }
+  // Gated delta rule: the chunked tensor-core kernel first (head dim 128; ops/gated_delta_rule/plan.h passes over
+  // it for other shapes), then the simple recurrent kernel.
+  auto gd = std::find_if(t.begin(), t.end(), [](const OpEntry& x) { return x.name == "gated_delta_rule"; });
+  for (Backend& b : gd->backends)
+    if (b.device == "cuda" && b.name == "cuda") b.name = "cuda-simple";
+  gd->backends.insert(gd->backends.begin(), Backend{"cuda-chunked", "cuda", false,
+                                                    &probe_cuda_gated_delta_rule_chunked, 2e-2, {}});
   // Attention: cuDNN's fused SDPA first (where libcudnn loads), then the simple flash kernel above.
   auto at = std::find_if(t.begin(), t.end(), [](const OpEntry& x) { return x.name == "attention"; });
   at->backends.insert(at->backends.begin(), Backend{"cudnn (fused SDPA)", "cuda", false, &probe_cudnn_attention, 1e-2,
@@ -148,32 +155,67 @@ std::string knob_var(const std::string& op) {
 
 }  // namespace
 
-KnobMode knob_mode(const std::string& op) {
+namespace {
+// Every backend name of `op` (any device).
+bool has_backend_named(const std::string& op, const std::string& name) {
+  for (const OpEntry& e : table())
+    if (e.name == op)
+      for (const Backend& b : e.backends)
+        if (b.name == name) return true;
+  return false;
+}
+}  // namespace
+
+KnobSetting knob_setting(const std::string& op) {
   const std::string var = knob_var(op);
   const char* v = std::getenv(var.c_str());
-  if (!v || std::string(v).empty() || std::string(v) == "auto") return KnobMode::Auto;
+  if (!v || std::string(v).empty() || std::string(v) == "auto") return {KnobMode::Auto, {}};
   static std::set<std::string> logged;
   std::string s(v);
-  DS_CHECK(s == "fast" || s == "reference", "{}={}: expected auto, fast or reference", var, s);
+  KnobSetting k;
+  if (s == "fast") k.mode = KnobMode::Fast;
+  else if (s == "reference") k.mode = KnobMode::Reference;
+  else {
+    std::lock_guard<std::mutex> lk(g_mu);
+    DS_CHECK(has_backend_named(op, s), "{}={}: expected auto, fast, reference or the name of one of {}'s backends "
+             "(deltastack probe lists them)", var, s, op);
+    k.mode = KnobMode::Named;
+    k.backend = s;
+  }
   {
     std::lock_guard<std::mutex> lk(g_mu);
     if (logged.insert(var).second) log_info("{}={} in effect", var, s);
   }
-  return s == "fast" ? KnobMode::Fast : KnobMode::Reference;
+  return k;
 }
 
+KnobMode knob_mode(const std::string& op) { return knob_setting(op).mode; }
+
 const Backend& select_backend(const std::string& op, const std::string& device) {
-  KnobMode mode = knob_mode(op);
+  return select_backend(op, device, std::vector<std::string>{});
+}
+
+const Backend& select_backend(const std::string& op, const std::string& device, const std::vector<std::string>& skip) {
+  const KnobSetting knob = knob_setting(op);
+  KnobMode mode = knob.mode;
   std::lock_guard<std::mutex> lk(g_mu);
   std::string key = op + "/" + device;
+  for (const std::string& n : skip) key += "/-" + n;
   auto it = g_selected.find(key);
   if (it != g_selected.end()) return *it->second;
   auto& t = table();
   auto e = std::find_if(t.begin(), t.end(), [&](const OpEntry& x) { return x.name == op; });
   DS_CHECK(e != t.end(), "op registry: unknown op \"{}\"", op);
   const Backend* chosen = nullptr;
+  // A backend named by the knob applies on its own device; elsewhere the op runs as with auto.
+  const bool named = mode == KnobMode::Named &&
+                     std::any_of(e->backends.begin(), e->backends.end(),
+                                 [&](const Backend& b) { return b.device == device && b.name == knob.backend; });
+  if (mode == KnobMode::Named && !named) mode = KnobMode::Auto;
   for (const Backend& b : e->backends) {
     if (b.device != device) continue;
+    if (named && b.name != knob.backend) continue;
+    if (std::find(skip.begin(), skip.end(), b.name) != skip.end()) continue;
     if (b.reference) {
       if (!chosen) chosen = &b;
       break;
@@ -194,7 +236,8 @@ const Backend& select_backend(const std::string& op, const std::string& device) 
     log_warn("{}: backend {} rejected by its self-probe (error {:.3e} > band {:.1e}); using the next one", op, b.name,
              err, b.band);
   }
-  DS_CHECK(chosen, "op registry: no backend for \"{}\" on {}", op, device);
+  DS_CHECK(chosen, "op registry: no backend for \"{}\" on {}{}", op, device,
+           named ? fmt::format(" ({}={} is unavailable or failed its self-probe)", knob_var(op), knob.backend) : "");
   DS_CHECK(mode != KnobMode::Fast || !chosen->reference,
            "{}: {}=fast but no fast backend on {} is available and passes its self-probe", op, knob_var(op), device);
   g_selected[key] = chosen;

@@ -21,10 +21,18 @@
 
 namespace ds::ops {
 
-enum class KnobMode { Auto, Fast, Reference };
+enum class KnobMode { Auto, Fast, Reference, Named };
 
-// Reads DELTASTACK_<OP> (op name upper-cased). Logs one line the first time a knob other than auto is seen.
-// Throws ds::Error naming the variable for any other value.
+struct KnobSetting {
+  KnobMode mode = KnobMode::Auto;
+  std::string backend;  // KnobMode::Named: the backend's name (e.g. DELTASTACK_GATED_DELTA_RULE=cuda-simple)
+};
+
+// Reads DELTASTACK_<OP> (op name upper-cased): auto | fast | reference | the name of one of the op's backends
+// (as `deltastack probe` lists them), which is then used on its device (still self-probed: a named backend that
+// fails its probe is an error, not a silent fallback) while the op's other devices behave as with auto. Logs one
+// line the first time a knob other than auto is seen. Throws ds::Error naming the variable for any other value.
+KnobSetting knob_setting(const std::string& op);
 KnobMode knob_mode(const std::string& op);
 
 struct Backend {
@@ -47,6 +55,8 @@ struct ProbeRow {
 
 // The backend an op uses on `device`, after the knob and the self-probe. Thread-safe; probes run once.
 const Backend& select_backend(const std::string& op, const std::string& device);
+// The same, passing over the backends named in `skip` (e.g. a kernel that does not take this model's shapes).
+const Backend& select_backend(const std::string& op, const std::string& device, const std::vector<std::string>& skip);
 // Runs every probe (cached) and reports all backends of all ops: device "cpu" rows always, device "cuda" rows
 // when a CUDA device is present.
 std::vector<ProbeRow> probe_all();

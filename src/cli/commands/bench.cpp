@@ -4,9 +4,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "cli/commands/commands.h"
@@ -26,7 +28,7 @@
 #include "ops/attention/cudnn.h"
 #include "ops/conv1d/cuda.h"
 #include "ops/elementwise/random.h"
-#include "ops/gated_delta_rule/cuda.h"
+#include "ops/gated_delta_rule/plan.h"
 #include "ops/linear/cuda.h"
 #include "ops/linear_cross_entropy/cuda.h"
 #include "ops/rmsnorm/cuda.h"
@@ -170,41 +172,44 @@ int cmd_bench_ops() {
                     fmt::format("{:.2f} / {:.2f} TB/s", 4.0 * N * C / f / 1e9, 6.0 * N * C / b / 1e9),
                     10.0 * N * C / ((f + b) * 1e-3) / kCopyBw});
   }
-  {  // gated delta rule, 32k tokens (one sequence), 16 k-heads / 32 v-heads, d 128
+  // gated delta rule through the plan the registry selects (DELTASTACK_GATED_DELTA_RULE picks another): one
+  // 32768-token sequence at Hk16 / Hv32 and the 2B / 0.8B layer (2 x 8192 tokens, Hk16 / Hv16).
+  for (auto [B, T, Hk, Hv] : std::vector<std::array<int64_t, 4>>{{1, 32768, 16, 32}, {2, 8192, 16, 16}}) {
     DevBuf d;
-    ops::GdnDims g;
-    g.N = 32768;
-    g.num_seqs = 1;
-    g.Hk = 16;
-    g.Hv = 32;
-    g.dk = g.dv = 128;
-    g.scale = 1.0 / std::sqrt(128.0);
-    const int64_t chunks = g.N / 64;
-    bf16 *q = d.get<bf16>(g.N * g.Hk * g.dk), *k = d.get<bf16>(g.N * g.Hk * g.dk), *v = d.get<bf16>(g.N * g.Hv * g.dv),
-         *o = d.get<bf16>(g.N * g.Hv * g.dv), *dq = d.get<bf16>(g.N * g.Hk * g.dk), *dk = d.get<bf16>(g.N * g.Hk * g.dk),
-         *dv = d.get<bf16>(g.N * g.Hv * g.dv);
-    float *gg = d.get<float>(g.N * g.Hv), *beta = d.get<float>(g.N * g.Hv), *dg = d.get<float>(g.N * g.Hv),
-          *db = d.get<float>(g.N * g.Hv), *states = d.get<float>(chunks * g.Hv * g.dk * g.dv);
-    int32_t *cu = d.get<int32_t>(2), *co = d.get<int32_t>(2);
-    int32_t hcu[2] = {0, static_cast<int32_t>(g.N)}, hco[2] = {0, static_cast<int32_t>(chunks)};
-    DS_CUDA_CHECK(cudaMemcpy(cu, hcu, 8, cudaMemcpyHostToDevice));
-    DS_CUDA_CHECK(cudaMemcpy(co, hco, 8, cudaMemcpyHostToDevice));
-    void* scratch = d.get<char>(K::gated_delta_rule_scratch_bytes(g, chunks));
-    K::fill_uniform(q, g.N * g.Hk * g.dk, 6, -0.1f, 0.1f, s);
-    K::fill_uniform(k, g.N * g.Hk * g.dk, 7, -0.1f, 0.1f, s);
-    K::fill_uniform(v, g.N * g.Hv * g.dv, 8, -1, 1, s);
-    K::fill_uniform(gg, g.N * g.Hv, 9, -1.0f, -0.01f, s);
-    K::fill_uniform(beta, g.N * g.Hv, 10, 0.1f, 0.9f, s);
-    double f = time_ms([&] { K::gated_delta_rule_forward(g, q, k, v, g.Hv * g.dv, gg, beta, cu, co, chunks, o, states, s); }, 1, 3);
-    double b = time_ms([&] {
-      K::gated_delta_rule_backward(g, q, k, v, g.Hv * g.dv, gg, beta, cu, co, chunks, states, o, dq, dk, dv, g.Hv * g.dv,
-                                   dg, db, scratch, s);
-    }, 1, 3);
+    const int64_t N = B * T, D = 128;
+    const K::GdnLimits lim{N, B, Hk, Hv, D, D, 1.0 / std::sqrt(128.0)};
+    std::unique_ptr<K::GatedDeltaRulePlan> plan = K::make_gated_delta_rule_plan(lim);
+    bf16 *q = d.get<bf16>(N * Hk * D), *k = d.get<bf16>(N * Hk * D), *v = d.get<bf16>(N * Hv * D),
+         *o = d.get<bf16>(N * Hv * D), *dq = d.get<bf16>(N * Hk * D), *dk = d.get<bf16>(N * Hk * D),
+         *dv = d.get<bf16>(N * Hv * D);
+    float *gg = d.get<float>(N * Hv), *beta = d.get<float>(N * Hv), *dg = d.get<float>(N * Hv),
+          *db = d.get<float>(N * Hv);
+    int32_t* cu = d.get<int32_t>(B + 1);
+    std::vector<int32_t> hcu;
+    for (int64_t i = 0; i <= B; ++i) hcu.push_back(static_cast<int32_t>(i * T));
+    DS_CUDA_CHECK(cudaMemcpy(cu, hcu.data(), hcu.size() * 4, cudaMemcpyHostToDevice));
+    void *batch = d.get<char>(plan->batch_bytes()), *saved = d.get<char>(plan->saved_bytes()),
+         *ws = d.get<char>(plan->workspace_bytes());
+    K::fill_uniform(q, N * Hk * D, 6, -0.1f, 0.1f, s);
+    K::fill_uniform(k, N * Hk * D, 7, -0.1f, 0.1f, s);
+    K::fill_uniform(v, N * Hv * D, 8, -1, 1, s);
+    K::fill_uniform(gg, N * Hv, 9, -1.0f, -0.01f, s);
+    K::fill_uniform(beta, N * Hv, 10, 0.1f, 0.9f, s);
+    plan->prepare(cu, N, B, batch, s);
+    K::GdnForwardIO io;
+    io.q = q, io.k = k, io.v = v, io.v_stride = Hv * D, io.g = gg, io.beta = beta, io.o = o;
+    K::GdnBackwardIO gr;
+    gr.dout = o, gr.dq = dq, gr.dk = dk, gr.dv = dv, gr.dv_stride = Hv * D, gr.dg = dg, gr.dbeta = db;
+    double f = time_ms([&] { plan->forward(io, saved, ws, s); }, 1, 3);
+    double bw = time_ms([&] { plan->backward(io, gr, saved, ws, s); }, 1, 3);
     // Chunked-algorithm FLOPs (fwd ~ 4 N Hv dk dv + intra-chunk 2 N Hv 64 (dk+dv)), bwd ~ 2x fwd.
-    double fl = g.N * g.Hv * (4.0 * g.dk * g.dv + 2.0 * 64 * (g.dk + g.dv)) * 3;
-    rows.push_back({"gated_delta_rule", "T32768 Hk16 Hv32 d128", f, f + b,
-                    fmt::format("{:.1f} TFLOP/s; goal 3.0 ms", fl / ((f + b) * 1e-3) / 1e12),
-                    fl / ((f + b) * 1e-3) / kGemmRate});
+    double fl = N * Hv * (4.0 * D * D + 2.0 * 64 * (D + D)) * 3;
+    const std::string shape = B == 1 ? fmt::format("T{} Hk{} Hv{} d128", T, Hk, Hv)
+                                     : fmt::format("B{}xT{} Hk{} Hv{} d128", B, T, Hk, Hv);
+    rows.push_back({"gated_delta_rule", shape, f, f + bw,
+                    fmt::format("{:.1f} TFLOP/s; {}; goal {} ms", fl / ((f + bw) * 1e-3) / 1e12, plan->name(),
+                                B == 1 ? "3.0" : "0.8"),
+                    fl / ((f + bw) * 1e-3) / kGemmRate});
   }
   {  // attention, causal GQA d 256, 16 q / 4 kv heads, B 2 x T 8192
     DevBuf d;

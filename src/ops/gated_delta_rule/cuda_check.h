@@ -4,6 +4,7 @@
 // in ops/check/check.h.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "ops/check/check.h"
@@ -29,6 +30,10 @@ struct GatedDeltaRuleCase {
                                       // sequences)
   uint64_t seed = 1;
   bool twice = true;
+  // Empty: the simple kernel's launchers (cuda.h) with their private contract checked too (chunk states). Else an
+  // op plan's backend name ("cuda-simple", "cuda-chunked"): the kernel runs through plan.h (prepare on the device,
+  // saved buffer and workspace poisoned first) and the public outputs are checked.
+  std::string backend;
 };
 check::Result check_gated_delta_rule(const GatedDeltaRuleCase& c);
 // The start-up probe: packed {1, 70, 0, 130}, GVA 2, dk = dv = 32 (Hk 2) and 128 (Hk 1); v read from and dv
@@ -36,5 +41,9 @@ check::Result check_gated_delta_rule(const GatedDeltaRuleCase& c);
 std::vector<GatedDeltaRuleCase> gated_delta_rule_probe_cases();
 // The registry's probe: check::probe("gated_delta_rule", ..._probe_cases(), check_gated_delta_rule).
 double probe_cuda_gated_delta_rule();
+// The chunked kernel's probe: packed {1, 70, 0, 130} and {64, 39, 1, 127} with g down to -60, dk = dv = 128,
+// GVA 1 and 2, through its plan.
+std::vector<GatedDeltaRuleCase> gated_delta_rule_chunked_probe_cases();
+double probe_cuda_gated_delta_rule_chunked();
 
 }  // namespace ds::ops

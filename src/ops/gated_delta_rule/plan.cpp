@@ -9,14 +9,26 @@ namespace ds::ops::cuda {
 
 // Defined beside each kernel (plan_simple.cu, ...).
 std::unique_ptr<GatedDeltaRulePlan> make_simple_gated_delta_rule_plan(const GdnLimits& limits);
+std::unique_ptr<GatedDeltaRulePlan> make_chunked_gated_delta_rule_plan(const GdnLimits& limits);
+bool chunked_gated_delta_rule_supports(const GdnLimits& limits);
 
 std::unique_ptr<GatedDeltaRulePlan> make_gated_delta_rule_plan(const std::string& backend, const GdnLimits& limits) {
-  if (backend == "cuda-simple" || backend == "cuda") return make_simple_gated_delta_rule_plan(limits);
+  if (backend == "cuda-simple") return make_simple_gated_delta_rule_plan(limits);
+  if (backend == "cuda-chunked") {
+    DS_CHECK(chunked_gated_delta_rule_supports(limits),
+             "gated_delta_rule: cuda-chunked needs dk = dv = 128 and Hv a multiple of Hk (got dk {}, dv {}, Hk {}, "
+             "Hv {})", limits.dk, limits.dv, limits.Hk, limits.Hv);
+    return make_chunked_gated_delta_rule_plan(limits);
+  }
   fail("gated_delta_rule: no CUDA plan for backend \"{}\"", backend);
 }
 
 std::unique_ptr<GatedDeltaRulePlan> make_gated_delta_rule_plan(const GdnLimits& limits) {
-  const Backend& b = select_backend("gated_delta_rule", "cuda");
+  // The chunked kernel is instantiated for head dim 128 (every Qwen3.5 size); other shapes (the tiny preset) pass
+  // over it to the next backend, which the registry probes in turn.
+  std::vector<std::string> skip;
+  if (!chunked_gated_delta_rule_supports(limits)) skip.push_back("cuda-chunked");
+  const Backend& b = select_backend("gated_delta_rule", "cuda", skip);
   DS_CHECK(!b.reference, "gated_delta_rule: no usable CUDA backend (DELTASTACK_GATED_DELTA_RULE or a failed probe)");
   return make_gated_delta_rule_plan(b.name, limits);
 }
