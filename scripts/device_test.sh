@@ -68,7 +68,7 @@ if has test; then
 fi
 if has sanitize; then
   if command -v compute-sanitizer >/dev/null; then
-    compute-sanitizer --tool memcheck --error-exitcode 9 $BUILD/deltastack_tests --gtest_filter='CudaProbeCases.*:CudaOps.*:CudaGatedDeltaRule.Packed16:CudaGatedDeltaRule.OddStrides:CudaLinear.ForwardBackwardRagged:CudaLinearCrossEntropy.OddVocab:CudaAttention.HeadDim64:CudnnAttention.PackedBucketsHeadDim128Gqa4' \
+    compute-sanitizer --tool memcheck --error-exitcode 9 $BUILD/deltastack_tests --gtest_filter="${SANITIZE_FILTER:-CudaProbeCases.*:CudaOps.*:CudaGatedDeltaRule.Packed16:CudaGatedDeltaRule.OddStrides:CudaGatedDeltaRuleChunked.PackedPartialChunks:CudaGatedDeltaRuleChunked.StrongDecayAndZeroGate:CudaLinear.ForwardBackwardRagged:CudaLinearCrossEntropy.OddVocab:CudaAttention.HeadDim64:CudnnAttention.PackedBucketsHeadDim128Gqa4}" \
       >"$OUT/memcheck.log" 2>&1; echo "memcheck rc=$? ($(grep -c 'Invalid' "$OUT/memcheck.log") invalid accesses)"
     tail -3 "$OUT/memcheck.log"
   else
@@ -119,7 +119,9 @@ if has train; then
   $D train --resume /tmp/ds_g1/checkpoint-100 --out /tmp/ds_g3 >/tmp/ds_train_gpu3.txt 2>&1 || status=1
   if [ -x build-base/deltastack ]; then  # the same run with the earlier commit's binary: losses must be bitwise equal
     rm -rf /tmp/ds_g0
-    build-base/deltastack train --device cuda --out /tmp/ds_g0 >/tmp/ds_train_gpu0.txt 2>&1 || status=1
+    # (the earlier tree has no data/ of its own: the same bundled files, named explicitly)
+    build-base/deltastack train --device cuda --out /tmp/ds_g0 --data "$PWD/data/tiny_shakespeare.txt" \
+      --tokenizer "$PWD/data/qwen3_tokenizer/tokenizer.json" >/tmp/ds_train_gpu0.txt 2>&1 || { tail -3 /tmp/ds_train_gpu0.txt; status=1; }
     python3 -c "import json; L=lambda p: [(j['step'], j.get('loss'), j.get('eval_loss'), j.get('grad_norm')) for j in map(json.loads, open(p))]; \
 a, b = L('/tmp/ds_g0/metrics.jsonl'), L('/tmp/ds_g1/metrics.jsonl'); print(f'vs base binary: {len(a)} lines, ' + ('bitwise identical' if a == b else 'DIFFERENT')); \
 raise SystemExit(0 if a == b else 1)" || status=1

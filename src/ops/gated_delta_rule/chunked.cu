@@ -16,9 +16,11 @@
 //   dK  = diag(e^{γ_{L−1}−γ}) V_new dHᵀ + Dpᵀ Q + diag(βe^γ) Tᵀ dW + dB K + dBᵀ K
 //   dW = −dV2 Sᵀ;  dT = lower(dW (βe^γK)ᵀ + dV2 (βV)ᵀ);  dA = −strict-lower(Tᵀ dT Tᵀ);  dB = dA ⊙ β_i Γ
 //   dV = diag(β) Tᵀ dV2;  dβ_i = e^{γ_i}(Tᵀ dW)_i·k_i + (Tᵀ dV2)_i·v_i + Σ_j dA_ij Γ_ij k_i·k_j
-//   dγ_i = q_i·dQinter_i + Σ_j R2_ij − Σ_m R2_mi − E_i + β_i e^{γ_i}(Tᵀ dW)_i·k_i + Σ_j R_ij − Σ_m R_mi
+//   dγ_i = q_i·dQinter_i + Σ_{j<i} R2_ij − Σ_{m>i} R2_mi − E_i + β_i e^{γ_i}(Tᵀ dW)_i·k_i + Σ_j R_ij − Σ_m R_mi
 //          (+ Σ_j E_j + e^{γ_{L−1}} ⟨S, dH⟩ on the last row), R2 = Dp ⊙ QKᵀ, R = dA ⊙ A, E_i = k_i·dK_direct_i;
-//   dg = reverse cumsum of dγ within the chunk.
+//   dg = reverse cumsum of dγ within the chunk. Computed without cancellation: R2's diagonal (it cancels within
+//   dγ_i) is left out, and the E / ⟨S, dH⟩ terms are added after the cumsum as Σ_{j<i} E_j + e^{γ_{L−1}} ⟨S, dH⟩,
+//   so every term keeps its own decay factor and strongly decaying heads (g <= −50) get accurate tiny dg.
 //
 // Kernels (all deterministic: no atomics, every sum in a fixed order; D = dk = dv = 128, C = 64). Warp tiles: a
 // 64x128 product over 8 warps is rows 16(w%4).. x cols 64(w/4)..; a 64x64 one rows 16(w%4).. x cols 32(w/4)..
@@ -973,7 +975,10 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
           const int i = frag_row(rb, e), j = frag_col(cs, nt) + (e & 1);
           const float dp = (j <= i && i < L) ? a.scale * acc[0][nt][e] * expf(gam[i] - gam[j]) : 0.f;
           acc[0][nt][e] = dp;
-          r2[nt][e] = dp * qk[0][nt][e];
+          // R2 without its diagonal: R2_ii enters dγ_i once as a row term and once as a column term and cancels
+          // exactly; summing it in would leave its fp32 rounding (O(1) · 2^-24) in place of the tiny dg of
+          // strongly decaying heads (g <= -50), whose true terms are O(e^g).
+          r2[nt][e] = j < i ? dp * qk[0][nt][e] : 0.f;
         }
         st2(Dps + frag_row(rb, 0) * LC + frag_col(cs, nt), pack2(acc[0][nt][0], acc[0][nt][1]));
         st2(Dps + frag_row(rb, 2) * LC + frag_col(cs, nt), pack2(acc[0][nt][2], acc[0][nt][3]));
@@ -1110,18 +1115,13 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
       if (i < L) {
         const float eg = expf(gam[i]);
         const float xw = dbp[0 * C + i] + dbp[1 * C + i];
-        dgi = (dgp[0 * C + i] + dgp[1 * C + i]) - (dgp[2 * C + i] + dgp[3 * C + i]) +
-              (dgp[4 * C + i] + dgp[5 * C + i]) -
+        // The E terms (−E_i per row, +Σ_j E_j on the last row) and e^{γ_L}⟨S, dH⟩ are added after the reverse
+        // cumsum below, as the exclusive prefix Σ_{j<i} E_j they sum to: E_{L−1} is O(1) while Σ_{j<i} E_j is
+        // O(e^g), so forming it as a total minus a partial sum would cancel catastrophically under strong decay.
+        dgi = (dgp[0 * C + i] + dgp[1 * C + i]) + (dgp[4 * C + i] + dgp[5 * C + i]) -
               ((dgp[6 * C + i] + dgp[7 * C + i]) + (dgp[8 * C + i] + dgp[9 * C + i])) + bet[i] * eg * xw +
               (dgp[10 * C + i] + dgp[11 * C + i]) -
               ((dgp[12 * C + i] + dgp[13 * C + i]) + (dgp[14 * C + i] + dgp[15 * C + i]));
-        if (i == L - 1) {
-          float se = 0.f;
-          for (int j = 0; j < L; ++j) se += dgp[2 * C + j] + dgp[3 * C + j];
-          float sd = 0.f;
-          for (int j = 0; j < 8; ++j) sd += red[j];
-          dgi += se + expf(gl) * sd;
-        }
         dbi = eg * xw + (dbp[2 * C + i] + dbp[3 * C + i]) + (dbp[4 * C + i] + dbp[5 * C + i]);
       }
       dgs[i] = dgi;
@@ -1131,7 +1131,11 @@ __global__ void __launch_bounds__(256, 1) k_bwd_chunk(const Args a) {
     if (tid < L) {
       float s = 0.f;
       for (int r = L - 1; r >= tid; --r) s += dgs[r];
-      a.dg[(int64_t(t0) + tid) * a.Hv + h] = s;
+      float e = 0.f;
+      for (int j = 0; j < tid; ++j) e += dgp[2 * C + j] + dgp[3 * C + j];
+      float sd = 0.f;
+      for (int j = 0; j < 8; ++j) sd += red[j];
+      a.dg[(int64_t(t0) + tid) * a.Hv + h] = s + e + expf(gl) * sd;
     }
   }
 #pragma unroll
