@@ -1,5 +1,5 @@
 // Gated delta rule (chunked vs recurrent oracle vs finite differences), l2norm and GDN gate tests.
-// Regression cases from gdn_kernels.md §7: partial last chunk with strong decay (#1), g ≡ 0 vs the ungated
+// Regression cases from docs/model.md §7.4: partial last chunk with strong decay (#1), g ≡ 0 vs the ungated
 // delta rule (#2, #4, #5), all gradients vs a float64 oracle (#3), empty sequences in cu_seqlens (#7),
 // tiny / odd tail lengths (#24), decay-before-error order (#11).
 #include <gtest/gtest.h>

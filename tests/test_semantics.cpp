@@ -1,5 +1,5 @@
 // Semantics of packing and of the whole model's gradients ("make the CPU engine exact"):
-//   * thousands of tiny documents in one packed batch (gdn_kernels.md §7: many-sequence / tiny-tail cases) through
+//   * thousands of tiny documents in one packed batch (docs/model.md §7.4 #8, #24: tiny-document cases) through
 //     the gated delta rule op (float64) and through the whole model (fp32 logits and every parameter gradient);
 //   * chunk-boundary document lengths {1, 2, 3, 63, 64, 65, 127} plus empty documents (repeated cu_seqlens entries)
 //     through the whole model;

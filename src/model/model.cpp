@@ -206,7 +206,7 @@ void Qwen35Model::load(const std::string& path) {
   }
 }
 
-// A_log and the gated-norm weight stay fp32 as in released Qwen3.5 checkpoints (docs/model.md).
+// A_log and the gated-norm weight stay fp32 as in released Qwen3.5 checkpoints (docs/model.md §5.3).
 DType stored_dtype(const ParamSpec& p, DType dtype) {
   bool keep_f32 = p.name.find("A_log") != std::string::npos || p.name.find("linear_attn.norm.weight") != std::string::npos;
   return keep_f32 ? DType::F32 : dtype;
@@ -270,7 +270,7 @@ struct Qwen35Model::Impl {
   LayerParams<float*> ptrs(int64_t i, float* base) { return m.layout_->layer(i, base); }
 
 
-  // --- Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, qwen35_model.md §2.6) ---
+  // --- Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, docs/model.md §2.6) ---
   void gdn_forward(const LayerParams<float*>& w, LayerCache& s, Buf& out) {
     const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads;
     const int64_t K = c.linear_conv_kernel_dim;
@@ -352,7 +352,7 @@ struct Qwen35Model::Impl {
     ops::linear_backward(s.xn1.data(), w.gdn.in_proj_a, da.data(), dxn.data(), gw.gdn.in_proj_a, N, H, Hv, true);
   }
 
-  // --- Gated full attention (HF Qwen3_5Attention, qwen35_model.md §2.5) ---
+  // --- Gated full attention (HF Qwen3_5Attention, docs/model.md §2.5) ---
   void attn_forward(const LayerParams<float*>& w, LayerCache& s, Buf& out) {
     const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
     Buf qg(N * Hq * 2 * hd);
@@ -413,7 +413,7 @@ struct Qwen35Model::Impl {
     ops::linear_backward(s.xn1.data(), w.attn.v_proj, dvv.data(), dxn.data(), gw.attn.v_proj, N, H, Hkv * hd, true);
   }
 
-  // --- Decoder layer (HF Qwen3_5DecoderLayer, qwen35_model.md §2.3): h_out = h_mid + mlp(norm2(h_mid)),
+  // --- Decoder layer (HF Qwen3_5DecoderLayer, docs/model.md §2.3): h_out = h_mid + mlp(norm2(h_mid)),
   //     h_mid = h_in + mixer(norm1(h_in)). `h` is updated in place.
   void layer_forward(int64_t i, LayerCache& s, Buf& h) {
     LayerParams<float*> w = ptrs(i, m.weights_.data());

@@ -1,4 +1,4 @@
-// The Qwen3.5 dense text model (HF Qwen3_5ForCausalLM; qwen35_model.md §2) on the CPU reference backend:
+// The Qwen3.5 dense text model (HF Qwen3_5ForCausalLM; docs/model.md §2) on the CPU reference backend:
 // fp32 parameters in one flat buffer (HF names and shapes), explicit forward and backward per layer
 // (llm.c style), packed sequences with cu_seqlens (no state, conv tap or attention crosses a document).
 #pragma once
@@ -69,7 +69,7 @@ class Qwen35Model {
   float* weight(const std::string& name) { return weights_.data() + spec(name).offset; }
   float* grad(const std::string& name) { return grads_.data() + spec(name).offset; }
 
-  // HF _init_weights (qwen35_model.md §5.5): normal(0, initializer_range) for linear/conv/embedding, zeros
+  // HF _init_weights (docs/model.md §5.5): normal(0, initializer_range) for linear/conv/embedding, zeros
   // for zero-centered norms, ones for the gated norm and dt_bias, A_log = log(U(0.01, 16)). Deterministic in seed.
   void init_weights(uint64_t seed);
   // Loads HF safetensors (single file, sharded with index, or a directory). Accepts "model." and

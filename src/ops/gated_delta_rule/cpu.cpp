@@ -3,7 +3,7 @@
 // Notation per (sequence, value head h), q/k head j = h / (Hv/Hk); q̃ = scale·q; S ∈ R^{dk×dv}, row-major.
 //   S̄_t = exp(g_t) S_{t-1},  u_t = β_t (v_t − S̄_tᵀ k_t),  S_t = S̄_t + k_t u_tᵀ,  o_t = S_tᵀ q̃_t.
 //
-// Chunked form (qwen35_model.md §3.2, gdn_kernels.md §1.2). In a chunk of L tokens starting from state S0,
+// Chunked form (docs/model.md §3.2). In a chunk of L tokens starting from state S0,
 // with in-chunk cumulative log-gates c_i = Σ_{m≤i} g_m, G_i = exp(c_i), Γ_ij = exp(c_i − c_j) (only j ≤ i is
 // ever formed, so every exponent is ≤ 0 up to rounding and strong decay cannot overflow):
 //   A_ij  = β_i Γ_ij (k_i·k_j)                    j < i       (strictly lower)
@@ -553,7 +553,7 @@ void recurrent_gated_delta_rule_forward(const GdnDims& d, const T* q, const T* k
   }
 }
 
-// Reverse-time backward of the recurrence (qwen35_model.md §4). Stores every state of a task: (len+1)·dk·dv
+// Reverse-time backward of the recurrence (docs/model.md §4). Stores every state of a task: (len+1)·dk·dv
 // values per thread, fine for an oracle, not meant for long sequences.
 template <typename T>
 void recurrent_gated_delta_rule_backward(const GdnDims& d, const T* q, const T* k, const T* v, const T* g,
@@ -601,7 +601,7 @@ void recurrent_gated_delta_rule_backward(const GdnDims& d, const T* q, const T* 
         for (int64_t b = 0; b < Dv; ++b) u[b] = (vr[b] - u[b]) * bt;
         for (int64_t a = 0; a < Dk; ++a) axpy(kr[a], u.data(), Sn + a * Dv, Dv);
       }
-      // Reverse time (qwen35_model.md §4).
+      // Reverse time (docs/model.md §4).
       if (dfinal_state)
         std::memcpy(dS.data(), dfinal_state + ti * ss, sizeof(T) * ss);
       else

@@ -27,7 +27,7 @@
 //   phase 1, tokens forward: replay the recurrence from S0 (bitwise the forward kernel's arithmetic), keep w_i in
 //            shared memory, dq_i = scale·S_i dO_i (a row contraction: per-warp reduce-scatter with shuffles, then
 //            a fixed-order sum over warps), and e_i = k_iᵀ dS u_i (dS still holds the chunk-end gradient);
-//   phase 2, tokens in reverse (qwen35_model.md §4): dS += q̃_i dO_iᵀ; du_i = dSᵀ k_i; dv_i = β_i du_i;
+//   phase 2, tokens in reverse (docs/model.md §4): dS += q̃_i dO_iᵀ; du_i = dSᵀ k_i; dv_i = β_i du_i;
 //            dβ_i = du_i·w_i; dk_i ← dS u_i − β_i G_i S0 du_i (row contraction); dS̄ = dS − β_i k_i du_iᵀ;
 //            dg_i ← G_i ⟨dS̄, S0⟩; dS ← e^{g_i} dS̄.  S0 is kept in shared memory (each thread its own slice).
 //   phase 3, chunk-level terms of S̄_i = G_i S0 + Σ_{j<i} Γ_ij k_j u_jᵀ that phase 2 left out (no per-token states

@@ -1,7 +1,7 @@
 // Gated delta rule on the GPU (math of gated_delta_rule.h), a simple exact version: one block per (sequence,
 // value head) walks the tokens with the fp32 state [dk, dv] on chip, saving the state at every chunk start
 // for the backward, which replays each chunk from its saved state and runs the reverse-time recurrence
-// (qwen35_model.md §4). Deterministic (GVA dq/dk summed over value heads in fixed order).
+// (docs/model.md §4). Deterministic (GVA dq/dk summed over value heads in fixed order).
 #pragma once
 #include <cuda_runtime.h>
 

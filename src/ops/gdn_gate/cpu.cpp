@@ -1,7 +1,7 @@
 // CPU reference of the Gated DeltaNet gates (see gdn_gate.h; HF Qwen3_5GatedDeltaNet.forward):
 //   x = a + dt_bias,  sp = softplus(x) = log1p(exp(x)) for x <= 20, x above (PyTorch's threshold 20),
 //   g = -exp(A_log)·sp,  beta = sigmoid(b).
-// Backward (qwen35_model.md §4): ∂g/∂x = -exp(A_log)·sp'(x) with sp'(x) = sigmoid(x) for x <= 20 and 1 above
+// Backward (docs/model.md §4): ∂g/∂x = -exp(A_log)·sp'(x) with sp'(x) = sigmoid(x) for x <= 20 and 1 above
 // (PyTorch's softplus_backward, the exact derivative of the thresholded forward), ∂g/∂A_log = g,
 // ∂beta/∂b = beta(1-beta). Per-head parameter gradients are summed over tokens in ascending order (in double)
 // within one thread per head, so they do not depend on the thread count.

@@ -1,5 +1,5 @@
-// CPU reference for the fused linear + cross-entropy (gradient-in-forward design of kernels_and_engine.md §1.2,
-// §1.7: Liger / QuACK style, chunked over tokens so the [N, V] logits never exist).
+// CPU reference for the fused linear + cross-entropy (gradient-in-forward design of docs/model.md §2.8,
+// Liger / QuACK style, chunked over tokens so the [N, V] logits never exist).
 //
 // Per chunk of up to chunk_tokens rows (only rows with a valid label, or all rows when logits_out is wanted):
 //   1. S = h_c @ W^T                       (BLAS gemm, [C, V] scratch)
