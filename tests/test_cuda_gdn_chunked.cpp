@@ -67,6 +67,18 @@ TEST(CudaGatedDeltaRuleChunked, LongSequenceAgainstChunkedReference) {
   expect_ok(check_gated_delta_rule(c));
 }
 
+// The engine sizes its plan for the largest micro-batch: smaller batches leave chunk blocks past the batch and an
+// index table longer than the batch's documents.
+TEST(CudaGatedDeltaRuleChunked, PlanLargerThanTheBatch) {
+  DS_SKIP_WITHOUT_GPU();
+  GatedDeltaRuleCase c = chunked({1, 63, 64, 65, 200, 0, 17}, 2, 2);
+  c.plan_extra_tokens = 500, c.plan_extra_seqs = 5;
+  expect_ok(check_gated_delta_rule(c));
+  c = chunked({39}, 1, 1);
+  c.plan_extra_tokens = 8192, c.plan_extra_seqs = 64;
+  expect_ok(check_gated_delta_rule(c));
+}
+
 TEST(CudaGatedDeltaRuleChunked, ProbeCases) {
   DS_SKIP_WITHOUT_GPU();
   for (const GatedDeltaRuleCase& c : ds::ops::gated_delta_rule_chunked_probe_cases()) expect_ok(check_gated_delta_rule(c));

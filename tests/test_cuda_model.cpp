@@ -40,7 +40,7 @@ ds::PackedBatch make_batch(const std::vector<int>& lens, int64_t vocab, uint64_t
 
 // gdn_head_dim 128 makes the engine's GDN layers run the chunked tensor-core kernel (cuda-chunked takes head dim
 // 128 only); the tiny preset's 16 runs the simple kernel.
-void check_engine(const std::vector<int>& lens, int64_t gdn_head_dim = 0) {
+void check_engine(const std::vector<int>& lens, int64_t gdn_head_dim = 0, int64_t plan_slack = 0) {
   ds::ModelConfig c = ds::ModelConfig::preset("tiny");
   c.vocab_size = 4096;  // the CPU reference's LM head stays cheap
   if (gdn_head_dim) c.linear_key_head_dim = c.linear_value_head_dim = gdn_head_dim;
@@ -56,8 +56,8 @@ void check_engine(const std::vector<int>& lens, int64_t gdn_head_dim = 0) {
   const std::vector<float> g_ref = cpu.grads();
 
   ds::GpuPlan plan;
-  plan.max_tokens = b.size();
-  plan.max_seqs = static_cast<int64_t>(lens.size());
+  plan.max_tokens = b.size() + plan_slack;  // the trainer's plan is sized for its largest micro-batch
+  plan.max_seqs = static_cast<int64_t>(lens.size()) + plan_slack / 100;
   ds::GpuModel gpu(cpu, plan);
   const ds::LossResult r1 = gpu.forward_backward(b, scale);
   std::vector<float> g1, g2;
@@ -84,6 +84,7 @@ TEST(CudaEngine, ManyShortDocumentsMatchesCpu) {
 TEST(CudaEngine, ChunkedGatedDeltaRuleMatchesCpu) {
   DS_SKIP_WITHOUT_GPU();
   check_engine({100, 1, 155, 39}, 128);
+  check_engine({100, 1, 155, 39}, 128, 300);  // a plan larger than the batch
 }
 
 }  // namespace

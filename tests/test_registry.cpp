@@ -33,4 +33,32 @@ TEST(Registry, FailedCudaProbesLeaveTheCpuBackends) {
   }
 }
 
+// DELTASTACK_<OP> takes auto, fast, reference or one of the op's backend names; anything else is an error that names
+// the variable. (knob_setting only: select_backend caches its choice for the process.)
+TEST(Registry, KnobNamesABackend) {
+  const char* var = "DELTASTACK_GATED_DELTA_RULE";
+  const char* old = std::getenv(var);
+  const std::string saved = old ? old : "";
+  setenv(var, "cpu-recurrent", 1);
+  ds::ops::KnobSetting k = ds::ops::knob_setting("gated_delta_rule");
+  EXPECT_EQ(k.mode, ds::ops::KnobMode::Named);
+  EXPECT_EQ(k.backend, "cpu-recurrent");
+  setenv(var, "fast", 1);
+  EXPECT_EQ(ds::ops::knob_setting("gated_delta_rule").mode, ds::ops::KnobMode::Fast);
+  setenv(var, "no-such-backend", 1);
+  try {
+    ds::ops::knob_setting("gated_delta_rule");
+    ADD_FAILURE() << "an unknown backend name must be an error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("DELTASTACK_GATED_DELTA_RULE=no-such-backend"), std::string::npos) << e.what();
+  }
+  if (old) setenv(var, saved.c_str(), 1);
+  else unsetenv(var);
+  if (!std::getenv("DELTASTACK_RMSNORM")) {  // another op's backend name is not accepted
+    setenv("DELTASTACK_RMSNORM", "cpu-recurrent", 1);
+    EXPECT_THROW(ds::ops::knob_setting("rmsnorm"), std::exception);
+    unsetenv("DELTASTACK_RMSNORM");
+  }
+}
+
 }  // namespace

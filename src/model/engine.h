@@ -1,5 +1,5 @@
-// The engine interface: what the trainer, `eval`, `generate`, `forward` and `bench` need from an engine that
-// runs the Qwen3.5 model (docs/architecture.md). Two engines implement it:
+// The engine interface: what the trainer needs from an engine that runs the Qwen3.5 model (docs/architecture.md;
+// `eval`, `generate`, `forward` and `bench` still build Qwen35Model / GpuModel themselves). Two engines implement it:
 //   - "cpu": the fp32 reference (model/model.h: Qwen35Model, ops' CPU references), AdamW state on the host;
 //   - "cuda": the GPU engine (model/gpu_model.h), every buffer on the device, no host copy of the weights,
 //     gradients or optimizer state; checkpoints stream from the device in bounded slabs.
@@ -39,8 +39,8 @@ struct GpuPlan {
   }
 };
 
-// Reads fp32 values of the named tensor (shape as the engine expects it); ds::Error naming the file and tensor
-// when it is missing or has another shape. The trainer passes a checkpoint reader here on resume.
+// Reads fp32 values of the named tensor, numel elements; ds::Error naming the file and tensor when it is missing
+// or has another element count. The trainer passes a checkpoint reader here on resume.
 using TensorSource = std::function<std::vector<float>(const std::string& name, int64_t numel)>;
 
 class Engine {

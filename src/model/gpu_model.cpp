@@ -67,6 +67,13 @@ struct GpuModel::Impl {
   // the current micro-batch
   int64_t N = 0, S = 0, num_uniq = 0;
 
+  // Also runs when the constructor throws after the stream or the allocation exist.
+  ~Impl() {
+    attn.reset();  // cuDNN's handle and plans before the stream and memory they were used with
+    if (arena_base) cudaFree(arena_base);
+    if (stream) cudaStreamDestroy(stream);
+  }
+
   // The whole memory plan in one pass over `a` (sizing pass when a.base is null).
   void layout_memory(Arena& a) {
     const int64_t N = plan.max_tokens, S = plan.max_seqs, H = c.hidden_size, CD = c.conv_dim(),
@@ -421,10 +428,11 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   if (m.attn && m.arena_bytes + (512u << 20) >= free_b && m.attn->name() != "cuda-simple") {
     // cuDNN's deterministic backward keeps an S^2 workspace; when that is what does not fit, drop to the simple
-    // kernel (no workspace) rather than fail.
-    log_warn("attention: the plan with cuDNN's {:.2f} GiB workspace does not fit in {:.2f} GiB free; using the "
-             "simple attention kernel", m.attn->workspace_bytes() / 1073741824.0, free_b / 1073741824.0);
+    // kernel (no workspace) rather than fail (ds::Error instead when DELTASTACK_ATTENTION names cuDNN).
+    const size_t cudnn_ws = m.attn->workspace_bytes();
     m.attn->drop_to_simple();
+    log_warn("attention: the plan with cuDNN's {:.2f} GiB workspace does not fit in {:.2f} GiB free; using the "
+             "simple attention kernel", cudnn_ws / 1073741824.0, free_b / 1073741824.0);
     sizing = Arena{};
     m.layout_memory(sizing);
     m.arena_bytes = sizing.off;
@@ -437,6 +445,8 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   real.base = m.arena_base;
   m.layout_memory(real);
   m.optimizer->zero_state(m.stream);
+  DS_CHECK(static_cast<int64_t>(host.weights().size()) == m.P,
+           "gpu: the host model holds {} weights, expected {} (released or not loaded)", host.weights().size(), m.P);
   m.store->upload(host.weights().data(), m.stream);
   m.note_peak();
   log_info("gpu: {} ({}), one allocation of {:.2f} GiB for {} tokens x {} documents per micro-batch; "
@@ -445,13 +455,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
            m.attn ? m.attn->name() : "-");
 }
 
-GpuModel::~GpuModel() {
-  if (impl_) {
-    impl_->attn.reset();  // cuDNN's handle and plans before the stream and memory they were used with
-    if (impl_->arena_base) cudaFree(impl_->arena_base);
-    if (impl_->stream) cudaStreamDestroy(impl_->stream);
-  }
-}
+GpuModel::~GpuModel() = default;
 
 LossResult GpuModel::forward_backward(const PackedBatch& batch, double grad_scale, double z_loss,
                                       ForwardCapture* capture) {

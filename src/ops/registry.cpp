@@ -96,6 +96,8 @@ void add_cuda_backends(std::vector<OpEntry>& t) {
                                                     &probe_cuda_gated_delta_rule_chunked, 2e-2, {}});
   // Attention: cuDNN's fused SDPA first (where libcudnn loads), then the simple flash kernel above.
   auto at = std::find_if(t.begin(), t.end(), [](const OpEntry& x) { return x.name == "attention"; });
+  for (Backend& b : at->backends)
+    if (b.device == "cuda" && b.name == "cuda") b.name = "cuda-simple";
   at->backends.insert(at->backends.begin(), Backend{"cudnn (fused SDPA)", "cuda", false, &probe_cudnn_attention, 1e-2,
                                                     &cudnn::attention_unavailable});
 }
@@ -178,7 +180,7 @@ KnobSetting knob_setting(const std::string& op) {
   else {
     std::lock_guard<std::mutex> lk(g_mu);
     DS_CHECK(has_backend_named(op, s), "{}={}: expected auto, fast, reference or the name of one of {}'s backends "
-             "(deltastack probe lists them)", var, s, op);
+             "in this build (deltastack probe lists them)", var, s, op);
     k.mode = KnobMode::Named;
     k.backend = s;
   }
@@ -298,10 +300,11 @@ void require_cuda_backends() {
   std::string also;
   for (size_t i = 1; i < failed.size(); ++i) also += (i == 1 ? " (also without a CUDA backend: " : ", ") + failed[i];
   if (!also.empty()) also += ")";
-  if (knob_mode(op) == KnobMode::Reference)
-    fail("{}: {}=reference selects the CPU reference, but the GPU engine has no per-op CPU fallback — unset it or "
+  const KnobSetting knob = knob_setting(op);
+  if (knob.mode == KnobMode::Reference || (knob.mode == KnobMode::Named && select_backend(op, "cuda").name == knob.backend))
+    fail("{}: {}={} selects the CPU reference, but the GPU engine has no per-op CPU fallback — unset it or "
          "run with --device cpu{}",
-         op, knob_var(op), also);
+         op, knob_var(op), knob.mode == KnobMode::Reference ? "reference" : knob.backend, also);
   double err = INFINITY, band = 0;
   {
     std::lock_guard<std::mutex> lk(g_mu);

@@ -15,11 +15,14 @@ AttentionPlan::AttentionPlan(const AttnLimits& l) : l_(l) {
   DS_CHECK(l.max_tokens > 0 && l.max_seqs > 0 && l.max_seqlen > 0 && l.max_seqlen <= l.max_tokens,
            "attention plan: invalid limits (tokens {}, documents {}, max_seqlen {})", l.max_tokens, l.max_seqs,
            l.max_seqlen);
-  if (select_backend("attention", "cuda").name.rfind("cudnn", 0) != 0) return;
+  const Backend& chosen = select_backend("attention", "cuda");
+  if (chosen.name.rfind("cudnn", 0) != 0) return;
   ops::cudnn::AttnBounds b{l.max_tokens, l.max_seqs, l.max_seqlen, l.Hq, l.Hkv, l.head_dim, l.scale, l.rows};
   try {
     cudnn_ = std::make_unique<ops::cudnn::Attention>(b);
   } catch (const std::exception& e) {
+    // Chosen by auto: fall back with one warning. Named by DELTASTACK_ATTENTION: an error, never a silent fallback.
+    if (knob_setting("attention").mode == KnobMode::Named) throw;
     log_warn("attention: {}; using the simple attention kernel", e.what());
   }
 }
@@ -37,6 +40,9 @@ size_t AttentionPlan::workspace_bytes() const {
 
 bool AttentionPlan::drop_to_simple() {
   if (!cudnn_) return false;
+  DS_CHECK(knob_setting("attention").mode != KnobMode::Named,
+           "attention: DELTASTACK_ATTENTION names {}, but its workspace does not fit in device memory; lower "
+           "--micro-batch or --seq-len, or unset it", name());
   cudnn_.reset();
   cudnn_batch_ = false;
   return true;

@@ -1328,6 +1328,8 @@ void gdn_chunked_run_phase(GdnPhase phase, const GdnChunkedPlan& plan, const Gdn
   auto a16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
   DS_CUDA_REQUIRE(a16(q) && a16(k) && a16(v) && a16(dout) && a16(index) && a16(saved) && a16(workspace),
                   "gdn_chunked: q, k, v, dout, index, saved and workspace must be 16-byte aligned");
+  auto a4 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 3u) == 0; };  // bf16 pairs are stored
+  DS_CUDA_REQUIRE(a4(o) && a4(dq) && a4(dk) && a4(dv), "gdn_chunked: o, dq, dk and dv must be 4-byte aligned");
   Args a = make_args(plan, d, index, saved, workspace);
   a.q = q, a.k = k, a.v = v, a.v_stride = v_stride, a.g = g, a.beta = beta, a.h0 = initial_state;
   a.o = o, a.ht = final_state;

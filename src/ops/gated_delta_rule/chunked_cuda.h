@@ -9,8 +9,9 @@
 //   gdn_chunked_prepare(plan, cu_seqlens, num_seqs, N, index, stream)   // device-side chunk table, no host sync
 //   gdn_chunked_forward(...); ... gdn_chunked_backward(...)
 //
-// Limits: dk = dv = 128; Hv a multiple of Hk; N <= max_tokens < 2^31, num_seqs <= max_seqs; q, k, v, do and the
-// v / dv row strides 16-byte aligned (strides multiples of 8 elements); g <= 0 (log decay).
+// Limits: dk = dv = 128; Hv a multiple of Hk; N <= max_tokens < 2^31, num_seqs <= max_seqs < 2^28; q, k, v, do
+// 16-byte aligned and v_stride a multiple of 8 elements; o, dq, dk, dv 4-byte aligned and dv_stride even;
+// g <= 0 (log decay). Other arguments: ds::Error from the launcher.
 #pragma once
 #include <cuda_runtime.h>
 

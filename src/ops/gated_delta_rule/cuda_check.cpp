@@ -76,7 +76,8 @@ Result check_gated_delta_rule(const GatedDeltaRuleCase& c) {
   std::unique_ptr<Buf<unsigned char>> batch_d, saved_d, ws_d;
   if (!c.backend.empty()) {
     plan = cuda::make_gated_delta_rule_plan(
-        c.backend, cuda::GdnLimits{std::max<int64_t>(N, 1), std::max<int64_t>(d.num_seqs, 1), Hk, Hv, d.dk, d.dv, d.scale});
+        c.backend, cuda::GdnLimits{std::max<int64_t>(N, 1) + c.plan_extra_tokens,
+                                   std::max<int64_t>(d.num_seqs, 1) + c.plan_extra_seqs, Hk, Hv, d.dk, d.dv, d.scale});
     batch_d = std::make_unique<Buf<unsigned char>>(plan->batch_bytes());
     saved_d = std::make_unique<Buf<unsigned char>>(plan->saved_bytes());
     ws_d = std::make_unique<Buf<unsigned char>>(plan->workspace_bytes());

@@ -34,6 +34,9 @@ struct GatedDeltaRuleCase {
   // op plan's backend name ("cuda-simple", "cuda-chunked"): the kernel runs through plan.h (prepare on the device,
   // saved buffer and workspace poisoned first) and the public outputs are checked.
   std::string backend;
+  // With a backend: the plan's limits exceed the batch by this many tokens / documents, as in the engine, whose
+  // plan is sized for the largest micro-batch (chunk grids then run past the batch's chunks and must exit).
+  int64_t plan_extra_tokens = 0, plan_extra_seqs = 0;
 };
 check::Result check_gated_delta_rule(const GatedDeltaRuleCase& c);
 // The start-up probe: packed {1, 70, 0, 130}, GVA 2, dk = dv = 32 (Hk 2) and 128 (Hk 1); v read from and dv

@@ -27,7 +27,12 @@ std::unique_ptr<GatedDeltaRulePlan> make_gated_delta_rule_plan(const GdnLimits& 
   // The chunked kernel is instantiated for head dim 128 (every Qwen3.5 size); other shapes (the tiny preset) pass
   // over it to the next backend, which the registry probes in turn.
   std::vector<std::string> skip;
-  if (!chunked_gated_delta_rule_supports(limits)) skip.push_back("cuda-chunked");
+  if (!chunked_gated_delta_rule_supports(limits)) {
+    const KnobSetting knob = knob_setting("gated_delta_rule");
+    // Named explicitly: say why it cannot run here (the named factory's message) rather than pass over it.
+    if (knob.mode == KnobMode::Named && knob.backend == "cuda-chunked") return make_gated_delta_rule_plan(knob.backend, limits);
+    skip.push_back("cuda-chunked");
+  }
   const Backend& b = select_backend("gated_delta_rule", "cuda", skip);
   DS_CHECK(!b.reference, "gated_delta_rule: no usable CUDA backend (DELTASTACK_GATED_DELTA_RULE or a failed probe)");
   return make_gated_delta_rule_plan(b.name, limits);

@@ -53,7 +53,10 @@ class ChunkedPlan final : public GatedDeltaRulePlan {
 }  // namespace
 
 bool chunked_gated_delta_rule_supports(const GdnLimits& l) {
-  return l.dk == 128 && l.dv == 128 && l.Hk > 0 && l.Hv % l.Hk == 0 && l.max_tokens < (int64_t{1} << 31);
+  // gdn_chunked_plan's own conditions (chunked_cuda.h), so that a shape it refuses falls back instead of failing.
+  return l.dk == 128 && l.dv == 128 && l.Hk > 0 && l.Hv > 0 && l.Hv % l.Hk == 0 && l.max_tokens >= 0 &&
+         l.max_tokens < (int64_t{1} << 31) && l.max_seqs >= 0 && l.max_seqs < (int64_t{1} << 28) &&
+         (l.max_tokens + 63) / 64 + l.max_seqs < (int64_t{1} << 31);
 }
 
 std::unique_ptr<GatedDeltaRulePlan> make_chunked_gated_delta_rule_plan(const GdnLimits& limits) {
