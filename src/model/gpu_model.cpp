@@ -416,10 +416,16 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
         K::GdnLimits{m.plan.max_tokens, m.plan.max_seqs, d.Hk, d.Hv, d.dk, d.dv, d.scale});
   }
   if (has_attention) {
-    m.attn = std::make_unique<K::AttentionPlan>(K::AttnLimits{m.plan.max_tokens, m.plan.max_seqs, m.plan.max_seqlen,
-                                                              m.plan.rows, m.c.num_attention_heads,
-                                                              m.c.num_key_value_heads, m.c.head_dim,
-                                                              attn_dims(m.c, 1, 1).scale});
+    K::AttnLimits al;
+    al.max_tokens = m.plan.max_tokens;
+    al.max_seqs = m.plan.max_seqs;
+    al.max_seqlen = m.plan.max_seqlen;
+    al.rows = m.plan.rows;
+    al.Hq = m.c.num_attention_heads;
+    al.Hkv = m.c.num_key_value_heads;
+    al.head_dim = m.c.head_dim;
+    al.scale = attn_dims(m.c, 1, 1).scale;
+    m.attn = std::make_unique<K::AttentionPlan>(al);
   }
   Arena sizing;
   m.layout_memory(sizing);

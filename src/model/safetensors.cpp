@@ -370,16 +370,24 @@ SaveTensor make_tensor_f32(const std::string& name, std::vector<int64_t> shape, 
   return t;
 }
 
-SaveTensor make_tensor_f32_view(const std::string& name, std::vector<int64_t> shape, const float* values, DType as) {
-  int64_t n = 0;
-  check_shape_for_write(name, shape, &n);
-  if (n > 0 && !values) fail("tensor '{}': null values for {} elements", name, n);
+namespace {
+// A tensor entry whose fp32 values come later (a view or a reader); `has_source`: the caller has them.
+SaveTensor f32_entry(const std::string& name, std::vector<int64_t> shape, bool has_source, DType as, int64_t* numel) {
+  check_shape_for_write(name, shape, numel);
+  if (*numel > 0 && !has_source) fail("tensor '{}': no values for {} elements", name, *numel);
   if (as != DType::F32 && as != DType::BF16)
     fail("tensor '{}': cannot store fp32 values as {} (only F32 and BF16)", name, dtype_name(as));
   SaveTensor t;
   t.name = name;
   t.dtype = as;
   t.shape = std::move(shape);
+  return t;
+}
+}  // namespace
+
+SaveTensor make_tensor_f32_view(const std::string& name, std::vector<int64_t> shape, const float* values, DType as) {
+  int64_t n = 0;
+  SaveTensor t = f32_entry(name, std::move(shape), values != nullptr, as, &n);
   t.f32_source = n > 0 ? values : nullptr;
   return t;
 }
@@ -387,14 +395,7 @@ SaveTensor make_tensor_f32_view(const std::string& name, std::vector<int64_t> sh
 SaveTensor make_tensor_f32_reader(const std::string& name, std::vector<int64_t> shape,
                                   std::function<void(int64_t, int64_t, float*)> reader, DType as) {
   int64_t n = 0;
-  check_shape_for_write(name, shape, &n);
-  if (n > 0 && !reader) fail("tensor '{}': no reader for {} elements", name, n);
-  if (as != DType::F32 && as != DType::BF16)
-    fail("tensor '{}': cannot store fp32 values as {} (only F32 and BF16)", name, dtype_name(as));
-  SaveTensor t;
-  t.name = name;
-  t.dtype = as;
-  t.shape = std::move(shape);
+  SaveTensor t = f32_entry(name, std::move(shape), static_cast<bool>(reader), as, &n);
   if (n > 0) t.f32_reader = std::move(reader);
   return t;
 }

@@ -17,9 +17,8 @@ AttentionPlan::AttentionPlan(const AttnLimits& l) : l_(l) {
            l.max_seqlen);
   const Backend& chosen = select_backend("attention", "cuda");
   if (chosen.name.rfind("cudnn", 0) != 0) return;
-  ops::cudnn::AttnBounds b{l.max_tokens, l.max_seqs, l.max_seqlen, l.Hq, l.Hkv, l.head_dim, l.scale, l.rows};
   try {
-    cudnn_ = std::make_unique<ops::cudnn::Attention>(b);
+    cudnn_ = std::make_unique<ops::cudnn::Attention>(l);
   } catch (const std::exception& e) {
     // Chosen by auto: fall back with one warning. Named by DELTASTACK_ATTENTION: an error, never a silent fallback.
     if (knob_setting("attention").mode == KnobMode::Named) throw;

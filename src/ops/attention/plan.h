@@ -14,20 +14,13 @@
 
 #include "core/cuda/cuda_utils.h"
 #include "ops/attention/attention.h"
-
-namespace ds::ops::cudnn {
-class Attention;
-}
+#include "ops/attention/cudnn.h"
 
 namespace ds::ops::cuda {
 
-struct AttnLimits {
-  int64_t max_tokens = 0, max_seqs = 0;
-  int64_t max_seqlen = 0;  // longest document (sizes cuDNN's buckets)
-  int64_t rows = 0;        // tokens are `rows` windows of max_seqlen (0: any packing)
-  int64_t Hq = 0, Hkv = 0, head_dim = 0;
-  double scale = 0;        // softmax scale (head_dim^-0.5)
-};
+// The plan's limits are cuDNN's bounds (ops/attention/cudnn.h): tokens, documents, the longest document (it sizes
+// cuDNN's length buckets), heads, head_dim, the softmax scale and the window count `rows` (0: any packing).
+using AttnLimits = ops::cudnn::AttnBounds;
 
 class AttentionPlan {
  public:
