@@ -77,6 +77,17 @@ int main(int argc, char** argv) {
   bench_tok->add_option("--input", bench_text, "Text file to encode")->capture_default_str();
   bench_tok->add_option("--repeats", bench_repeats, "Timed passes after the first")->capture_default_str();
   auto* probe = app.add_subcommand("probe", "Backend per op and its self-probe error");
+  auto* plan = app.add_subcommand("plan", "The GPU engine's memory plan for a model and batch (no GPU needed)");
+  std::string plan_model = "2b", plan_attention = "cudnn";
+  int64_t plan_seq = 8192, plan_mb = 1, plan_docs = 1;
+  double plan_mem = 140.4;  // the H200: 143771 MiB
+  plan->add_option("--model", plan_model, "Preset, config.json or checkpoint dir")->capture_default_str();
+  plan->add_option("--seq-len", plan_seq, "Tokens per packed window")->capture_default_str();
+  plan->add_option("--micro-batch", plan_mb, "Windows per micro-batch")->capture_default_str();
+  plan->add_option("--docs-per-window", plan_docs, "Most documents in one window (the trainer takes it from the data)")
+      ->capture_default_str();
+  plan->add_option("--device-memory", plan_mem, "Device memory in GiB (default: an H200's 140.4)")->capture_default_str();
+  plan->add_option("--attention", plan_attention, "cudnn or simple")->capture_default_str();
   auto* inspect = app.add_subcommand("inspect", "Show a checkpoint's config and tensors");
   std::string inspect_path;
   inspect->add_option("checkpoint", inspect_path, "Checkpoint dir or config.json")->required();
@@ -113,6 +124,7 @@ int main(int argc, char** argv) {
     if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
     if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output);
     if (*probe) return ds::cli::cmd_probe();
+    if (*plan) return ds::cli::cmd_plan(plan_model, plan_seq, plan_mb, plan_docs, plan_mem, plan_attention);
     if (*bench_ops) return ds::cli::cmd_bench_ops();
     if (*bench_tok) return ds::cli::cmd_bench_tokenizer(bench_tokenizer, bench_text, bench_repeats);
     if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps);

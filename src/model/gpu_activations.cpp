@@ -8,6 +8,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads,
                 Hk = c.linear_num_key_heads, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
   GpuBatchBufs& b = batch;
+  a.use = MemoryUse::Kept;
   b.ids = a.take<int32_t>(N);
   b.targets = a.take<int32_t>(N);
   b.cu = a.take<int32_t>(S + 1);
@@ -18,14 +19,17 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   b.cos_t = a.take<float>(N * c.rotary_dim() / 2);
   b.sin_t = a.take<float>(N * c.rotary_dim() / 2);
   b.loss = a.take<double>(2);
+  a.use = MemoryUse::Workspace;
   b.gdn_batch = s.gdn_batch ? a.bytes(s.gdn_batch) : nullptr;
   b.attn_batch = s.attn_batch ? a.bytes(s.attn_batch) : nullptr;
+  a.use = MemoryUse::Kept;
   hs.assign(static_cast<size_t>(c.num_hidden_layers + 1), nullptr);
   for (auto& h : hs) h = a.take<bf16>(N * H);
   layers.assign(static_cast<size_t>(c.num_hidden_layers), GpuLayerActs{});
   bool any_gdn = false, any_attn = false;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_full_attention(i) ? any_attn : any_gdn) = true;
   // The recomputed activations: one buffer each, shared by all layers.
+  a.use = MemoryUse::Recomputed;
   bf16* xn_s = a.take<bf16>(N * H);
   bf16* act_s = a.take<bf16>(N * I);
   bf16 *conv_s = nullptr, *qn_s = nullptr, *kn_s = nullptr, *y_s = nullptr, *og_s = nullptr;
@@ -36,6 +40,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     y_s = a.take<bf16>(N * VD);
   }
   if (any_attn) og_s = a.take<bf16>(N * Hq * hd);
+  a.use = MemoryUse::Kept;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     GpuLayerActs& L = layers[static_cast<size_t>(i)];
     L.xn1 = xn_s;
@@ -68,7 +73,9 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
       L.rk = a.take<float>(N * Hk);
       L.g = a.take<float>(N * Hv);
       L.beta = a.take<float>(N * Hv);
+      a.use = MemoryUse::GdnSaved;
       L.gdn_saved = a.bytes(s.gdn_saved);
+      a.use = MemoryUse::Kept;
       L.core = a.take<bf16>(N * VD);
       L.rstd_g = a.take<float>(N * Hv);
       L.y = y_s;
@@ -76,6 +83,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   }
   hf = a.take<bf16>(N * H);
   rstd_f = a.take<float>(N);
+  a.use = MemoryUse::Recomputed;
   tmpH = a.take<bf16>(N * H);
   qg = a.take<bf16>(N * Hq * 2 * hd);
   GpuGradBufs& d = grad;
@@ -102,6 +110,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   d.dkr = a.take<bf16>(N * Hkv * hd);
   d.dvv = a.take<bf16>(N * Hkv * hd);
   d.dqg = a.take<bf16>(N * Hq * 2 * hd);
+  a.use = MemoryUse::Workspace;
   op_scratch_bytes = s.op_scratch;
   op_scratch = a.bytes(s.op_scratch);
   ce_scratch = a.bytes(s.ce_scratch);

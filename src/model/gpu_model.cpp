@@ -19,6 +19,7 @@
 #include "model/gpu_memory.h"
 #include "model/gpu_optimizer.h"
 #include "model/gpu_params.h"
+#include "model/gpu_plan.h"
 #include "model/params.h"
 #include "ops/adamw/cuda.h"
 #include "ops/attention/plan.h"
@@ -41,10 +42,6 @@ namespace ds {
 
 using ds::cuda::bf16;
 namespace K = ds::ops::cuda;
-
-namespace {
-inline size_t max_of(std::initializer_list<size_t> v) { return std::max(v); }
-}  // namespace
 
 // The decoder: the layer sequence of HF Qwen3_5ForCausalLM (docs/model.md §2) over the parameter store's views,
 // the activation plan and the op plans. All of it runs on one stream.
@@ -74,26 +71,13 @@ struct GpuModel::Impl {
     if (stream) cudaStreamDestroy(stream);
   }
 
-  // The whole memory plan in one pass over `a` (sizing pass when a.base is null).
+  // The whole memory plan in one pass over `a` (sizing pass when a.base is null): model/gpu_plan.h, the same
+  // function `deltastack plan` sizes with.
   void layout_memory(Arena& a) {
-    const int64_t N = plan.max_tokens, S = plan.max_seqs, H = c.hidden_size, CD = c.conv_dim(),
-                  Hv = c.linear_num_value_heads, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads,
-                  hd = c.head_dim;
-    store->reserve(a);
-    optimizer->reserve(a);
-    GpuActivations::Sizes sz;
-    sz.max_tokens = N;
-    sz.max_seqs = S;
-    sz.gdn_saved = gdn ? gdn->saved_bytes() : 0;
-    sz.gdn_batch = gdn ? gdn->batch_bytes() : 0;
-    sz.attn_batch = attn ? attn->batch_bytes() : 0;
-    sz.op_scratch = max_of({K::rmsnorm_scratch_bytes(N, H), K::rmsnorm_scratch_bytes(N * Hq, hd),
-                            K::rmsnorm_scratch_bytes(N * Hkv, hd),
-                            K::gated_rmsnorm_scratch_bytes(N * Hv, c.linear_value_head_dim),
-                            K::gdn_gate_scratch_bytes(N, Hv), K::conv1d_scratch_bytes(N, CD, c.linear_conv_kernel_dim),
-                            gdn ? gdn->workspace_bytes() : size_t{0}, attn ? attn->workspace_bytes() : size_t{0}});
-    sz.ce_scratch = K::linear_cross_entropy_scratch_bytes(N, H, c.vocab_size, plan.ce_chunk_tokens);
-    acts.reserve(a, c, sz);
+    GpuOpSizes ops;
+    if (gdn) ops.gdn_saved = gdn->saved_bytes(), ops.gdn_batch = gdn->batch_bytes(), ops.gdn_workspace = gdn->workspace_bytes();
+    if (attn) ops.attn_batch = attn->batch_bytes(), ops.attn_workspace = attn->workspace_bytes();
+    lay_out_gpu_memory(a, c, plan, *store, *optimizer, acts, ops);
   }
 
   // ---------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ namespace ds {
 namespace K = ds::ops::cuda;
 
 void GpuAdamW::reserve(Arena& a) {
+  a.use = MemoryUse::Optimizer;
   m_ = a.take<float>(P_);
   v_ = a.take<float>(P_);
 }

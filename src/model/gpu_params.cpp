@@ -8,9 +8,13 @@ namespace ds {
 namespace K = ds::ops::cuda;
 
 void GpuParamStore::reserve(Arena& a) {
+  a.use = MemoryUse::Parameters;
   w_ = a.take<float>(P_);
+  a.use = MemoryUse::Gradients;
   g_ = a.take<float>(P_);
+  a.use = MemoryUse::Parameters;
   wb_ = a.take<bf16>(P_);
+  a.use = MemoryUse::Workspace;
   sumsq_ = a.take<double>(1);
   sumsq_scratch_ = a.bytes(K::sum_squares_scratch_bytes(P_));
 }

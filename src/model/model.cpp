@@ -66,52 +66,56 @@ int64_t PackedBatch::num_targets() const {
 // ---------------------------------------------------------------------------------------------------------------
 // Parameters
 
-void Qwen35Model::add_param(const std::string& name, std::vector<int64_t> shape, bool decay) {
-  ParamSpec p;
-  p.name = name;
-  p.numel = 1;
-  for (int64_t d : shape) p.numel *= d;
-  p.shape = std::move(shape);
-  p.offset = params_.empty() ? 0 : params_.back().offset + params_.back().numel;
-  p.weight_decay = decay;
-  by_name_[name] = params_.size();
-  params_.push_back(std::move(p));
+std::vector<ParamSpec> qwen35_params(const ModelConfig& c) {
+  std::vector<ParamSpec> params;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool decay) {
+    ParamSpec p;
+    p.name = name;
+    p.numel = 1;
+    for (int64_t d : shape) p.numel *= d;
+    p.shape = std::move(shape);
+    p.offset = params.empty() ? 0 : params.back().offset + params.back().numel;
+    p.weight_decay = decay;
+    params.push_back(std::move(p));
+  };
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  add("model.embed_tokens.weight", {c.vocab_size, H}, true);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    std::string L = "model.layers." + std::to_string(i) + ".";
+    add(L + "input_layernorm.weight", {H}, false);
+    if (c.is_full_attention(i)) {
+      add(L + "self_attn.q_proj.weight", {c.num_attention_heads * c.head_dim * 2, H}, true);
+      add(L + "self_attn.k_proj.weight", {c.num_key_value_heads * c.head_dim, H}, true);
+      add(L + "self_attn.v_proj.weight", {c.num_key_value_heads * c.head_dim, H}, true);
+      add(L + "self_attn.o_proj.weight", {H, c.num_attention_heads * c.head_dim}, true);
+      add(L + "self_attn.q_norm.weight", {c.head_dim}, false);
+      add(L + "self_attn.k_norm.weight", {c.head_dim}, false);
+    } else {
+      add(L + "linear_attn.in_proj_qkv.weight", {c.conv_dim(), H}, true);
+      add(L + "linear_attn.in_proj_z.weight", {c.value_dim(), H}, true);
+      add(L + "linear_attn.in_proj_b.weight", {c.linear_num_value_heads, H}, true);
+      add(L + "linear_attn.in_proj_a.weight", {c.linear_num_value_heads, H}, true);
+      add(L + "linear_attn.conv1d.weight", {c.conv_dim(), 1, c.linear_conv_kernel_dim}, false);
+      add(L + "linear_attn.dt_bias", {c.linear_num_value_heads}, false);
+      add(L + "linear_attn.A_log", {c.linear_num_value_heads}, false);
+      add(L + "linear_attn.norm.weight", {c.linear_value_head_dim}, false);
+      add(L + "linear_attn.out_proj.weight", {H, c.value_dim()}, true);
+    }
+    add(L + "post_attention_layernorm.weight", {H}, false);
+    add(L + "mlp.gate_proj.weight", {I, H}, true);
+    add(L + "mlp.up_proj.weight", {I, H}, true);
+    add(L + "mlp.down_proj.weight", {H, I}, true);
+  }
+  add("model.norm.weight", {H}, false);
+  if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, H}, true);
+  return params;
 }
 
 Qwen35Model::Qwen35Model(ModelConfig config) : cfg_(std::move(config)) {
   cfg_.validate();
-  const ModelConfig& c = cfg_;
-  const int64_t H = c.hidden_size, I = c.intermediate_size;
-  add_param("model.embed_tokens.weight", {c.vocab_size, H}, true);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    std::string L = "model.layers." + std::to_string(i) + ".";
-    add_param(L + "input_layernorm.weight", {H}, false);
-    if (c.is_full_attention(i)) {
-      add_param(L + "self_attn.q_proj.weight", {c.num_attention_heads * c.head_dim * 2, H}, true);
-      add_param(L + "self_attn.k_proj.weight", {c.num_key_value_heads * c.head_dim, H}, true);
-      add_param(L + "self_attn.v_proj.weight", {c.num_key_value_heads * c.head_dim, H}, true);
-      add_param(L + "self_attn.o_proj.weight", {H, c.num_attention_heads * c.head_dim}, true);
-      add_param(L + "self_attn.q_norm.weight", {c.head_dim}, false);
-      add_param(L + "self_attn.k_norm.weight", {c.head_dim}, false);
-    } else {
-      add_param(L + "linear_attn.in_proj_qkv.weight", {c.conv_dim(), H}, true);
-      add_param(L + "linear_attn.in_proj_z.weight", {c.value_dim(), H}, true);
-      add_param(L + "linear_attn.in_proj_b.weight", {c.linear_num_value_heads, H}, true);
-      add_param(L + "linear_attn.in_proj_a.weight", {c.linear_num_value_heads, H}, true);
-      add_param(L + "linear_attn.conv1d.weight", {c.conv_dim(), 1, c.linear_conv_kernel_dim}, false);
-      add_param(L + "linear_attn.dt_bias", {c.linear_num_value_heads}, false);
-      add_param(L + "linear_attn.A_log", {c.linear_num_value_heads}, false);
-      add_param(L + "linear_attn.norm.weight", {c.linear_value_head_dim}, false);
-      add_param(L + "linear_attn.out_proj.weight", {H, c.value_dim()}, true);
-    }
-    add_param(L + "post_attention_layernorm.weight", {H}, false);
-    add_param(L + "mlp.gate_proj.weight", {I, H}, true);
-    add_param(L + "mlp.up_proj.weight", {I, H}, true);
-    add_param(L + "mlp.down_proj.weight", {H, I}, true);
-  }
-  add_param("model.norm.weight", {H}, false);
-  if (!c.tie_word_embeddings) add_param("lm_head.weight", {c.vocab_size, H}, true);
-  layout_ = std::make_shared<const ParamLayout>(c, params_);
+  params_ = qwen35_params(cfg_);
+  for (size_t i = 0; i < params_.size(); ++i) by_name_[params_[i].name] = i;
+  layout_ = std::make_shared<const ParamLayout>(cfg_, params_);
   weights_.assign(static_cast<size_t>(params_.back().offset + params_.back().numel), 0.0f);
 }
 

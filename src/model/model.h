@@ -54,6 +54,10 @@ DType stored_dtype(const ParamSpec& p, DType dtype);
 void save_model_dir(const std::string& dir, const ModelConfig& cfg, const std::vector<SaveTensor>& tensors,
                     DType dtype, int64_t max_shard_bytes);
 
+// The parameter table of a Qwen3.5 config, in the flat-buffer order both engines use (HF names and shapes; decay
+// on matrices only). No memory for the values.
+std::vector<ParamSpec> qwen35_params(const ModelConfig& c);
+
 class Qwen35Model {
  public:
   explicit Qwen35Model(ModelConfig config);
@@ -105,7 +109,6 @@ class Qwen35Model {
   std::map<std::string, size_t> by_name_;
   std::shared_ptr<const ParamLayout> layout_;  // shared: a moved or copied model keeps the same offsets
   std::vector<float> weights_, grads_;
-  void add_param(const std::string& name, std::vector<int64_t> shape, bool decay);
 };
 
 }  // namespace ds

@@ -47,5 +47,11 @@ int cmd_bench_tokenizer(const std::string& tokenizer_path, const std::string& te
 
 // `deltastack probe`: the backend chosen per op and its self-probe error against the reference.
 int cmd_probe();
+// `deltastack plan`: prints the CUDA engine's memory plan (parameters, gradients, optimizer state, activations,
+// workspaces, the modes) for `model` (a preset, config.json or checkpoint dir) and batches of micro_batch windows of
+// seq_len tokens, ending with `total X GiB of Y GiB: fits` or `... does not fit`; exit 0 either way. No GPU needed.
+// device_memory_gib: Y. attention: "cudnn" or "simple". ds::Error for bad arguments or a CPU-only build.
+int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int64_t docs_per_window,
+             double device_memory_gib, const std::string& attention);
 
 }  // namespace ds::cli

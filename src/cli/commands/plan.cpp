@@ -1,0 +1,38 @@
+// deltastack plan: the CUDA engine's memory plan for a model and batch shape, computed on the host (no GPU needed)
+// by the same layout function the engine allocates with (model/gpu_plan.h).
+#include <fmt/format.h>
+
+#include <string>
+
+#include "cli/commands/commands.h"
+#include "core/error.h"
+#include "model/config.h"
+#include "model/gpu_plan.h"
+
+namespace ds::cli {
+
+int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int64_t docs_per_window,
+             double device_memory_gib, const std::string& attention) {
+  DS_CHECK(seq_len >= 1 && micro_batch >= 1 && docs_per_window >= 1,
+           "plan: --seq-len, --micro-batch and --docs-per-window must be at least 1");
+  DS_CHECK(device_memory_gib > 0, "plan: --device-memory must be positive (GiB), got {}", device_memory_gib);
+  const ModelConfig cfg = ModelConfig::resolve(model);
+  DS_CHECK(seq_len <= cfg.max_position_embeddings, "plan: --seq-len {} is above the model's max_position_embeddings {}",
+           seq_len, cfg.max_position_embeddings);
+  const GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, docs_per_window);
+  const GpuMemoryPlan p = plan_gpu_memory(cfg, plan, attention);
+  constexpr double GiB = 1073741824.0;
+  fmt::print("plan: {} ({:.2f}B parameters), seq {} x micro-batch {} = {} tokens, up to {} documents per window\n",
+             model, cfg.num_parameters() / 1e9, seq_len, micro_batch, plan.max_tokens, docs_per_window);
+  fmt::print("  modes: optimizer state fp32 (master weights + AdamW moments), recompute selective (norm, SwiGLU, conv, "
+             "l2norm, gated-norm and output-gate activations); gated delta rule {}; attention {}\n",
+             p.gated_delta_rule.empty() ? "-" : p.gated_delta_rule, p.attention.empty() ? "-" : p.attention);
+  for (size_t u = 0; u < p.by_use.size(); ++u)
+    fmt::print("  {:<58} {:>9.2f} GiB\n", memory_use_name(static_cast<MemoryUse>(u)), p.by_use[u] / GiB);
+  fmt::print("  {:<58} {:>9.2f} GiB\n", "CUDA context, cuBLASLt and cuDNN (measured)", kCudaContextBytes / GiB);
+  fmt::print("total {:.2f} GiB of {:.2f} GiB: {}\n", p.total / GiB, device_memory_gib,
+             p.total / GiB <= device_memory_gib ? "fits" : "does not fit");
+  return 0;
+}
+
+}  // namespace ds::cli

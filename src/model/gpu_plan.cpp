@@ -1,0 +1,118 @@
+#include "model/gpu_plan.h"
+
+#include "core/error.h"
+
+#ifdef DELTASTACK_CUDA
+#include <algorithm>
+#include <initializer_list>
+#include <memory>
+
+#include "model/dims.h"
+#include "model/gpu_activations.h"
+#include "model/gpu_optimizer.h"
+#include "model/gpu_params.h"
+#include "model/model.h"
+#include "ops/attention/cuda.h"
+#include "ops/attention/cudnn.h"
+#include "ops/conv1d/cuda.h"
+#include "ops/gated_delta_rule/plan.h"
+#include "ops/gated_rmsnorm/cuda.h"
+#include "ops/gdn_gate/cuda.h"
+#include "ops/linear_cross_entropy/cuda.h"
+#include "ops/rmsnorm/cuda.h"
+
+namespace ds {
+
+namespace K = ds::ops::cuda;
+
+void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, GpuParamStore& store,
+                        GpuOptimizer& optimizer, GpuActivations& acts, const GpuOpSizes& ops) {
+  const int64_t N = plan.max_tokens, S = plan.max_seqs, H = c.hidden_size, CD = c.conv_dim(),
+                Hv = c.linear_num_value_heads, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+  store.reserve(a);
+  optimizer.reserve(a);
+  GpuActivations::Sizes sz;
+  sz.max_tokens = N;
+  sz.max_seqs = S;
+  sz.gdn_saved = ops.gdn_saved;
+  sz.gdn_batch = ops.gdn_batch;
+  sz.attn_batch = ops.attn_batch;
+  sz.op_scratch = std::max({K::rmsnorm_scratch_bytes(N, H), K::rmsnorm_scratch_bytes(N * Hq, hd),
+                            K::rmsnorm_scratch_bytes(N * Hkv, hd),
+                            K::gated_rmsnorm_scratch_bytes(N * Hv, c.linear_value_head_dim),
+                            K::gdn_gate_scratch_bytes(N, Hv), K::conv1d_scratch_bytes(N, CD, c.linear_conv_kernel_dim),
+                            ops.gdn_workspace, ops.attn_workspace});
+  sz.ce_scratch = K::linear_cross_entropy_scratch_bytes(N, H, c.vocab_size, plan.ce_chunk_tokens);
+  acts.reserve(a, c, sz);
+}
+
+GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, const std::string& attention) {
+  DS_CHECK(attention == "cudnn" || attention == "simple", "plan: attention must be cudnn or simple (got \"{}\")",
+           attention);
+  DS_CHECK(plan_in.max_tokens > 0 && plan_in.max_seqs > 0, "plan: the batch must hold at least one token");
+  GpuPlan plan = plan_in;
+  if (plan.max_seqlen <= 0) plan.max_seqlen = plan.max_tokens;
+  c.validate();
+  const std::vector<ParamSpec> params = qwen35_params(c);  // the table only: no memory for the values
+  const int64_t P = params.back().offset + params.back().numel;
+  ParamLayout layout(c, params);
+  GpuParamStore store(layout, P);
+  GpuAdamW optimizer(params, P);
+  GpuActivations acts;
+  GpuMemoryPlan out;
+  GpuOpSizes ops;
+  bool has_attention = false, has_gdn = false;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_full_attention(i) ? has_attention : has_gdn) = true;
+  if (has_gdn) {
+    const ops::GdnDims d = gdn_dims(c, 1, 1);
+    const K::GdnLimits lim{plan.max_tokens, plan.max_seqs, d.Hk, d.Hv, d.dk, d.dv, d.scale};
+    const std::unique_ptr<K::GatedDeltaRulePlan> gdn =
+        K::make_gated_delta_rule_plan(d.dk == 128 && d.dv == 128 ? "cuda-chunked" : "cuda-simple", lim);
+    ops.gdn_saved = gdn->saved_bytes();
+    ops.gdn_batch = gdn->batch_bytes();
+    ops.gdn_workspace = gdn->workspace_bytes();
+    out.gated_delta_rule = gdn->name();
+  }
+  if (has_attention) {
+    ops::AttnDims ad = attn_dims(c, plan.max_tokens, plan.max_seqs);
+    ops.attn_workspace = K::attention_scratch_bytes(ad);
+    out.attention = "cuda-simple";
+    if (attention == "cudnn") {
+      ops::cudnn::AttnBounds b;
+      b.max_tokens = plan.max_tokens;
+      b.max_seqs = plan.max_seqs;
+      b.max_seqlen = plan.max_seqlen;
+      b.rows = plan.rows;
+      b.Hq = c.num_attention_heads;
+      b.Hkv = c.num_key_value_heads;
+      b.head_dim = c.head_dim;
+      b.scale = ad.scale;
+      size_t dp = 0, entries = 0;
+      for (const ops::cudnn::BucketShape& bk : ops::cudnn::attention_buckets(b)) {
+        dp = std::max(dp, static_cast<size_t>(bk.bmax * b.Hq * bk.S * bk.S) * 2);
+        entries += static_cast<size_t>(bk.bmax);
+      }
+      ops.attn_workspace = std::max(ops.attn_workspace, dp + dp / 8);
+      ops.attn_batch = entries * 8 * sizeof(int32_t);  // lengths and ragged offsets per entry
+      out.attention = "cudnn (fused SDPA, workspace estimated)";
+    }
+  }
+  Arena sizing;
+  lay_out_gpu_memory(sizing, c, plan, store, optimizer, acts, ops);
+  out.by_use = sizing.by_use;
+  out.allocation = sizing.off;
+  out.total = sizing.off + kCudaContextBytes;
+  return out;
+}
+
+}  // namespace ds
+
+#else
+
+namespace ds {
+GpuMemoryPlan plan_gpu_memory(const ModelConfig&, const GpuPlan&, const std::string&) {
+  fail("plan: this build has no CUDA support (configure with -DDELTASTACK_CUDA=ON and nvcc on PATH)");
+}
+}  // namespace ds
+
+#endif

@@ -1,0 +1,50 @@
+// The CUDA engine's memory plan, computed on the host: the engine lays its one allocation out with
+// lay_out_gpu_memory, and `deltastack plan` runs the same function in a sizing pass without a device
+// (plan_gpu_memory), so the planner and the engine agree by construction.
+#pragma once
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "model/config.h"
+#include "model/engine.h"
+#include "model/gpu_memory.h"
+
+namespace ds {
+
+class GpuParamStore;
+class GpuOptimizer;
+struct GpuActivations;
+
+// What the op plans reserve (from the plans themselves in the engine, from their size functions in the planner).
+struct GpuOpSizes {
+  size_t gdn_saved = 0, gdn_batch = 0, gdn_workspace = 0;  // per GDN layer / per micro-batch / shared
+  size_t attn_batch = 0, attn_workspace = 0;              // per micro-batch / shared
+};
+
+#ifdef DELTASTACK_CUDA
+// The engine's whole layout in one pass over `a` (a sizing pass when a.base is null): parameter store, optimizer,
+// activations and every scratch buffer, in a fixed order, each counted under its MemoryUse.
+void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, GpuParamStore& store,
+                        GpuOptimizer& optimizer, GpuActivations& acts, const GpuOpSizes& ops);
+#endif
+
+// Device memory the CUDA runtime, cuBLASLt and cuDNN hold beside the engine's allocation (measured on the H200,
+// CUDA 13.0, cuDNN 9.19: process peak minus the allocation, 0.52-0.57 GiB at 0.8B and 2B).
+constexpr size_t kCudaContextBytes = size_t{590} << 20;
+
+struct GpuMemoryPlan {
+  std::array<size_t, static_cast<size_t>(MemoryUse::kCount)> by_use{};
+  size_t allocation = 0;  // the engine's one cudaMalloc
+  size_t total = 0;       // allocation + kCudaContextBytes
+  std::string gated_delta_rule, attention;  // the kernels the plan assumes
+};
+
+// The plan of `deltastack train --device cuda` for config c and batches of `plan`, without a device: the chunked
+// gated delta rule where it takes the shapes (head dim 128), else the simple one; cuDNN attention (its workspace
+// estimated from its length buckets: 1.125 x the largest bucket's B·Hq·S²·2-byte dP, as cuDNN 9.19 measured on the
+// H200) unless attention = "simple". ds::Error in a build without CUDA support.
+GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan, const std::string& attention = "cudnn");
+
+}  // namespace ds
