@@ -25,10 +25,7 @@ ops::AdamWParams for_param(const ops::AdamWParams& p, const ParamSpec& s) {
 
 class CpuEngine final : public Engine {
  public:
-  explicit CpuEngine(Qwen35Model model)
-      : model_(std::move(model)),
-        m_(static_cast<size_t>(model_.num_parameters()), 0.0f),
-        v_(static_cast<size_t>(model_.num_parameters()), 0.0f) {}
+  explicit CpuEngine(Qwen35Model model) : model_(std::move(model)) {}
 
   std::string device() const override { return "cpu"; }
   const ModelConfig& config() const override { return model_.config(); }
@@ -41,6 +38,8 @@ class CpuEngine final : public Engine {
     return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
   }
   void optimizer_step(const ops::AdamWParams& p) override {
+    moments();
+    DS_CHECK(model_.grads().size() == model_.weights().size(), "optimizer step before any gradient");
     float *w = model_.weights().data(), *g = model_.grads().data();
     for (const ParamSpec& s : model_.params())
       ops::adamw_update(w + s.offset, g + s.offset, m_.data() + s.offset, v_.data() + s.offset, s.numel,
@@ -48,6 +47,7 @@ class CpuEngine final : public Engine {
   }
   std::vector<SaveTensor> weight_tensors(DType dtype) override { return model_.to_tensors(model_.weights(), dtype); }
   std::vector<SaveTensor> optimizer_tensors() override {
+    moments();
     std::vector<SaveTensor> out;
     for (const ParamSpec& p : model_.params()) {
       out.push_back(make_tensor_f32_view(exp_avg_name(p), p.shape, m_.data() + p.offset));
@@ -56,6 +56,7 @@ class CpuEngine final : public Engine {
     return out;
   }
   void load_optimizer(const TensorSource& read) override {
+    moments();
     for (const ParamSpec& p : model_.params()) {
       const std::vector<float> em = read(exp_avg_name(p), p.numel), ev = read(exp_avg_sq_name(p), p.numel);
       DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
@@ -64,8 +65,17 @@ class CpuEngine final : public Engine {
       std::copy(ev.begin(), ev.end(), v_.begin() + p.offset);
     }
   }
+  std::vector<SaveTensor> grad_tensors() override {
+    if (model_.grads().size() != model_.weights().size()) model_.zero_grads();
+    return model_.to_tensors(model_.grads());
+  }
 
  private:
+  // The AdamW moments exist from the first use of the optimizer on (evaluation never allocates them).
+  void moments() {
+    if (m_.empty()) m_.assign(static_cast<size_t>(model_.num_parameters()), 0.0f);
+    if (v_.empty()) v_.assign(static_cast<size_t>(model_.num_parameters()), 0.0f);
+  }
   Qwen35Model model_;
   std::vector<float> m_, v_;  // AdamW moments, flat like the weights
 };
@@ -86,38 +96,46 @@ class CudaEngine final : public Engine {
   void zero_grads() override { gpu_->zero_grads(); }
   double grad_sum_squares() override { return gpu_->grad_sum_squares(); }
   void optimizer_step(const ops::AdamWParams& p) override { gpu_->adamw_step(p, p.weight_decay); }
-  std::vector<SaveTensor> weight_tensors(DType dtype) override {
-    std::vector<SaveTensor> out;
-    for (const ParamSpec& p : params_) out.push_back(reader(p.name, p, GpuModel::Buffer::Weights, stored_dtype(p, dtype)));
-    return out;
-  }
+  std::vector<SaveTensor> weight_tensors(DType dtype) override { return buffer_tensors(GpuModel::Buffer::Weights, dtype); }
+  std::vector<SaveTensor> grad_tensors() override { return buffer_tensors(GpuModel::Buffer::Grads, DType::F32); }
+  // The optimizer names its own state tensors (AdamW: exp_avg.<name>, exp_avg_sq.<name>; model/gpu_optimizer.h).
   std::vector<SaveTensor> optimizer_tensors() override {
     std::vector<SaveTensor> out;
-    for (const ParamSpec& p : params_) {
-      out.push_back(reader(exp_avg_name(p), p, GpuModel::Buffer::ExpAvg, DType::F32));
-      out.push_back(reader(exp_avg_sq_name(p), p, GpuModel::Buffer::ExpAvgSq, DType::F32));
-    }
+    GpuModel* gpu = gpu_.get();
+    for (const ParamSpec& p : params_)
+      for (int k = 0; k < gpu->optimizer_state_count(); ++k) {
+        const int64_t base = p.offset;
+        out.push_back(make_tensor_f32_reader(gpu->optimizer_state_name(k, p), p.shape,
+                                             [gpu, k, base](int64_t first, int64_t count, float* dst) {
+                                               gpu->read_optimizer_state(k, base + first, count, dst);
+                                             }));
+      }
     return out;
   }
   void load_optimizer(const TensorSource& read) override {
-    for (const ParamSpec& p : params_) {
-      const std::vector<float> em = read(exp_avg_name(p), p.numel), ev = read(exp_avg_sq_name(p), p.numel);
-      DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
-               "optimizer state for {} has the wrong size", p.name);
-      gpu_->write(GpuModel::Buffer::ExpAvg, p.offset, p.numel, em.data());
-      gpu_->write(GpuModel::Buffer::ExpAvgSq, p.offset, p.numel, ev.data());
-    }
+    for (const ParamSpec& p : params_)
+      for (int k = 0; k < gpu_->optimizer_state_count(); ++k) {
+        const std::string name = gpu_->optimizer_state_name(k, p);
+        const std::vector<float> x = read(name, p.numel);
+        DS_CHECK(static_cast<int64_t>(x.size()) == p.numel, "optimizer state {} has the wrong size", name);
+        gpu_->write_optimizer_state(k, p.offset, p.numel, x.data());
+      }
   }
   size_t peak_bytes() const override { return gpu_->peak_bytes(); }
+  size_t planned_bytes() const override { return gpu_->planned_bytes(); }
 
  private:
-  // A checkpoint entry whose values are copied from the device buffer slab by slab while the file is written.
-  SaveTensor reader(const std::string& name, const ParamSpec& p, GpuModel::Buffer which, DType as) {
+  // Checkpoint entries whose values are copied from a device buffer slab by slab while the file is written.
+  std::vector<SaveTensor> buffer_tensors(GpuModel::Buffer which, DType dtype) {
+    std::vector<SaveTensor> out;
     GpuModel* gpu = gpu_.get();
-    const int64_t base = p.offset;
-    return make_tensor_f32_reader(name, p.shape, [gpu, which, base](int64_t first, int64_t count, float* dst) {
-      gpu->read(which, base + first, count, dst);
-    }, as);
+    for (const ParamSpec& p : params_) {
+      const int64_t base = p.offset;
+      out.push_back(make_tensor_f32_reader(p.name, p.shape, [gpu, which, base](int64_t first, int64_t count, float* dst) {
+        gpu->read(which, base + first, count, dst);
+      }, which == GpuModel::Buffer::Weights ? stored_dtype(p, dtype) : DType::F32));
+    }
+    return out;
   }
 
   ModelConfig cfg_;

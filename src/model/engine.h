@@ -1,5 +1,5 @@
-// The engine interface: what the trainer needs from an engine that runs the Qwen3.5 model (docs/architecture.md;
-// `eval`, `generate`, `forward` and `bench` still build Qwen35Model / GpuModel themselves). Two engines implement it:
+// The engine interface: what the trainer, `eval`, `forward` and `bench step` need from an engine that runs the
+// Qwen3.5 model (docs/architecture.md; `generate` runs the CPU model directly). Two engines implement it:
 //   - "cpu": the fp32 reference (model/model.h: Qwen35Model, ops' CPU references), AdamW state on the host;
 //   - "cuda": the GPU engine (model/gpu_model.h), every buffer on the device, no host copy of the weights,
 //     gradients or optimizer state; checkpoints stream from the device in bounded slabs.
@@ -72,8 +72,11 @@ class Engine {
   virtual std::vector<SaveTensor> optimizer_tensors() = 0;
   // Restores the optimizer state that optimizer_tensors() wrote (names as there), one tensor at a time.
   virtual void load_optimizer(const TensorSource& read) = 0;
+  // The accumulated gradients with HF names (fp32), streamed like the weights (`deltastack forward --grads`).
+  virtual std::vector<SaveTensor> grad_tensors() = 0;
 
-  virtual size_t peak_bytes() const { return 0; }  // device memory high point (0 on the CPU)
+  virtual size_t peak_bytes() const { return 0; }     // device memory high point (0 on the CPU)
+  virtual size_t planned_bytes() const { return 0; }  // the GPU engine's one allocation (0 on the CPU)
 };
 
 // Builds the engine for `device` ("cpu" or "cuda"; "auto" = cuda when a device is present) from a host model whose

@@ -465,19 +465,21 @@ void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
 void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) const {
   DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: read of [{}, {}) outside the {} parameters",
            first, first + count, impl_->P);
-  if (which == Buffer::ExpAvg || which == Buffer::ExpAvgSq) {
-    impl_->optimizer->read_state(which == Buffer::ExpAvg ? 0 : 1, first, count, dst, impl_->stream);
-    return;
-  }
   if (count == 0) return;
   const float* src = which == Buffer::Weights ? impl_->store->master() : impl_->store->grads();
   DS_CUDA_CHECK(cudaMemcpyAsync(dst, src + first, count * sizeof(float), cudaMemcpyDeviceToHost, impl_->stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
 }
 
-void GpuModel::write(Buffer which, int64_t first, int64_t count, const float* src) {
-  DS_CHECK(which == Buffer::ExpAvg || which == Buffer::ExpAvgSq, "gpu: only the optimizer state can be written");
-  impl_->optimizer->write_state(which == Buffer::ExpAvg ? 0 : 1, first, count, src, impl_->stream);
+int GpuModel::optimizer_state_count() const { return impl_->optimizer->num_state_tensors(); }
+std::string GpuModel::optimizer_state_name(int which, const ParamSpec& p) const {
+  return impl_->optimizer->state_name(which, p);
+}
+void GpuModel::read_optimizer_state(int which, int64_t first, int64_t count, float* dst) const {
+  impl_->optimizer->read_state(which, first, count, dst, impl_->stream);
+}
+void GpuModel::write_optimizer_state(int which, int64_t first, int64_t count, const float* src) {
+  impl_->optimizer->write_state(which, first, count, src, impl_->stream);
 }
 
 void GpuModel::download_grads(std::vector<float>& out) const {
@@ -503,7 +505,10 @@ void GpuModel::zero_grads() {}
 double GpuModel::grad_sum_squares() { return 0; }
 void GpuModel::adamw_step(const ops::AdamWParams&, double) {}
 void GpuModel::read(Buffer, int64_t, int64_t, float*) const {}
-void GpuModel::write(Buffer, int64_t, int64_t, const float*) {}
+int GpuModel::optimizer_state_count() const { return 0; }
+std::string GpuModel::optimizer_state_name(int, const ParamSpec&) const { return {}; }
+void GpuModel::read_optimizer_state(int, int64_t, int64_t, float*) const {}
+void GpuModel::write_optimizer_state(int, int64_t, int64_t, const float*) {}
 void GpuModel::download_grads(std::vector<float>&) const {}
 size_t GpuModel::planned_bytes() const { return 0; }
 size_t GpuModel::peak_bytes() const { return 0; }

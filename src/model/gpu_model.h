@@ -11,6 +11,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "model/engine.h"
@@ -36,12 +37,18 @@ class GpuModel {
   // One AdamW update of every parameter (decay per ParamSpec::weight_decay), refreshing the bf16 copy.
   void adamw_step(const ops::AdamWParams& p, double weight_decay);
 
-  // Host <-> device copies of elements [first, first + count) of one flat fp32 buffer (offsets as ParamSpec's),
-  // for checkpoints (streamed in slabs) and tests. ds::Error when the range is outside the buffer.
-  enum class Buffer { Weights, Grads, ExpAvg, ExpAvgSq };
+  // Device -> host copy of elements [first, first + count) of the fp32 weights or gradients (offsets as
+  // ParamSpec's), for checkpoints (streamed in slabs) and tests. ds::Error when the range is outside the buffer.
+  enum class Buffer { Weights, Grads };
   void read(Buffer which, int64_t first, int64_t count, float* dst) const;
-  void write(Buffer which, int64_t first, int64_t count, const float* src);
   void download_grads(std::vector<float>& out) const;  // the whole gradient buffer (tests)
+
+  // The optimizer's state as checkpoint tensors (model/gpu_optimizer.h): `count` state tensors per parameter,
+  // their names, and slab copies (fp32, offsets as ParamSpec's).
+  int optimizer_state_count() const;
+  std::string optimizer_state_name(int which, const ParamSpec& p) const;
+  void read_optimizer_state(int which, int64_t first, int64_t count, float* dst) const;
+  void write_optimizer_state(int which, int64_t first, int64_t count, const float* src);
 
   size_t planned_bytes() const;  // the single device allocation
   size_t peak_bytes() const;     // device memory in use by this process at its high point (cudaMemGetInfo)

@@ -23,7 +23,7 @@
 #ifdef DELTASTACK_CUDA
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
-#include "model/gpu_model.h"
+#include "model/engine.h"
 #include "ops/attention/cuda.h"
 #include "ops/attention/cudnn.h"
 #include "ops/conv1d/cuda.h"
@@ -308,7 +308,7 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   ModelConfig cfg = ModelConfig::resolve(preset);
   Qwen35Model model(cfg);
   model.init_weights(1234);
-  GpuModel gpu(model, GpuPlan::windows(micro_batch, seq_len, 1));
+  std::unique_ptr<Engine> gpu = make_engine("cuda", std::move(model), GpuPlan::windows(micro_batch, seq_len, 1));
   // Random tokens, one document per row (the HF benchmark's layout).
   PackedBatch b;
   Rng rng(7);
@@ -324,12 +324,13 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   const double scale = 1.0 / static_cast<double>(b.num_targets());
   ops::AdamWParams ap;
   ap.lr = 1e-5;
+  ap.weight_decay = 0.1;
   auto step = [&](int64_t i) {
-    gpu.zero_grads();
-    LossResult r = gpu.forward_backward(b, scale);
-    double gn = std::sqrt(gpu.grad_sum_squares());
+    gpu->zero_grads();
+    LossResult r = gpu->forward_backward(b, scale);
+    double gn = std::sqrt(gpu->grad_sum_squares());
     ap.step = i + 1;
-    gpu.adamw_step(ap, 0.1);
+    gpu->optimizer_step(ap);
     return std::pair<double, double>{r.loss_sum * scale, gn};
   };
   step(0);  // warm-up (cuBLASLt heuristics, first-touch)
@@ -354,8 +355,8 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
              cfg.num_parameters() / 1e9, seq_len, micro_batch, steps, cuda_device_name());
   fmt::print("  step {:.1f} ms (median) | {:.0f} tokens/s | MFU {:.1f}% of 989 TFLOP/s ({:.1f}% of the measured 699) | "
              "peak {:.1f} GiB (plan {:.1f} GiB) | loss {:.4f} grad_norm {:.3f}\n",
-             1e3 * t, tokens / t, 100 * flops / t / 989e12, 100 * flops / t / 699e12, gpu.peak_bytes() / 1073741824.0,
-             gpu.planned_bytes() / 1073741824.0, loss, gn);
+             1e3 * t, tokens / t, 100 * flops / t / 989e12, 100 * flops / t / 699e12, gpu->peak_bytes() / 1073741824.0,
+             gpu->planned_bytes() / 1073741824.0, loss, gn);
   return 0;
 }
 

@@ -1,9 +1,11 @@
 #include <algorithm>
 #include <filesystem>
+#include <memory>
+#include <utility>
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
-#include "model/gpu_model.h"
+#include "model/engine.h"
 #include "model/model.h"
 #include "model/safetensors.h"
 
@@ -13,7 +15,7 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
                 const std::string& grads, const std::string& device) {
   Qwen35Model model(ModelConfig::from_file(model_dir));
   model.load(model_dir);
-  const ModelConfig& c = model.config();
+  const ModelConfig c = model.config();
   SafetensorsReader in(inputs);
   const TensorInfo* ids_info = in.find("input_ids");
   DS_CHECK(ids_info, "{}: missing tensor \"input_ids\"", inputs);
@@ -59,20 +61,14 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
   cap.hidden_states = true;
   cap.logits = true;
   double scale = (!grads.empty() && valid > 0) ? 1.0 / static_cast<double>(valid) : 0.0;
-  LossResult r;
-  if (device == "cuda") {
-    GpuPlan plan;
-    plan.max_tokens = batch.size();
-    plan.max_seqs = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
-    for (size_t i = 0; i + 1 < batch.cu_seqlens.size(); ++i)
-      plan.max_seqlen = std::max<int64_t>(plan.max_seqlen, batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]);
-    GpuModel gpu(model, plan);
-    r = gpu.forward_backward(batch, scale, 0.0, &cap);
-    gpu.download_grads(model.grads());
-  } else {
-    model.zero_grads();
-    r = model.forward_backward(batch, scale, 0.0, &cap);
-  }
+  GpuPlan plan;  // exactly this batch (the GPU engine's plan; the CPU engine ignores it)
+  plan.max_tokens = batch.size();
+  plan.max_seqs = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
+  for (size_t i = 0; i + 1 < batch.cu_seqlens.size(); ++i)
+    plan.max_seqlen = std::max<int64_t>(plan.max_seqlen, batch.cu_seqlens[i + 1] - batch.cu_seqlens[i]);
+  std::unique_ptr<Engine> engine = make_engine(device, std::move(model), plan);
+  engine->zero_grads();
+  const LossResult r = engine->forward_backward(batch, scale, 0.0, &cap);
 
   std::vector<SaveTensor> out;
   std::vector<int64_t> shape_v = {B, T, c.vocab_size}, shape_h = {B, T, c.hidden_size};
@@ -84,7 +80,7 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
   for (size_t i = 0; i < cap.hidden.size(); ++i)
     out.push_back(make_tensor_f32("hidden_states_" + std::to_string(i), shape_h, cap.hidden[i].data()));
   write_safetensors(output, out, {{"format", "pt"}});
-  if (!grads.empty()) write_safetensors(grads, model.to_tensors(model.grads()), {{"format", "pt"}});
+  if (!grads.empty()) write_safetensors(grads, engine->grad_tensors(), {{"format", "pt"}});
   return 0;
 }
 

@@ -14,7 +14,7 @@
 #include "core/rng.h"
 #include "data/dataset.h"
 #include "data/tokenizer.h"
-#include "model/gpu_model.h"
+#include "model/engine.h"
 #include "model/model.h"
 
 namespace ds::cli {
@@ -94,15 +94,22 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   DS_CHECK(micro_batch >= 1, "--micro-batch must be >= 1");
   auto docs = tokenize_documents(tok, read_documents(data, parse_txt_split(txt_split)), tok.token_to_id("<|endoftext|>"));
   PackedDataset set(docs, seq_len);
-  // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present.
-  std::unique_ptr<GpuModel> gpu;
-  if (device == "cuda" || (device == "auto" && cuda_device_count() > 0)) {
+  // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present; with
+  // auto, a model the GPU engine cannot take is evaluated on the CPU (loaded again: the first copy went to the GPU).
+  const GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, set.max_docs_per_window());
+  std::unique_ptr<Engine> engine;
+  if (resolve_device(device) == "cuda") {
     try {
-      gpu = std::make_unique<GpuModel>(model, GpuPlan::windows(micro_batch, seq_len, set.max_docs_per_window()));
+      engine = make_engine("cuda", std::move(model), plan);
     } catch (const Error& e) {
       if (device == "cuda") throw;
       log_warn("eval: the GPU engine cannot take this model ({}); evaluating on the CPU", e.what());
+      Qwen35Model again(ModelConfig::from_file(model_dir));
+      again.load(model_dir);
+      engine = make_engine("cpu", std::move(again), plan);
     }
+  } else {
+    engine = make_engine("cpu", std::move(model), plan);
   }
   double sum = 0;
   int64_t n = 0;
@@ -110,7 +117,7 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
     std::vector<int64_t> ws;
     for (int64_t i = w; i < std::min(set.num_windows(), w + micro_batch); ++i) ws.push_back(i);
     const PackedBatch b = set.batch(ws);
-    LossResult r = gpu ? gpu->forward_backward(b, 0.0) : model.forward_backward(b, 0.0);
+    LossResult r = engine->forward_backward(b, 0.0);
     sum += r.loss_sum;
     n += r.num_valid;
   }
