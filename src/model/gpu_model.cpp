@@ -23,7 +23,7 @@
 #include "model/params.h"
 #include "ops/adamw/cuda.h"
 #include "ops/attention/plan.h"
-#include "ops/conv1d/cuda.h"
+#include "ops/conv1d/plan.h"
 #include "ops/elementwise/cuda.h"
 #include "ops/embedding/cuda.h"
 #include "ops/gated_delta_rule/plan.h"
@@ -31,7 +31,7 @@
 #include "ops/gdn_gate/cuda.h"
 #include "ops/l2norm/cuda.h"
 #include "ops/linear/cuda.h"
-#include "ops/linear_cross_entropy/cuda.h"
+#include "ops/linear_cross_entropy/plan.h"
 #include "ops/registry.h"
 #include "ops/rmsnorm/cuda.h"
 #include "ops/rope/cuda.h"
@@ -61,6 +61,8 @@ struct GpuModel::Impl {
   GpuActivations acts;
   std::unique_ptr<K::GatedDeltaRulePlan> gdn;  // null when the model has no GDN layer
   std::unique_ptr<K::AttentionPlan> attn;      // null when the model has no attention layer
+  std::unique_ptr<K::Conv1dPlan> conv;
+  std::unique_ptr<K::LinearCrossEntropyPlan> ce;
   // the current micro-batch
   int64_t N = 0, S = 0, num_uniq = 0;
 
@@ -77,6 +79,8 @@ struct GpuModel::Impl {
     GpuOpSizes ops;
     if (gdn) ops.gdn_saved = gdn->saved_bytes(), ops.gdn_batch = gdn->batch_bytes(), ops.gdn_workspace = gdn->workspace_bytes();
     if (attn) ops.attn_batch = attn->batch_bytes(), ops.attn_workspace = attn->workspace_bytes();
+    ops.conv_workspace = conv->workspace_bytes();
+    ops.ce_workspace = ce->workspace_bytes();
     lay_out_gpu_memory(a, c, plan, *store, *optimizer, acts, ops);
   }
 
@@ -136,7 +140,7 @@ struct GpuModel::Impl {
     K::linear_forward(A.xn1, w.in_proj_qkv, A.mixed, N, H, CD, false, stream);
     K::linear_forward(A.xn1, w.in_proj_z, A.z, N, H, VD, false, stream);
     K::linear_forward(A.xn1, w.in_proj_ba, A.ab, N, H, 2 * Hv, false, stream);  // [b | a] per token
-    K::conv1d_silu_forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, CD, c.linear_conv_kernel_dim, stream);
+    conv->forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, stream);
     K::l2norm_forward(A.conv_out, CD, A.qn, A.rq, N, Hk, dk, 1e-6f, stream);
     K::l2norm_forward(A.conv_out + KD, CD, A.kn, A.rk, N, Hk, dk, 1e-6f, stream);
     K::gdn_gate_forward(A.ab, m.A_log, m.dt_bias, A.g, A.beta, N, Hv, stream);
@@ -170,7 +174,7 @@ struct GpuModel::Impl {
     void* scratch = acts.op_scratch;
     // Recompute y, conv_out, qn, kn (shared buffers) exactly as gdn_forward made them.
     K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps), stream);
-    K::conv1d_silu_forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, CD, c.linear_conv_kernel_dim, stream);
+    conv->forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, stream);
     K::l2norm_forward(A.conv_out, CD, A.qn, A.rq, N, Hk, dk, 1e-6f, stream);
     K::l2norm_forward(A.conv_out + KD, CD, A.kn, A.rk, N, Hk, dk, 1e-6f, stream);
     K::linear_backward_data(d.dh, w.out_proj, d.dy, N, VD, H, false, stream);
@@ -188,8 +192,7 @@ struct GpuModel::Impl {
     K::l2norm_backward(A.qn, A.rq, d.dqn, d.dconv, CD, N, Hk, dk, stream);
     K::l2norm_backward(A.kn, A.rk, d.dkn, d.dconv + KD, CD, N, Hk, dk, stream);
     K::gdn_gate_backward(A.ab, m.A_log, m.dt_bias, d.dg, d.dbeta, d.dab, gw.A_log, gw.dt_bias, N, Hv, scratch, stream);
-    K::conv1d_silu_backward(A.mixed, m.conv1d, d.dconv, B.seq_start, d.dmixed, gw.conv1d, N, CD,
-                            c.linear_conv_kernel_dim, scratch, stream);
+    conv->backward(A.mixed, m.conv1d, d.dconv, B.seq_start, d.dmixed, gw.conv1d, N, scratch, stream);
     K::linear_backward_data(d.dmixed, w.in_proj_qkv, d.dxn, N, H, CD, false, stream);
     K::linear_backward_data(d.dz, w.in_proj_z, d.dxn, N, H, VD, true, stream);
     K::linear_backward_data(d.dab, w.in_proj_ba, d.dxn, N, H, 2 * Hv, true, stream);
@@ -310,10 +313,9 @@ struct GpuModel::Impl {
     ops::LinearCeOptions opt;
     opt.z_loss = z_loss;
     opt.grad_scale = grad_scale;
-    opt.chunk_tokens = plan.ce_chunk_tokens;
     if (cap) capture(cap, mp);
-    K::linear_cross_entropy(acts.hf, mp.compute.lm_head, B.targets, N, H, c.vocab_size, opt, B.loss,
-                            backward ? d.dhf : nullptr, backward ? mp.grad.lm_head : nullptr, acts.ce_scratch, stream);
+    ce->run(acts.hf, mp.compute.lm_head, B.targets, N, opt, B.loss, backward ? d.dhf : nullptr,
+            backward ? mp.grad.lm_head : nullptr, acts.ce_scratch, stream);
     double loss[2];
     DS_CUDA_CHECK(cudaMemcpyAsync(loss, B.loss, sizeof(loss), cudaMemcpyDeviceToHost, stream));
     LossResult r;
@@ -411,6 +413,9 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     al.scale = attn_dims(m.c, 1, 1).scale;
     m.attn = std::make_unique<K::AttentionPlan>(al);
   }
+  m.conv = std::make_unique<K::Conv1dPlan>(m.plan.max_tokens, m.c.conv_dim(), m.c.linear_conv_kernel_dim);
+  m.ce = std::make_unique<K::LinearCrossEntropyPlan>(m.plan.max_tokens, m.c.hidden_size, m.c.vocab_size,
+                                                     m.plan.ce_chunk_tokens);
   Arena sizing;
   m.layout_memory(sizing);
   m.arena_bytes = sizing.off;

@@ -14,11 +14,11 @@
 #include "model/model.h"
 #include "ops/attention/cuda.h"
 #include "ops/attention/cudnn.h"
-#include "ops/conv1d/cuda.h"
+#include "ops/conv1d/plan.h"
 #include "ops/gated_delta_rule/plan.h"
 #include "ops/gated_rmsnorm/cuda.h"
 #include "ops/gdn_gate/cuda.h"
-#include "ops/linear_cross_entropy/cuda.h"
+#include "ops/linear_cross_entropy/plan.h"
 #include "ops/rmsnorm/cuda.h"
 
 namespace ds {
@@ -27,8 +27,7 @@ namespace K = ds::ops::cuda;
 
 void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, GpuParamStore& store,
                         GpuOptimizer& optimizer, GpuActivations& acts, const GpuOpSizes& ops) {
-  const int64_t N = plan.max_tokens, S = plan.max_seqs, H = c.hidden_size, CD = c.conv_dim(),
-                Hv = c.linear_num_value_heads, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+  const int64_t N = plan.max_tokens, S = plan.max_seqs, H = c.hidden_size, Hv = c.linear_num_value_heads, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
   store.reserve(a);
   optimizer.reserve(a);
   GpuActivations::Sizes sz;
@@ -40,9 +39,9 @@ void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, Gpu
   sz.op_scratch = std::max({K::rmsnorm_scratch_bytes(N, H), K::rmsnorm_scratch_bytes(N * Hq, hd),
                             K::rmsnorm_scratch_bytes(N * Hkv, hd),
                             K::gated_rmsnorm_scratch_bytes(N * Hv, c.linear_value_head_dim),
-                            K::gdn_gate_scratch_bytes(N, Hv), K::conv1d_scratch_bytes(N, CD, c.linear_conv_kernel_dim),
-                            ops.gdn_workspace, ops.attn_workspace});
-  sz.ce_scratch = K::linear_cross_entropy_scratch_bytes(N, H, c.vocab_size, plan.ce_chunk_tokens);
+                            K::gdn_gate_scratch_bytes(N, Hv), ops.conv_workspace, ops.gdn_workspace,
+                            ops.attn_workspace});
+  sz.ce_scratch = ops.ce_workspace;
   acts.reserve(a, c, sz);
 }
 
@@ -97,6 +96,9 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
       out.attention = "cudnn (fused SDPA, workspace estimated)";
     }
   }
+  ops.conv_workspace = K::Conv1dPlan(plan.max_tokens, c.conv_dim(), c.linear_conv_kernel_dim).workspace_bytes();
+  ops.ce_workspace =
+      K::LinearCrossEntropyPlan(plan.max_tokens, c.hidden_size, c.vocab_size, plan.ce_chunk_tokens).workspace_bytes();
   Arena sizing;
   lay_out_gpu_memory(sizing, c, plan, store, optimizer, acts, ops);
   out.by_use = sizing.by_use;

@@ -21,6 +21,8 @@ struct GpuActivations;
 struct GpuOpSizes {
   size_t gdn_saved = 0, gdn_batch = 0, gdn_workspace = 0;  // per GDN layer / per micro-batch / shared
   size_t attn_batch = 0, attn_workspace = 0;              // per micro-batch / shared
+  size_t conv_workspace = 0;                              // shared
+  size_t ce_workspace = 0;                                // the fused loss's own scratch
 };
 
 #ifdef DELTASTACK_CUDA
