@@ -1,6 +1,7 @@
 #include "model/model.h"
 
 #include <memory>
+#include <set>
 
 #include <algorithm>
 #include <cmath>
@@ -166,48 +167,64 @@ void Qwen35Model::init_weights(uint64_t seed) {
 // ---------------------------------------------------------------------------------------------------------------
 // Checkpoint I/O
 
-void Qwen35Model::load(const std::string& path) {
-  CheckpointReader ck(path);
+CheckpointWeights::CheckpointWeights(const std::string& path, const ModelConfig& cfg, const std::vector<ParamSpec>& params)
+    : path_(path), ck_(path), tied_(cfg.tie_word_embeddings) {
   // Find the text-model prefix the checkpoint uses.
-  std::string prefix;
-  if (ck.has("model.embed_tokens.weight")) prefix = "model.";
-  else if (ck.has("model.language_model.embed_tokens.weight")) prefix = "model.language_model.";
+  if (ck_.has("model.embed_tokens.weight")) prefix_ = "model.";
+  else if (ck_.has("model.language_model.embed_tokens.weight")) prefix_ = "model.language_model.";
   else fail("{}: no embed_tokens weight (looked for model.embed_tokens.weight and "
             "model.language_model.embed_tokens.weight)", path);
-  auto ck_name = [&](const std::string& ours) {
-    if (ours.rfind("model.", 0) == 0) return prefix + ours.substr(6);
-    return ours;  // lm_head.weight stays at top level
-  };
-  for (const ParamSpec& p : params_) {
-    std::string name = ck_name(p.name);
-    DS_CHECK(ck.has(name), "{}: missing tensor \"{}\"", path, name);
-    const TensorInfo& info = ck.info(name);
+  std::set<std::string> ours;
+  for (const ParamSpec& p : params) {
+    ours.insert(p.name);
+    const std::string name = name_of(p);
+    DS_CHECK(ck_.has(name), "{}: missing tensor \"{}\"", path, name);
+    const TensorInfo& info = ck_.info(name);
     DS_CHECK(info.shape == p.shape, "{}: tensor \"{}\" has shape [{}] but the config needs [{}]", path, name,
              fmt::join(info.shape, ", "), fmt::join(p.shape, ", "));
-    std::vector<float> v = ck.read_f32(name);
-    for (size_t i = 0; i < v.size(); ++i)
-      DS_CHECK(std::isfinite(v[i]), "{}: tensor \"{}\" holds a non-finite value at index {}", path, name, i);
-    std::copy(v.begin(), v.end(), weights_.begin() + p.offset);
   }
   // Tensors of the text model that the config has no place for (more layers, a GDN tensor in an attention
   // layer, ...) mean config and weights disagree: an error, never silently dropped. Vision and MTP tensors
   // and a tied lm_head copy are expected extras.
-  for (const std::string& name : ck.names()) {
-    if (name.rfind(prefix, 0) != 0) continue;  // model.visual.*, mtp.*, lm_head.weight
-    std::string ours = "model." + name.substr(prefix.size());
-    if (prefix == "model." && name.rfind("model.language_model.", 0) == 0) continue;
-    if (prefix == "model." && name.rfind("model.visual.", 0) == 0) continue;
-    DS_CHECK(by_name_.count(ours), "{}: tensor \"{}\" does not fit the config ({}): config.json and the weights "
-             "disagree (e.g. num_hidden_layers or layer_types)", path, name, cfg_.source);
+  for (const std::string& name : ck_.names()) {
+    if (name.rfind(prefix_, 0) != 0) continue;  // model.visual.*, mtp.*, lm_head.weight
+    if (prefix_ == "model." && name.rfind("model.language_model.", 0) == 0) continue;
+    if (prefix_ == "model." && name.rfind("model.visual.", 0) == 0) continue;
+    DS_CHECK(ours.count("model." + name.substr(prefix_.size())),
+             "{}: tensor \"{}\" does not fit the config ({}): config.json and the weights "
+             "disagree (e.g. num_hidden_layers or layer_types)", path, name, cfg.source);
   }
-  if (cfg_.tie_word_embeddings && ck.has("lm_head.weight")) {
-    std::vector<float> lm = ck.read_f32("lm_head.weight");
-    const ParamSpec& e = spec("model.embed_tokens.weight");
-    DS_CHECK(static_cast<int64_t>(lm.size()) == e.numel &&
-                 std::equal(lm.begin(), lm.end(), weights_.begin() + e.offset),
-             "{}: config ties word embeddings but lm_head.weight differs from embed_tokens; set "
-             "tie_word_embeddings=false in config.json to use it", path);
+}
+
+std::string CheckpointWeights::name_of(const ParamSpec& p) const {
+  if (p.name.rfind("model.", 0) == 0) return prefix_ + p.name.substr(6);
+  return p.name;  // lm_head.weight stays at top level
+}
+
+std::vector<float> CheckpointWeights::read(const ParamSpec& p) const {
+  const std::string name = name_of(p);
+  std::vector<float> v = ck_.read_f32(name);
+  for (size_t i = 0; i < v.size(); ++i)
+    DS_CHECK(std::isfinite(v[i]), "{}: tensor \"{}\" holds a non-finite value at index {}", path_, name, i);
+  return v;
+}
+
+void CheckpointWeights::check_tied_head(const float* embed, int64_t numel) const {
+  if (!tied_ || !ck_.has("lm_head.weight")) return;
+  std::vector<float> lm = ck_.read_f32("lm_head.weight");
+  DS_CHECK(static_cast<int64_t>(lm.size()) == numel && std::equal(lm.begin(), lm.end(), embed),
+           "{}: config ties word embeddings but lm_head.weight differs from embed_tokens; set "
+           "tie_word_embeddings=false in config.json to use it", path_);
+}
+
+void Qwen35Model::load(const std::string& path) {
+  const CheckpointWeights ck(path, cfg_, params_);
+  for (const ParamSpec& p : params_) {
+    const std::vector<float> v = ck.read(p);
+    std::copy(v.begin(), v.end(), weights_.begin() + p.offset);
   }
+  const ParamSpec& e = spec("model.embed_tokens.weight");
+  ck.check_tied_head(weights_.data() + e.offset, e.numel);
 }
 
 // A_log and the gated-norm weight stay fp32 as in released Qwen3.5 checkpoints (docs/model.md §5.3).

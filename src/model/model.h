@@ -54,6 +54,25 @@ DType stored_dtype(const ParamSpec& p, DType dtype);
 void save_model_dir(const std::string& dir, const ModelConfig& cfg, const std::vector<SaveTensor>& tensors,
                     DType dtype, int64_t max_shard_bytes);
 
+// A checkpoint's weights (HF safetensors: one file, shards with an index, or a directory; "model." or
+// "model.language_model." prefix; model.visual.* and mtp.* ignored) checked against a parameter table when opened:
+// every parameter present with its shape, no text-model tensor the config has no place for (ds::Error naming the
+// file and tensor otherwise). Values are read one tensor at a time, so a caller can stream a model of any size.
+class CheckpointWeights {
+ public:
+  CheckpointWeights(const std::string& path, const ModelConfig& cfg, const std::vector<ParamSpec>& params);
+  // The parameter's values (fp32, converted from the stored dtype); ds::Error at the first non-finite value.
+  std::vector<float> read(const ParamSpec& p) const;
+  // With tied embeddings, an lm_head.weight present in the checkpoint must equal the embedding (ds::Error).
+  void check_tied_head(const float* embed, int64_t numel) const;
+
+ private:
+  std::string name_of(const ParamSpec& p) const;
+  std::string path_, prefix_;
+  CheckpointReader ck_;
+  bool tied_;
+};
+
 // The parameter table of a Qwen3.5 config, in the flat-buffer order both engines use (HF names and shapes; decay
 // on matrices only). No memory for the values.
 std::vector<ParamSpec> qwen35_params(const ModelConfig& c);

@@ -1,7 +1,10 @@
 // `deltastack export`: a training checkpoint (fp32 master weights) as a Hugging Face release-style model
 // directory: config.json, bf16 (or fp32) weights under HF names with A_log and the gated-norm weight kept fp32
 // (as Qwen3.5's released checkpoints), sharded past --max-shard-mb, plus the checkpoint's tokenizer.json.
+#include <algorithm>
 #include <filesystem>
+#include <memory>
+#include <vector>
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
@@ -29,15 +32,37 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
   const auto rel = dst.lexically_relative(ck);
   DS_CHECK(rel.empty() || *rel.begin() == "..", "{}: the output may not be inside the checkpoint {}", out, checkpoint);
   ModelConfig c = ModelConfig::from_file(checkpoint);
-  Qwen35Model m(c);
-  m.load(checkpoint);  // every parameter present, shapes match, values finite
+  // Streamed: names and shapes are checked now, each tensor's values are read (and checked finite) when its turn
+  // comes in the write, so host memory holds one tensor at a time (the largest, the embedding, for any model size).
+  const std::vector<ParamSpec> params = qwen35_params(c);
+  const CheckpointWeights weights(checkpoint, c, params);
+  for (const ParamSpec& p : params)
+    if (p.name == "model.embed_tokens.weight") weights.check_tied_head(weights.read(p).data(), p.numel);
+  struct Current {
+    const ParamSpec* p = nullptr;
+    std::vector<float> values;
+  };
+  auto current = std::make_shared<Current>();
+  const DType as = dtype == "bf16" ? DType::BF16 : DType::F32;
+  std::vector<SaveTensor> tensors;
+  for (const ParamSpec& p : params)
+    tensors.push_back(make_tensor_f32_reader(p.name, p.shape, [&weights, current, &p](int64_t first, int64_t count,
+                                                                                       float* dst) {
+      if (current->p != &p) {
+        current->values = weights.read(p);
+        current->p = &p;
+      }
+      std::copy(current->values.begin() + first, current->values.begin() + first + count, dst);
+    }, stored_dtype(p, as)));
+  int64_t num_parameters = 0;
+  for (const ParamSpec& p : params) num_parameters += p.numel;
   // Built beside the destination and renamed into place at the end: a failure (or a kill) never leaves a partial
   // `out` that would block the next attempt; only a `.<name>.export.tmp` directory, removed by that attempt.
   const fs::path tmp = dst.parent_path() / ("." + dst.filename().string() + ".export.tmp");
   DS_CHECK(tmp != ck, "{}: the checkpoint has the export's temporary name; rename it", checkpoint);
   fs::remove_all(tmp);
   try {
-    m.save(tmp.string(), dtype == "bf16" ? DType::BF16 : DType::F32, max_shard_mb * 1000000);
+    save_model_dir(tmp.string(), c, tensors, as, max_shard_mb * 1000000);
     const std::string tok = (fs::path(checkpoint) / "tokenizer.json").string();
     if (file_exists(tok))
       write_file_atomic((tmp / "tokenizer.json").string(), read_file(tok));
@@ -50,7 +75,7 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
     fs::remove_all(tmp, ec);
     throw;
   }
-  log_info("exported {} ({} parameters, {}) to {}", checkpoint, m.num_parameters(), dtype, out);
+  log_info("exported {} ({} parameters, {}) to {}", checkpoint, num_parameters, dtype, out);
   return 0;
 }
 
