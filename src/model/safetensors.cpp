@@ -7,7 +7,9 @@
 #include <bit>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string_view>
@@ -201,19 +203,56 @@ int64_t TensorInfo::numel() const {
 // ---------------------------------------------------------------------------------------------------------
 // Reader
 
-SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path), bytes_(read_file(path)) { parse(); }
+// The file's header is read now; tensor payloads are read from the file when asked for (read_f32 / raw_bytes),
+// so opening a checkpoint costs its headers, not its size.
+SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path), lazy_(true) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) fail("{}: is a directory, expected a file", path);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{}: cannot open ({})", path, std::strerror(errno));
+  in.seekg(0, std::ios::end);
+  const std::streamoff end = in.tellg();
+  if (end < 0) fail("{}: cannot determine the file size", path);
+  file_size_ = static_cast<uint64_t>(end);
+  in.seekg(0);
+  bytes_.resize(static_cast<size_t>(std::min<uint64_t>(file_size_, 8)));
+  in.read(bytes_.data(), static_cast<std::streamsize>(bytes_.size()));
+  if (!in) fail("{}: read error", path);
+  if (file_size_ >= 8) {
+    uint64_t n = 0;
+    for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<uint8_t>(bytes_[i])) << (8 * i);
+    if (n <= kMaxHeaderBytes && n <= file_size_ - 8) {  // else parse() names the problem
+      bytes_.resize(static_cast<size_t>(8 + n));
+      in.read(bytes_.data() + 8, static_cast<std::streamsize>(n));
+      if (!in) fail("{}: read error", path);
+    }
+  }
+  parse();
+}
 
 SafetensorsReader SafetensorsReader::from_bytes(std::string bytes, std::string name) {
   SafetensorsReader r;
   r.path_ = std::move(name);
   r.bytes_ = std::move(bytes);
+  r.file_size_ = r.bytes_.size();
   r.parse();
   return r;
 }
 
+const char* SafetensorsReader::payload(const TensorInfo& t, std::string* buffer) const {
+  if (!lazy_) return bytes_.data() + data_start_ + t.begin;
+  std::ifstream in(path_, std::ios::binary);
+  if (!in) fail("{}: cannot open ({})", path_, std::strerror(errno));
+  buffer->resize(static_cast<size_t>(t.end - t.begin));
+  in.seekg(static_cast<std::streamoff>(data_start_ + t.begin));
+  in.read(buffer->data(), static_cast<std::streamsize>(buffer->size()));
+  if (!in) fail("{}: tensor '{}': read error (the file changed or is truncated?)", path_, t.name);
+  return buffer->data();
+}
+
 void SafetensorsReader::parse() {
   const std::string& p = path_;
-  const uint64_t size = bytes_.size();
+  const uint64_t size = file_size_;
   if (size < 8) fail("{}: file is {} bytes, too short for the 8-byte header length", p, size);
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<uint8_t>(bytes_[i])) << (8 * i);
@@ -309,14 +348,23 @@ const TensorInfo& SafetensorsReader::get(const std::string& name) const {
 
 std::string_view SafetensorsReader::raw_bytes(const std::string& name) const {
   const TensorInfo& t = get(name);
-  return std::string_view(bytes_.data() + data_start_ + t.begin, t.end - t.begin);
+  if (!lazy_) return std::string_view(bytes_.data() + data_start_ + t.begin, t.end - t.begin);
+  std::lock_guard<std::mutex> lk(*raw_mu_);
+  auto it = raw_.find(name);
+  if (it == raw_.end()) {
+    std::string buf;
+    payload(t, &buf);
+    it = raw_.emplace(name, std::move(buf)).first;
+  }
+  return it->second;
 }
 
 std::vector<float> SafetensorsReader::read_f32(const std::string& name) const {
   const TensorInfo& t = get(name);
   const size_t n = (t.end - t.begin) / dtype_size(t.dtype);
   std::vector<float> out(n);
-  convert(t.dtype, bytes_.data() + data_start_ + t.begin, n, out.data());
+  std::string buf;
+  convert(t.dtype, payload(t, &buf), n, out.data());
   return out;
 }
 
@@ -324,7 +372,8 @@ std::vector<double> SafetensorsReader::read_f64(const std::string& name) const {
   const TensorInfo& t = get(name);
   const size_t n = (t.end - t.begin) / dtype_size(t.dtype);
   std::vector<double> out(n);
-  convert(t.dtype, bytes_.data() + data_start_ + t.begin, n, out.data());
+  std::string buf;
+  convert(t.dtype, payload(t, &buf), n, out.data());
   return out;
 }
 
@@ -334,7 +383,8 @@ std::vector<int64_t> SafetensorsReader::read_i64(const std::string& name) const 
     fail("{}: tensor '{}' has dtype {}, expected an integer dtype", path_, name, dtype_name(t.dtype));
   const size_t n = (t.end - t.begin) / dtype_size(t.dtype);
   std::vector<int64_t> out(n);
-  convert(t.dtype, bytes_.data() + data_start_ + t.begin, n, out.data());
+  std::string buf;
+  convert(t.dtype, payload(t, &buf), n, out.data());
   return out;
 }
 

@@ -14,6 +14,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -56,9 +57,15 @@ class SafetensorsReader {
 
  private:
   SafetensorsReader() = default;
-  void parse();  // validates bytes_ and fills the tables; errors name path_
+  void parse();  // validates the header in bytes_ against file_size_ and fills the tables; errors name path_
+  // The payload of t: a pointer into bytes_ (in-memory image), or read from the file into *buffer.
+  const char* payload(const TensorInfo& t, std::string* buffer) const;
   std::string path_;
-  std::string bytes_;  // whole file
+  bool lazy_ = false;      // a file: payloads are read on demand; else bytes_ is the whole image (from_bytes)
+  uint64_t file_size_ = 0;
+  std::string bytes_;      // the header (a file) or the whole image (from_bytes)
+  mutable std::map<std::string, std::string> raw_;  // raw_bytes() of a file, kept while the reader lives
+  std::unique_ptr<std::mutex> raw_mu_ = std::make_unique<std::mutex>();
   size_t data_start_ = 0;
   std::vector<TensorInfo> tensors_;
   std::map<std::string, size_t> index_;
