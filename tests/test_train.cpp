@@ -5,10 +5,13 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "core/cuda/device.h"
 #include "core/error.h"
@@ -16,6 +19,7 @@
 #include "data/dataset.h"
 #include "model/config.h"
 #include "model/model.h"
+#include "model/safetensors.h"
 #include "test_util.h"
 #include "train/options.h"
 #include "train_test_util.h"
@@ -389,4 +393,58 @@ TEST(Train, NanGuardAndBadInputs) {
   auto m = metrics(dir + "/r/metrics.jsonl");
   EXPECT_EQ(m.back().value("step", -1), 2);
   fs::remove_all(dir);
+}
+
+// A resume from a checkpoint whose optimizer state is corrupt (a negative second moment, a NaN first moment) stops
+// with an error naming the file and the tensor, before any step, and leaves the checkpoint as it was: such moments
+// would turn the weights into NaN at the first update and write a checkpoint that cannot be loaded.
+TEST(Train, ResumeRejectsCorruptOptimizerState) {
+  namespace fs = std::filesystem;
+  const std::string dir = ds::test::fresh_tmpdir("corrupt_opt");
+  const std::string args = ds::test::small_setup(dir);
+  std::string out;
+  ASSERT_EQ(ds::test::run("train " + args + " --steps 2 --out " + dir + "/run", &out), 0) << out;
+  const std::string ck = dir + "/run/checkpoint-2", opt = ck + "/optimizer.safetensors";
+  const std::string original = ds::read_file(opt);
+  // Overwrite every value of one tensor in the file image (the header gives its byte range).
+  auto corrupt = [&](const std::string& tensor, float value) {
+    const ds::SafetensorsReader r(opt);
+    const ds::TensorInfo* t = r.find(tensor);
+    ASSERT_NE(t, nullptr) << tensor;
+    uint64_t header = 0;
+    std::memcpy(&header, original.data(), 8);
+    std::string image = original;
+    for (uint64_t b = t->begin; b < t->end; b += 4) std::memcpy(image.data() + 8 + header + b, &value, 4);
+    ds::write_file_atomic(opt, image);
+  };
+  const std::string layer = "model.layers.0.mlp.up_proj.weight";
+  for (const auto& [tensor, value] : std::vector<std::pair<std::string, float>>{{"exp_avg_sq." + layer, -1.0f},
+                                                                                 {"exp_avg." + layer, NAN}}) {
+    corrupt(tensor, value);
+    const std::string corrupted = ds::read_file(opt);
+    EXPECT_EQ(ds::test::run("train --resume " + ck + " --steps 3 --keep-last 1", &out), 1) << out;
+    EXPECT_NE(out.find(opt), std::string::npos) << out;
+    EXPECT_NE(out.find(tensor), std::string::npos) << out;
+    EXPECT_FALSE(fs::exists(dir + "/run/checkpoint-3"));
+    EXPECT_EQ(ds::read_file(opt), corrupted);  // untouched
+    ds::write_file_atomic(opt, original);
+  }
+}
+
+// A bad DELTASTACK_<OP> value stops a run before it touches --out (an existing run's metrics.jsonl stays).
+TEST(Train, BadKnobFailsBeforeTouchingOut) {
+  const std::string dir = ds::test::fresh_tmpdir("bad_knob");
+  const std::string args = ds::test::small_setup(dir);
+  std::filesystem::create_directories(dir + "/run");
+  ds::write_file_atomic(dir + "/run/metrics.jsonl", "{\"step\": 1, \"loss\": 5.0}\n");
+  const char* old = std::getenv("DELTASTACK_GATED_DELTA_RULE");
+  const std::string saved = old ? old : "";
+  setenv("DELTASTACK_GATED_DELTA_RULE", "no-such-backend", 1);
+  std::string out;
+  const int rc = ds::test::run("train " + args + " --steps 2 --out " + dir + "/run", &out);
+  if (old) setenv("DELTASTACK_GATED_DELTA_RULE", saved.c_str(), 1);
+  else unsetenv("DELTASTACK_GATED_DELTA_RULE");
+  EXPECT_EQ(rc, 1) << out;
+  EXPECT_NE(out.find("DELTASTACK_GATED_DELTA_RULE=no-such-backend"), std::string::npos) << out;
+  EXPECT_EQ(ds::read_file(dir + "/run/metrics.jsonl"), "{\"step\": 1, \"loss\": 5.0}\n");
 }

@@ -193,6 +193,15 @@ KnobSetting knob_setting(const std::string& op) {
 
 KnobMode knob_mode(const std::string& op) { return knob_setting(op).mode; }
 
+void check_knobs() {
+  std::vector<std::string> ops;
+  {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (const OpEntry& e : table()) ops.push_back(e.name);
+  }
+  for (const std::string& op : ops) knob_setting(op);
+}
+
 const Backend& select_backend(const std::string& op, const std::string& device) {
   return select_backend(op, device, std::vector<std::string>{});
 }

@@ -1,5 +1,7 @@
 #include "train/checkpoint.h"
 
+#include <cmath>
+
 #include <fcntl.h>  // AT_FDCWD
 
 #include <algorithm>
@@ -130,6 +132,12 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
     std::vector<float> x = os.read_f32(name);
     DS_CHECK(static_cast<int64_t>(x.size()) == numel, "{}: optimizer state {} has {} values, expected {}", os.path(),
              name, x.size(), numel);
+    // A corrupt moment would turn into NaN weights at the first update (and a checkpoint that cannot be loaded).
+    const bool second_moment = name.rfind("exp_avg_sq.", 0) == 0;
+    for (size_t i = 0; i < x.size(); ++i)
+      DS_CHECK(std::isfinite(x[i]) && (!second_moment || x[i] >= 0.0f),
+               "{}: optimizer state {} holds {} at index {} ({}); the checkpoint is corrupt", os.path(), name, x[i], i,
+               second_moment ? "a second moment must be finite and >= 0" : "it must be finite");
     return x;
   });
 }

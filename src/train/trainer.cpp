@@ -23,6 +23,7 @@
 #include "model/engine.h"
 #include "model/model.h"
 #include "ops/adamw/adamw.h"
+#include "ops/registry.h"
 #include "train/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -238,6 +239,7 @@ int train(TrainOptions cli) {
   std::optional<SavedCheckpoint> resumed;
   if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
   TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
+  ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   set_num_threads(opt.threads);
   Qwen35Model model = build_model(opt);
   const TrainData data = load_data(opt, model.config());

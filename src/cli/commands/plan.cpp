@@ -2,6 +2,7 @@
 // by the same layout function the engine allocates with (model/gpu_plan.h).
 #include <fmt/format.h>
 
+#include <cmath>
 #include <string>
 
 #include "cli/commands/commands.h"
@@ -15,7 +16,15 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
              double device_memory_gib, const std::string& attention) {
   DS_CHECK(seq_len >= 1 && micro_batch >= 1 && docs_per_window >= 1,
            "plan: --seq-len, --micro-batch and --docs-per-window must be at least 1");
-  DS_CHECK(device_memory_gib > 0, "plan: --device-memory must be positive (GiB), got {}", device_memory_gib);
+  DS_CHECK(std::isfinite(device_memory_gib) && device_memory_gib > 0 && device_memory_gib <= 1e6,
+           "plan: --device-memory must be a positive number of GiB (at most 1e6), got {}", device_memory_gib);
+  // One micro-batch holds fewer than 2^31 tokens and documents (int32 indices in the kernels).
+  constexpr int64_t kMax = (int64_t{1} << 31) - 1;
+  DS_CHECK(seq_len <= kMax / micro_batch, "plan: --seq-len {} x --micro-batch {} is more than {} tokens per micro-batch",
+           seq_len, micro_batch, kMax);
+  DS_CHECK(docs_per_window <= kMax / micro_batch,
+           "plan: --docs-per-window {} x --micro-batch {} is more than {} documents per micro-batch", docs_per_window,
+           micro_batch, kMax);
   const ModelConfig cfg = ModelConfig::resolve(model);
   DS_CHECK(seq_len <= cfg.max_position_embeddings, "plan: --seq-len {} is above the model's max_position_embeddings {}",
            seq_len, cfg.max_position_embeddings);

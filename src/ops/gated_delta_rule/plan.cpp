@@ -16,8 +16,9 @@ std::unique_ptr<GatedDeltaRulePlan> make_gated_delta_rule_plan(const std::string
   if (backend == "cuda-simple") return make_simple_gated_delta_rule_plan(limits);
   if (backend == "cuda-chunked") {
     DS_CHECK(chunked_gated_delta_rule_supports(limits),
-             "gated_delta_rule: cuda-chunked needs dk = dv = 128 and Hv a multiple of Hk (got dk {}, dv {}, Hk {}, "
-             "Hv {})", limits.dk, limits.dv, limits.Hk, limits.Hv);
+             "gated_delta_rule: cuda-chunked needs dk = dv = 128, Hv a multiple of Hk and fewer than 2^31 tokens and "
+             "2^28 documents per micro-batch (got dk {}, dv {}, Hk {}, Hv {}, {} tokens, {} documents)", limits.dk,
+             limits.dv, limits.Hk, limits.Hv, limits.max_tokens, limits.max_seqs);
     return make_chunked_gated_delta_rule_plan(limits);
   }
   fail("gated_delta_rule: no CUDA plan for backend \"{}\"", backend);
