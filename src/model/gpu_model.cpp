@@ -386,9 +386,8 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
            m.c.linear_conv_kernel_dim);
   m.params = host.params();
   m.layout = std::make_shared<const ParamLayout>(m.c, m.params);
-  m.plan = plan;
+  m.plan = resolved(plan);
   m.P = host.num_parameters();
-  if (m.plan.max_seqlen <= 0) m.plan.max_seqlen = m.plan.max_tokens;
   DS_CHECK(m.plan.max_seqlen <= m.plan.max_tokens, "gpu: max_seqlen {} exceeds max_tokens {}", m.plan.max_seqlen,
            m.plan.max_tokens);
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
@@ -396,26 +395,10 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   m.optimizer = std::make_unique<GpuAdamW>(m.params, m.P);
   bool has_attention = false, has_gdn = false;
   for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) (m.c.is_full_attention(i) ? has_attention : has_gdn) = true;
-  if (has_gdn) {
-    const ops::GdnDims d = gdn_dims(m.c, 1, 1);
-    m.gdn = K::make_gated_delta_rule_plan(
-        K::GdnLimits{m.plan.max_tokens, m.plan.max_seqs, d.Hk, d.Hv, d.dk, d.dv, d.scale});
-  }
-  if (has_attention) {
-    K::AttnLimits al;
-    al.max_tokens = m.plan.max_tokens;
-    al.max_seqs = m.plan.max_seqs;
-    al.max_seqlen = m.plan.max_seqlen;
-    al.rows = m.plan.rows;
-    al.Hq = m.c.num_attention_heads;
-    al.Hkv = m.c.num_key_value_heads;
-    al.head_dim = m.c.head_dim;
-    al.scale = attn_dims(m.c, 1, 1).scale;
-    m.attn = std::make_unique<K::AttentionPlan>(al);
-  }
-  m.conv = std::make_unique<K::Conv1dPlan>(m.plan.max_tokens, m.c.conv_dim(), m.c.linear_conv_kernel_dim);
-  m.ce = std::make_unique<K::LinearCrossEntropyPlan>(m.plan.max_tokens, m.c.hidden_size, m.c.vocab_size,
-                                                     m.plan.ce_chunk_tokens);
+  if (has_gdn) m.gdn = K::make_gated_delta_rule_plan(gdn_limits(m.c, m.plan));
+  if (has_attention) m.attn = std::make_unique<K::AttentionPlan>(attn_limits(m.c, m.plan));
+  m.conv = std::make_unique<K::Conv1dPlan>(conv_plan(m.c, m.plan));
+  m.ce = std::make_unique<K::LinearCrossEntropyPlan>(ce_plan(m.c, m.plan));
   Arena sizing;
   m.layout_memory(sizing);
   m.arena_bytes = sizing.off;

@@ -13,17 +13,44 @@
 #include "model/gpu_params.h"
 #include "model/model.h"
 #include "ops/attention/cuda.h"
-#include "ops/attention/cudnn.h"
-#include "ops/conv1d/plan.h"
-#include "ops/gated_delta_rule/plan.h"
 #include "ops/gated_rmsnorm/cuda.h"
 #include "ops/gdn_gate/cuda.h"
-#include "ops/linear_cross_entropy/plan.h"
 #include "ops/rmsnorm/cuda.h"
 
 namespace ds {
 
 namespace K = ds::ops::cuda;
+
+GpuPlan resolved(GpuPlan plan) {
+  if (plan.max_seqlen <= 0) plan.max_seqlen = plan.max_tokens;
+  return plan;
+}
+
+K::GdnLimits gdn_limits(const ModelConfig& c, const GpuPlan& plan) {
+  const ops::GdnDims d = gdn_dims(c, 1, 1);
+  return K::GdnLimits{plan.max_tokens, plan.max_seqs, d.Hk, d.Hv, d.dk, d.dv, d.scale};
+}
+
+K::AttnLimits attn_limits(const ModelConfig& c, const GpuPlan& plan) {
+  K::AttnLimits l;
+  l.max_tokens = plan.max_tokens;
+  l.max_seqs = plan.max_seqs;
+  l.max_seqlen = resolved(plan).max_seqlen;
+  l.rows = plan.rows;
+  l.Hq = c.num_attention_heads;
+  l.Hkv = c.num_key_value_heads;
+  l.head_dim = c.head_dim;
+  l.scale = attn_dims(c, 1, 1).scale;
+  return l;
+}
+
+K::Conv1dPlan conv_plan(const ModelConfig& c, const GpuPlan& plan) {
+  return K::Conv1dPlan(plan.max_tokens, c.conv_dim(), c.linear_conv_kernel_dim);
+}
+
+K::LinearCrossEntropyPlan ce_plan(const ModelConfig& c, const GpuPlan& plan) {
+  return K::LinearCrossEntropyPlan(plan.max_tokens, c.hidden_size, c.vocab_size, plan.ce_chunk_tokens);
+}
 
 void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, GpuParamStore& store,
                         GpuOptimizer& optimizer, GpuActivations& acts, const GpuOpSizes& ops) {
@@ -49,8 +76,7 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   DS_CHECK(attention == "cudnn" || attention == "simple", "plan: attention must be cudnn or simple (got \"{}\")",
            attention);
   DS_CHECK(plan_in.max_tokens > 0 && plan_in.max_seqs > 0, "plan: the batch must hold at least one token");
-  GpuPlan plan = plan_in;
-  if (plan.max_seqlen <= 0) plan.max_seqlen = plan.max_tokens;
+  const GpuPlan plan = resolved(plan_in);
   c.validate();
   const std::vector<ParamSpec> params = qwen35_params(c);  // the table only: no memory for the values
   const int64_t P = params.back().offset + params.back().numel;
@@ -63,10 +89,9 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   bool has_attention = false, has_gdn = false;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_full_attention(i) ? has_attention : has_gdn) = true;
   if (has_gdn) {
-    const ops::GdnDims d = gdn_dims(c, 1, 1);
-    const K::GdnLimits lim{plan.max_tokens, plan.max_seqs, d.Hk, d.Hv, d.dk, d.dv, d.scale};
-    const std::unique_ptr<K::GatedDeltaRulePlan> gdn =
-        K::make_gated_delta_rule_plan(d.dk == 128 && d.dv == 128 ? "cuda-chunked" : "cuda-simple", lim);
+    const K::GdnLimits lim = gdn_limits(c, plan);
+    const std::unique_ptr<K::GatedDeltaRulePlan> gdn = K::make_gated_delta_rule_plan(
+        K::chunked_gated_delta_rule_supports(lim) ? "cuda-chunked" : "cuda-simple", lim);
     ops.gdn_saved = gdn->saved_bytes();
     ops.gdn_batch = gdn->batch_bytes();
     ops.gdn_workspace = gdn->workspace_bytes();
@@ -77,15 +102,7 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
     ops.attn_workspace = K::attention_scratch_bytes(ad);
     out.attention = "cuda-simple";
     if (attention == "cudnn") {
-      ops::cudnn::AttnBounds b;
-      b.max_tokens = plan.max_tokens;
-      b.max_seqs = plan.max_seqs;
-      b.max_seqlen = plan.max_seqlen;
-      b.rows = plan.rows;
-      b.Hq = c.num_attention_heads;
-      b.Hkv = c.num_key_value_heads;
-      b.head_dim = c.head_dim;
-      b.scale = ad.scale;
+      const K::AttnLimits b = attn_limits(c, plan);
       size_t dp = 0, entries = 0;
       for (const ops::cudnn::BucketShape& bk : ops::cudnn::attention_buckets(b)) {
         dp = std::max(dp, static_cast<size_t>(bk.bmax * b.Hq * bk.S * bk.S) * 2);
@@ -96,9 +113,8 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
       out.attention = "cudnn (fused SDPA, workspace estimated)";
     }
   }
-  ops.conv_workspace = K::Conv1dPlan(plan.max_tokens, c.conv_dim(), c.linear_conv_kernel_dim).workspace_bytes();
-  ops.ce_workspace =
-      K::LinearCrossEntropyPlan(plan.max_tokens, c.hidden_size, c.vocab_size, plan.ce_chunk_tokens).workspace_bytes();
+  ops.conv_workspace = conv_plan(c, plan).workspace_bytes();
+  ops.ce_workspace = ce_plan(c, plan).workspace_bytes();
   Arena sizing;
   lay_out_gpu_memory(sizing, c, plan, store, optimizer, acts, ops);
   out.by_use = sizing.by_use;

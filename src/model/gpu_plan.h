@@ -10,6 +10,12 @@
 #include "model/config.h"
 #include "model/engine.h"
 #include "model/gpu_memory.h"
+#ifdef DELTASTACK_CUDA
+#include "ops/attention/plan.h"
+#include "ops/conv1d/plan.h"
+#include "ops/gated_delta_rule/plan.h"
+#include "ops/linear_cross_entropy/plan.h"
+#endif
 
 namespace ds {
 
@@ -26,6 +32,13 @@ struct GpuOpSizes {
 };
 
 #ifdef DELTASTACK_CUDA
+// The op plans' limits for config c and batches of `plan` (one definition for the engine and the planner).
+GpuPlan resolved(GpuPlan plan);  // max_seqlen 0 -> max_tokens
+ops::cuda::GdnLimits gdn_limits(const ModelConfig& c, const GpuPlan& plan);
+ops::cuda::AttnLimits attn_limits(const ModelConfig& c, const GpuPlan& plan);
+ops::cuda::Conv1dPlan conv_plan(const ModelConfig& c, const GpuPlan& plan);
+ops::cuda::LinearCrossEntropyPlan ce_plan(const ModelConfig& c, const GpuPlan& plan);
+
 // The engine's whole layout in one pass over `a` (a sizing pass when a.base is null): parameter store, optimizer,
 // activations and every scratch buffer, in a fixed order, each counted under its MemoryUse.
 void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, GpuParamStore& store,

@@ -209,10 +209,12 @@ std::vector<float> CheckpointWeights::read(const ParamSpec& p) const {
   return v;
 }
 
-void CheckpointWeights::check_tied_head(const float* embed, int64_t numel) const {
+void CheckpointWeights::check_tied_head(const ParamSpec& embed, const float* loaded) const {
   if (!tied_ || !ck_.has("lm_head.weight")) return;
+  std::vector<float> own;
+  if (!loaded) loaded = (own = read(embed)).data();
   std::vector<float> lm = ck_.read_f32("lm_head.weight");
-  DS_CHECK(static_cast<int64_t>(lm.size()) == numel && std::equal(lm.begin(), lm.end(), embed),
+  DS_CHECK(static_cast<int64_t>(lm.size()) == embed.numel && std::equal(lm.begin(), lm.end(), loaded),
            "{}: config ties word embeddings but lm_head.weight differs from embed_tokens; set "
            "tie_word_embeddings=false in config.json to use it", path_);
 }
@@ -224,7 +226,7 @@ void Qwen35Model::load(const std::string& path) {
     std::copy(v.begin(), v.end(), weights_.begin() + p.offset);
   }
   const ParamSpec& e = spec("model.embed_tokens.weight");
-  ck.check_tied_head(weights_.data() + e.offset, e.numel);
+  ck.check_tied_head(e, weights_.data() + e.offset);
 }
 
 // A_log and the gated-norm weight stay fp32 as in released Qwen3.5 checkpoints (docs/model.md §5.3).

@@ -63,8 +63,9 @@ class CheckpointWeights {
   CheckpointWeights(const std::string& path, const ModelConfig& cfg, const std::vector<ParamSpec>& params);
   // The parameter's values (fp32, converted from the stored dtype); ds::Error at the first non-finite value.
   std::vector<float> read(const ParamSpec& p) const;
-  // With tied embeddings, an lm_head.weight present in the checkpoint must equal the embedding (ds::Error).
-  void check_tied_head(const float* embed, int64_t numel) const;
+  // With tied embeddings, an lm_head.weight present in the checkpoint must equal the embedding (ds::Error). The
+  // embedding's values: `loaded` when the caller has them, else read here (only when there is a head to compare).
+  void check_tied_head(const ParamSpec& embed, const float* loaded = nullptr) const;
 
  private:
   std::string name_of(const ParamSpec& p) const;

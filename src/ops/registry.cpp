@@ -191,8 +191,6 @@ KnobSetting knob_setting(const std::string& op) {
   return k;
 }
 
-KnobMode knob_mode(const std::string& op) { return knob_setting(op).mode; }
-
 void check_knobs() {
   std::vector<std::string> ops;
   {
@@ -207,13 +205,17 @@ const Backend& select_backend(const std::string& op, const std::string& device) 
 }
 
 const Backend& select_backend(const std::string& op, const std::string& device, const std::vector<std::string>& skip) {
+  std::string key = op + "/" + device;
+  for (const std::string& n : skip) key += "/-" + n;
+  {  // the choice is made once per process: later calls (every op call on the CPU) only look it up
+    std::lock_guard<std::mutex> lk(g_mu);
+    auto it = g_selected.find(key);
+    if (it != g_selected.end()) return *it->second;
+  }
   const KnobSetting knob = knob_setting(op);
   KnobMode mode = knob.mode;
   std::lock_guard<std::mutex> lk(g_mu);
-  std::string key = op + "/" + device;
-  for (const std::string& n : skip) key += "/-" + n;
-  auto it = g_selected.find(key);
-  if (it != g_selected.end()) return *it->second;
+  if (auto it = g_selected.find(key); it != g_selected.end()) return *it->second;
   auto& t = table();
   auto e = std::find_if(t.begin(), t.end(), [&](const OpEntry& x) { return x.name == op; });
   DS_CHECK(e != t.end(), "op registry: unknown op \"{}\"", op);

@@ -33,7 +33,6 @@ struct KnobSetting {
 // fails its probe is an error, not a silent fallback) while the op's other devices behave as with auto. Logs one
 // line the first time a knob other than auto is seen. Throws ds::Error naming the variable for any other value.
 KnobSetting knob_setting(const std::string& op);
-KnobMode knob_mode(const std::string& op);
 // Reads every op's knob now (ds::Error naming the variable for a bad value), so a run fails before it writes anything.
 void check_knobs();
 

@@ -36,8 +36,7 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
   // comes in the write, so host memory holds one tensor at a time (the largest, the embedding, for any model size).
   const std::vector<ParamSpec> params = qwen35_params(c);
   const CheckpointWeights weights(checkpoint, c, params);
-  for (const ParamSpec& p : params)
-    if (p.name == "model.embed_tokens.weight") weights.check_tied_head(weights.read(p).data(), p.numel);
+  weights.check_tied_head(params.front());  // the embedding comes first in the table
   struct Current {
     const ParamSpec* p = nullptr;
     std::vector<float> values;

@@ -10,7 +10,6 @@ namespace ds::ops::cuda {
 // Defined beside each kernel (plan_simple.cu, ...).
 std::unique_ptr<GatedDeltaRulePlan> make_simple_gated_delta_rule_plan(const GdnLimits& limits);
 std::unique_ptr<GatedDeltaRulePlan> make_chunked_gated_delta_rule_plan(const GdnLimits& limits);
-bool chunked_gated_delta_rule_supports(const GdnLimits& limits);
 
 std::unique_ptr<GatedDeltaRulePlan> make_gated_delta_rule_plan(const std::string& backend, const GdnLimits& limits) {
   if (backend == "cuda-simple") return make_simple_gated_delta_rule_plan(limits);

@@ -64,6 +64,10 @@ class GatedDeltaRulePlan {
 // backend rejected by its probe) or the dimensions are outside the kernels' limits.
 std::unique_ptr<GatedDeltaRulePlan> make_gated_delta_rule_plan(const GdnLimits& limits);
 
+// Whether the chunked kernel (cuda-chunked) takes these shapes: dk = dv = 128, Hv a multiple of Hk, fewer than 2^31
+// tokens and 2^28 documents per micro-batch. Other shapes run cuda-simple.
+bool chunked_gated_delta_rule_supports(const GdnLimits& limits);
+
 // The plan of one named backend ("cuda-simple" | "cuda-chunked"), without consulting the registry: the probes and
 // tests use it to check a backend in isolation.
 std::unique_ptr<GatedDeltaRulePlan> make_gated_delta_rule_plan(const std::string& backend, const GdnLimits& limits);
