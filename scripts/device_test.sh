@@ -2,8 +2,9 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops bench-step (default: all but
-# test-gpu, which runs only the CUDA tests). With a source tree of an earlier commit in .base (e.g.
+# Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops peer bench-step (default: all
+# but test-gpu, which runs only the CUDA tests, and peer, which times fla's kernels: scripts/peer_bench.py).
+# With a source tree of an earlier commit in .base (e.g.
 # `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
 # (build-base) and `train` / `bench-step` compare against it: losses bitwise, step time.
 # The device image has no Debian -dev packages and no network, so the Debian 12 packages the build needs
@@ -100,10 +101,18 @@ fi
 if has bench-ops; then
   $BUILD/deltastack bench ops 2>&1 | tee "$OUT/bench_ops.txt"
 fi
+if has peer; then
+  # The peer's kernels at bench ops' shapes, in this same call (fla from .peers/site, carried; see peer_bench.py).
+  if [ -d .peers/site/fla ]; then
+    PYTHONPATH=$PWD/.peers/site python3 scripts/peer_bench.py --bypass-640 2>&1 | grep -v "Warning" | tee "$OUT/peer_bench.txt"
+  else
+    echo "peer: .peers/site/fla not carried"
+  fi
+fi
 if has bench-step; then
   for preset in ${BENCH_PRESETS:-2b}; do
     $BUILD/deltastack bench step --preset $preset --seq-len 8192 --micro-batch 2 2>&1 | tee -a "$OUT/bench_step.txt"
-    DELTASTACK_GATED_DELTA_RULE=cuda-simple $BUILD/deltastack bench step --preset $preset --seq-len 8192 --micro-batch 2 \
+    [ "${BENCH_SIMPLE:-1}" = 1 ] && DELTASTACK_GATED_DELTA_RULE=cuda-simple $BUILD/deltastack bench step --preset $preset --seq-len 8192 --micro-batch 2 \
       2>&1 | sed 's/^/[cuda-simple] /' | tee -a "$OUT/bench_step.txt"
     [ -x build-base/deltastack ] && [ -n "${BENCH_BASE:-}" ] && build-base/deltastack bench step --preset $preset \
       --seq-len 8192 --micro-batch 2 2>&1 | sed 's/^/[base] /' | tee -a "$OUT/bench_step.txt"

@@ -173,10 +173,22 @@ int cmd_bench_ops() {
                     10.0 * N * C / ((f + b) * 1e-3) / kCopyBw});
   }
   // gated delta rule through the plan the registry selects (DELTASTACK_GATED_DELTA_RULE picks another): one
-  // 32768-token sequence at Hk16 / Hv32 and the 2B / 0.8B layer (2 x 8192 tokens, Hk16 / Hv16).
-  for (auto [B, T, Hk, Hv] : std::vector<std::array<int64_t, 4>>{{1, 32768, 16, 32}, {2, 8192, 16, 16}}) {
+  // 32768-token sequence at Hk16 / Hv32, the 2B / 0.8B layer (2 x 8192 tokens, Hk16 / Hv16), and 8 documents of
+  // fixed uneven lengths (a 39-token one included) packed into 32768 tokens at Hk16 / Hv32.
+  struct GdnShape {
+    std::vector<int32_t> lengths;
+    int64_t Hk, Hv;
+    const char* goal;
+  };
+  const std::vector<GdnShape> gdn_shapes{{{32768}, 16, 32, "3.0"},
+                                         {{8192, 8192}, 16, 16, "0.8"},
+                                         {{7463, 1021, 5810, 39, 9000, 2601, 4316, 2518}, 16, 32, "-"}};
+  for (const GdnShape& sh : gdn_shapes) {
     DevBuf d;
-    const int64_t N = B * T, D = 128;
+    const int64_t B = static_cast<int64_t>(sh.lengths.size()), Hk = sh.Hk, Hv = sh.Hv, D = 128;
+    std::vector<int32_t> hcu{0};
+    for (int32_t len : sh.lengths) hcu.push_back(hcu.back() + len);
+    const int64_t N = hcu.back();
     const K::GdnLimits lim{N, B, Hk, Hv, D, D, 1.0 / std::sqrt(128.0)};
     std::unique_ptr<K::GatedDeltaRulePlan> plan = K::make_gated_delta_rule_plan(lim);
     bf16 *q = d.get<bf16>(N * Hk * D), *k = d.get<bf16>(N * Hk * D), *v = d.get<bf16>(N * Hv * D),
@@ -185,8 +197,6 @@ int cmd_bench_ops() {
     float *gg = d.get<float>(N * Hv), *beta = d.get<float>(N * Hv), *dg = d.get<float>(N * Hv),
           *db = d.get<float>(N * Hv);
     int32_t* cu = d.get<int32_t>(B + 1);
-    std::vector<int32_t> hcu;
-    for (int64_t i = 0; i <= B; ++i) hcu.push_back(static_cast<int32_t>(i * T));
     DS_CUDA_CHECK(cudaMemcpy(cu, hcu.data(), hcu.size() * 4, cudaMemcpyHostToDevice));
     void *batch = d.get<char>(plan->batch_bytes()), *saved = d.get<char>(plan->saved_bytes()),
          *ws = d.get<char>(plan->workspace_bytes());
@@ -204,11 +214,12 @@ int cmd_bench_ops() {
     double bw = time_ms([&] { plan->backward(io, gr, saved, ws, s); }, 1, 3);
     // Chunked-algorithm FLOPs (fwd ~ 4 N Hv dk dv + intra-chunk 2 N Hv 64 (dk+dv)), bwd ~ 2x fwd.
     double fl = N * Hv * (4.0 * D * D + 2.0 * 64 * (D + D)) * 3;
-    const std::string shape = B == 1 ? fmt::format("T{} Hk{} Hv{} d128", T, Hk, Hv)
-                                     : fmt::format("B{}xT{} Hk{} Hv{} d128", B, T, Hk, Hv);
+    const std::string shape = B == 1   ? fmt::format("T{} Hk{} Hv{} d128", N, Hk, Hv)
+                              : B == 2 ? fmt::format("B2xT{} Hk{} Hv{} d128", N / 2, Hk, Hv)
+                                       : fmt::format("{}docs T{} Hk{} Hv{} d128", B, N, Hk, Hv);
     rows.push_back({"gated_delta_rule", shape, f, f + bw,
                     fmt::format("{:.1f} TFLOP/s; {}; goal {} ms", fl / ((f + bw) * 1e-3) / 1e12, plan->name(),
-                                B == 1 ? "3.0" : "0.8"),
+                                sh.goal),
                     fl / ((f + bw) * 1e-3) / kGemmRate});
   }
   {  // attention, causal GQA d 256, 16 q / 4 kv heads, B 2 x T 8192
