@@ -2,8 +2,9 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops peer bench-step (default: all
-# but test-gpu, which runs only the CUDA tests, and peer, which times fla's kernels: scripts/peer_bench.py).
+# Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops peer bench-step memory curves
+# (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
+# memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves).
 # With a source tree of an earlier commit in .base (e.g.
 # `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
 # (build-base) and `train` / `bench-step` compare against it: losses bitwise, step time.
@@ -118,6 +119,34 @@ if has bench-step; then
       --seq-len 8192 --micro-batch 2 2>&1 | sed 's/^/[base] /' | tee -a "$OUT/bench_step.txt"
   done
 fi
+if has memory; then
+  # The memory modes at the issue's shapes: bench step reports the modes, step time and peak (plan beside it).
+  D=$BUILD/deltastack
+  while read -r args; do
+    [ -z "$args" ] && continue
+    $D bench step $args --steps 3 2>&1 | grep -v "^\[deltastack\] attention" | sed "s|^|[$args] |" | tee -a "$OUT/bench_memory.txt"
+  done <<EOF2
+${MEMORY_RUNS:---preset 9b --seq-len 8192 --micro-batch 1
+--preset 2b --seq-len 8192 --micro-batch 2 --optimizer-state bf16 --recompute full
+--preset 2b --seq-len 8192 --micro-batch 2 --optimizer-state fp32 --recompute full
+--preset 2b --seq-len 8192 --micro-batch 2 --recompute none
+--preset 0.8b --seq-len 8192 --micro-batch 2 --optimizer-state fp32 --recompute full
+--preset 2b --seq-len 32768 --micro-batch 1 --optimizer-state bf16 --recompute full}
+EOF2
+fi
+if has curves; then
+  # The lean state's loss curve against fp32's: 0.8B on the bundled text, the two runs side by side on the GPU.
+  D=$BUILD/deltastack
+  C="--model 0.8b --device cuda --seq-len 1024 --micro-batch 8 --steps ${CURVE_STEPS:-300} --lr 3e-4 --warmup 30 \
+     --eval-interval 25 --eval-batches 8 --recompute selective"
+  rm -rf /tmp/ds_c32 /tmp/ds_c16
+  $D train $C --optimizer-state fp32 --out /tmp/ds_c32 >/tmp/ds_curve32.txt 2>&1 &
+  $D train $C --optimizer-state bf16 --out /tmp/ds_c16 >/tmp/ds_curve16.txt 2>&1 &
+  wait
+  tail -2 /tmp/ds_curve32.txt /tmp/ds_curve16.txt
+  cp /tmp/ds_c32/metrics.jsonl "$OUT/curve_fp32.jsonl"; cp /tmp/ds_c16/metrics.jsonl "$OUT/curve_bf16.jsonl"
+  python3 scripts/compare_curves.py "$OUT/curve_fp32.jsonl" "$OUT/curve_bf16.jsonl" | tee "$OUT/curves.txt" || status=1
+fi
 if has train; then
   # GPU training on the embedded default: two runs with one seed must give bitwise-identical losses, and a
   # resume from the step-100 checkpoint must reproduce steps 101..200 bitwise.
@@ -152,6 +181,26 @@ print(f"gpu train: {len(a)} steps, eval_loss {ev[0][1]:.4f} -> {ev[-1][1]:.4f} (
 print(f"same seed twice: {'bitwise identical' if same else 'DIFFERENT'}; resume from step 100: "
       f"{'bitwise identical' if resumed else 'DIFFERENT'}")
 raise SystemExit(0 if same and resumed else 1)
+PY
+  # The bf16 optimizer state: two runs bitwise equal, a resume from step 100 bitwise, eval loss close to fp32's.
+  rm -rf /tmp/ds_b1 /tmp/ds_b2 /tmp/ds_b3
+  $D train --device cuda --optimizer-state bf16 --save-interval 100 --out /tmp/ds_b1 >/tmp/ds_train_b1.txt 2>&1 || { tail -3 /tmp/ds_train_b1.txt; status=1; }
+  $D train --device cuda --optimizer-state bf16 --out /tmp/ds_b2 >/tmp/ds_train_b2.txt 2>&1 || status=1
+  $D train --resume /tmp/ds_b1/checkpoint-100 --out /tmp/ds_b3 >/tmp/ds_train_b3.txt 2>&1 || status=1
+  python3 - <<'PY' || status=1
+import json
+def rows(p):
+    return [j for j in map(json.loads, open(p))]
+def losses(p):
+    return {j["step"]: j["loss"] for j in rows(p) if "loss" in j}
+a, b, c = (losses(f"/tmp/ds_b{i}/metrics.jsonl") for i in (1, 2, 3))
+ev = [j["eval_loss"] for j in rows("/tmp/ds_b1/metrics.jsonl") if "eval_loss" in j]
+ef = [j["eval_loss"] for j in rows("/tmp/ds_g1/metrics.jsonl") if "eval_loss" in j]
+ok = a == b and all(a[s] == c[s] for s in c) and len(c) == 100
+print(f"gpu train, --optimizer-state bf16: eval_loss {ev[0]:.4f} -> {ev[-1]:.4f} (fp32 state: {ef[-1]:.4f}, "
+      f"{100 * (ev[-1] / ef[-1] - 1):+.2f}%); same seed twice and resume from step 100: "
+      f"{'bitwise identical' if ok else 'DIFFERENT'}")
+raise SystemExit(0 if ok else 1)
 PY
   $D generate --model /tmp/ds_g1/checkpoint-200 --prompt "ROMEO:" --max-new-tokens 40 2>&1 | tail -3
   # `deltastack eval` of that checkpoint on the GPU engine and on the CPU reference: within the bf16 band.

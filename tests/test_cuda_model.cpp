@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "core/bf16.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "cuda_test_util.h"
 #include "model/config.h"
@@ -85,6 +87,110 @@ TEST(CudaEngine, ChunkedGatedDeltaRuleMatchesCpu) {
   DS_SKIP_WITHOUT_GPU();
   check_engine({100, 1, 155, 39}, 128);
   check_engine({100, 1, 155, 39}, 128, 300);  // a plan larger than the batch
+}
+
+// The recompute policies (model/engine.h Recompute) rebuild the forward's own values: bitwise the same loss and
+// gradients, with less memory the more they rebuild.
+TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
+  DS_SKIP_WITHOUT_GPU();
+  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  c.vocab_size = 4096;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;  // the chunked GDN plan (its saved state per layer)
+  ds::Qwen35Model host(c);
+  host.init_weights(11);
+  const ds::PackedBatch b = make_batch({100, 1, 155, 39}, c.vocab_size, 31);
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  struct Run {
+    double loss;
+    std::vector<float> grads;
+    size_t bytes;
+  };
+  auto run = [&](ds::Recompute rc) {
+    ds::GpuPlan plan;
+    plan.max_tokens = b.size();
+    plan.max_seqs = 4;
+    plan.recompute = rc;
+    ds::GpuModel gpu(host, plan);
+    EXPECT_EQ(gpu.recompute(), rc);
+    Run r{gpu.forward_backward(b, scale).loss_sum, {}, gpu.planned_bytes()};
+    gpu.download_grads(r.grads);
+    return r;
+  };
+  const Run sel = run(ds::Recompute::Selective), none = run(ds::Recompute::None), full = run(ds::Recompute::Full);
+  EXPECT_EQ(none.loss, sel.loss);
+  EXPECT_EQ(full.loss, sel.loss);
+  EXPECT_TRUE(none.grads == sel.grads);
+  EXPECT_TRUE(full.grads == sel.grads);
+  EXPECT_LT(full.bytes, sel.bytes);
+  EXPECT_LT(sel.bytes, none.bytes);
+}
+
+// The bf16 optimizer state (ops/adamw/bf16_state.h): the same first forward as the fp32 state (both run the
+// round-to-nearest bf16 of the host weights), then a close loss curve; and its checkpoint tensors (fp32, widened
+// exactly) restore the run bitwise in a new engine.
+TEST(CudaEngine, Bf16StateTracksFp32AndRestoresBitwise) {
+  DS_SKIP_WITHOUT_GPU();
+  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  c.vocab_size = 4096;
+  ds::Qwen35Model host(c);
+  host.init_weights(12);
+  const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 32);
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  auto plan_for = [&](ds::OptimizerState s) {
+    ds::GpuPlan plan;
+    plan.max_tokens = b.size();
+    plan.max_seqs = 3;
+    plan.optimizer_state = s;
+    return plan;
+  };
+  ds::ops::AdamWParams ap;
+  ap.lr = 3e-3;
+  ap.weight_decay = 0.1;
+  auto steps = [&](ds::GpuModel& gpu, int64_t first, int64_t last) {
+    std::vector<double> losses;
+    for (int64_t t = first; t <= last; ++t) {
+      gpu.zero_grads();
+      losses.push_back(gpu.forward_backward(b, scale).loss_sum * scale);
+      ap.step = t;
+      gpu.adamw_step(ap, ap.weight_decay);
+    }
+    return losses;
+  };
+  ds::GpuModel f32(host, plan_for(ds::OptimizerState::Fp32)), b16(host, plan_for(ds::OptimizerState::Bf16));
+  EXPECT_EQ(b16.optimizer_state(), ds::OptimizerState::Bf16);
+  const std::vector<double> lf = steps(f32, 1, 20), lb = steps(b16, 1, 20);
+  EXPECT_EQ(lf[0], lb[0]);
+  EXPECT_LT(lb.back(), 0.8 * lb.front());  // it learns this batch
+  for (size_t i = 0; i < lf.size(); ++i) EXPECT_NEAR(lb[i], lf[i], 2e-2 * lf[i]) << "step " << i + 1;
+
+  // Checkpoint round trip: weights and both moments out as fp32, into a new bf16 engine, 3 more steps each.
+  const int64_t P = host.num_parameters();
+  ds::Qwen35Model again(c);
+  again.init_weights(99);  // overwritten below
+  for (const ds::ParamSpec& p : again.params())
+    b16.read(ds::GpuModel::Buffer::Weights, p.offset, p.numel, again.weights().data() + p.offset);
+  std::vector<float> m(static_cast<size_t>(P)), v(m.size());
+  for (const ds::ParamSpec& p : again.params()) {
+    b16.read_optimizer_state(0, p.offset, p.numel, m.data() + p.offset);
+    b16.read_optimizer_state(1, p.offset, p.numel, v.data() + p.offset);
+  }
+  ds::GpuModel resumed(again, plan_for(ds::OptimizerState::Bf16));
+  for (const ds::ParamSpec& p : again.params()) {
+    resumed.write_optimizer_state(0, p.offset, p.numel, m.data() + p.offset);
+    resumed.write_optimizer_state(1, p.offset, p.numel, v.data() + p.offset);
+  }
+  const std::vector<double> la = steps(b16, 21, 23), lr = steps(resumed, 21, 23);
+  EXPECT_EQ(la, lr);
+  std::vector<float> wa(static_cast<size_t>(P)), wr(wa.size());
+  for (const ds::ParamSpec& p : again.params()) {
+    b16.read(ds::GpuModel::Buffer::Weights, p.offset, p.numel, wa.data() + p.offset);
+    resumed.read(ds::GpuModel::Buffer::Weights, p.offset, p.numel, wr.data() + p.offset);
+  }
+  EXPECT_TRUE(wa == wr);
+  // A bf16-only weight read back is a bf16 value; a range across two parameters is refused.
+  const ds::ParamSpec& emb = again.params().front();
+  EXPECT_EQ(wa[5], ds::round_bf16(wa[5]));
+  EXPECT_THROW(b16.read(ds::GpuModel::Buffer::Weights, emb.numel - 1, 2, wa.data()), ds::Error);
 }
 
 }  // namespace

@@ -203,6 +203,13 @@ TEST(CudaOps, AdamW) {
   expect_ok(check_adamw({.n = 3}));                         // shorter than a vector
 }
 
+TEST(CudaOps, AdamWBf16State) {
+  DS_SKIP_WITHOUT_GPU();
+  expect_ok(check_adamw_bf16({.n = 1000003}));            // 4-wide body + scalar tail
+  expect_ok(check_adamw_bf16({.n = 1001, .offset = 1}));  // unaligned: scalar path
+  expect_ok(check_adamw_bf16({.n = 3}));                  // shorter than a vector
+}
+
 // ------------------------------------------------------------------------------------------------ elementwise
 
 TEST(CudaOps, Elementwise) {

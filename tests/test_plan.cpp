@@ -10,13 +10,15 @@
 #include "core/cuda/device.h"
 #include "model/config.h"
 #include "model/gpu_plan.h"
+#include "model/model.h"
+#include "model/params.h"
 #include "train_test_util.h"
 
 namespace {
 
 constexpr double kGiB = 1073741824.0;
 
-double planned_gib(const char* preset, int64_t seq, int64_t mb) {
+double planned_gib(const char* preset, int64_t seq, int64_t mb) {  // fp32 state, selective recompute
   return ds::plan_gpu_memory(ds::ModelConfig::preset(preset), ds::GpuPlan::windows(mb, seq, 1)).total / kGiB;
 }
 
@@ -49,17 +51,104 @@ TEST(Plan, CategoriesAddUpAndScale) {
 TEST(Plan, CommandEndsWithTheVerdictAndExitsZero) {
   if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
   std::string out;
-  ASSERT_EQ(ds::test::run("plan --model 2b --seq-len 8192 --micro-batch 2", &out), 0) << out;
+  ASSERT_EQ(ds::test::run("plan --model 2b --seq-len 8192 --micro-batch 2 --memory fixed", &out), 0) << out;
+  EXPECT_NE(out.find("optimizer state fp32 (fp32 master"), std::string::npos) << out;
+  EXPECT_NE(out.find("recompute selective (norm"), std::string::npos) << out;
   EXPECT_NE(out.find("\ntotal 61."), std::string::npos) << out;
   EXPECT_NE(out.find("GiB of 140.40 GiB: fits\n"), std::string::npos) << out;
-  ASSERT_EQ(ds::test::run("plan --model 9b --seq-len 8192 --micro-batch 1", &out), 0) << out;
+  ASSERT_EQ(ds::test::run("plan --model 9b --seq-len 8192 --micro-batch 1 --memory fixed", &out), 0) << out;
   EXPECT_NE(out.find("GiB of 140.40 GiB: does not fit\n"), std::string::npos) << out;
-  ASSERT_EQ(ds::test::run("plan --model 2b --seq-len 8192 --micro-batch 2 --device-memory 40", &out), 0) << out;
+  ASSERT_EQ(ds::test::run("plan --model 2b --seq-len 8192 --micro-batch 2 --device-memory 40 --memory fixed", &out), 0);
   EXPECT_NE(out.find("of 40.00 GiB: does not fit"), std::string::npos) << out;
   EXPECT_EQ(ds::test::run("plan --model 2b --seq-len 0", &out), 1);
   EXPECT_NE(out.find("--seq-len"), std::string::npos) << out;
   EXPECT_EQ(ds::test::run("plan --model 2b --attention flash", &out), 1);
   EXPECT_NE(out.find("attention"), std::string::npos) << out;
+  EXPECT_EQ(ds::test::run("plan --model 2b --optimizer-state fp16", &out), 1);
+  EXPECT_NE(out.find("--optimizer-state must be auto, fp32 or bf16"), std::string::npos) << out;
+  EXPECT_EQ(ds::test::run("plan --model 2b --recompute some", &out), 1);
+  EXPECT_NE(out.find("--recompute must be"), std::string::npos) << out;
+}
+
+ds::GpuMemoryPlan plan_modes(const char* preset, int64_t seq, int64_t mb, ds::OptimizerState s, ds::Recompute r) {
+  ds::GpuPlan plan = ds::GpuPlan::windows(mb, seq, 1);
+  plan.optimizer_state = s;
+  plan.recompute = r;
+  return ds::plan_gpu_memory(ds::ModelConfig::preset(preset), plan);
+}
+size_t use(const ds::GpuMemoryPlan& p, ds::MemoryUse u) { return p.by_use[static_cast<size_t>(u)]; }
+
+TEST(Plan, Bf16StateTakesTenBytesPerParameter) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  using ds::MemoryUse;
+  const ds::ModelConfig c = ds::ModelConfig::preset("2b");
+  // bf16 GEMM weights (2 B) + an fp32 master of the small parameters; fp32 gradients (4 B); bf16 moments (4 B)
+  // + fp32 moments of the small parameters. The small ones: norms, conv taps, A_log, dt_bias.
+  double P = static_cast<double>(c.num_parameters()), small = 0;
+  for (const ds::ParamSpec& p : ds::qwen35_params(c))
+    if (!ds::is_matrix(p)) small += static_cast<double>(p.numel);
+  EXPECT_GT(small, 0);
+  EXPECT_LT(small, 1e-3 * P);
+  const ds::GpuMemoryPlan b = plan_modes("2b", 8192, 2, ds::OptimizerState::Bf16, ds::Recompute::Selective);
+  const ds::GpuMemoryPlan f = plan_modes("2b", 8192, 2, ds::OptimizerState::Fp32, ds::Recompute::Selective);
+  const double slack = 256.0 * 1000;  // per-buffer alignment
+  EXPECT_NEAR(use(b, MemoryUse::Parameters), 2 * P + 4 * small, slack);
+  EXPECT_NEAR(use(b, MemoryUse::Gradients), 4 * P, slack);
+  EXPECT_NEAR(use(b, MemoryUse::Optimizer), 4 * P + 8 * small, slack);
+  // the activations do not depend on the state (but for where the 256-byte alignment falls)
+  EXPECT_NEAR(use(b, MemoryUse::Kept), use(f, MemoryUse::Kept), 256.0 * 200);
+  EXPECT_NEAR(static_cast<double>(f.total - b.total), 8 * P - 12 * small, slack);
+}
+
+TEST(Plan, RecomputePoliciesOrderTheActivationMemory) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  using ds::MemoryUse;
+  using ds::Recompute;
+  const auto S = ds::OptimizerState::Fp32;
+  const ds::GpuMemoryPlan none = plan_modes("2b", 8192, 2, S, Recompute::None),
+                          sel = plan_modes("2b", 8192, 2, S, Recompute::Selective),
+                          full = plan_modes("2b", 8192, 2, S, Recompute::Full);
+  const ds::ModelConfig c = ds::ModelConfig::preset("2b");
+  const double N = 16384, L = static_cast<double>(c.num_hidden_layers), H = static_cast<double>(c.hidden_size);
+  // full keeps the residual stream per layer (L + 1 windows of N x H bf16) plus one layer's set per mixer kind.
+  EXPECT_LT(use(full, MemoryUse::Kept), use(sel, MemoryUse::Kept) / 5);
+  EXPECT_GT(use(full, MemoryUse::Kept), (L + 1) * N * H * 2);
+  EXPECT_LT(use(full, MemoryUse::GdnSaved), use(sel, MemoryUse::GdnSaved) / 10);  // one GDN layer's instead of 18
+  // none keeps per layer what selective rebuilds: at least xn1, xn2 and the SwiGLU output of every layer more.
+  const double I = static_cast<double>(c.intermediate_size);
+  EXPECT_GT(static_cast<double>(use(none, MemoryUse::Kept)) - use(sel, MemoryUse::Kept), L * N * (2 * H + I) * 2 * 0.99);
+  EXPECT_LT(use(none, MemoryUse::Recomputed), use(sel, MemoryUse::Recomputed));
+  EXPECT_EQ(use(none, MemoryUse::Optimizer), use(full, MemoryUse::Optimizer));
+}
+
+TEST(Plan, AutoPicksTheLeastRecomputeThenTheLeanestStateThatFits) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  using ds::OptimizerState;
+  using ds::Recompute;
+  const auto all = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto);
+  ASSERT_EQ(all.size(), 6u);
+  EXPECT_EQ(all.front(), std::make_pair(OptimizerState::Fp32, Recompute::None));
+  EXPECT_EQ(all[1], std::make_pair(OptimizerState::Bf16, Recompute::None));
+  EXPECT_EQ(all.back(), std::make_pair(OptimizerState::Bf16, Recompute::Full));
+  EXPECT_EQ(ds::memory_candidates(OptimizerState::Fp32, Recompute::Auto).size(), 3u);  // a given mode is kept
+  EXPECT_EQ(ds::memory_candidates(OptimizerState::Bf16, Recompute::Full).size(), 1u);
+  const ds::ModelConfig c = ds::ModelConfig::preset("2b");
+  auto pick = [&](double gib) {
+    ds::GpuPlan plan = ds::GpuPlan::windows(2, 8192, 1);
+    plan.optimizer_state = OptimizerState::Auto;
+    plan.recompute = Recompute::Auto;
+    const ds::GpuPlan r = ds::resolve_memory_modes(c, plan, [&](const ds::GpuMemoryPlan& p) { return p.total <= gib * kGiB; });
+    return std::make_pair(r.optimizer_state, r.recompute);
+  };
+  EXPECT_EQ(pick(140), std::make_pair(OptimizerState::Fp32, Recompute::None));
+  EXPECT_EQ(pick(64), std::make_pair(OptimizerState::Bf16, Recompute::None));  // 61.6 fp32 + selective would fit too
+  EXPECT_EQ(pick(40), std::make_pair(OptimizerState::Bf16, Recompute::Full));
+  EXPECT_EQ(pick(1), std::make_pair(OptimizerState::Bf16, Recompute::Full));  // nothing fits: the leanest
+  // the 9B shape of the issue fits an H200 only with the bf16 state
+  std::string out;
+  ASSERT_EQ(ds::test::run("plan --model 9b --seq-len 8192 --micro-batch 1", &out), 0) << out;
+  EXPECT_NE(out.find("optimizer state bf16"), std::string::npos) << out;
+  EXPECT_NE(out.find("GiB of 140.40 GiB: fits\n"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -4,8 +4,10 @@
 
 #include <cmath>
 
+#include "core/bf16.h"
 #include "core/error.h"
 #include "ops/adamw/adamw.h"
+#include "ops/adamw/bf16_state.h"
 #include "ops/embedding/embedding.h"
 #include "ops/gated_rmsnorm/gated_rmsnorm.h"
 #include "ops/linear/linear.h"
@@ -150,4 +152,62 @@ TEST(AdamW, MatchesTorchFormulaForTwoSteps) {
   }
   std::vector<float> big(10000, 0.5f);
   EXPECT_DOUBLE_EQ(ops::sum_squares(big.data(), 10000), 2500.0);
+}
+
+// The lean optimizer-state mode (ops/adamw/bf16_state.h).
+TEST(AdamWBf16State, StochasticRoundingIsExactlyUnbiasedOverAllRandomBits) {
+  namespace S = ops::bf16_state;
+  for (float x : {1.0f + 0.3f / 128, -3.14159f, 7.5e-39f /* subnormal */, 1e-6f, 0.0f, 65504.123f}) {
+    const uint32_t u = S::f32_bits(x);
+    const float down = S::widen(static_cast<uint16_t>(u >> 16));
+    const float up = S::widen(static_cast<uint16_t>((u >> 16) + 1));
+    double sum = 0;
+    int64_t ups = 0;
+    for (uint32_t r = 0; r < 65536; ++r) {
+      const float y = S::widen(S::round_stochastic(x, r));
+      ASSERT_TRUE(y == down || y == up) << x;  // one of the two bf16 neighbours
+      ups += y == up;
+      sum += y;
+    }
+    EXPECT_EQ(ups, static_cast<int64_t>(u & 0xffffu)) << x;  // up with probability (x - down) / spacing
+    EXPECT_EQ(sum / 65536.0, static_cast<double>(x)) << x;  // the mean over every r16 is x exactly
+  }
+  EXPECT_TRUE(std::isnan(S::widen(S::round_stochastic(std::nanf(""), 0xffff))));
+  EXPECT_EQ(S::widen(S::round_stochastic(INFINITY, 0xffff)), INFINITY);
+  EXPECT_EQ(S::widen(S::round_stochastic(-INFINITY, 0xffff)), -INFINITY);
+}
+
+TEST(AdamWBf16State, KeepsUpdatesSmallerThanHalfABf16StepInExpectation) {
+  // p = 1, one step of lr 1e-4 (and decay 1e-5): the step is 1/35 of bf16's spacing just below 1.0 (2^-8), so
+  // round-to-nearest would leave every p at 1.0. With stochastic rounding the mean of n independent elements is fp32 AdamW's value.
+  const int64_t n = 200000;
+  ops::AdamWParams ap;
+  ap.lr = 1e-4;
+  ap.weight_decay = 0.1;
+  ap.step = 1;
+  std::vector<uint16_t> p(n, f32_to_bf16_bits(1.0f)), m(n, 0), v(n, 0);
+  std::vector<float> g(n, 1e-3f);
+  ops::adamw_update_bf16(p.data(), g.data(), m.data(), v.data(), n, ap, 0);
+  float pf = 1.0f, mf = 0, vf = 0;
+  ops::adamw_update(&pf, g.data(), &mf, &vf, 1, ap);
+  double mean = 0, mean_m = 0, mean_v = 0;
+  int64_t moved = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    mean += bf16_bits_to_f32(p[i]) / n;
+    mean_m += bf16_bits_to_f32(m[i]) / n;
+    mean_v += bf16_bits_to_f32(v[i]) / n;
+    moved += p[i] != f32_to_bf16_bits(1.0f);
+  }
+  EXPECT_GT(moved, n / 50);  // about 2.8% of the elements took the step down (RNE: none)
+  EXPECT_LT(moved, n / 25);
+  // standard error of the mean: 2^-8 (spacing below 1.0) * sqrt(q (1 - q) / n) ~ 1e-6
+  EXPECT_NEAR(mean, pf, 6e-6);
+  EXPECT_NEAR(mean_m, mf, 1e-3 * mf);
+  EXPECT_NEAR(mean_v, vf, 1e-3 * vf);
+  // Deterministic: the same step and indices give the same bits; another index range another stream.
+  std::vector<uint16_t> p2(n, f32_to_bf16_bits(1.0f)), m2(n, 0), v2(n, 0), p3 = p2, m3 = m2, v3 = v2;
+  ops::adamw_update_bf16(p2.data(), g.data(), m2.data(), v2.data(), n, ap, 0);
+  ops::adamw_update_bf16(p3.data(), g.data(), m3.data(), v3.data(), n, ap, n);
+  EXPECT_EQ(p2, p);
+  EXPECT_NE(p3, p);
 }

@@ -134,9 +134,10 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   for (const auto& [k, v] : j.items()) keys.push_back(k);
   EXPECT_EQ(keys, (std::vector<std::string>{"adam_eps", "beta1", "beta2", "clip", "data", "device", "eval_batches",
                                             "eval_interval", "grad_accum", "keep_last", "lr", "max_shard_mb",
-                                            "micro_batch", "min_lr_ratio", "model", "nan_policy", "save_interval",
-                                            "schedule", "seed", "seq_len", "steps", "tokenizer", "txt_split",
-                                            "val_data", "val_fraction", "warmup", "weight_decay", "z_loss"}));
+                                            "micro_batch", "min_lr_ratio", "model", "nan_policy", "optimizer_state",
+                                            "save_interval", "schedule", "seed", "seq_len", "steps", "tokenizer",
+                                            "txt_split", "val_data", "val_fraction", "warmup", "weight_decay",
+                                            "z_loss"}));
   EXPECT_EQ(j["model"], "tiny");
   EXPECT_EQ(j["seq_len"], 128);
   EXPECT_EQ(j["lr"], 3e-3);
@@ -147,7 +148,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_NO_THROW(ds::validate(d));
 
   json old = j;
-  for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data"}) old.erase(k);
+  for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data", "optimizer_state"}) old.erase(k);
   old["lr"] = 0.5;
   ds::TrainOptions cli;
   cli.resume = "ck";
@@ -386,6 +387,12 @@ TEST(Train, NanGuardAndBadInputs) {
   expect_error("train " + args + " --steps 1 --adam-eps -1 --out " + dir + "/x", "--adam-eps");
   expect_error("train " + args + " --steps 1 --threads 100000 --out " + dir + "/x", "--threads");
   expect_error("train --resume " + dir + "/nowhere --out " + dir + "/x", "nowhere");
+  expect_error("train " + args + " --steps 1 --optimizer-state fp8 --out " + dir + "/x", "--optimizer-state");
+  expect_error("train " + args + " --steps 1 --memory lots --out " + dir + "/x", "--memory");
+  expect_error("train " + args + " --steps 1 --device cpu --optimizer-state bf16 --out " + dir + "/x",
+               "--optimizer-state bf16 is a mode of the GPU engine");
+  expect_error("train " + args + " --steps 1 --device cpu --recompute full --out " + dir + "/x",
+               "--recompute full is a mode of the GPU engine");
   // --resume keeps the checkpoint's options: --steps defaults to the saved total, run-defining flags are refused.
   ASSERT_EQ(run("train " + args + " --steps 2 --warmup 1 --threads 1 --save-interval 1 --out " + dir + "/r"), 0);
   expect_error("train --resume " + dir + "/r/checkpoint-1 --lr 0.5", "--lr cannot change on --resume");

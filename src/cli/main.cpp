@@ -70,6 +70,15 @@ int main(int argc, char** argv) {
   bench_step->add_option("--seq-len", bench_seq, "Tokens per sequence")->capture_default_str();
   bench_step->add_option("--micro-batch", bench_mb, "Sequences per step")->capture_default_str();
   bench_step->add_option("--steps", bench_steps, "Timed steps (after one warm-up)")->capture_default_str();
+  // --memory, --optimizer-state, --recompute (as `train`'s; model/engine.h)
+  auto add_memory_flags = [](CLI::App* cmd, ds::cli::MemoryFlags& m) {
+    cmd->add_option("--memory", m.memory, "auto (choose the modes not given to fit) or fixed (fp32, selective)")
+        ->capture_default_str();
+    cmd->add_option("--optimizer-state", m.optimizer_state, "auto, fp32 or bf16")->capture_default_str();
+    cmd->add_option("--recompute", m.recompute, "auto, none, selective or full")->capture_default_str();
+  };
+  ds::cli::MemoryFlags bench_memory, plan_memory;
+  add_memory_flags(bench_step, bench_memory);
   auto* bench_tok = bench->add_subcommand("tokenizer", "Tokenizer encode speed, MB/s on one core (CPU)");
   std::string bench_tokenizer = ds::bundled_tokenizer_path(), bench_text = ds::bundled_data_path();
   int bench_repeats = 5;
@@ -88,6 +97,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   plan->add_option("--device-memory", plan_mem, "Device memory in GiB (default: an H200's 140.4)")->capture_default_str();
   plan->add_option("--attention", plan_attention, "cudnn or simple")->capture_default_str();
+  add_memory_flags(plan, plan_memory);
   auto* inspect = app.add_subcommand("inspect", "Show a checkpoint's config and tensors");
   std::string inspect_path;
   inspect->add_option("checkpoint", inspect_path, "Checkpoint dir or config.json")->required();
@@ -124,10 +134,10 @@ int main(int argc, char** argv) {
     if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
     if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output);
     if (*probe) return ds::cli::cmd_probe();
-    if (*plan) return ds::cli::cmd_plan(plan_model, plan_seq, plan_mb, plan_docs, plan_mem, plan_attention);
+    if (*plan) return ds::cli::cmd_plan(plan_model, plan_seq, plan_mb, plan_docs, plan_mem, plan_attention, plan_memory);
     if (*bench_ops) return ds::cli::cmd_bench_ops();
     if (*bench_tok) return ds::cli::cmd_bench_tokenizer(bench_tokenizer, bench_text, bench_repeats);
-    if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps);
+    if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps, bench_memory);
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
     if (*exp) return ds::cli::cmd_export(exp_in, exp_out, exp_dtype, exp_shard_mb);
     if (*train) {

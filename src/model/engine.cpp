@@ -123,6 +123,8 @@ class CudaEngine final : public Engine {
   }
   size_t peak_bytes() const override { return gpu_->peak_bytes(); }
   size_t planned_bytes() const override { return gpu_->planned_bytes(); }
+  OptimizerState optimizer_state() const override { return gpu_->optimizer_state(); }
+  Recompute recompute() const override { return gpu_->recompute(); }
 
  private:
   // Checkpoint entries whose values are copied from a device buffer slab by slab while the file is written.
@@ -145,6 +147,45 @@ class CudaEngine final : public Engine {
 
 }  // namespace
 
+const char* optimizer_state_name(OptimizerState s) {
+  switch (s) {
+    case OptimizerState::Auto: return "auto";
+    case OptimizerState::Fp32: return "fp32";
+    case OptimizerState::Bf16: return "bf16";
+  }
+  return "?";
+}
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::Auto: return "auto";
+    case Recompute::None: return "none";
+    case Recompute::Selective: return "selective";
+    case Recompute::Full: return "full";
+  }
+  return "?";
+}
+OptimizerState parse_optimizer_state(const std::string& s) {
+  for (OptimizerState v : {OptimizerState::Auto, OptimizerState::Fp32, OptimizerState::Bf16})
+    if (s == optimizer_state_name(v)) return v;
+  fail("--optimizer-state must be auto, fp32 or bf16, got \"{}\"", s);
+}
+Recompute parse_recompute(const std::string& s) {
+  for (Recompute v : {Recompute::Auto, Recompute::None, Recompute::Selective, Recompute::Full})
+    if (s == recompute_name(v)) return v;
+  fail("--recompute must be auto, none, selective or full, got \"{}\"", s);
+}
+
+void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::string& optimizer_state,
+                        const std::string& recompute) {
+  DS_CHECK(memory == "auto" || memory == "fixed", "--memory must be auto or fixed, got \"{}\"", memory);
+  plan.optimizer_state = parse_optimizer_state(optimizer_state);
+  plan.recompute = parse_recompute(recompute);
+  if (memory == "fixed") {
+    if (plan.optimizer_state == OptimizerState::Auto) plan.optimizer_state = OptimizerState::Fp32;
+    if (plan.recompute == Recompute::Auto) plan.recompute = Recompute::Selective;
+  }
+}
+
 std::string resolve_device(const std::string& device) {
   DS_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device must be auto, cpu or cuda (got \"{}\")",
            device);
@@ -155,6 +196,8 @@ std::string resolve_device(const std::string& device) {
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan) {
   const std::string d = resolve_device(device);
   if (d == "cuda") return std::make_unique<CudaEngine>(std::move(host), plan);
+  DS_CHECK(plan.optimizer_state != OptimizerState::Bf16, "--optimizer-state bf16 is a mode of the GPU engine; the CPU "
+           "engine keeps fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)");
   return std::make_unique<CpuEngine>(std::move(host));
 }
 

@@ -19,6 +19,33 @@
 
 namespace ds {
 
+// How the GPU engine keeps its weights and optimizer state (`--optimizer-state`; docs/memory.md):
+//   fp32: fp32 master weights + a bf16 compute copy, fp32 gradients, fp32 AdamW moments (18 bytes per parameter);
+//   bf16: the GEMM weights (is_matrix) in bf16 only, updated with stochastic rounding, bf16 AdamW moments, fp32
+//         gradients; the small fp32-read parameters (norms, conv taps, A_log, dt_bias) stay fp32 with fp32 moments
+//         (10 bytes per parameter; ops/adamw/bf16_state.h);
+//   auto: the first of fp32, bf16 whose plan fits the device (resolved when the engine is built).
+enum class OptimizerState { Auto, Fp32, Bf16 };
+// Which activations the backward rebuilds instead of keeping (`--recompute`; docs/memory.md):
+//   none: every activation kept per layer;
+//   selective: the cheap ones rebuilt (norm outputs, SwiGLU output, conv output, q/k l2norm, gated-norm output,
+//              gated attention output; model/gpu_activations.h), one shared buffer each;
+//   full: only each layer's input kept; the backward runs the layer's forward again first;
+//   auto: the least recompute that fits (with the optimizer state, see memory_candidates()).
+// Every policy computes bitwise the same losses and gradients (the rebuilt values are the forward's own bits).
+enum class Recompute { Auto, None, Selective, Full };
+const char* optimizer_state_name(OptimizerState s);  // "auto" | "fp32" | "bf16"
+const char* recompute_name(Recompute r);             // "auto" | "none" | "selective" | "full"
+OptimizerState parse_optimizer_state(const std::string& s);  // ds::Error naming --optimizer-state
+Recompute parse_recompute(const std::string& s);             // ds::Error naming --recompute
+
+// The memory flags into plan: `optimizer_state` and `recompute` as given ("auto" or a mode); with memory "fixed"
+// an "auto" one becomes fp32 / selective, with memory "auto" it stays Auto (the engine resolves it to fit the
+// device). ds::Error naming the flag for any other value.
+struct GpuPlan;
+void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::string& optimizer_state,
+                        const std::string& recompute);
+
 // Sizes a GPU engine plans its memory for (the CPU engine ignores them).
 struct GpuPlan {
   int64_t max_tokens = 0;          // tokens per micro-batch (packed)
@@ -26,6 +53,8 @@ struct GpuPlan {
   int64_t max_seqlen = 0;          // longest document (0: max_tokens); sizes cuDNN attention's length buckets
   int64_t rows = 0;                // the tokens are `rows` windows of max_seqlen (micro-batch); 0: any packing
   int64_t ce_chunk_tokens = 2048;  // fused-loss chunk
+  OptimizerState optimizer_state = OptimizerState::Fp32;
+  Recompute recompute = Recompute::Selective;
 
   // Batches of `micro_batch` packed windows of seq_len tokens, each holding at most docs_per_window documents
   // (a document never spans windows): the trainer's, eval's and bench's batches.
@@ -77,6 +106,9 @@ class Engine {
 
   virtual size_t peak_bytes() const { return 0; }     // device memory high point (0 on the CPU)
   virtual size_t planned_bytes() const { return 0; }  // the GPU engine's one allocation (0 on the CPU)
+  // The memory modes in use (resolved: never Auto). The CPU engine: fp32 state, nothing recomputed.
+  virtual OptimizerState optimizer_state() const { return OptimizerState::Fp32; }
+  virtual Recompute recompute() const { return Recompute::None; }
 };
 
 // Builds the engine for `device` ("cpu" or "cuda"; "auto" = cuda when a device is present) from a host model whose

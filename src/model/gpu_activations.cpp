@@ -1,6 +1,8 @@
 #include "model/gpu_activations.h"
 
 #ifdef DELTASTACK_CUDA
+#include "core/error.h"
+
 namespace ds {
 
 void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
@@ -28,29 +30,58 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   layers.assign(static_cast<size_t>(c.num_hidden_layers), GpuLayerActs{});
   bool any_gdn = false, any_attn = false;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_full_attention(i) ? any_attn : any_gdn) = true;
-  // The recomputed activations: one buffer each, shared by all layers.
-  a.use = MemoryUse::Recomputed;
-  bf16* xn_s = a.take<bf16>(N * H);
-  bf16* act_s = a.take<bf16>(N * I);
-  bf16 *conv_s = nullptr, *qn_s = nullptr, *kn_s = nullptr, *y_s = nullptr, *og_s = nullptr;
-  if (any_gdn) {
-    conv_s = a.take<bf16>(N * CD);
-    qn_s = a.take<bf16>(N * KD);
-    kn_s = a.take<bf16>(N * KD);
-    y_s = a.take<bf16>(N * VD);
+  const Recompute rc = s.recompute;
+  DS_CHECK(rc == Recompute::None || rc == Recompute::Selective || rc == Recompute::Full,
+           "gpu: the recompute policy must be resolved before the activations are laid out");
+  // The rebuilt activations (selective, full): one buffer each, shared by all layers; with none, one per layer.
+  struct Rebuilt {
+    bf16 *xn1 = nullptr, *xn2 = nullptr, *act = nullptr, *conv = nullptr, *qn = nullptr, *kn = nullptr, *y = nullptr,
+         *og = nullptr;
+  };
+  auto rebuilt = [&](bool gdn, bool attn) {
+    Rebuilt r;
+    r.xn1 = a.take<bf16>(N * H);
+    r.xn2 = rc == Recompute::None ? a.take<bf16>(N * H) : r.xn1;  // rebuilt in turn: one buffer
+    r.act = a.take<bf16>(N * I);
+    if (gdn) {
+      r.conv = a.take<bf16>(N * CD);
+      r.qn = a.take<bf16>(N * KD);
+      r.kn = a.take<bf16>(N * KD);
+      r.y = a.take<bf16>(N * VD);
+    }
+    if (attn) r.og = a.take<bf16>(N * Hq * hd);
+    return r;
+  };
+  Rebuilt shared;
+  if (rc != Recompute::None) {
+    a.use = MemoryUse::Recomputed;
+    shared = rebuilt(any_gdn, any_attn);
   }
-  if (any_attn) og_s = a.take<bf16>(N * Hq * hd);
   a.use = MemoryUse::Kept;
+  // With full recompute only the residual stream (hs) is kept per layer; everything else below exists once for
+  // all layers (once per mixer kind), rewritten by the layer's forward that the backward runs again first.
+  const GpuLayerActs* first_of[2] = {nullptr, nullptr};  // [attention?]: the first layer of each mixer kind
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     GpuLayerActs& L = layers[static_cast<size_t>(i)];
-    L.xn1 = xn_s;
-    L.rstd1 = a.take<float>(N);
-    L.h_mid = a.take<bf16>(N * H);
-    L.xn2 = xn_s;
-    L.rstd2 = a.take<float>(N);
-    L.gu = a.take<bf16>(N * 2 * I);
-    L.act = act_s;
-    if (c.is_full_attention(i)) {
+    const bool attn = c.is_full_attention(i);
+    if (rc == Recompute::Full && first_of[attn]) {
+      L = *first_of[attn];
+      continue;
+    }
+    const Rebuilt r = rc == Recompute::None ? rebuilt(!attn, attn) : shared;
+    const GpuLayerActs* other = rc == Recompute::Full ? first_of[!attn] : nullptr;
+    L.xn1 = r.xn1;
+    L.xn2 = r.xn2;
+    L.act = r.act;
+    if (other) {  // full: the parts every layer has, shared with the other mixer kind's set too
+      L.rstd1 = other->rstd1, L.h_mid = other->h_mid, L.rstd2 = other->rstd2, L.gu = other->gu;
+    } else {
+      L.rstd1 = a.take<float>(N);
+      L.h_mid = a.take<bf16>(N * H);
+      L.rstd2 = a.take<float>(N);
+      L.gu = a.take<bf16>(N * 2 * I);
+    }
+    if (attn) {
       L.qraw = a.take<bf16>(N * Hq * hd);
       L.graw = a.take<bf16>(N * Hq * hd);
       L.kraw = a.take<bf16>(N * Hkv * hd);
@@ -58,7 +89,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
       L.qr = a.take<bf16>(N * Hq * hd);
       L.kr = a.take<bf16>(N * Hkv * hd);
       L.ao = a.take<bf16>(N * Hq * hd);
-      L.og = og_s;
+      L.og = r.og;
       L.rstd_q = a.take<float>(N * Hq);
       L.rstd_k = a.take<float>(N * Hkv);
       L.lse = a.take<float>(N * Hq);
@@ -66,9 +97,9 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
       L.mixed = a.take<bf16>(N * CD);
       L.z = a.take<bf16>(N * VD);
       L.ab = a.take<bf16>(N * 2 * Hv);
-      L.conv_out = conv_s;
-      L.qn = qn_s;
-      L.kn = kn_s;
+      L.conv_out = r.conv;
+      L.qn = r.qn;
+      L.kn = r.kn;
       L.rq = a.take<float>(N * Hk);
       L.rk = a.take<float>(N * Hk);
       L.g = a.take<float>(N * Hv);
@@ -78,8 +109,9 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
       a.use = MemoryUse::Kept;
       L.core = a.take<bf16>(N * VD);
       L.rstd_g = a.take<float>(N * Hv);
-      L.y = y_s;
+      L.y = r.y;
     }
+    if (!first_of[attn]) first_of[attn] = &L;
   }
   hf = a.take<bf16>(N * H);
   rstd_f = a.take<float>(N);

@@ -7,7 +7,9 @@
 // RoPE, the attention output and its lse. Cheap to recompute from those (one norm, elementwise or conv pass each)
 // and therefore shared by all layers, rewritten by the same kernel on the same inputs in the backward (bitwise
 // the forward's values): xn1, xn2, the SwiGLU output, the conv output, qn, kn, the gated-norm output y and the
-// gated attention output og.
+// gated attention output og. That is the `selective` recompute policy (Recompute, model/engine.h); with `none`
+// those get a buffer per layer too and are never rebuilt; with `full` only hs is kept per layer and every other
+// buffer exists once (once per mixer kind), the backward running each layer's forward again before its backward.
 #pragma once
 #ifdef DELTASTACK_CUDA
 #include <cstddef>
@@ -16,6 +18,7 @@
 
 #include "core/cuda/cuda_utils.h"
 #include "model/config.h"
+#include "model/engine.h"
 #include "model/gpu_memory.h"
 
 namespace ds {
@@ -69,6 +72,7 @@ struct GpuActivations {
     int64_t max_tokens = 0, max_seqs = 0;
     size_t gdn_saved = 0, gdn_batch = 0, attn_batch = 0;  // from the op plans
     size_t op_scratch = 0, ce_scratch = 0;                // the largest scratch of any op / the fused loss
+    Recompute recompute = Recompute::Selective;           // resolved (not Auto)
   };
   // Lays every buffer out in `a` for config c and the sizes.
   void reserve(Arena& a, const ModelConfig& c, const Sizes& s);

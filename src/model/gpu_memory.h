@@ -11,9 +11,9 @@ namespace ds {
 
 // What each byte of the engine's allocation is for (`deltastack plan` prints one row per category).
 enum class MemoryUse {
-  Parameters,   // fp32 master weights + their bf16 compute copy
+  Parameters,   // master weights + the bf16 compute copy (model/gpu_params.h)
   Gradients,    // fp32
-  Optimizer,    // the optimizer's state (AdamW: two fp32 moments)
+  Optimizer,    // the optimizer's state (AdamW: two moments, fp32 or bf16)
   Kept,         // activations kept per layer for the backward (and the batch's inputs)
   GdnSaved,     // the gated delta rule plan's saved state, per GDN layer
   Recomputed,   // activations rebuilt in the backward (one buffer each, shared by the layers) + gradient buffers
@@ -22,9 +22,9 @@ enum class MemoryUse {
 };
 inline const char* memory_use_name(MemoryUse u) {
   switch (u) {
-    case MemoryUse::Parameters: return "parameters (fp32 master + bf16 compute copy)";
+    case MemoryUse::Parameters: return "parameters (master weights + bf16 compute copy)";
     case MemoryUse::Gradients: return "gradients (fp32)";
-    case MemoryUse::Optimizer: return "optimizer state (AdamW: fp32 exp_avg + exp_avg_sq)";
+    case MemoryUse::Optimizer: return "optimizer state (AdamW exp_avg + exp_avg_sq)";
     case MemoryUse::Kept: return "activations kept for the backward";
     case MemoryUse::GdnSaved: return "gated delta rule saved state (all GDN layers)";
     case MemoryUse::Recomputed: return "recomputed activations + gradient buffers (shared)";

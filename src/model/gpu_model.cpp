@@ -84,6 +84,9 @@ struct GpuModel::Impl {
     lay_out_gpu_memory(a, c, plan, *store, *optimizer, acts, ops);
   }
 
+  // Whether the backward rebuilds the shared activations (recompute selective or full; none keeps them per layer).
+  bool rebuild() const { return plan.recompute != Recompute::None; }
+
   // ---------------------------------------------------------------------------------------------------------
   // Per micro-batch: the inputs on the device and every op plan's batch data, once for all layers.
   void prepare_batch(const PackedBatch& b) {
@@ -172,11 +175,13 @@ struct GpuModel::Impl {
                   Hv = c.linear_num_value_heads, Hk = c.linear_num_key_heads, dk = c.linear_key_head_dim,
                   dv = c.linear_value_head_dim;
     void* scratch = acts.op_scratch;
-    // Recompute y, conv_out, qn, kn (shared buffers) exactly as gdn_forward made them.
-    K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps), stream);
-    conv->forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, stream);
-    K::l2norm_forward(A.conv_out, CD, A.qn, A.rq, N, Hk, dk, 1e-6f, stream);
-    K::l2norm_forward(A.conv_out + KD, CD, A.kn, A.rk, N, Hk, dk, 1e-6f, stream);
+    if (rebuild()) {  // y, conv_out, qn, kn (shared buffers) exactly as gdn_forward made them
+      K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps),
+                               stream);
+      conv->forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, stream);
+      K::l2norm_forward(A.conv_out, CD, A.qn, A.rq, N, Hk, dk, 1e-6f, stream);
+      K::l2norm_forward(A.conv_out + KD, CD, A.kn, A.rk, N, Hk, dk, 1e-6f, stream);
+    }
     K::linear_backward_data(d.dh, w.out_proj, d.dy, N, VD, H, false, stream);
     K::linear_backward_weight(d.dh, A.y, gw.out_proj, N, VD, H, stream);
     K::gated_rmsnorm_backward(A.core, A.z, m.norm, A.rstd_g, d.dy, d.dcore, d.dz, gw.norm, N * Hv, dv, scratch, stream);
@@ -231,7 +236,7 @@ struct GpuModel::Impl {
     const GpuBatchBufs& B = acts.batch;
     const int64_t H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
     void* scratch = acts.op_scratch;
-    K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);  // recompute og (shared buffer)
+    if (rebuild()) K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);  // og (shared buffer)
     K::linear_backward_data(d.dh, w.o_proj, d.dog, N, Hq * hd, H, false, stream);
     K::linear_backward_weight(d.dh, A.og, gw.o_proj, N, Hq * hd, H, stream);
     K::output_gate_backward(A.ao, A.graw, d.dog, d.dao, d.dgate, N * Hq * hd, stream);
@@ -277,9 +282,10 @@ struct GpuModel::Impl {
     bf16* h_in = acts.hs[i];
     void* scratch = acts.op_scratch;
     const float eps = static_cast<float>(c.rms_norm_eps);
-    // Recompute act and xn2 (shared buffers) exactly as layer_forward made them.
-    K::swiglu_forward(A.gu, A.act, N, I, stream);
-    K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
+    if (rebuild()) {  // act and xn2 (shared buffers) exactly as layer_forward made them
+      K::swiglu_forward(A.gu, A.act, N, I, stream);
+      K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
+    }
     K::linear_backward_data(d.dh, p.compute.mlp.down, d.dact, N, I, H, false, stream);
     K::linear_backward_weight(d.dh, A.act, p.grad.mlp.down, N, I, H, stream);
     K::swiglu_backward(A.gu, d.dact, d.dgu, N, I, stream);
@@ -288,7 +294,7 @@ struct GpuModel::Impl {
     K::rmsnorm_backward(A.h_mid, p.master.post_attention_layernorm, A.rstd2, d.dxn, d.dtmp,
                         p.grad.post_attention_layernorm, N, H, true, scratch, stream);
     K::add(d.dh, d.dtmp, d.dh, N * H, stream);
-    K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream);  // xn1
+    if (rebuild()) K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream);
     if (p.compute.full_attention) attn_backward(p, A);
     else gdn_backward(p, A);
     K::rmsnorm_backward(h_in, p.master.input_layernorm, A.rstd1, d.dxn, d.dtmp, p.grad.input_layernorm, N, H, true,
@@ -323,7 +329,11 @@ struct GpuModel::Impl {
     if (backward) {
       K::rmsnorm_backward(acts.hs[L], mp.master.norm, acts.rstd_f, d.dhf, d.dh, mp.grad.norm, N, H, true,
                           acts.op_scratch, stream);
-      for (int64_t i = L - 1; i >= 0; --i) layer_backward(i);
+      for (int64_t i = L - 1; i >= 0; --i) {
+        // full recompute: the layer's activations again (the last layer's are still there from the forward)
+        if (plan.recompute == Recompute::Full && i != L - 1) layer_forward(i);
+        layer_backward(i);
+      }
       K::embedding_backward(B.emb_uniq, B.emb_starts, B.emb_pos, num_uniq, d.dh, mp.grad.embed_tokens, H, stream);
     }
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -391,8 +401,14 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   DS_CHECK(m.plan.max_seqlen <= m.plan.max_tokens, "gpu: max_seqlen {} exceeds max_tokens {}", m.plan.max_seqlen,
            m.plan.max_tokens);
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
-  m.store = std::make_unique<GpuParamStore>(*m.layout, m.P);
-  m.optimizer = std::make_unique<GpuAdamW>(m.params, m.P);
+  size_t free_b = 0, total_b = 0;
+  DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (m.plan.optimizer_state == OptimizerState::Auto || m.plan.recompute == Recompute::Auto) {
+    // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h).
+    m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + (512u << 20) < free_b; });
+  }
+  m.store = std::make_unique<GpuParamStore>(*m.layout, m.params, m.plan.optimizer_state);
+  m.optimizer = std::make_unique<GpuAdamW>(*m.store);
   bool has_attention = false, has_gdn = false;
   for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) (m.c.is_full_attention(i) ? has_attention : has_gdn) = true;
   if (has_gdn) m.gdn = K::make_gated_delta_rule_plan(gdn_limits(m.c, m.plan));
@@ -402,8 +418,6 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   Arena sizing;
   m.layout_memory(sizing);
   m.arena_bytes = sizing.off;
-  size_t free_b = 0, total_b = 0;
-  DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   if (m.attn && m.arena_bytes + (512u << 20) >= free_b && m.attn->name() != "cuda-simple") {
     // cuDNN's deterministic backward keeps an S^2 workspace; when that is what does not fit, drop to the simple
     // kernel (no workspace) rather than fail (ds::Error instead when DELTASTACK_ATTENTION names cuDNN).
@@ -416,7 +430,9 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     m.arena_bytes = sizing.off;
   }
   DS_CHECK(m.arena_bytes + (512u << 20) < free_b,
-           "gpu: the memory plan needs {:.2f} GiB but only {:.2f} GiB is free; lower --micro-batch or --seq-len",
+           "gpu: the memory plan (optimizer state {}, recompute {}) needs {:.2f} GiB but only {:.2f} GiB is free; lower "
+           "--micro-batch or --seq-len, or choose leaner modes (--optimizer-state bf16, --recompute full; "
+           "`deltastack plan` shows each)", ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_name(m.plan.recompute),
            m.arena_bytes / 1073741824.0, free_b / 1073741824.0);
   DS_CUDA_CHECK(cudaMalloc(&m.arena_base, m.arena_bytes));
   Arena real;
@@ -427,9 +443,9 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
            "gpu: the host model holds {} weights, expected {} (released or not loaded)", host.weights().size(), m.P);
   m.store->upload(host.weights().data(), m.stream);
   m.note_peak();
-  log_info("gpu: {} ({}), one allocation of {:.2f} GiB for {} tokens x {} documents per micro-batch; "
-           "gated delta rule: {}, attention: {}", cuda_device_name(), "bf16 compute, fp32 master",
-           m.arena_bytes / 1073741824.0, plan.max_tokens, plan.max_seqs, m.gdn ? m.gdn->name() : "-",
+  log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}), one allocation of {:.2f} GiB for {} tokens x "
+           "{} documents per micro-batch; gated delta rule: {}, attention: {}", cuda_device_name(),
+           ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_name(m.plan.recompute), m.arena_bytes / 1073741824.0, plan.max_tokens, plan.max_seqs, m.gdn ? m.gdn->name() : "-",
            m.attn ? m.attn->name() : "-");
 }
 
@@ -454,8 +470,9 @@ void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) cons
   DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: read of [{}, {}) outside the {} parameters",
            first, first + count, impl_->P);
   if (count == 0) return;
-  const float* src = which == Buffer::Weights ? impl_->store->master() : impl_->store->grads();
-  DS_CUDA_CHECK(cudaMemcpyAsync(dst, src + first, count * sizeof(float), cudaMemcpyDeviceToHost, impl_->stream));
+  if (which == Buffer::Weights) return impl_->store->read_weights(first, count, dst, impl_->stream);
+  DS_CUDA_CHECK(cudaMemcpyAsync(dst, impl_->store->grads() + first, count * sizeof(float), cudaMemcpyDeviceToHost,
+                                impl_->stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
 }
 
@@ -476,6 +493,8 @@ void GpuModel::download_grads(std::vector<float>& out) const {
 }
 
 size_t GpuModel::planned_bytes() const { return impl_->arena_bytes; }
+OptimizerState GpuModel::optimizer_state() const { return impl_->plan.optimizer_state; }
+Recompute GpuModel::recompute() const { return impl_->plan.recompute; }
 size_t GpuModel::peak_bytes() const { return impl_->peak; }
 
 }  // namespace ds
@@ -499,6 +518,8 @@ void GpuModel::read_optimizer_state(int, int64_t, int64_t, float*) const {}
 void GpuModel::write_optimizer_state(int, int64_t, int64_t, const float*) {}
 void GpuModel::download_grads(std::vector<float>&) const {}
 size_t GpuModel::planned_bytes() const { return 0; }
+OptimizerState GpuModel::optimizer_state() const { return OptimizerState::Fp32; }
+Recompute GpuModel::recompute() const { return Recompute::Selective; }
 size_t GpuModel::peak_bytes() const { return 0; }
 }  // namespace ds
 

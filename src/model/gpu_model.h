@@ -1,5 +1,6 @@
 // The Qwen3.5 model on one CUDA GPU (the "cuda" engine of model/engine.h): bf16 activations and compute weights,
-// fp32 master weights, gradients and AdamW moments (numerics: docs/cuda_backend.md). Its parts:
+// fp32 gradients, and fp32 or bf16 master weights and AdamW moments (OptimizerState; numerics:
+// docs/cuda_backend.md, memory modes: docs/memory.md). Its parts:
 //   - the parameter store (model/gpu_params.h): master / compute / gradient buffers and typed per-layer views;
 //   - the optimizer (model/gpu_optimizer.h): its state layout, update and checkpoint tensors;
 //   - the activation plan (model/gpu_activations.h): the memory layout of one step;
@@ -51,6 +52,8 @@ class GpuModel {
   void write_optimizer_state(int which, int64_t first, int64_t count, const float* src);
 
   size_t planned_bytes() const;  // the single device allocation
+  OptimizerState optimizer_state() const;  // the modes in use (GpuPlan's, Auto resolved)
+  Recompute recompute() const;
   size_t peak_bytes() const;     // device memory in use by this process at its high point (cudaMemGetInfo)
 
  private:

@@ -1,6 +1,9 @@
 // The GPU engine's optimizer: its state layout and dtype, its update over the parameter store, and its own
-// checkpoint tensors. Today one mode, AdamW with fp32 moments flat in ParamSpec order (exp_avg, exp_avg_sq);
-// another state layout (bf16 or block-quantized moments) is another GpuOptimizer.
+// checkpoint tensors. AdamW (decoupled weight decay, bias-corrected; ops/adamw/adamw.h) in the store's layout
+// (model/gpu_params.h): parameters with an fp32 master get fp32 moments (exp_avg, exp_avg_sq) at their master
+// offsets; bf16-only parameters (the bf16 layout's GEMM weights) get bf16 moments at their flat offsets and the
+// stochastic-rounding update of ops/adamw/bf16_state.h. Checkpoints hold fp32 either way (bf16 widened exactly;
+// an fp32 value loaded into a bf16 moment is rounded to nearest), so a run may resume in the other layout.
 #pragma once
 #ifdef DELTASTACK_CUDA
 #include <cuda_runtime.h>
@@ -21,19 +24,19 @@ class GpuOptimizer {
   virtual void reserve(Arena& a) = 0;
   virtual void zero_state(cudaStream_t stream) = 0;
   // One update of every parameter: p.weight_decay where the ParamSpec decays, p.grad_scale (the clip factor)
-  // multiplies the gradients first; refreshes the store's bf16 compute copy.
+  // multiplies the gradients first; keeps the store's bf16 compute copy current.
   virtual void step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_t stream) = 0;
-  // The state as checkpoint tensors: names (one per state tensor and parameter) and fp32 slab access.
+  // The state as checkpoint tensors: names (one per state tensor and parameter) and fp32 slab access; a slab
+  // [first, first + count) of flat offsets lies inside one parameter.
   virtual int num_state_tensors() const = 0;                     // per parameter
   virtual std::string state_name(int which, const ParamSpec& p) const = 0;
   virtual void read_state(int which, int64_t first, int64_t count, float* dst, cudaStream_t stream) const = 0;
   virtual void write_state(int which, int64_t first, int64_t count, const float* src, cudaStream_t stream) = 0;
 };
 
-// AdamW (decoupled weight decay, bias-corrected; ops/adamw/adamw.h) with fp32 moments.
 class GpuAdamW final : public GpuOptimizer {
  public:
-  GpuAdamW(const std::vector<ParamSpec>& params, int64_t num_params) : params_(params), P_(num_params) {}
+  explicit GpuAdamW(const GpuParamStore& store) : store_(store) {}
   void reserve(Arena& a) override;
   void zero_state(cudaStream_t stream) override;
   void step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_t stream) override;
@@ -45,10 +48,10 @@ class GpuAdamW final : public GpuOptimizer {
   void write_state(int which, int64_t first, int64_t count, const float* src, cudaStream_t stream) override;
 
  private:
-  float* buf(int which) const { return which == 0 ? m_ : v_; }
-  const std::vector<ParamSpec>& params_;
-  int64_t P_;
-  float *m_ = nullptr, *v_ = nullptr;
+  using bf16 = ds::cuda::bf16;
+  const GpuParamStore& store_;
+  float *m_ = nullptr, *v_ = nullptr;  // fp32 moments [store.fp32_size()]
+  bf16 *mb_ = nullptr, *vb_ = nullptr;  // bf16 moments [P] (bf16 layout only)
 };
 
 }  // namespace ds

@@ -1,15 +1,66 @@
 #include "model/gpu_params.h"
 
 #ifdef DELTASTACK_CUDA
+#include <algorithm>
+
+#include "core/bf16.h"
+#include "core/error.h"
 #include "ops/adamw/cuda.h"
 
 namespace ds {
 
 namespace K = ds::ops::cuda;
 
+namespace {
+
+// Per parameter: its offset in the fp32 master (all of them in the fp32 layout; the small ones, compacted, in
+// the bf16 layout; -1 for a GEMM weight there).
+std::vector<int64_t> fp32_offsets(const std::vector<ParamSpec>& params, OptimizerState state) {
+  std::vector<int64_t> out;
+  int64_t next = 0;
+  for (const ParamSpec& p : params) {
+    const bool fp32 = state == OptimizerState::Fp32 || !is_matrix(p);
+    out.push_back(fp32 ? (state == OptimizerState::Fp32 ? p.offset : next) : -1);
+    if (fp32) next += p.numel;
+  }
+  return out;
+}
+
+}  // namespace
+
+GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state)
+    : layout_(layout),
+      params_(params),
+      state_(state),
+      fp32_offset_(fp32_offsets(params, state)),
+      master_layout_(layout) {
+  DS_CHECK(state == OptimizerState::Fp32 || state == OptimizerState::Bf16,
+           "gpu: the optimizer state must be resolved to fp32 or bf16 before the store is built");
+  DS_CHECK(!params.empty(), "gpu: no parameters");
+  P_ = params.back().offset + params.back().numel;
+  for (size_t k = 0; k < params.size(); ++k)
+    if (fp32_offset_[k] >= 0) P32_ = std::max(P32_, fp32_offset_[k] + params[k].numel);
+  if (state == OptimizerState::Bf16)
+    master_layout_ = layout.remapped([this](int64_t off) -> int64_t {
+      const size_t k = param_at(off, 0);
+      return fp32_offset_[k] < 0 ? -1 : fp32_offset_[k] + (off - params_[k].offset);
+    });
+}
+
+size_t GpuParamStore::param_at(int64_t first, int64_t count) const {
+  DS_CHECK(first >= 0 && count >= 0 && first + count <= P_, "gpu: parameter range [{}, {}) outside the {} parameters",
+           first, first + count, P_);
+  auto it = std::upper_bound(params_.begin(), params_.end(), first,
+                             [](int64_t x, const ParamSpec& p) { return x < p.offset; });
+  const size_t k = static_cast<size_t>(it - params_.begin()) - 1;
+  DS_CHECK(first + count <= params_[k].offset + params_[k].numel, "gpu: range [{}, {}) spans more than {}", first,
+           first + count, params_[k].name);
+  return k;
+}
+
 void GpuParamStore::reserve(Arena& a) {
   a.use = MemoryUse::Parameters;
-  w_ = a.take<float>(P_);
+  w_ = a.take<float>(P32_);
   a.use = MemoryUse::Gradients;
   g_ = a.take<float>(P_);
   a.use = MemoryUse::Parameters;
@@ -20,18 +71,41 @@ void GpuParamStore::reserve(Arena& a) {
 }
 
 GpuParamStore::Layer GpuParamStore::layer_params(int64_t i) const {
-  return {layout_.layer<const bf16>(i, wb_), layout_.layer<const float>(i, w_), layout_.layer(i, g_)};
+  return {layout_.layer<const bf16>(i, wb_), master_layout_.layer<const float>(i, w_), layout_.layer(i, g_)};
 }
 
 GpuParamStore::Model GpuParamStore::model_params() const {
-  return {layout_.model<const bf16>(wb_), layout_.model<const float>(w_), layout_.model(g_)};
+  return {layout_.model<const bf16>(wb_), master_layout_.model<const float>(w_), layout_.model(g_)};
 }
 
 void GpuParamStore::upload(const float* host, cudaStream_t stream) {
-  DS_CUDA_CHECK(cudaMemcpyAsync(w_, host, P_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+  if (state_ == OptimizerState::Fp32) {
+    DS_CUDA_CHECK(cudaMemcpyAsync(w_, host, P_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+    K::to_bf16(w_, wb_, P_, stream);
+  } else {
+    // Through the gradient buffer (fp32 [P], zeroed below): the bf16 weights by rounding, the small parameters'
+    // fp32 master by copy.
+    DS_CUDA_CHECK(cudaMemcpyAsync(g_, host, P_ * sizeof(float), cudaMemcpyHostToDevice, stream));
+    K::to_bf16(g_, wb_, P_, stream);
+    for (size_t k = 0; k < params_.size(); ++k)
+      if (fp32_offset_[k] >= 0)
+        DS_CUDA_CHECK(cudaMemcpyAsync(w_ + fp32_offset_[k], g_ + params_[k].offset, params_[k].numel * sizeof(float),
+                                      cudaMemcpyDeviceToDevice, stream));
+  }
   DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, P_ * sizeof(float), stream));
-  K::to_bf16(w_, wb_, P_, stream);
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void GpuParamStore::read_weights(int64_t first, int64_t count, float* dst, cudaStream_t stream) const {
+  const size_t k = param_at(first, count);
+  if (count == 0) return;
+  if (fp32_offset_[k] >= 0) {
+    const float* src = w_ + fp32_offset_[k] + (first - params_[k].offset);
+    DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  } else {
+    download_bf16_as_f32(wb_ + first, count, dst, stream);
+  }
 }
 
 void GpuParamStore::zero_grads(cudaStream_t stream) {
@@ -44,6 +118,30 @@ double GpuParamStore::grad_sum_squares(cudaStream_t stream) {
   DS_CUDA_CHECK(cudaMemcpyAsync(&s, sumsq_, sizeof(double), cudaMemcpyDeviceToHost, stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));
   return s;
+}
+
+namespace {
+constexpr int64_t kStage = int64_t{1} << 22;  // bf16 values per host staging round (8 MiB)
+}
+
+void download_bf16_as_f32(const ds::cuda::bf16* src, int64_t count, float* dst, cudaStream_t stream) {
+  std::vector<uint16_t> stage(static_cast<size_t>(std::min(count, kStage)));
+  for (int64_t done = 0; done < count; done += kStage) {
+    const int64_t n = std::min(kStage, count - done);
+    DS_CUDA_CHECK(cudaMemcpyAsync(stage.data(), src + done, n * 2, cudaMemcpyDeviceToHost, stream));
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    for (int64_t i = 0; i < n; ++i) dst[done + i] = bf16_bits_to_f32(stage[static_cast<size_t>(i)]);
+  }
+}
+
+void upload_f32_as_bf16(const float* src, int64_t count, ds::cuda::bf16* dst, cudaStream_t stream) {
+  std::vector<uint16_t> stage(static_cast<size_t>(std::min(count, kStage)));
+  for (int64_t done = 0; done < count; done += kStage) {
+    const int64_t n = std::min(kStage, count - done);
+    for (int64_t i = 0; i < n; ++i) stage[static_cast<size_t>(i)] = f32_to_bf16_bits(src[done + i]);
+    DS_CUDA_CHECK(cudaMemcpyAsync(dst + done, stage.data(), n * 2, cudaMemcpyHostToDevice, stream));
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
 }
 
 }  // namespace ds

@@ -1,5 +1,10 @@
-// The GPU engine's parameter store: the fp32 master weights, their bf16 compute copy and the fp32 gradients, flat
-// in ParamSpec order (offsets as the host model's), with typed per-layer views (model/params.h).
+// The GPU engine's parameter store: the weights, their bf16 compute copy and the fp32 gradients, with typed
+// per-layer views (model/params.h). Two layouts (OptimizerState, model/engine.h):
+//   fp32: fp32 master [P] + bf16 compute copy [P] + fp32 gradients [P], flat in ParamSpec order;
+//   bf16: bf16 weights [P] (the GEMM weights' only copy) + fp32 gradients [P] + an fp32 master of the small
+//         parameters only (!is_matrix: norms, conv taps, A_log, dt_bias), compacted in ParamSpec order.
+// The decoder reads GEMM weights from `compute` and the small parameters from `master` in both layouts (in the
+// bf16 layout the master views of GEMM weights are nullptr).
 //
 // layer_params(i) is where a sharded store (ZeRO-3) will gather layer i's compute weights before the layer runs,
 // and after_layer_backward(i) where it will reduce-scatter layer i's gradients; on one GPU the first returns views
@@ -9,8 +14,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "core/cuda/cuda_utils.h"
+#include "model/engine.h"
 #include "model/gpu_memory.h"
 #include "model/params.h"
 
@@ -19,9 +26,10 @@ namespace ds {
 class GpuParamStore {
  public:
   using bf16 = ds::cuda::bf16;
-  GpuParamStore(const ParamLayout& layout, int64_t num_params) : layout_(layout), P_(num_params) {}
+  // state: Fp32 or Bf16 (resolved). params: the ParamSpec table (outlives the store).
+  GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state);
 
-  // master fp32 [P], grads fp32 [P], compute bf16 [P], and the grad-norm reduction scratch.
+  // The buffers above and the grad-norm reduction scratch.
   void reserve(Arena& a);
 
   struct Layer {
@@ -38,24 +46,43 @@ class GpuParamStore {
   void after_layer_backward(int64_t /*i*/, cudaStream_t /*stream*/) {}
   Model model_params() const;
 
+  OptimizerState state() const { return state_; }
   int64_t size() const { return P_; }
-  float* master() const { return w_; }
+  int64_t fp32_size() const { return P32_; }  // elements of the fp32 master (P in the fp32 layout)
+  const std::vector<ParamSpec>& params() const { return params_; }
+  // Parameter k's fp32 master (nullptr: its weights live in bf16 only), bf16 copy and gradients.
+  float* master(size_t k) const { return fp32_offset_[k] < 0 ? nullptr : w_ + fp32_offset_[k]; }
+  int64_t fp32_offset(size_t k) const { return fp32_offset_[k]; }  // -1: bf16 only
+  bf16* compute(size_t k) const { return wb_ + params_[k].offset; }
   float* grads() const { return g_; }
-  bf16* compute() const { return wb_; }
+  // The parameter holding flat element `first` and its count; ds::Error unless [first, first + count) lies
+  // inside one parameter.
+  size_t param_at(int64_t first, int64_t count) const;
 
-  void upload(const float* host, cudaStream_t stream);  // master <- host [P], then the bf16 copy
+  void upload(const float* host, cudaStream_t stream);  // weights <- host fp32 [P] (bf16: rounded to nearest)
+  // fp32 values of flat elements [first, first + count) (one parameter) to the host.
+  void read_weights(int64_t first, int64_t count, float* dst, cudaStream_t stream) const;
   void zero_grads(cudaStream_t stream);
   // Sum of squares of the gradients in double, fixed reduction order (bitwise reproducible); synchronises.
   double grad_sum_squares(cudaStream_t stream);
 
  private:
   const ParamLayout& layout_;
-  int64_t P_;
+  const std::vector<ParamSpec>& params_;
+  OptimizerState state_;
+  int64_t P_ = 0, P32_ = 0;
+  std::vector<int64_t> fp32_offset_;  // per parameter: offset into w_, or -1
+  ParamLayout master_layout_;         // layout_ with the offsets of w_
   float *w_ = nullptr, *g_ = nullptr;
   bf16* wb_ = nullptr;
   double* sumsq_ = nullptr;
   void* sumsq_scratch_ = nullptr;
 };
+
+// Device <-> host copies of bf16 values as fp32 (exact widening / round to nearest even), through a bounded host
+// staging buffer. Synchronise the stream.
+void download_bf16_as_f32(const ds::cuda::bf16* src, int64_t count, float* dst, cudaStream_t stream);
+void upload_f32_as_bf16(const float* src, int64_t count, ds::cuda::bf16* dst, cudaStream_t stream);
 
 }  // namespace ds
 #endif

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <initializer_list>
 #include <memory>
+#include <tuple>
 
 #include "model/dims.h"
 #include "model/gpu_activations.h"
@@ -69,6 +70,7 @@ void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, Gpu
                             K::gdn_gate_scratch_bytes(N, Hv), ops.conv_workspace, ops.gdn_workspace,
                             ops.attn_workspace});
   sz.ce_scratch = ops.ce_workspace;
+  sz.recompute = plan.recompute;
   acts.reserve(a, c, sz);
 }
 
@@ -76,13 +78,15 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   DS_CHECK(attention == "cudnn" || attention == "simple", "plan: attention must be cudnn or simple (got \"{}\")",
            attention);
   DS_CHECK(plan_in.max_tokens > 0 && plan_in.max_seqs > 0, "plan: the batch must hold at least one token");
+  DS_CHECK(plan_in.optimizer_state != OptimizerState::Auto && plan_in.recompute != Recompute::Auto,
+           "plan: resolve the memory modes first (resolve_memory_modes)");
   const GpuPlan plan = resolved(plan_in);
   c.validate();
   const std::vector<ParamSpec> params = qwen35_params(c);  // the table only: no memory for the values
   const int64_t P = params.back().offset + params.back().numel;
   ParamLayout layout(c, params);
-  GpuParamStore store(layout, P);
-  GpuAdamW optimizer(params, P);
+  GpuParamStore store(layout, params, plan.optimizer_state);
+  GpuAdamW optimizer(store);
   GpuActivations acts;
   GpuMemoryPlan out;
   GpuOpSizes ops;
@@ -123,12 +127,36 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   return out;
 }
 
+std::vector<std::pair<OptimizerState, Recompute>> memory_candidates(OptimizerState s, Recompute r) {
+  std::vector<std::pair<OptimizerState, Recompute>> out;
+  for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
+    for (OptimizerState st : {OptimizerState::Fp32, OptimizerState::Bf16})
+      if ((r == Recompute::Auto || r == rc) && (s == OptimizerState::Auto || s == st)) out.emplace_back(st, rc);
+  return out;
+}
+
+GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
+                             const std::string& attention) {
+  const auto candidates = memory_candidates(plan.optimizer_state, plan.recompute);
+  for (size_t k = 0; k < candidates.size(); ++k) {
+    GpuPlan p = plan;
+    std::tie(p.optimizer_state, p.recompute) = candidates[k];
+    if (k + 1 == candidates.size() || fits(plan_gpu_memory(c, p, attention))) return p;
+  }
+  return plan;  // unreachable: at least one candidate
+}
+
 }  // namespace ds
 
 #else
 
 namespace ds {
 GpuMemoryPlan plan_gpu_memory(const ModelConfig&, const GpuPlan&, const std::string&) {
+  fail("plan: this build has no CUDA support (configure with -DDELTASTACK_CUDA=ON and nvcc on PATH)");
+}
+std::vector<std::pair<OptimizerState, Recompute>> memory_candidates(OptimizerState, Recompute) { return {}; }
+GpuPlan resolve_memory_modes(const ModelConfig&, GpuPlan, const std::function<bool(const GpuMemoryPlan&)>&,
+                             const std::string&) {
   fail("plan: this build has no CUDA support (configure with -DDELTASTACK_CUDA=ON and nvcc on PATH)");
 }
 }  // namespace ds

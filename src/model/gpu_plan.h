@@ -5,7 +5,10 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "model/config.h"
 #include "model/engine.h"
@@ -60,6 +63,15 @@ struct GpuMemoryPlan {
 // gated delta rule where it takes the shapes (head dim 128), else the simple one; cuDNN attention (its workspace
 // estimated from its length buckets: 1.125 x the largest bucket's B·Hq·S²·2-byte dP, as cuDNN 9.19 measured on the
 // H200) unless attention = "simple". ds::Error in a build without CUDA support.
+// plan's optimizer_state and recompute must be resolved (not Auto): ds::Error otherwise.
 GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan, const std::string& attention = "cudnn");
+
+// The (optimizer state, recompute) pairs that `auto` chooses among, in the order tried: the least recompute first
+// (none, selective, full) and within it the fp32 state before bf16; a mode that is not Auto keeps its value.
+std::vector<std::pair<OptimizerState, Recompute>> memory_candidates(OptimizerState s, Recompute r);
+// plan with its Auto modes replaced by the first candidate whose plan `fits` (the last, leanest one when none
+// does: the caller reports what it needs). Modes already given are kept.
+GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
+                             const std::string& attention = "cudnn");
 
 }  // namespace ds

@@ -76,6 +76,34 @@ struct ModelParams {
   P lm_head;       // [V, H]: == embed_tokens when tie_word_embeddings
 };
 
+// A GEMM operand (a 2-D weight: the projections, the embedding and lm_head), which the GPU engine reads in bf16;
+// every other parameter (norm weights, conv taps, A_log, dt_bias) it reads in fp32.
+inline bool is_matrix(const ParamSpec& p) { return p.shape.size() == 2; }
+
+// Every offset of o through f (an int64_t -> Q function), keeping full_attention and leaving the other mixer's
+// fields value-initialised.
+template <typename F>
+auto map_layer(const LayerParams<int64_t>& o, F f) {
+  using Q = decltype(f(int64_t{}));
+  LayerParams<Q> v{};
+  v.full_attention = o.full_attention;
+  v.input_layernorm = f(o.input_layernorm);
+  v.post_attention_layernorm = f(o.post_attention_layernorm);
+  if (o.full_attention) {
+    v.attn = {f(o.attn.q_proj), f(o.attn.k_proj), f(o.attn.v_proj), f(o.attn.o_proj), f(o.attn.q_norm), f(o.attn.k_norm)};
+  } else {
+    v.gdn = {f(o.gdn.in_proj_qkv), f(o.gdn.in_proj_z), f(o.gdn.in_proj_ba), f(o.gdn.in_proj_a), f(o.gdn.conv1d),
+             f(o.gdn.dt_bias),     f(o.gdn.A_log),     f(o.gdn.norm),       f(o.gdn.out_proj)};
+  }
+  v.mlp = {f(o.mlp.gate_up), f(o.mlp.up), f(o.mlp.down)};
+  return v;
+}
+template <typename F>
+auto map_model(const ModelParams<int64_t>& o, F f) {
+  using Q = decltype(f(int64_t{}));
+  return ModelParams<Q>{f(o.embed_tokens), f(o.norm), f(o.lm_head)};
+}
+
 // Offsets of every parameter, resolved from the ParamSpec table once. Throws ds::Error naming the parameter when
 // one is missing or has an unexpected shape, or when a fused pair is not adjacent.
 class ParamLayout {
@@ -86,33 +114,33 @@ class ParamLayout {
   const LayerParams<int64_t>& layer_offsets(int64_t i) const { return layers_[static_cast<size_t>(i)]; }
   const ModelParams<int64_t>& model_offsets() const { return model_; }
 
-  // Views of one flat buffer (weights, gradients, a bf16 compute copy: any element type).
+  // The same layout with every offset replaced by f(offset) (a buffer that holds only some parameters, compacted:
+  // f returns -1 for the ones it does not hold).
+  template <typename F>
+  ParamLayout remapped(F f) const {
+    ParamLayout r;
+    for (const LayerParams<int64_t>& o : layers_) r.layers_.push_back(map_layer(o, f));
+    r.model_ = map_model(model_, f);
+    return r;
+  }
+
+  // Views of one flat buffer (weights, gradients, a bf16 compute copy: any element type); an offset of -1 (a
+  // parameter the buffer does not hold, see remapped) gives nullptr.
   template <typename T>
   LayerParams<T*> layer(int64_t i, T* base) const {
-    const LayerParams<int64_t>& o = layer_offsets(i);
-    LayerParams<T*> v;
-    v.full_attention = o.full_attention;
-    v.input_layernorm = base + o.input_layernorm;
-    v.post_attention_layernorm = base + o.post_attention_layernorm;
-    if (o.full_attention) {
-      v.attn = {base + o.attn.q_proj, base + o.attn.k_proj, base + o.attn.v_proj,
-                base + o.attn.o_proj, base + o.attn.q_norm, base + o.attn.k_norm};
-      v.gdn = {};
-    } else {
-      v.gdn = {base + o.gdn.in_proj_qkv, base + o.gdn.in_proj_z, base + o.gdn.in_proj_ba, base + o.gdn.in_proj_a,
-               base + o.gdn.conv1d,      base + o.gdn.dt_bias,   base + o.gdn.A_log,      base + o.gdn.norm,
-               base + o.gdn.out_proj};
-      v.attn = {};
-    }
-    v.mlp = {base + o.mlp.gate_up, base + o.mlp.up, base + o.mlp.down};
-    return v;
+    return map_layer(layer_offsets(i), at(base));
   }
   template <typename T>
   ModelParams<T*> model(T* base) const {
-    return {base + model_.embed_tokens, base + model_.norm, base + model_.lm_head};
+    return map_model(model_, at(base));
   }
 
  private:
+  ParamLayout() = default;
+  template <typename T>
+  static auto at(T* base) {
+    return [base](int64_t off) -> T* { return off < 0 ? nullptr : base + off; };
+  }
   std::vector<LayerParams<int64_t>> layers_;
   ModelParams<int64_t> model_{};
 };

@@ -32,6 +32,7 @@ struct TrainOptions {
   std::string nan_policy;
   std::string resume;
   std::string device;
+  std::string optimizer_state, recompute, memory;
   std::vector<std::string> given;  // long names of the flags on the command line (without "--")
 
   bool was_given(std::string_view flag) const;

@@ -244,9 +244,16 @@ int train(TrainOptions cli) {
   Qwen35Model model = build_model(opt);
   const TrainData data = load_data(opt, model.config());
   // The GPU when there is one (auto), else the CPU reference engine.
-  std::unique_ptr<Engine> engine = make_engine(opt.device, std::move(model),
-                                               GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window()));
+  GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
+  apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
+  DS_CHECK(resolve_device(opt.device) == "cuda" || !opt.was_given("recompute") || opt.recompute == "auto" ||
+               opt.recompute == "none",
+           "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",
+           opt.recompute);
+  std::unique_ptr<Engine> engine = make_engine(opt.device, std::move(model), plan);
   opt.device = engine->device();  // saved in checkpoints: a resume continues on the same engine
+  // The optimizer state in use, saved too: a resume keeps the numerics unless --optimizer-state changes them.
+  opt.optimizer_state = optimizer_state_name(engine->optimizer_state());
   log_info("device: {}", opt.device);
   TrainerState progress;
   if (resumed) {

@@ -313,13 +313,16 @@ int cmd_bench_ops() {
   return 0;
 }
 
-int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps) {
+int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps,
+                   const MemoryFlags& memory) {
   DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");
   DS_CHECK(seq_len >= 2 && micro_batch >= 1 && steps >= 1, "bench step: bad --seq-len/--micro-batch/--steps");
   ModelConfig cfg = ModelConfig::resolve(preset);
   Qwen35Model model(cfg);
   model.init_weights(1234);
-  std::unique_ptr<Engine> gpu = make_engine("cuda", std::move(model), GpuPlan::windows(micro_batch, seq_len, 1));
+  GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
+  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
+  std::unique_ptr<Engine> gpu = make_engine("cuda", std::move(model), plan);
   // Random tokens, one document per row (the HF benchmark's layout).
   PackedBatch b;
   Rng rng(7);
@@ -362,8 +365,9 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   int64_t n_full = std::count(cfg.layer_types.begin(), cfg.layer_types.end(), "full_attention");
   double attn = 6.0 * 2.0 * cfg.num_attention_heads * cfg.head_dim * (seq_len / 2.0) * n_full;
   double flops = (6.0 * matmul_params + attn) * tokens;
-  fmt::print("bench step: preset {} ({:.2f}B params), seq {} x micro-batch {}, {} timed steps on {}\n", preset,
-             cfg.num_parameters() / 1e9, seq_len, micro_batch, steps, cuda_device_name());
+  fmt::print("bench step: preset {} ({:.2f}B params), seq {} x micro-batch {}, {} timed steps on {}; optimizer state "
+             "{}, recompute {}\n", preset, cfg.num_parameters() / 1e9, seq_len, micro_batch, steps, cuda_device_name(),
+             optimizer_state_name(gpu->optimizer_state()), recompute_name(gpu->recompute()));
   fmt::print("  step {:.1f} ms (median) | {:.0f} tokens/s | MFU {:.1f}% of 989 TFLOP/s ({:.1f}% of the measured 699) | "
              "peak {:.1f} GiB (plan {:.1f} GiB) | loss {:.4f} grad_norm {:.3f}\n",
              1e3 * t, tokens / t, 100 * flops / t / 989e12, 100 * flops / t / 699e12, gpu->peak_bytes() / 1073741824.0,
@@ -374,7 +378,9 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
 #else
 
 int cmd_bench_ops() { fail("bench ops: this build has no CUDA support"); }
-int cmd_bench_step(const std::string&, int64_t, int64_t, int64_t) { fail("bench step: this build has no CUDA support"); }
+int cmd_bench_step(const std::string&, int64_t, int64_t, int64_t, const MemoryFlags&) {
+  fail("bench step: this build has no CUDA support");
+}
 
 #endif
 

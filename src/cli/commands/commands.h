@@ -37,10 +37,17 @@ int cmd_inspect(const std::string& path);
 // exist or be empty; the checkpoint is validated by loading it.
 int cmd_export(const std::string& checkpoint, const std::string& out, const std::string& dtype, int64_t max_shard_mb);
 
+// The GPU memory modes as given on a command line (`--memory`, `--optimizer-state`, `--recompute`; model/engine.h
+// apply_memory_flags).
+struct MemoryFlags {
+  std::string memory = "auto", optimizer_state = "auto", recompute = "auto";
+};
+
 // `deltastack bench ops`: per op and shape, forward and forward+backward ms, rate and roofline fraction (GPU).
 int cmd_bench_ops();
 // `deltastack bench step`: tokens/s, MFU and peak memory of full training steps of a preset (GPU).
-int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps);
+int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps,
+                   const MemoryFlags& memory);
 
 // `deltastack bench tokenizer`: encode speed of a tokenizer.json on a text file, one core (MB/s).
 int cmd_bench_tokenizer(const std::string& tokenizer_path, const std::string& text_path, int repeats);
@@ -50,8 +57,9 @@ int cmd_probe();
 // `deltastack plan`: prints the CUDA engine's memory plan (parameters, gradients, optimizer state, activations,
 // workspaces, the modes) for `model` (a preset, config.json or checkpoint dir) and batches of micro_batch windows of
 // seq_len tokens, ending with `total X GiB of Y GiB: fits` or `... does not fit`; exit 0 either way. No GPU needed.
-// device_memory_gib: Y. attention: "cudnn" or "simple". ds::Error for bad arguments or a CPU-only build.
+// device_memory_gib: Y. attention: "cudnn" or "simple". Modes left "auto" are chosen as the engine would on a
+// device of Y GiB. ds::Error for bad arguments or a CPU-only build.
 int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int64_t docs_per_window,
-             double device_memory_gib, const std::string& attention);
+             double device_memory_gib, const std::string& attention, const MemoryFlags& memory);
 
 }  // namespace ds::cli

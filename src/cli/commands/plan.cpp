@@ -13,7 +13,7 @@
 namespace ds::cli {
 
 int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int64_t docs_per_window,
-             double device_memory_gib, const std::string& attention) {
+             double device_memory_gib, const std::string& attention, const MemoryFlags& memory) {
   DS_CHECK(seq_len >= 1 && micro_batch >= 1 && docs_per_window >= 1,
            "plan: --seq-len, --micro-batch and --docs-per-window must be at least 1");
   DS_CHECK(std::isfinite(device_memory_gib) && device_memory_gib > 0 && device_memory_gib <= 1e6,
@@ -28,13 +28,25 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   const ModelConfig cfg = ModelConfig::resolve(model);
   DS_CHECK(seq_len <= cfg.max_position_embeddings, "plan: --seq-len {} is above the model's max_position_embeddings {}",
            seq_len, cfg.max_position_embeddings);
-  const GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, docs_per_window);
-  const GpuMemoryPlan p = plan_gpu_memory(cfg, plan, attention);
   constexpr double GiB = 1073741824.0;
+  GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, docs_per_window);
+  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
+  const bool chosen_state = plan.optimizer_state == OptimizerState::Auto, chosen_rc = plan.recompute == Recompute::Auto;
+  plan = resolve_memory_modes(cfg, plan, [&](const GpuMemoryPlan& q) { return q.total / GiB <= device_memory_gib; },
+                              attention);
+  const GpuMemoryPlan p = plan_gpu_memory(cfg, plan, attention);
   fmt::print("plan: {} ({:.2f}B parameters), seq {} x micro-batch {} = {} tokens, up to {} documents per window\n",
              model, cfg.num_parameters() / 1e9, seq_len, micro_batch, plan.max_tokens, docs_per_window);
-  fmt::print("  modes: optimizer state fp32 (master weights + AdamW moments), recompute selective (norm, SwiGLU, conv, "
-             "l2norm, gated-norm and output-gate activations); gated delta rule {}; attention {}\n",
+  const char* state_what = plan.optimizer_state == OptimizerState::Fp32
+                               ? "fp32 master weights + bf16 copy, fp32 AdamW moments"
+                               : "bf16 GEMM weights and moments, stochastic rounding";
+  const char* rc_what = plan.recompute == Recompute::None        ? "every activation kept"
+                        : plan.recompute == Recompute::Selective ? "norm, SwiGLU, conv, l2norm, gated-norm and "
+                                                                   "output-gate activations rebuilt"
+                                                                 : "only layer inputs kept, each layer's forward rerun";
+  fmt::print("  modes: optimizer state {} ({}{}), recompute {} ({}{}); gated delta rule {}; attention {}\n",
+             optimizer_state_name(plan.optimizer_state), state_what, chosen_state ? "; chosen by --memory auto" : "",
+             recompute_name(plan.recompute), rc_what, chosen_rc ? "; chosen by --memory auto" : "",
              p.gated_delta_rule.empty() ? "-" : p.gated_delta_rule, p.attention.empty() ? "-" : p.attention);
   for (size_t u = 0; u < p.by_use.size(); ++u)
     fmt::print("  {:<58} {:>9.2f} GiB\n", memory_use_name(static_cast<MemoryUse>(u)), p.by_use[u] / GiB);

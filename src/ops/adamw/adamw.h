@@ -15,6 +15,12 @@ struct AdamWParams {
 // p -= lr * (m / (1-b1^t)) / (sqrt(v / (1-b2^t)) + eps).
 void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p);
 
+// The lean mode's AdamW (bf16_state.h): param, m, v bf16 bits [n] updated in place with stochastic rounding;
+// grad fp32 [n]; index0 is the flat parameter index of element 0 (it selects the random stream). Bitwise what
+// ops::cuda::adamw_update_bf16 computes.
+void adamw_update_bf16(uint16_t* param, const float* grad, uint16_t* m, uint16_t* v, int64_t n, const AdamWParams& p,
+                       int64_t index0);
+
 // Sum of squares of grad[0..n) in double, reduced in a fixed order (independent of thread count).
 double sum_squares(const float* grad, int64_t n);
 

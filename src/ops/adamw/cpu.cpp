@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "ops/adamw/adamw.h"
+#include "ops/adamw/bf16_state.h"
 
 namespace ds::ops {
 
@@ -21,6 +22,14 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
     v[i] = b2 * v[i] + (1.0f - b2) * g * g;
     param[i] -= step_size * m[i] / (std::sqrt(v[i]) * inv_sqrt_bc2 + eps);
   }
+}
+
+void adamw_update_bf16(uint16_t* param, const float* grad, uint16_t* m, uint16_t* v, int64_t n, const AdamWParams& p,
+                       int64_t index0) {
+  const bf16_state::Consts k = bf16_state::consts(p);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i)
+    bf16_state::update(param[i], grad[i], m[i], v[i], k, static_cast<uint64_t>(index0 + i));
 }
 
 double sum_squares(const float* grad, int64_t n) {

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "core/cuda/kernel_utils.cuh"
+#include "ops/adamw/bf16_state.h"
 #include "ops/adamw/cuda.h"
 
 namespace ds::ops::cuda {
@@ -70,6 +71,34 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The lean mode (bf16_state.h): 4 elements per thread (8-byte bf16 loads/stores, a float4 gradient) when every
+// pointer allows it, else one.
+__global__ void __launch_bounds__(kThreads)
+    adamw_bf16_vec4_kernel(uint16_t* __restrict__ param, const float* __restrict__ grad, uint16_t* __restrict__ m,
+                           uint16_t* __restrict__ v, int64_t n4, int64_t index0, bf16_state::Consts k) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    ushort4 p = reinterpret_cast<ushort4*>(param)[i], mm = reinterpret_cast<ushort4*>(m)[i],
+            vv = reinterpret_cast<ushort4*>(v)[i];
+    const float4 g = __ldg(reinterpret_cast<const float4*>(grad) + i);
+    const uint64_t e = static_cast<uint64_t>(index0 + 4 * i);
+    bf16_state::update(p.x, g.x, mm.x, vv.x, k, e);
+    bf16_state::update(p.y, g.y, mm.y, vv.y, k, e + 1);
+    bf16_state::update(p.z, g.z, mm.z, vv.z, k, e + 2);
+    bf16_state::update(p.w, g.w, mm.w, vv.w, k, e + 3);
+    reinterpret_cast<ushort4*>(param)[i] = p;
+    reinterpret_cast<ushort4*>(m)[i] = mm;
+    reinterpret_cast<ushort4*>(v)[i] = vv;
+  }
+}
+__global__ void __launch_bounds__(kThreads)
+    adamw_bf16_scalar_kernel(uint16_t* __restrict__ param, const float* __restrict__ grad, uint16_t* __restrict__ m,
+                             uint16_t* __restrict__ v, int64_t begin, int64_t n, int64_t index0, bf16_state::Consts k) {
+  for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    bf16_state::update(param[i], grad[i], m[i], v[i], k, static_cast<uint64_t>(index0 + i));
+}
+
 __global__ void __launch_bounds__(kThreads)
     to_bf16_vec4_kernel(const float* __restrict__ x, bf16* __restrict__ y, int64_t n4) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n4;
@@ -83,6 +112,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads)
     y[i] = __float2bfloat16_rn(x[i]);
+}
+
+__global__ void __launch_bounds__(kThreads) widen_bf16_kernel(const uint16_t* __restrict__ x, float* __restrict__ y,
+                                                             int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    y[i] = bf16_state::widen(x[i]);
 }
 
 // Block sum of a double in a fixed tree (shuffles, then warp results in order); valid in thread 0.
@@ -174,6 +210,37 @@ void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda:
     adamw_scalar_kernel<<<grid_for(n - begin), kThreads, 0, stream>>>(param, grad, m, v, param_bf16, begin, n, k);
     DS_CUDA_LAUNCH_CHECK();
   }
+}
+
+void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16* m, ds::cuda::bf16* v, int64_t n,
+                       const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(n >= 0 && index0 >= 0, "adamw_update_bf16: n and index0 must be >= 0");
+  DS_CUDA_REQUIRE(p.step >= 1, "adamw_update_bf16: step must be >= 1 (1-based), got " + std::to_string(p.step));
+  if (n == 0) return;
+  DS_CUDA_REQUIRE(param && grad && m && v, "adamw_update_bf16: null pointer argument");
+  const bf16_state::Consts k = bf16_state::consts(p);
+  auto* pu = reinterpret_cast<uint16_t*>(param);
+  auto* mu = reinterpret_cast<uint16_t*>(m);
+  auto* vu = reinterpret_cast<uint16_t*>(v);
+  int64_t begin = 0;
+  if (aligned(param, 8) && aligned(m, 8) && aligned(v, 8) && aligned(grad, 16) && n >= 4) {
+    const int64_t n4 = n / 4;
+    adamw_bf16_vec4_kernel<<<grid_for(n4), kThreads, 0, stream>>>(pu, grad, mu, vu, n4, index0, k);
+    DS_CUDA_LAUNCH_CHECK();
+    begin = n4 * 4;
+  }
+  if (begin < n) {
+    adamw_bf16_scalar_kernel<<<grid_for(n - begin), kThreads, 0, stream>>>(pu, grad, mu, vu, begin, n, index0, k);
+    DS_CUDA_LAUNCH_CHECK();
+  }
+}
+
+void widen_bf16(const ds::cuda::bf16* x, float* y, int64_t n, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(n >= 0, "widen_bf16: n must be >= 0, got " + std::to_string(n));
+  if (n == 0) return;
+  DS_CUDA_REQUIRE(x && y, "widen_bf16: null pointer argument");
+  widen_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(reinterpret_cast<const uint16_t*>(x), y, n);
+  DS_CUDA_LAUNCH_CHECK();
 }
 
 void to_bf16(const float* x, ds::cuda::bf16* y, int64_t n, cudaStream_t stream) {

@@ -11,6 +11,12 @@ namespace ds::ops::cuda {
 // param, m, v: fp32 [n] in place; grad: fp32 [n]; param_bf16: bf16 [n] copy of the updated param (may be null).
 void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda::bf16* param_bf16, int64_t n,
                   const ds::ops::AdamWParams& p, cudaStream_t stream);
+// The lean mode's AdamW (ops/adamw/bf16_state.h; bitwise ops::adamw_update_bf16): param, m, v bf16 [n] in place
+// with stochastic rounding, grad fp32 [n]; index0 = flat parameter index of element 0 (the random stream).
+void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16* m, ds::cuda::bf16* v, int64_t n,
+                       const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream);
+// bf16 -> fp32 (exact).
+void widen_bf16(const ds::cuda::bf16* x, float* y, int64_t n, cudaStream_t stream);
 // Converts fp32 -> bf16 (round to nearest even).
 void to_bf16(const float* x, ds::cuda::bf16* y, int64_t n, cudaStream_t stream);
 // Sum of squares of x [n] in fixed block order into *out (device double). scratch: sum_squares_scratch_bytes(n).

@@ -2,6 +2,7 @@
 #include "ops/adamw/cuda_check.h"
 
 #ifdef DELTASTACK_CUDA
+#include "core/bf16.h"
 #include "ops/adamw/cuda.h"
 #include "ops/check/device.h"
 
@@ -55,6 +56,43 @@ Result check_adamw(const AdamwCase& c) {
   }
   r.exact("to_bf16 is round-to-nearest-even", same_bits(to_f32(a.gb), rounded(grad)));
   r.add("sum_squares", rel_scalar(a.ss[0], ss), 1e-10);
+  if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
+  return r;
+}
+
+Result check_adamw_bf16(const AdamwCase& c) {
+  Result r;
+  r.what = "adamw bf16 state n " + std::to_string(c.n) + (c.offset ? " offset " + std::to_string(c.offset) : "");
+  Ctx ctx(c.seed);
+  const int64_t n = c.n, index0 = 1000 + static_cast<int64_t>(c.seed);
+  auto to_bits = [](const Vec& x) {
+    Bits b(x.size());
+    for (size_t i = 0; i < x.size(); ++i) b[i] = f32_to_bf16_bits(x[i]);
+    return b;
+  };
+  const Bits p0 = to_bits(ctx.randn(n, 0.02)), m0 = to_bits(ctx.randn(n, 1e-3)), v0 = to_bits(ctx.uniform(n, 0, 1e-6));
+  const Vec grad = ctx.randn(n, 1e-3);
+  Bits p = p0, m = m0, v = v0;
+  timed(&r.cpu_seconds, [&] { adamw_update_bf16(p.data(), grad.data(), m.data(), v.data(), n, c.hp, index0); });
+  Buf<bf16> p_d(n, c.offset), m_d(n, c.offset), v_d(n, c.offset);
+  auto g_d = ctx.up(grad, c.offset);
+  auto up_bits = [&](Buf<bf16>& d, const Bits& h) {
+    DS_CUDA_CHECK(cudaMemcpyAsync(d.get(), h.data(), d.bytes(), cudaMemcpyHostToDevice, ctx.s));
+  };
+  struct Out {
+    Bits p, m, v;
+    auto tie() const { return std::tie(p, m, v); }
+  };
+  auto run = [&] {
+    up_bits(p_d, p0), up_bits(m_d, m0), up_bits(v_d, v0);
+    cuda::adamw_update_bf16(p_d.get(), g_d.get(), m_d.get(), v_d.get(), n, c.hp, index0, ctx.s);
+    return Out{ctx.bits(p_d), ctx.bits(m_d), ctx.bits(v_d)};
+  };
+  const Out a = run();
+  r.exact("param bitwise the CPU reference's", same_bits(a.p, p));
+  r.exact("exp_avg bitwise the CPU reference's", same_bits(a.m, m));
+  r.exact("exp_avg_sq bitwise the CPU reference's", same_bits(a.v, v));
+  r.add("param update", rel_l2(minus(to_f32(a.p), to_f32(p0)), minus(to_f32(p), to_f32(p0))), kForward);
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
   return r;
 }

@@ -24,6 +24,9 @@ struct AdamwCase {
   bool twice = true;
 };
 check::Result check_adamw(const AdamwCase& c);
+// The lean mode's kernel (adamw_update_bf16: bf16 param / m / v with stochastic rounding) against its CPU
+// reference: bitwise equal (same fp32 operations, same random stream), two runs bitwise equal. with_bf16 unused.
+check::Result check_adamw_bf16(const AdamwCase& c);
 // The start-up probe: n 5003 (a vector body and a scalar tail).
 std::vector<AdamwCase> adamw_probe_cases();
 // The registry's probe: check::probe("adamw", adamw_probe_cases(), check_adamw).
