@@ -4,7 +4,8 @@
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
 # Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops peer bench-step memory curves
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
-# memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves).
+# memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
+# (CURVE_DATA); corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it).
 # With a source tree of an earlier commit in .base (e.g.
 # `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
 # (build-base) and `train` / `bench-step` compare against it: losses bitwise, step time.
@@ -137,7 +138,7 @@ fi
 if has curves; then
   # The lean state's loss curve against fp32's: 0.8B on the bundled text, the two runs side by side on the GPU.
   D=$BUILD/deltastack
-  C="--model 0.8b --device cuda --seq-len 1024 --micro-batch 8 --steps ${CURVE_STEPS:-300} --lr 3e-4 --warmup 30 \
+  C="--model 0.8b --device cuda --data ${CURVE_DATA:-data/tiny_shakespeare.txt} --seq-len 1024 --micro-batch 8 --steps ${CURVE_STEPS:-300} --lr 3e-4 --warmup 30 \
      --eval-interval 25 --eval-batches 8 --recompute selective"
   rm -rf /tmp/ds_c32 /tmp/ds_c16
   $D train $C --optimizer-state fp32 --out /tmp/ds_c32 >/tmp/ds_curve32.txt 2>&1 &
@@ -146,6 +147,43 @@ if has curves; then
   tail -2 /tmp/ds_curve32.txt /tmp/ds_curve16.txt
   cp /tmp/ds_c32/metrics.jsonl "$OUT/curve_fp32.jsonl"; cp /tmp/ds_c16/metrics.jsonl "$OUT/curve_bf16.jsonl"
   python3 scripts/compare_curves.py "$OUT/curve_fp32.jsonl" "$OUT/curve_bf16.jsonl" | tee "$OUT/curves.txt" || status=1
+fi
+if has corpus; then
+  # A real-text corpus larger than the runs below read (no epoch repeats): the Python sources of the transformers
+  # package installed there (Apache-2.0), first 12 MB, as one .txt (paragraph documents).
+  python3 - <<'PY'
+import os, transformers
+root, out, n = os.path.dirname(transformers.__file__), open("/tmp/ds_corpus.txt", "w"), 0
+for d, _, fs in sorted(os.walk(root)):
+    for f in sorted(fs):
+        if f.endswith(".py") and n < 12_000_000:
+            t = open(os.path.join(d, f), encoding="utf-8", errors="replace").read()
+            out.write(t + "\n\n"); n += len(t)
+print(f"corpus: {n / 1e6:.1f} MB of transformers {transformers.__version__} sources in /tmp/ds_corpus.txt")
+PY
+fi
+if has train-9b; then
+  # Qwen3.5-9B on the H200 (seq 8192 x 1, the modes --memory auto picks: bf16 state): 20 steps on real text with a
+  # checkpoint at step 10, then a resume from it; steps 11..20 must be bitwise equal. A 9B checkpoint is ~50 GiB
+  # (bf16 weights and moments), so the step-20 saves may fail for lack of disk there: the metrics come first.
+  D=$BUILD/deltastack
+  N="--model 9b --device cuda --data /tmp/ds_corpus.txt --seq-len 8192 --micro-batch 1 --lr 1e-4 --warmup 5 --val-fraction 0 --eval-batches 0"
+  rm -rf /tmp/ds_9b /tmp/ds_9b_r
+  $D train $N --steps 20 --save-interval 10 --out /tmp/ds_9b >/tmp/ds_9b.txt 2>&1; echo "9b run rc=$?"
+  du -sh /tmp/ds_9b/checkpoint-10 2>&1; rm -rf /tmp/ds_9b/.checkpoint-20.tmp
+  $D train --resume /tmp/ds_9b/checkpoint-10 --out /tmp/ds_9b_r >/tmp/ds_9b_r.txt 2>&1; echo "9b resume rc=$?"
+  grep -E "gpu:|step (1|5|10|11|20) " /tmp/ds_9b.txt /tmp/ds_9b_r.txt | head -20
+  cp /tmp/ds_9b/metrics.jsonl "$OUT/metrics_9b.jsonl"; cp /tmp/ds_9b_r/metrics.jsonl "$OUT/metrics_9b_resumed.jsonl"
+  python3 - <<'PY' || status=1
+import json
+L = lambda p: {j["step"]: j for j in map(json.loads, open(p)) if "loss" in j}
+a, b = L("/tmp/ds_9b/metrics.jsonl"), L("/tmp/ds_9b_r/metrics.jsonl")
+same = sorted(b) == list(range(11, 21)) and all(a[s]["loss"] == b[s]["loss"] for s in b)
+print(f"9b: loss {a[1]['loss']:.4f} -> {a[20]['loss']:.4f}, {a[20]['tokens_per_s']:.0f} tok/s, peak "
+      f"{a[20].get('peak_gib', 0):.1f} GiB; resume from step 10: {'bitwise identical' if same else 'DIFFERENT'}")
+raise SystemExit(0 if same else 1)
+PY
+  rm -rf /tmp/ds_9b /tmp/ds_9b_r
 fi
 if has train; then
   # GPU training on the embedded default: two runs with one seed must give bitwise-identical losses, and a

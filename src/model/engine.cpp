@@ -97,6 +97,9 @@ class CudaEngine final : public Engine {
   double grad_sum_squares() override { return gpu_->grad_sum_squares(); }
   void optimizer_step(const ops::AdamWParams& p) override { gpu_->adamw_step(p, p.weight_decay); }
   std::vector<SaveTensor> weight_tensors(DType dtype) override { return buffer_tensors(GpuModel::Buffer::Weights, dtype); }
+  std::vector<SaveTensor> checkpoint_weight_tensors() override {
+    return buffer_tensors(GpuModel::Buffer::Weights, DType::F32, /*lossless=*/true);
+  }
   std::vector<SaveTensor> grad_tensors() override { return buffer_tensors(GpuModel::Buffer::Grads, DType::F32); }
   // The optimizer names its own state tensors (AdamW: exp_avg.<name>, exp_avg_sq.<name>; model/gpu_optimizer.h).
   std::vector<SaveTensor> optimizer_tensors() override {
@@ -108,7 +111,7 @@ class CudaEngine final : public Engine {
         out.push_back(make_tensor_f32_reader(gpu->optimizer_state_name(k, p), p.shape,
                                              [gpu, k, base](int64_t first, int64_t count, float* dst) {
                                                gpu->read_optimizer_state(k, base + first, count, dst);
-                                             }));
+                                             }, bf16_only(p) ? DType::BF16 : DType::F32));
       }
     return out;
   }
@@ -127,15 +130,20 @@ class CudaEngine final : public Engine {
   Recompute recompute() const override { return gpu_->recompute(); }
 
  private:
-  // Checkpoint entries whose values are copied from a device buffer slab by slab while the file is written.
-  std::vector<SaveTensor> buffer_tensors(GpuModel::Buffer which, DType dtype) {
+  // A parameter whose weights and moments the engine keeps in bf16 only (stored BF16 in checkpoints: lossless).
+  bool bf16_only(const ParamSpec& p) const {
+    return gpu_->optimizer_state() == OptimizerState::Bf16 && is_matrix(p);
+  }
+  // Checkpoint entries whose values are copied from a device buffer slab by slab while the file is written;
+  // lossless: BF16 for bf16-only weights, `dtype` (F32) for the others.
+  std::vector<SaveTensor> buffer_tensors(GpuModel::Buffer which, DType dtype, bool lossless = false) {
     std::vector<SaveTensor> out;
     GpuModel* gpu = gpu_.get();
     for (const ParamSpec& p : params_) {
       const int64_t base = p.offset;
       out.push_back(make_tensor_f32_reader(p.name, p.shape, [gpu, which, base](int64_t first, int64_t count, float* dst) {
         gpu->read(which, base + first, count, dst);
-      }, which == GpuModel::Buffer::Weights ? stored_dtype(p, dtype) : DType::F32));
+      }, which != GpuModel::Buffer::Weights ? DType::F32 : lossless && bf16_only(p) ? DType::BF16 : stored_dtype(p, dtype)));
     }
     return out;
   }

@@ -96,8 +96,12 @@ class Engine {
   // Checkpoint tensors, streamed: each entry reads its fp32 values from the engine while the file is written
   // (no copy of the whole state in host memory). The engine must outlive the write.
   //   weight_tensors: the parameters with HF names (A_log and linear_attn.norm.weight stay F32 whatever dtype);
-  //   optimizer_tensors: the optimizer's own state ("exp_avg.<name>", "exp_avg_sq.<name>" for AdamW, fp32).
+  //   optimizer_tensors: the optimizer's own state ("exp_avg.<name>", "exp_avg_sq.<name>" for AdamW; F32, or
+  //   BF16 where the moments live in bf16: lossless either way).
   virtual std::vector<SaveTensor> weight_tensors(DType dtype = DType::F32) = 0;
+  // The weights as a checkpoint keeps them: lossless in the smallest dtype (F32; BF16 for a weight that lives in
+  // bf16 only, OptimizerState::Bf16).
+  virtual std::vector<SaveTensor> checkpoint_weight_tensors() { return weight_tensors(DType::F32); }
   virtual std::vector<SaveTensor> optimizer_tensors() = 0;
   // Restores the optimizer state that optimizer_tensors() wrote (names as there), one tensor at a time.
   virtual void load_optimizer(const TensorSource& read) = 0;

@@ -177,12 +177,13 @@ void Checkpoints::save(Engine& engine, const TrainerState& state) {
   const std::string tmp_dir = (fs::path(opt_.out) / fmt::format(".checkpoint-{}.tmp", state.step)).string();
   fs::remove_all(tmp_dir);
   const int64_t shard_bytes = opt_.max_shard_mb * 1000000;
-  save_model_dir(tmp_dir, engine.config(), engine.weight_tensors(DType::F32), DType::F32, shard_bytes);
+  save_model_dir(tmp_dir, engine.config(), engine.checkpoint_weight_tensors(), DType::F32, shard_bytes);
   // Fault-injection hook for the crash-safety tests: a pause inside every save, so that a kill aimed at "a save in
   // progress" lands there however fast the disk is. Unset in normal use.
   if (const char* pause = std::getenv("DELTASTACK_TEST_SAVE_PAUSE_MS"))
     std::this_thread::sleep_for(std::chrono::milliseconds(std::strtol(pause, nullptr, 10)));
-  // The optimizer's state (AdamW moments, fp32, HF-style names), streamed from the engine, sharded like the weights.
+  // The optimizer's state (AdamW moments, HF-style names; F32, or BF16 where the engine keeps them in bf16),
+  // streamed from the engine, sharded like the weights.
   write_safetensors_sharded(tmp_dir, "optimizer", engine.optimizer_tensors(), shard_bytes);
   write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), tokenizer_json_);
   const json st{{"step", state.step},
