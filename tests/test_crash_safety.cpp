@@ -61,7 +61,7 @@ OutDir scan(const std::string& out) {
     std::smatch m;
     if (std::regex_match(n, m, ck) && e.is_directory()) d.checkpoints[std::stoi(m[1])] = e.path().string();
     else if (std::regex_match(n, tmp)) d.temps.push_back(n);
-    else if (n != "metrics.jsonl" && !std::regex_match(n, metrics_tmp)) d.other.push_back(n);
+    else if (n != "metrics.jsonl" && n != ".deltastack.lock" && !std::regex_match(n, metrics_tmp)) d.other.push_back(n);
   }
   return d;
 }

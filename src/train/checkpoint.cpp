@@ -54,26 +54,6 @@ CheckpointOwner checkpoint_owner(const fs::path& dir) {
   return o;
 }
 
-// Temp dirs of checkpoint saves that a killed run left behind in `out` (never valid checkpoints): removed, but never
-// the directory this run is resumed from.
-void remove_stale_temps(const std::string& out, const std::string& resume) {
-  std::vector<fs::path> stale;
-  for (const auto& e : fs::directory_iterator(out)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind(".checkpoint-", 0) == 0 && n.size() > 16 && n.compare(n.size() - 4, 4, ".tmp") == 0)
-      stale.push_back(e.path());
-  }
-  std::error_code ec;
-  if (!resume.empty()) {
-    const fs::path src = fs::canonical(resume, ec);
-    std::erase_if(stale, [&](const fs::path& p) { return fs::canonical(p, ec) == src; });
-  }
-  for (const fs::path& p : stale) {
-    log_info("removing {} (left by an interrupted checkpoint save)", p.string());
-    fs::remove_all(p);
-  }
-}
-
 // Moves the complete checkpoint in tmp_dir to final_dir. Replacing a checkpoint of the same step (a resume from an
 // earlier one into the same --out) swaps the two directories in one atomic rename, so final_dir never goes missing.
 void rename_into_place(const std::string& tmp_dir, const std::string& final_dir) {
@@ -144,8 +124,6 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
 
 Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id)
     : opt_(opt), start_step_(start_step), run_id_(std::move(run_id)), session_id_(new_run_id()) {
-  fs::create_directories(opt_.out);
-  remove_stale_temps(opt_.out, opt_.resume);
   // One look at the checkpoints already in --out: a file (not a directory) named like a checkpoint this run will
   // write stops the run now, not after the training; another run's checkpoints get a warning.
   std::vector<std::string> foreign;

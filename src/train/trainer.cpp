@@ -25,6 +25,7 @@
 #include "ops/adamw/adamw.h"
 #include "ops/registry.h"
 #include "train/checkpoint.h"
+#include "train/run_dir.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -240,6 +241,10 @@ int train(TrainOptions cli) {
   if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
   TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
+  // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
+  // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
+  const RunDirectory run_dir(opt.out);
+  run_dir.remove_stale_temps(opt.resume);
   set_num_threads(opt.threads);
   Qwen35Model model = build_model(opt);
   const TrainData data = load_data(opt, model.config());
