@@ -12,6 +12,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "core/files.h"
 #include "train/run_dir.h"
@@ -86,5 +87,105 @@ TEST(RunSafety, LockRefusesASecondRunIntoTheSameOut) {
   EXPECT_TRUE(contains(log, "--out " + dir + "/file: exists and is not a directory")) << log;
   EXPECT_FALSE(contains(log, "model:")) << log;
   EXPECT_EQ(ds::read_file(dir + "/file"), "x");
+  fs::remove_all(dir);
+}
+
+namespace {
+
+// The step of the last training line of a metrics.jsonl (0 if none).
+int64_t last_step(const std::string& metrics_path) {
+  int64_t s = 0;
+  if (!ds::file_exists(metrics_path)) return 0;
+  for (const json& j : ds::test::metrics(metrics_path))
+    if (j.contains("loss")) s = j["step"].get<int64_t>();
+  return s;
+}
+
+int64_t checkpoint_step(const std::string& ck) {
+  return json::parse(ds::read_file(ck + "/trainer_state.json"))["step"].get<int64_t>();
+}
+
+}  // namespace
+
+// 2. SIGINT mid-run, without --save-interval: the step in progress finishes, a checkpoint of it is saved, the exit code
+// is 130 and the message says how to resume; the resume then continues bitwise like a run that was never stopped.
+TEST(RunSafety, SigintSavesACheckpointAndResumesBitwise) {
+  const std::string dir = tmpdir("sigint");
+  // A constant lr (no warmup), so the schedule does not depend on --steps and a run of N steps is a prefix.
+  const std::string args = small_setup(dir) + " --schedule constant --warmup 0 --threads 1", out = dir + "/o";
+  const pid_t pid = spawn("train " + args + " --steps 100000 --out " + out, dir + "/log");
+  ASSERT_TRUE(wait_for([&] { return last_step(out + "/metrics.jsonl") >= 3; })) << read_or_empty(dir + "/log");
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(wait_exit(pid), 130) << read_or_empty(dir + "/log");
+  const int64_t n = last_step(out + "/metrics.jsonl");
+  const std::string ck = out + "/checkpoint-" + std::to_string(n), log = read_or_empty(dir + "/log");
+  ASSERT_TRUE(fs::exists(ck + "/trainer_state.json")) << log;
+  EXPECT_EQ(checkpoint_step(ck), n);
+  EXPECT_TRUE(contains(log, "stopped by SIGINT after step " + std::to_string(n) + " of 100000")) << log;
+  EXPECT_TRUE(contains(log, "resume with: deltastack train --resume " + ck)) << log;
+  std::string rlog;
+  ASSERT_EQ(run("train --resume " + ck + " --steps " + std::to_string(n + 2) + " --threads 1", &rlog), 0) << rlog;
+  ASSERT_EQ(run("train " + args + " --steps " + std::to_string(n + 2) + " --out " + dir + "/ref"), 0);
+  EXPECT_EQ(ds::test::train_losses(out + "/metrics.jsonl"), ds::test::train_losses(dir + "/ref/metrics.jsonl"));
+  EXPECT_EQ(ds::read_file(out + "/checkpoint-" + std::to_string(n + 2) + "/model.safetensors"),
+            ds::read_file(dir + "/ref/checkpoint-" + std::to_string(n + 2) + "/model.safetensors"));
+  fs::remove_all(dir);
+}
+
+// 2. SIGTERM during a save: the save completes, no second one is made, exit 143. Then two signals during a save
+// of a resumed run: the second stops at once (exit 130), naming the last complete checkpoint, which stays intact.
+TEST(RunSafety, SigtermFinishesTheSaveAndASecondSignalStopsAtOnce) {
+  const std::string dir = tmpdir("sigterm");
+  const std::string args = small_setup(dir) + " --threads 1 --save-interval 2", out = dir + "/o";
+  ::setenv("DELTASTACK_TEST_SAVE_PAUSE_MS", "500", 1);
+  pid_t pid = spawn("train " + args + " --steps 100000 --out " + out, dir + "/log1");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(out + "/.checkpoint-2.tmp"); })) << read_or_empty(dir + "/log1");
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(wait_exit(pid), 143) << read_or_empty(dir + "/log1");
+  std::string log = read_or_empty(dir + "/log1");
+  EXPECT_EQ(checkpoint_step(out + "/checkpoint-2"), 2) << log;
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-3")) << log;
+  EXPECT_TRUE(contains(log, "stopped by SIGTERM after step 2 of 100000: the last checkpoint is " + out +
+                                "/checkpoint-2")) << log;
+  const std::string kept = ds::read_file(out + "/checkpoint-2/model.safetensors");
+
+  ::setenv("DELTASTACK_TEST_SAVE_PAUSE_MS", "3000", 1);
+  pid = spawn("train --resume " + out + "/checkpoint-2", dir + "/log2");
+  ::unsetenv("DELTASTACK_TEST_SAVE_PAUSE_MS");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(out + "/.checkpoint-4.tmp"); })) << read_or_empty(dir + "/log2");
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // two pending SIGINTs would merge into one
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(wait_exit(pid), 130);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.5)
+      << "the second signal must not wait for the save";
+  log = read_or_empty(dir + "/log2");
+  EXPECT_TRUE(contains(log, "second signal: stopping now; the last complete checkpoint is " + out +
+                                "/checkpoint-2")) << log;
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-4"));
+  EXPECT_EQ(ds::read_file(out + "/checkpoint-2/model.safetensors"), kept);
+  fs::remove_all(dir);
+}
+
+// 2. A closed stdout (`train | head -1`): SIGPIPE is ignored and failed writes are too; the run ends normally with its
+// checkpoint.
+TEST(RunSafety, ClosedStdoutDoesNotStopTraining) {
+  const std::string dir = tmpdir("sigpipe");
+  const std::string args = small_setup(dir) + " --threads 1 --steps 40 --out " + dir + "/o";
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    ds::test::exec_deltastack("train " + args);
+  }
+  ::close(fds[0]);  // nobody reads: every write to stdout fails with EPIPE
+  ::close(fds[1]);
+  EXPECT_EQ(wait_exit(pid), 0);
+  EXPECT_EQ(checkpoint_step(dir + "/o/checkpoint-40"), 40);
+  EXPECT_EQ(last_step(dir + "/o/metrics.jsonl"), 40);
   fs::remove_all(dir);
 }

@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -9,11 +10,13 @@
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/parallel.h"
 #include "train/options_cli.h"
 #include "train/trainer.h"
 
 int main(int argc, char** argv) {
+  std::signal(SIGPIPE, SIG_IGN);  // a closed stdout (`train | head -1`) is a failed write, never a killed run
   CLI::App app{"deltastack: a native training engine for Qwen3.5-class hybrid (Gated DeltaNet + attention) models"};
   app.require_subcommand(0, 1);
   app.fallthrough();  // --threads may come after the subcommand
@@ -112,6 +115,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // The error line; a failed write (a closed stderr) changes nothing: the exit code is 1 either way.
+  auto error = [](const std::string& what) { ds::detail::log_line("error: " + what + "\n"); };
   try {
     ds::train_option("threads").check(to);
     ds::set_num_threads(to.threads);
@@ -137,14 +142,12 @@ int main(int argc, char** argv) {
     fmt::print("{}", app.help());
     return 0;
   } catch (const ds::Error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
+    error(e.what());
   } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "error: out of host memory (a larger model or batch than this machine holds; the fp32 "
-                       "engine keeps weights, gradients and two AdamW moments: 16 bytes per parameter)\n");
-    return 1;
+    error("out of host memory (a larger model or batch than this machine holds; the fp32 engine keeps weights, "
+          "gradients and two AdamW moments: 16 bytes per parameter, plus one micro-batch's activations)");
   } catch (const std::exception& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
+    error(e.what());
   }
+  return 1;
 }

@@ -150,7 +150,7 @@ bool Checkpoints::due(int64_t step) const {
   return step == opt_.steps || (step <= opt_.steps && opt_.save_interval > 0 && step % opt_.save_interval == 0);
 }
 
-void Checkpoints::save(Engine& engine, const TrainerState& state) {
+std::string Checkpoints::save(Engine& engine, const TrainerState& state) {
   const std::string final_dir = (fs::path(opt_.out) / fmt::format("checkpoint-{}", state.step)).string();
   const std::string tmp_dir = (fs::path(opt_.out) / fmt::format(".checkpoint-{}.tmp", state.step)).string();
   fs::remove_all(tmp_dir);
@@ -177,6 +177,7 @@ void Checkpoints::save(Engine& engine, const TrainerState& state) {
   fsync_dir(opt_.out);
   log_info("saved {}", final_dir);
   if (opt_.keep_last > 0) prune(state.step);
+  return final_dir;
 }
 
 // --keep-last: after checkpoint-`step` is durable, the older checkpoints of this run's current history (N < step,

@@ -47,7 +47,8 @@ class Checkpoints {
   // Whether the run saves a checkpoint after `step`: every --save-interval steps and at the last one.
   bool due(int64_t step) const;
   // Saves checkpoint-<state.step> (replacing one of the same step atomically), then prunes for --keep-last.
-  void save(Engine& engine, const TrainerState& state);
+  // Returns the checkpoint's path.
+  std::string save(Engine& engine, const TrainerState& state);
 
  private:
   void prune(int64_t step);

@@ -25,6 +25,7 @@
 #include "ops/adamw/adamw.h"
 #include "ops/registry.h"
 #include "train/checkpoint.h"
+#include "train/interrupt.h"
 #include "train/run_dir.h"
 
 namespace fs = std::filesystem;
@@ -155,6 +156,12 @@ class MetricsLog {
   std::ofstream file_;
 };
 
+// A progress line on stdout; a failed write (a closed pipe: `train | head -1`) never stops the run.
+void print_progress(const std::string& line) {
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fflush(stdout);
+}
+
 // ---- the step
 
 double lr_at(const TrainOptions& o, int64_t step) {  // step is 1-based
@@ -271,6 +278,18 @@ int train(TrainOptions cli) {
     return !data.eval_batches.empty() && (step == opt.steps || (opt.eval_interval > 0 && step % opt.eval_interval == 0));
   };
 
+  // From here on SIGINT / SIGTERM stop after the current step, with a checkpoint (interrupt.h).
+  InterruptGuard interrupt;
+  int64_t saved_step = resumed ? start_step : -1;  // the newest complete checkpoint of this run's history
+  std::string saved_dir = resumed ? opt.resume : std::string();
+  if (resumed) interrupt.set_last_checkpoint(saved_dir);
+  auto save = [&] {
+    progress.elapsed_s = elapsed();
+    saved_dir = checkpoints.save(*engine, progress);
+    saved_step = progress.step;
+    interrupt.set_last_checkpoint(saved_dir);
+  };
+
   if (start_step == 0 && !data.eval_batches.empty()) {
     const double el = evaluate(*engine, data.eval_batches);
     log_info("step 0 | eval_loss {:.4f}", el);
@@ -279,7 +298,7 @@ int train(TrainOptions cli) {
 
   // ---- the steps
   WindowSampler sampler(data.train->num_windows(), opt.seed);
-  for (int64_t step = start_step + 1; step <= opt.steps; ++step) {
+  for (int64_t step = start_step + 1; step <= opt.steps && !interrupt.signal(); ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const StepBatches batches = step_batches(sampler, *data.train, opt, step);
     const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
@@ -310,26 +329,28 @@ int train(TrainOptions cli) {
                 {"tokens_per_s", batches.tokens / dt}, {"elapsed_s", el}};
       if (engine->device() == "cuda") line["peak_gib"] = engine->peak_bytes() / 1073741824.0;
       metrics.write(line);
-      fmt::print("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | {:.1f} s\n",
-                 step, opt.steps, loss, gnorm, lr, batches.tokens, batches.tokens / dt, el);
-      std::fflush(stdout);
+      print_progress(fmt::format("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | "
+                                 "{:.1f} s\n", step, opt.steps, loss, gnorm, lr, batches.tokens, batches.tokens / dt, el));
     }
 
-    if (eval_due(step)) {
+    if (eval_due(step) && !interrupt.signal()) {  // interrupted: straight to the save
       const double el = evaluate(*engine, data.eval_batches);
-      fmt::print("step {:>5}/{} | eval_loss {:.4f}\n", step, opt.steps, el);
-      std::fflush(stdout);
+      print_progress(fmt::format("step {:>5}/{} | eval_loss {:.4f}\n", step, opt.steps, el));
       metrics.write({{"step", step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
     }
-    if (checkpoints.due(step)) {
-      progress.elapsed_s = elapsed();
-      checkpoints.save(*engine, progress);
-    }
+    if (checkpoints.due(step)) save();
   }
-  if (opt.steps == 0 && start_step == 0) {  // --steps 0: the initial weights as checkpoint-0
-    progress.elapsed_s = elapsed();
-    checkpoints.save(*engine, progress);
+  if (const int sig = interrupt.signal()) {
+    if (progress.step > saved_step && progress.step > 0) save();
+    const std::string where =
+        saved_step < 0 ? "no step was taken, so there is nothing to save (a new run starts over)"
+                       : fmt::format("the last checkpoint is {} (step {}); resume with: deltastack train --resume {}",
+                                     saved_dir, saved_step, saved_dir);
+    detail::log_line(fmt::format("[deltastack] stopped by {} after step {} of {}: {}\n", signal_name(sig),
+                                 progress.step, opt.steps, where));
+    return 128 + sig;
   }
+  if (opt.steps == 0 && start_step == 0) save();  // --steps 0: the initial weights as checkpoint-0
   log_info("done: {} steps, {} tokens, {:.1f} s; metrics in {}", opt.steps, progress.tokens_seen, elapsed(),
            metrics.path());
   return 0;
