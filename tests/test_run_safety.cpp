@@ -2,6 +2,7 @@
 // outputs, metrics.jsonl kept whole, and a resume that needs only the checkpoint.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -178,6 +179,8 @@ TEST(RunSafety, ClosedStdoutDoesNotStopTraining) {
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::dup2(fds[1], 1);
+    const int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, 2);
     ::close(fds[0]);
     ::close(fds[1]);
     ds::test::exec_deltastack("train " + args);
@@ -187,5 +190,58 @@ TEST(RunSafety, ClosedStdoutDoesNotStopTraining) {
   EXPECT_EQ(wait_exit(pid), 0);
   EXPECT_EQ(checkpoint_step(dir + "/o/checkpoint-40"), 40);
   EXPECT_EQ(last_step(dir + "/o/metrics.jsonl"), 40);
+  fs::remove_all(dir);
+}
+
+// 3. metrics.jsonl is never deleted or spliced: a fresh run into a directory with another run's files refuses and
+// changes nothing, so does a resume into another run's directory; a resume from an earlier checkpoint moves the later
+// lines to metrics-abandoned.jsonl (byte for byte) and every line names the run; --move-aside keeps the old run whole.
+TEST(RunSafety, MetricsAreNeverDeletedOrSpliced) {
+  const std::string dir = tmpdir("metrics");
+  const std::string args = small_setup(dir) + " --threads 1 --warmup 1", a = dir + "/a", b = dir + "/b";
+  ASSERT_EQ(run("train " + args + " --steps 4 --save-interval 2 --out " + a), 0);
+  ASSERT_EQ(run("train " + args + " --steps 2 --seed 7 --out " + b), 0);
+  const std::string a_metrics = ds::read_file(a + "/metrics.jsonl"), b_metrics = ds::read_file(b + "/metrics.jsonl");
+  std::string log;
+  EXPECT_EQ(run("train " + args + " --steps 2 --seed 2 --out " + a, &log), 1);
+  EXPECT_TRUE(contains(log, "--out " + a + " holds another run's files (checkpoint-2, checkpoint-4, metrics.jsonl)"))
+      << log;
+  EXPECT_TRUE(contains(log, "--move-aside")) << log;
+  EXPECT_EQ(run("train --resume " + a + "/checkpoint-2 --out " + b, &log), 1);
+  EXPECT_TRUE(contains(log, "holds another run's files (checkpoint-2, metrics.jsonl)")) << log;
+  EXPECT_EQ(ds::read_file(a + "/metrics.jsonl"), a_metrics);
+  EXPECT_EQ(ds::read_file(b + "/metrics.jsonl"), b_metrics);
+
+  // Resume of a from step 2 in its own directory: the old lines of steps 3-4 move, the new ones follow step 2.
+  ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --threads 1", &log), 0) << log;
+  const std::string run_id =
+      json::parse(ds::read_file(a + "/checkpoint-4/trainer_state.json"))["run_id"].get<std::string>();
+  std::string old_later;
+  for (const json& j : ds::test::metrics(a + "/metrics-abandoned.jsonl")) {
+    EXPECT_GT(j["step"].get<int64_t>(), 2) << j;
+    old_later += j.dump() + "\n";
+  }
+  EXPECT_TRUE(contains(a_metrics, old_later) && !old_later.empty()) << old_later;
+  std::vector<int64_t> steps;
+  for (const json& j : ds::test::metrics(a + "/metrics.jsonl")) {
+    EXPECT_EQ(j["run_id"], run_id) << j;
+    if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4}));
+  const std::vector<double> redone = ds::test::train_losses(a + "/metrics.jsonl");
+  ASSERT_EQ(redone.size(), 4u);
+  EXPECT_EQ(ds::test::train_losses(a + "/metrics-abandoned.jsonl"), std::vector<double>(redone.begin() + 2, redone.end()))
+      << "the same steps again (bitwise resume)";
+
+  // --move-aside: b's run goes whole into b/previous-1/, the new run starts clean.
+  ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --out " + b + " --move-aside --threads 1", &log), 0) << log;
+  EXPECT_EQ(ds::read_file(b + "/previous-1/metrics.jsonl"), b_metrics);
+  EXPECT_TRUE(fs::exists(b + "/previous-1/checkpoint-2/model.safetensors"));
+  steps.clear();
+  for (const json& j : ds::test::metrics(b + "/metrics.jsonl")) {
+    EXPECT_EQ(j["run_id"], run_id) << j;
+    if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{3, 4}));
   fs::remove_all(dir);
 }

@@ -333,14 +333,20 @@ TEST(Train, KeepLastCheckpoints) {
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-1/checkpoint-2"));
   for (const auto& e : fs::directory_iterator(dir + "/c"))
     EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
-  // A new run (another seed, not a resume) into a directory holding another run's checkpoints: warned about, and
-  // --keep-last prunes only the new run's own.
+  // A new run (another seed, not a resume) into a directory holding another run's checkpoints: refused, nothing
+  // touched; with --move-aside they go to c/previous-1/ as they were and --keep-last prunes only the new run's own.
   std::string log;
   const std::string old3 = ds::read_file(dir + "/c/checkpoint-3/model.safetensors");
-  ASSERT_EQ(run("train " + args + " --steps 4 --warmup 1 --threads 1 --save-interval 2 --keep-last 1 --seed 99 --out " +
-                dir + "/c", &log), 0);
-  EXPECT_NE(log.find("of another run"), std::string::npos) << log;
-  EXPECT_EQ(ds::read_file(dir + "/c/checkpoint-3/model.safetensors"), old3);  // the other run's, kept as it was
+  const std::string new_run = "train " + args + " --steps 4 --warmup 1 --threads 1 --save-interval 2 --keep-last 1 "
+                              "--seed 99 --out " + dir + "/c";
+  EXPECT_EQ(run(new_run, &log), 1) << log;
+  EXPECT_NE(log.find("holds another run's files (checkpoint-2, checkpoint-3, metrics-abandoned.jsonl, metrics.jsonl)"),
+            std::string::npos) << log;
+  EXPECT_EQ(ds::read_file(dir + "/c/checkpoint-3/model.safetensors"), old3);
+  ASSERT_EQ(run(new_run + " --move-aside", &log), 0) << log;
+  EXPECT_EQ(ds::read_file(dir + "/c/previous-1/checkpoint-3/model.safetensors"), old3);  // the other run's, as it was
+  EXPECT_TRUE(fs::exists(dir + "/c/previous-1/metrics.jsonl"));
+  EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-3"));
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-2"));  // the new run's own step 2, pruned
   EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-4/model.safetensors"));
   // "--resume CKPT/." continues in the run directory; a *file* named like the next checkpoint stops the save

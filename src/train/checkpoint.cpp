@@ -19,6 +19,7 @@
 #include "core/log.h"
 #include "model/model.h"
 #include "model/safetensors.h"
+#include "train/run_dir.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -26,33 +27,6 @@ using json = nlohmann::json;
 namespace ds {
 
 namespace {
-
-// The step of a checkpoint directory name as this trainer writes it ("checkpoint-N", N in canonical decimal);
-// -1 for any other name.
-int64_t checkpoint_step(const std::string& name) {
-  if (name.rfind("checkpoint-", 0) != 0) return -1;
-  const std::string digits = name.substr(11);
-  if (digits.empty() || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos ||
-      (digits.size() > 1 && digits[0] == '0'))
-    return -1;
-  return std::stoll(digits);
-}
-
-// Who wrote a checkpoint (trainer_state.json): the run, kept across resumes, and the process. Empty strings when
-// absent (checkpoints of earlier versions) or unreadable.
-struct CheckpointOwner {
-  std::string run_id, session_id;
-};
-CheckpointOwner checkpoint_owner(const fs::path& dir) {
-  CheckpointOwner o;
-  try {
-    const json st = json::parse(read_file((dir / "trainer_state.json").string()));
-    if (st.contains("run_id") && st["run_id"].is_string()) o.run_id = st["run_id"].get<std::string>();
-    if (st.contains("session_id") && st["session_id"].is_string()) o.session_id = st["session_id"].get<std::string>();
-  } catch (const std::exception&) {
-  }
-  return o;
-}
 
 // Moves the complete checkpoint in tmp_dir to final_dir. Replacing a checkpoint of the same step (a resume from an
 // earlier one into the same --out) swaps the two directories in one atomic rename, so final_dir never goes missing.
@@ -124,25 +98,14 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
 
 Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id)
     : opt_(opt), start_step_(start_step), run_id_(std::move(run_id)), session_id_(new_run_id()) {
-  // One look at the checkpoints already in --out: a file (not a directory) named like a checkpoint this run will
-  // write stops the run now, not after the training; another run's checkpoints get a warning.
-  std::vector<std::string> foreign;
+  // A file (not a directory) named like a checkpoint this run will write stops the run now, not after the training.
+  // (Other runs' checkpoint directories are not here: RunDirectory::claim refused or moved them.)
   for (const auto& e : fs::directory_iterator(opt_.out)) {
-    const std::string n = e.path().filename().string();
-    const int64_t s = checkpoint_step(n);
-    if (s < 0) continue;
-    if (!e.is_directory()) {
-      DS_CHECK(!(s > start_step_ && due(s)),
-               "{} exists and is not a directory, but this run saves checkpoint-{} there; move it away",
-               e.path().string(), s);
-    } else if (checkpoint_owner(e.path()).run_id != run_id_) {
-      foreign.push_back(n);
-    }
+    const int64_t s = checkpoint_step(e.path().filename().string());
+    DS_CHECK(s < 0 || e.is_directory() || !(s > start_step_ && due(s)),
+             "{} exists and is not a directory, but this run saves checkpoint-{} there; move it away",
+             e.path().string(), s);
   }
-  if (!foreign.empty())
-    log_warn("{} holds {} checkpoint(s) of another run ({}{}): a save of the same step replaces one, --keep-last "
-             "leaves them alone; use another --out to keep them apart", opt_.out, foreign.size(), foreign.front(),
-             foreign.size() > 1 ? ", ..." : "");
   tokenizer_json_ = read_file(opt_.tokenizer);
 }
 

@@ -40,8 +40,8 @@ void load_optimizer_state(Engine& engine, const std::string& dir);
 // The checkpoints in --out of a run that starts at start_step (its resumed step, or 0).
 class Checkpoints {
  public:
-  // Looks at the checkpoints already in --out (a RunDirectory, locked by the caller): a file named like a
-  // checkpoint this run will save is a ds::Error now, other runs' checkpoints get a warning. Reads the tokenizer that every checkpoint gets a copy of.
+  // For a run directory claimed by the run (RunDirectory::claim): a file named like a checkpoint this run will save
+  // is a ds::Error now. Reads the tokenizer that every checkpoint gets a copy of.
   Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id);
 
   // Whether the run saves a checkpoint after `step`: every --save-interval steps and at the last one.

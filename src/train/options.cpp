@@ -54,6 +54,8 @@ TrainOption opt(const char* flag, TrainMember<T> m, std::type_identity_t<T> def,
   o.help = help;
   if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<std::string>>)
     o.shows_default = !def.empty();
+  else if constexpr (std::is_same_v<T, bool>)
+    o.shows_default = false;
   else
     o.shows_default = (traits & kGlobal) == 0;  // --threads' help says what 0 means
   o.traits = traits;
@@ -104,6 +106,8 @@ const std::vector<TrainOption>& train_options() {
           kResumable | kNotSaved),
       opt("device", &O::device, "auto", "auto (a GPU when present), cpu or cuda", one_of({"auto", "cpu", "cuda"}),
           kResumable | kNewerKey),
+      opt("move-aside", &O::move_aside, false, "When --out holds another run's files (metrics, checkpoints): move "
+          "them into OUT/previous-N/ instead of refusing to start", {}, kResumable | kNotSaved),
       opt("threads", &O::threads, 0, "CPU threads for every subcommand (0 = all cores)", in_range(0, 1024),
           kResumable | kNotSaved | kGlobal),
   };

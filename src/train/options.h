@@ -32,6 +32,7 @@ struct TrainOptions {
   std::string nan_policy;
   std::string resume;
   std::string device;
+  bool move_aside;
   std::vector<std::string> given;  // long names of the flags on the command line (without "--")
 
   bool was_given(std::string_view flag) const;
@@ -51,9 +52,9 @@ using TrainMember = T TrainOptions::*;
 struct TrainOption {
   std::string flag;  // the long flag without "--"; its trainer_state.json key is the same with '_' ("seq_len")
   std::variant<TrainMember<std::string>, TrainMember<std::vector<std::string>>, TrainMember<int64_t>,
-               TrainMember<uint64_t>, TrainMember<double>, TrainMember<int>>
+               TrainMember<uint64_t>, TrainMember<double>, TrainMember<int>, TrainMember<bool>>
       member;
-  std::string help;
+  std::string help;  // a bool option is a flag without a value (--move-aside)
   bool shows_default;  // `--help` shows the default (not for an empty one)
   unsigned traits;     // TrainOptionTraits
   std::function<void(TrainOptions&)> set_default;

@@ -3,6 +3,7 @@
 #pragma once
 #include <CLI/CLI.hpp>
 
+#include <type_traits>
 #include <variant>
 
 #include "train/options.h"
@@ -16,7 +17,11 @@ inline void add_train_flags(CLI::App& app, CLI::App& train, TrainOptions& o) {
     CLI::App& where = e.has(kGlobal) ? app : train;
     std::visit(
         [&](auto m) {
-          CLI::Option* flag = where.add_option("--" + e.flag, o.*m, e.help);
+          CLI::Option* flag = nullptr;
+          if constexpr (std::is_same_v<decltype(m), TrainMember<bool>>)
+            flag = where.add_flag("--" + e.flag, o.*m, e.help);
+          else
+            flag = where.add_option("--" + e.flag, o.*m, e.help);
           if (e.shows_default) flag->capture_default_str();
         },
         e.member);

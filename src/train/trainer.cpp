@@ -2,10 +2,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -125,34 +130,56 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg) {
   return d;
 }
 
-// metrics.jsonl in --out, one JSON object a line. On resume, the lines past the resumed step (an earlier attempt's)
-// are dropped.
+// Appends `text` to `path` and fsyncs it (created when missing). ds::Error naming the path on failure.
+void append_durably(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  DS_CHECK(fd >= 0, "{}: cannot open for appending ({})", path, std::strerror(errno));
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
+  const int err = errno;
+  ::close(fd);
+  DS_CHECK(ok, "{}: write failed ({})", path, std::strerror(err));
+}
+
+// metrics.jsonl in --out, one JSON object a line, each naming the run (RunDirectory::claim keeps other runs' files
+// out). On resume, the lines past the resumed step (an earlier attempt's, which this run does again) are moved to
+// metrics-abandoned.jsonl first: appended there and fsync'ed before metrics.jsonl is replaced, so a kill in between
+// loses no line.
 class MetricsLog {
  public:
-  MetricsLog(const std::string& out, int64_t start_step) : path_((fs::path(out) / "metrics.jsonl").string()) {
-    std::string kept;
-    if (file_exists(path_) && start_step > 0) {
+  MetricsLog(const std::string& out, int64_t start_step, std::string run_id)
+      : path_((fs::path(out) / RunDirectory::kMetricsName).string()), run_id_(std::move(run_id)) {
+    if (file_exists(path_)) {
+      std::string kept, later;
       std::istringstream in(read_file(path_));
       std::string line;
       while (std::getline(in, line)) {
+        bool past = false;
         try {
-          if (json::parse(line).value("step", int64_t{0}) <= start_step) kept += line + "\n";
-        } catch (...) {
+          const json j = json::parse(line);
+          past = j.is_object() && j.value("step", int64_t{0}) > start_step;
+        } catch (const json::exception&) {  // not ours to judge: kept as it is
         }
+        (past ? later : kept) += line + "\n";
+      }
+      if (!later.empty()) {
+        const std::string abandoned = (fs::path(out) / RunDirectory::kAbandonedMetricsName).string();
+        append_durably(abandoned, later);
+        write_file_atomic(path_, kept);
+        log_info("{}: the lines past step {} (an earlier attempt's) moved to {}", path_, start_step, abandoned);
       }
     }
-    write_file_atomic(path_, kept);
     file_.open(path_, std::ios::app);
     DS_CHECK(file_.good(), "{}: cannot open for appending", path_);
   }
-  void write(const json& j) {
+  void write(json j) {
+    if (!run_id_.empty()) j["run_id"] = run_id_;
     file_ << j.dump() << "\n";
     file_.flush();
   }
   const std::string& path() const { return path_; }
 
  private:
-  std::string path_;
+  std::string path_, run_id_;
   std::ofstream file_;
 };
 
@@ -252,6 +279,12 @@ int train(TrainOptions cli) {
   // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
   const RunDirectory run_dir(opt.out);
   run_dir.remove_stale_temps(opt.resume);
+  // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
+  // run id (earlier versions) are this run's in the checkpoint's own directory.
+  const std::string run_id = resumed ? resumed->run_id : new_run_id();
+  std::error_code ec;
+  run_dir.claim(run_id, resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec),
+                opt.move_aside);
   set_num_threads(opt.threads);
   Qwen35Model model = build_model(opt);
   const TrainData data = load_data(opt, model.config());
@@ -268,8 +301,8 @@ int train(TrainOptions cli) {
   }
   DS_CHECK(opt.steps >= progress.step, "--steps {} is below the checkpoint's step {}", opt.steps, progress.step);
   const int64_t start_step = progress.step;
-  Checkpoints checkpoints(opt, start_step, resumed ? resumed->run_id : new_run_id());
-  MetricsLog metrics(opt.out, start_step);
+  Checkpoints checkpoints(opt, start_step, run_id);
+  MetricsLog metrics(opt.out, start_step, run_id);
   const double elapsed_before = progress.elapsed_s;
   auto elapsed = [&] {
     return elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
