@@ -245,3 +245,55 @@ TEST(RunSafety, MetricsAreNeverDeletedOrSpliced) {
   EXPECT_EQ(steps, (std::vector<int64_t>{3, 4}));
   fs::remove_all(dir);
 }
+
+// 4. forward and tokenize never write over their inputs (also through a symlink), each other, or a checkpoint's
+// files; an existing output only with --overwrite. Every refusal is exit 1 with the flag named and the file intact.
+TEST(RunSafety, OutputsNeverReplaceInputs) {
+  const std::string dir = tmpdir("outputs"), ck = dir + "/ck";
+  fs::create_directories(ck);
+  for (const char* f : {"config.json", "model.safetensors", "inputs.safetensors"})
+    fs::copy_file(ds::test::fixture(std::string("hf_qwen35_tiny_a/") + f), ck + "/" + f);
+  fs::copy_file(ck + "/inputs.safetensors", dir + "/in.safetensors");
+  fs::create_symlink(dir + "/in.safetensors", dir + "/link.safetensors");
+  const std::string model = ds::read_file(ck + "/model.safetensors"), in = ds::read_file(dir + "/in.safetensors");
+  const std::string fwd = "forward --threads 1 --model " + ck + " --inputs " + dir + "/in.safetensors ";
+  auto refused = [&](const std::string& args, const std::string& needle) {
+    std::string log;
+    EXPECT_EQ(run(args, &log), 1) << args << "\n" << log;
+    EXPECT_TRUE(contains(log, needle)) << args << "\n" << log;
+  };
+  refused(fwd + "--output " + ck + "/model.safetensors --overwrite",
+          "--output " + ck + "/model.safetensors: would replace a file of the input directory " + ck);
+  refused(fwd + "--output " + dir + "/in.safetensors --overwrite", "is the input file " + dir + "/in.safetensors");
+  refused(fwd + "--output " + dir + "/link.safetensors --overwrite", "is the input file");
+  refused(fwd + "--output " + dir + "/o.safetensors --grads " + dir + "/o.safetensors", "--grads " + dir +
+          "/o.safetensors: is also --output");
+  EXPECT_EQ(ds::read_file(ck + "/model.safetensors"), model);
+  EXPECT_EQ(ds::read_file(dir + "/in.safetensors"), in);
+  EXPECT_FALSE(fs::exists(dir + "/o.safetensors"));
+  // A new file beside the checkpoint's is fine; writing it again needs --overwrite.
+  ASSERT_EQ(run(fwd + "--output " + ck + "/out.safetensors"), 0);
+  ASSERT_EQ(run(fwd + "--output " + dir + "/o.safetensors"), 0);
+  ds::write_file_atomic(dir + "/o.safetensors", "old");
+  refused(fwd + "--output " + dir + "/o.safetensors", "--output " + dir + "/o.safetensors: exists; pass --overwrite");
+  EXPECT_EQ(ds::read_file(dir + "/o.safetensors"), "old");
+  ASSERT_EQ(run(fwd + "--output " + dir + "/o.safetensors --overwrite"), 0);
+  EXPECT_EQ(ds::read_file(dir + "/o.safetensors"), ds::read_file(ck + "/out.safetensors"));
+  refused(fwd + "--output " + ck + "/out.safetensors --overwrite", "would replace a file of the input directory");
+
+  // tokenize: not over the input or the tokenizer; an existing output only with --overwrite.
+  const std::string tok = dir + "/tokenizer.json";
+  fs::copy_file(std::string(DELTASTACK_SOURCE_DIR) + "/data/qwen3_tokenizer/tokenizer.json", tok);
+  ds::write_file_atomic(dir + "/t.jsonl", "{\"text\": \"hello\"}\n");
+  const std::string tk = "tokenize --tokenizer " + tok + " --input " + dir + "/t.jsonl ";
+  refused(tk + "--output " + dir + "/t.jsonl --overwrite", "--output " + dir + "/t.jsonl: is the input file");
+  refused(tk + "--output " + tok + " --overwrite", "is the input file " + tok);
+  ASSERT_EQ(run(tk + "--output " + dir + "/ids.jsonl"), 0);
+  const std::string ids = ds::read_file(dir + "/ids.jsonl");
+  EXPECT_EQ(ids, "{\"ids\":[14990]}\n");
+  refused(tk + "--output " + dir + "/ids.jsonl", "exists; pass --overwrite");
+  ASSERT_EQ(run(tk + "--output " + dir + "/ids.jsonl --overwrite"), 0);
+  EXPECT_EQ(ds::read_file(dir + "/ids.jsonl"), ids);
+  EXPECT_EQ(ds::read_file(dir + "/t.jsonl"), "{\"text\": \"hello\"}\n");
+  fs::remove_all(dir);
+}

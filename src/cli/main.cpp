@@ -38,6 +38,9 @@ int main(int argc, char** argv) {
   forward->add_option("--grads", grads, "safetensors to write parameter gradients (needs labels)");
   std::string forward_device = "cpu";
   forward->add_option("--device", forward_device, "cpu (fp32 reference, default) or cuda (bf16)");
+  bool overwrite = false;
+  const char* overwrite_help = "Replace an existing output file (never an input or a checkpoint's file)";
+  forward->add_flag("--overwrite", overwrite, overwrite_help);
 
   auto* gen = app.add_subcommand("generate", "Sample text from a checkpoint");
   gen->add_option("--model", model_dir, "Checkpoint dir")->required();
@@ -62,6 +65,7 @@ int main(int argc, char** argv) {
   tokenize->add_option("--tokenizer", tokenizer, "HF tokenizer.json")->required();
   tokenize->add_option("--input", input, "Input .jsonl")->required();
   tokenize->add_option("--output", output, "Output .jsonl")->required();
+  tokenize->add_flag("--overwrite", overwrite, overwrite_help);
 
   auto* bench = app.add_subcommand("bench", "Benchmarks: `bench ops`, `bench step --preset 2b` (GPU), `bench tokenizer` (CPU)");
   bench->require_subcommand(1);
@@ -123,11 +127,11 @@ int main(int argc, char** argv) {
     if (*forward) {
       DS_CHECK(forward_device == "cpu" || forward_device == "cuda", "--device must be cpu or cuda, got \"{}\"",
                forward_device);
-      return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device);
+      return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device, overwrite);
     }
     if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed);
     if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
-    if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output);
+    if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output, overwrite);
     if (*probe) return ds::cli::cmd_probe();
     if (*plan) return ds::cli::cmd_plan(plan_model, plan_seq, plan_mb, plan_docs, plan_mem, plan_attention);
     if (*bench_ops) return ds::cli::cmd_bench_ops();

@@ -8,16 +8,19 @@
 namespace ds::cli {
 
 // `deltastack tokenize`: one {"text": ...} JSON object per input line -> one {"ids": [...]} per output line.
-int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl);
+// An existing output is replaced only with `overwrite` (never an input: outputs.h).
+int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl,
+                 bool overwrite = false);
 
 // `deltastack forward`: HF-parity forward (and backward) on a safetensors input file. IN holds input_ids
 // (int [B, T]) and optionally labels (int [B, T], HF convention: shifted inside, -100 ignored) and cu_seqlens
 // (int [S+1], packed documents in a single row, B must be 1). OUT gets logits fp32 [B, T, V], loss fp32 [1]
 // (mean over valid shifted labels; only with labels) and hidden_states_0..L fp32 [B, T, H] (HF
 // output_hidden_states). GRADS (needs labels) gets d loss / d parameter under HF names. device "cuda" runs the
-// bf16 GPU engine (fp32 master weights) instead of the fp32 CPU reference.
+// bf16 GPU engine (fp32 master weights) instead of the fp32 CPU reference. OUT and GRADS never replace an input, each
+// other or a checkpoint's files, and replace an existing file only with `overwrite` (outputs.h).
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
-                const std::string& grads, const std::string& device = "cpu");
+                const std::string& grads, const std::string& device = "cpu", bool overwrite = false);
 
 // `deltastack generate`: samples a continuation of `prompt` from a checkpoint (tokenizer.json from the
 // checkpoint dir unless given). temperature 0 = greedy.
