@@ -297,3 +297,46 @@ TEST(RunSafety, OutputsNeverReplaceInputs) {
   EXPECT_EQ(ds::read_file(dir + "/t.jsonl"), "{\"text\": \"hello\"}\n");
   fs::remove_all(dir);
 }
+
+// 5. A resume needs only the checkpoint: with the config, the tokenizer and the corpus gone from their paths it
+// reads the checkpoint's config.json and tokenizer.json and takes --data at the corpus's new place, bitwise like the
+// original run. Edited data is a warning naming the fingerprints, or with --data-changed error an error.
+TEST(RunSafety, ResumeNeedsOnlyTheCheckpoint) {
+  const std::string dir = tmpdir("relocate");
+  std::string args = small_setup(dir) + " --threads 1 --warmup 1 --tokenizer " + dir + "/tok.json";
+  fs::copy_file(std::string(DELTASTACK_SOURCE_DIR) + "/data/qwen3_tokenizer/tokenizer.json", dir + "/tok.json");
+  ASSERT_EQ(run("train " + args + " --steps 4 --save-interval 2 --out " + dir + "/a"), 0);
+  fs::create_directories(dir + "/moved");
+  fs::rename(dir + "/corpus.txt", dir + "/moved/corpus.txt");
+  fs::remove(dir + "/tok.json");
+  fs::remove(dir + "/config.json");
+  const std::string ck = dir + "/a/checkpoint-2";
+  std::string log;
+  EXPECT_EQ(run("train --resume " + ck + " --out " + dir + "/x", &log), 1);
+  EXPECT_TRUE(contains(log, dir + "/corpus.txt: cannot open")) << log;
+  ASSERT_EQ(run("train --resume " + ck + " --data " + dir + "/moved/corpus.txt --out " + dir + "/b", &log), 0) << log;
+  EXPECT_FALSE(contains(log, "differs")) << log;
+  const std::vector<double> la = ds::test::train_losses(dir + "/a/metrics.jsonl");
+  ASSERT_EQ(la.size(), 4u);
+  EXPECT_EQ(ds::test::train_losses(dir + "/b/metrics.jsonl"), std::vector<double>(la.begin() + 2, la.end()));
+  EXPECT_EQ(ds::read_file(dir + "/b/checkpoint-4/tokenizer.json"), ds::read_file(ck + "/tokenizer.json"));
+  const json st = json::parse(ds::read_file(dir + "/b/checkpoint-4/trainer_state.json"));
+  EXPECT_EQ(st["options"]["data"], json::array({dir + "/moved/corpus.txt"}));
+  EXPECT_EQ(st["data"], json::parse(ds::read_file(ck + "/trainer_state.json"))["data"]);
+  EXPECT_EQ(st["data"]["train_fingerprint"].get<std::string>().size(), 16u);
+
+  // An edited corpus: a warning naming both fingerprints, or an error before any step.
+  std::string text = ds::read_file(dir + "/moved/corpus.txt");
+  text.replace(text.find("Citizen"), 7, "Soldier");
+  ds::write_file_atomic(dir + "/edited.txt", text);
+  const std::string saved = json::parse(ds::read_file(ck + "/trainer_state.json"))["data"]["train_fingerprint"];
+  ASSERT_EQ(run("train --resume " + ck + " --data " + dir + "/edited.txt --out " + dir + "/c", &log), 0) << log;
+  EXPECT_TRUE(contains(log, "warning: --resume " + ck + ": the data differs from the checkpoint's (training "
+                            "documents:")) << log;
+  EXPECT_TRUE(contains(log, "the checkpoint's 135 (" + saved + ")")) << log;
+  EXPECT_EQ(run("train --resume " + ck + " --data " + dir + "/edited.txt --data-changed error --out " + dir + "/d",
+                &log), 1);
+  EXPECT_TRUE(contains(log, "(--data-changed error)")) << log;
+  EXPECT_FALSE(fs::exists(dir + "/d/checkpoint-4"));
+  fs::remove_all(dir);
+}

@@ -27,6 +27,10 @@ std::vector<std::string> read_documents(const std::vector<std::string>& files, T
 std::vector<std::vector<int32_t>> tokenize_documents(const Tokenizer& tok, const std::vector<std::string>& docs,
                                                      int32_t eos);
 
+// A 64-bit FNV-1a hash of tokenized documents (their count, each one's length and ids), as 16 hex digits: what a
+// checkpoint saves to tell whether a resume trains on the same data.
+std::string documents_fingerprint(const std::vector<std::vector<int32_t>>& docs);
+
 // The token stream of all documents cut into windows of seq_len tokens. Window w covers stream positions
 // [w*seq_len, (w+1)*seq_len) (the last partial window is dropped unless it is the only one); its cu_seqlens
 // mark document starts; the target of position t is the next token of the same document (even when it lies in

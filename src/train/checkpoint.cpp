@@ -75,6 +75,7 @@ SavedCheckpoint read_checkpoint_state(const std::string& dir) {
   c.state.elapsed_s = st.value("elapsed_s", 0.0);
   if (st.contains("run_id") && st["run_id"].is_string()) c.run_id = st["run_id"].get<std::string>();
   c.options = st["options"];
+  if (st.contains("data")) c.data = st["data"];
   return c;
 }
 
@@ -96,8 +97,14 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
   });
 }
 
-Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id)
-    : opt_(opt), start_step_(start_step), run_id_(std::move(run_id)), session_id_(new_run_id()) {
+Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id, std::string tokenizer_json,
+                         nlohmann::json data)
+    : opt_(opt),
+      start_step_(start_step),
+      run_id_(std::move(run_id)),
+      session_id_(new_run_id()),
+      tokenizer_json_(std::move(tokenizer_json)),
+      data_(std::move(data)) {
   // A file (not a directory) named like a checkpoint this run will write stops the run now, not after the training.
   // (Other runs' checkpoint directories are not here: RunDirectory::claim refused or moved them.)
   for (const auto& e : fs::directory_iterator(opt_.out)) {
@@ -106,7 +113,6 @@ Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::strin
              "{} exists and is not a directory, but this run saves checkpoint-{} there; move it away",
              e.path().string(), s);
   }
-  tokenizer_json_ = read_file(opt_.tokenizer);
 }
 
 bool Checkpoints::due(int64_t step) const {
@@ -131,6 +137,7 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state) {
                 {"tokens_seen", state.tokens_seen},
                 {"elapsed_s", state.elapsed_s},
                 {"options", options_to_json(opt_)},
+                {"data", data_},
                 {"deltastack_version", DELTASTACK_VERSION},
                 {"run_id", run_id_},
                 {"session_id", session_id_}};

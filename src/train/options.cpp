@@ -69,7 +69,8 @@ TrainOption opt(const char* flag, TrainMember<T> m, std::type_identity_t<T> def,
 const std::vector<TrainOption>& train_options() {
   static const std::vector<TrainOption> table = {
       opt("model", &O::model, "tiny", "Preset (tiny, 0.8b, 2b, 4b, 9b, 27b), config.json, or HF checkpoint dir"),
-      opt("data", &O::data, {}, "Data files (.txt split into documents by --txt-split, .jsonl with a \"text\" field)"),
+      opt("data", &O::data, {}, "Data files (.txt split into documents by --txt-split, .jsonl with a \"text\" field); "
+          "on --resume, the same data at another path", {}, kResumable),
       opt("tokenizer", &O::tokenizer, "", "HF tokenizer.json (default: the bundled Qwen3 tokenizer)"),
       opt("txt-split", &O::txt_split, "paragraph", "How .txt files become documents: paragraph, line, file"),
       opt("seq-len", &O::seq_len, 128, "Tokens per packed window", at_least(2)),
@@ -88,7 +89,8 @@ const std::vector<TrainOption>& train_options() {
       opt("clip", &O::clip, 1.0, "Max global grad norm (0 = off)", at_least(0)),
       opt("z-loss", &O::z_loss, 0.0, "z-loss coefficient on lse^2 (0 = off)", at_least(0)),
       opt("val-fraction", &O::val_fraction, 0.05, "Fraction of documents held out for evaluation", in_range(0, 1, true)),
-      opt("val-data", &O::val_data, {}, "Separate evaluation files (then nothing is held out of --data)", {}, kNewerKey),
+      opt("val-data", &O::val_data, {}, "Separate evaluation files (then nothing is held out of --data)", {},
+          kNewerKey | kResumable),
       opt("eval-interval", &O::eval_interval, 50, "Steps between evaluations (0 = start and end only)", at_least(0),
           kResumable),
       opt("eval-batches", &O::eval_batches, 4, "Micro-batches per evaluation", at_least(0)),
@@ -108,6 +110,8 @@ const std::vector<TrainOption>& train_options() {
           kResumable | kNewerKey),
       opt("move-aside", &O::move_aside, false, "When --out holds another run's files (metrics, checkpoints): move "
           "them into OUT/previous-N/ instead of refusing to start", {}, kResumable | kNotSaved),
+      opt("data-changed", &O::data_changed, "warn", "On --resume, when the data's fingerprint differs from the "
+          "checkpoint's: warn or error", one_of({"warn", "error"}), kResumable | kNotSaved),
       opt("threads", &O::threads, 0, "CPU threads for every subcommand (0 = all cores)", in_range(0, 1024),
           kResumable | kNotSaved | kGlobal),
   };

@@ -33,6 +33,7 @@ struct TrainOptions {
   std::string resume;
   std::string device;
   bool move_aside;
+  std::string data_changed;
   std::vector<std::string> given;  // long names of the flags on the command line (without "--")
 
   bool was_given(std::string_view flag) const;

@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
@@ -51,13 +52,13 @@ TrainOptions run_options(const TrainOptions& cli, const SavedCheckpoint* resumed
   TrainOptions opt = resumed ? resumed_options(cli, resumed->options, resumed->path) : cli;
   if (opt.data.empty()) opt.data = {bundled_data_path()};
   if (opt.tokenizer.empty()) opt.tokenizer = bundled_tokenizer_path();
-  if (!resumed) {
-    auto absolute_if_exists = [](std::string& p) {
-      std::error_code ec;
-      if (!p.empty() && fs::exists(p, ec)) p = fs::absolute(p).lexically_normal().string();
-    };
-    for (std::string& p : opt.data) absolute_if_exists(p);
-    for (std::string& p : opt.val_data) absolute_if_exists(p);
+  auto absolute_if_exists = [](std::string& p) {
+    std::error_code ec;
+    if (!p.empty() && fs::exists(p, ec)) p = fs::absolute(p).lexically_normal().string();
+  };
+  for (std::string& p : opt.data) absolute_if_exists(p);  // also a resume's --data (a moved corpus)
+  for (std::string& p : opt.val_data) absolute_if_exists(p);
+  if (!resumed) {  // a resume reads neither: the checkpoint has its own config.json and tokenizer.json
     absolute_if_exists(opt.tokenizer);
     absolute_if_exists(opt.model);  // a path; preset names ("tiny", "2b") stay as they are
   }
@@ -65,9 +66,18 @@ TrainOptions run_options(const TrainOptions& cli, const SavedCheckpoint* resumed
   return opt;
 }
 
-// The host model: the checkpoint's weights on --resume, an HF checkpoint's for --model DIR, else seeded init.
+// The tokenizer.json a run reads: the checkpoint's own copy on --resume (so the original --tokenizer may be gone),
+// else --tokenizer. Every checkpoint gets a copy.
+std::string tokenizer_path(const TrainOptions& opt) {
+  if (!opt.resume.empty() && file_exists((fs::path(opt.resume) / "tokenizer.json").string()))
+    return (fs::path(opt.resume) / "tokenizer.json").string();
+  return opt.tokenizer;
+}
+
+// The host model: the checkpoint's config and weights on --resume, an HF checkpoint's for --model DIR, else seeded
+// init.
 Qwen35Model build_model(const TrainOptions& opt) {
-  const ModelConfig cfg = ModelConfig::resolve(opt.model);
+  const ModelConfig cfg = opt.resume.empty() ? ModelConfig::resolve(opt.model) : ModelConfig::from_file(opt.resume);
   DS_CHECK(opt.seq_len <= cfg.max_position_embeddings, "--seq-len {} is above the model's max_position_embeddings {}",
            opt.seq_len, cfg.max_position_embeddings);
   Qwen35Model model(cfg);
@@ -85,16 +95,18 @@ Qwen35Model build_model(const TrainOptions& opt) {
 struct TrainData {
   std::unique_ptr<PackedDataset> train, val;  // val: null without validation documents
   std::vector<PackedBatch> eval_batches;      // fixed evaluation windows, evenly spread over val
+  json fingerprint;                           // saved with each checkpoint: the documents a resume must see again
   int64_t docs_per_window() const {
     return std::max(train->max_docs_per_window(), val ? val->max_docs_per_window() : 1);
   }
 };
 
 // Tokenized, packed documents: --val-data, or the last --val-fraction of --data, is held out for evaluation.
-TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg) {
-  Tokenizer tok = Tokenizer::from_file(opt.tokenizer);
+TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::string& tokenizer_json,
+                    const std::string& tokenizer_file) {
+  Tokenizer tok = Tokenizer::from_json_string(tokenizer_json, tokenizer_file);
   DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "{}: tokenizer has {} ids but the model's vocab_size is {}",
-           opt.tokenizer, tok.vocab_size(), cfg.vocab_size);
+           tokenizer_file, tok.vocab_size(), cfg.vocab_size);
   const int32_t eos = tok.token_to_id("<|endoftext|>");
   std::vector<std::vector<int32_t>> docs =
       tokenize_documents(tok, read_documents(opt.data, parse_txt_split(opt.txt_split)), eos);
@@ -112,6 +124,8 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg) {
   }
   DS_CHECK(!train_docs.empty(), "data: no training documents left after holding out {} for validation", n_val);
   TrainData d;
+  d.fingerprint = {{"train_documents", train_docs.size()}, {"train_fingerprint", documents_fingerprint(train_docs)},
+                   {"val_documents", val_docs.size()}, {"val_fingerprint", documents_fingerprint(val_docs)}};
   d.train = std::make_unique<PackedDataset>(train_docs, opt.seq_len);
   if (!val_docs.empty()) d.val = std::make_unique<PackedDataset>(val_docs, opt.seq_len);
   log_info("data: {} training documents, {} validation documents{}, {} training tokens in {} windows of {}; "
@@ -128,6 +142,31 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg) {
     }
   }
   return d;
+}
+
+// A resume on other data than the checkpoint's (an edited or another file) trains, but not bitwise like the run it
+// continues: said as a warning, or an error with --data-changed error. Checkpoints of earlier versions have no
+// fingerprint to compare.
+void check_data_fingerprint(const TrainOptions& opt, const json& saved, const json& now) {
+  if (saved.is_null()) {
+    log_info("{}: no data fingerprint (an earlier version's checkpoint): cannot tell whether the data changed",
+             opt.resume);
+    return;
+  }
+  std::vector<std::string> what;
+  for (const char* part : {"train", "val"}) {
+    const std::string n = std::string(part) + "_documents", f = std::string(part) + "_fingerprint";
+    if (saved.value(f, std::string()) != now[f].get<std::string>())
+      what.push_back(fmt::format("{} documents: {} (fingerprint {}), the checkpoint's {} ({})",
+                                 part == std::string("train") ? "training" : "validation", now[n].dump(),
+                                 now[f].get<std::string>(), saved.value(n, json()).dump(), saved.value(f, std::string())));
+  }
+  if (what.empty()) return;
+  const std::string msg = fmt::format("--resume {}: the data differs from the checkpoint's ({}); the run continues on "
+                                      "other documents than it was trained on, not bitwise like an uninterrupted run",
+                                      opt.resume, fmt::join(what, "; "));
+  DS_CHECK(opt.data_changed != "error", "{} (--data-changed error)", msg);
+  log_warn("{} (--data-changed error makes this an error)", msg);
 }
 
 // Appends `text` to `path` and fsyncs it (created when missing). ds::Error naming the path on failure.
@@ -287,7 +326,9 @@ int train(TrainOptions cli) {
                 opt.move_aside);
   set_num_threads(opt.threads);
   Qwen35Model model = build_model(opt);
-  const TrainData data = load_data(opt, model.config());
+  const std::string tokenizer_file = tokenizer_path(opt), tokenizer_json = read_file(tokenizer_file);
+  const TrainData data = load_data(opt, model.config(), tokenizer_json, tokenizer_file);
+  if (resumed) check_data_fingerprint(opt, resumed->data, data.fingerprint);
   // The GPU when there is one (auto), else the CPU reference engine.
   std::unique_ptr<Engine> engine = make_engine(opt.device, std::move(model),
                                                GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window()));
@@ -301,7 +342,7 @@ int train(TrainOptions cli) {
   }
   DS_CHECK(opt.steps >= progress.step, "--steps {} is below the checkpoint's step {}", opt.steps, progress.step);
   const int64_t start_step = progress.step;
-  Checkpoints checkpoints(opt, start_step, run_id);
+  Checkpoints checkpoints(opt, start_step, run_id, tokenizer_json, data.fingerprint);
   MetricsLog metrics(opt.out, start_step, run_id);
   const double elapsed_before = progress.elapsed_s;
   auto elapsed = [&] {
