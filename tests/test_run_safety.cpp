@@ -340,3 +340,56 @@ TEST(RunSafety, ResumeNeedsOnlyTheCheckpoint) {
   EXPECT_FALSE(fs::exists(dir + "/d/checkpoint-4"));
   fs::remove_all(dir);
 }
+
+// 6. eval on a checkpoint whose weights blow up (finite, ~1e30 after one step at --lr 1e30) prints valid JSON with
+// null for the loss and the reason, and exits 1.
+TEST(RunSafety, EvalOfANonFiniteLossIsValidJson) {
+  const std::string dir = tmpdir("evalnan");
+  const std::string args = small_setup(dir);
+  ASSERT_EQ(run("train " + args + " --threads 1 --steps 1 --lr 1e30 --clip 0 --warmup 0 --out " + dir + "/a"), 0);
+  std::string out;
+  EXPECT_EQ(run("eval --threads 1 --device cpu --seq-len 32 --model " + dir + "/a/checkpoint-1 --data " + dir +
+                "/corpus.txt", &out), 1) << out;
+  const std::string line = out.substr(out.find("{\"eval_loss\""), out.find('\n', out.find("{\"eval_loss\"")) -
+                                                                    out.find("{\"eval_loss\""));
+  const json j = json::parse(line);  // throws (and fails the test) on `nan`
+  EXPECT_TRUE(j["eval_loss"].is_null()) << line;
+  EXPECT_TRUE(j["perplexity"].is_null()) << line;
+  EXPECT_GT(j["tokens"].get<int64_t>(), 0) << line;
+  EXPECT_TRUE(contains(j["error"].get<std::string>(), "non-finite")) << line;
+  fs::remove_all(dir);
+}
+
+// 6. generate streams: the prompt and the first tokens are on stdout while it is still generating (100000 tokens,
+// stopped by the test once it has seen them).
+TEST(RunSafety, GenerateStreamsTokens) {
+  const std::string dir = tmpdir("stream");
+  ASSERT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 0 --out " + dir + "/a"), 0);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    ds::test::exec_deltastack("generate --threads 1 --max-new-tokens 100000 --temperature 1 --top-k 0 --prompt ROMEO: "
+                              "--model " + dir + "/a/checkpoint-0");
+  }
+  ::close(fds[1]);
+  ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
+  std::string got;
+  const bool seen = wait_for([&] {
+    char buf[4096];
+    for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) got.append(buf, static_cast<size_t>(n));
+    return got.size() > 20;
+  });
+  int st = 0;
+  const bool running = ::waitpid(pid, &st, WNOHANG) == 0;
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &st, 0);
+  ::close(fds[0]);
+  EXPECT_TRUE(seen) << got;
+  EXPECT_TRUE(running) << "generate ended before the test saw its output";
+  EXPECT_EQ(got.rfind("ROMEO:", 0), 0u) << got;
+  fs::remove_all(dir);
+}

@@ -23,11 +23,13 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
                 const std::string& grads, const std::string& device = "cpu", bool overwrite = false);
 
 // `deltastack generate`: samples a continuation of `prompt` from a checkpoint (tokenizer.json from the
-// checkpoint dir unless given). temperature 0 = greedy.
+// checkpoint dir unless given), printed as it comes (the prompt first, then each token's text). temperature 0 =
+// greedy.
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
                  int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed);
 
-// `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows. device
+// `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows, as one
+// JSON object; a non-finite value is null, and a non-finite loss adds "error" and returns 1. device
 // "auto" (the GPU engine when a GPU is present), "cpu" (fp32 reference) or "cuda".
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
              int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device = "auto");
