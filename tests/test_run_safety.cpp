@@ -393,3 +393,64 @@ TEST(RunSafety, GenerateStreamsTokens) {
   EXPECT_EQ(got.rfind("ROMEO:", 0), 0u) << got;
   fs::remove_all(dir);
 }
+
+// 7. The NaN guard: --nan-policy stop names the last checkpoint, or says there is none; --nan-policy skip that
+// skipped every step exits 1 (the weights never changed) after saving.
+TEST(RunSafety, NanGuardMessagesAndAllSkipped) {
+  const std::string dir = tmpdir("nanmsg");
+  const std::string args = small_setup(dir) + " --threads 1 --lr 1e30 --clip 0 --warmup 0 --schedule constant";
+  std::string log;
+  EXPECT_EQ(run("train " + args + " --steps 4 --out " + dir + "/a", &log), 1);
+  EXPECT_TRUE(contains(log, "error: step 2: loss is")) << log;
+  EXPECT_TRUE(contains(log, "stopping (--nan-policy stop). No checkpoint was saved by this run")) << log;
+  EXPECT_FALSE(contains(log, "intact")) << log;
+  EXPECT_EQ(run("train " + args + " --steps 4 --save-interval 1 --out " + dir + "/b", &log), 1);
+  EXPECT_TRUE(contains(log, "The last checkpoint, " + dir + "/b/checkpoint-1 (step 1), is intact")) << log;
+  // Resumed from the blown-up checkpoint-1: steps 2-3 are all skipped.
+  EXPECT_EQ(run("train --resume " + dir + "/b/checkpoint-1 --steps 3 --nan-policy skip --out " + dir + "/c", &log), 1);
+  EXPECT_TRUE(contains(log, "every step (2 to 3) had a non-finite loss or grad norm and was skipped")) << log;
+  EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-3/trainer_state.json")) << "saved all the same";
+  fs::remove_all(dir);
+}
+
+// 7. Bad flags are errors before anything is touched: --seed -1 (not 2^64 - 1), `--data --steps 1` (a flag taken for
+// a file), a blank line inside a .jsonl (as `tokenize` refuses it); train --help says what a resume may change,
+// --threads and the DELTASTACK_* variables.
+TEST(RunSafety, BadFlagsAndHelp) {
+  const std::string dir = tmpdir("flags");
+  const std::string args = small_setup(dir) + " --threads 1 --steps 1 --out " + dir + "/o";
+  std::string log;
+  EXPECT_NE(run("train " + args + " --seed -1", &log), 0);
+  EXPECT_TRUE(contains(log, "--seed: must be >= 0, got -1")) << log;
+  EXPECT_EQ(run("train --data --steps 1 --out " + dir + "/o", &log), 1);
+  EXPECT_TRUE(contains(log, "--data got the flag \"--steps\" as a file name")) << log;
+  EXPECT_FALSE(fs::exists(dir + "/o")) << "nothing is created for bad flags";
+  ds::write_file_atomic(dir + "/d.jsonl", "{\"text\": \"a b c d e f g h\"}\n\n{\"text\": \"i j k l\"}\n");
+  EXPECT_EQ(run("train " + args + " --data " + dir + "/d.jsonl", &log), 1);
+  EXPECT_TRUE(contains(log, dir + "/d.jsonl:2: empty line")) << log;
+  EXPECT_EQ(run("train --help", &log), 0);
+  for (const char* s : {"--threads N", "only --data, --steps", "--move-aside", "DELTASTACK_<OP>", "DELTASTACK_LOG",
+                        "130 / 143"})
+    EXPECT_TRUE(contains(log, s)) << s << "\n" << log;
+  fs::remove_all(dir);
+}
+
+// 7. A save that fails before its checkpoint is complete (here: a directory where the optimizer file's temp file
+// goes) exits 1 and removes its temp dir at once; the earlier checkpoint stays.
+TEST(RunSafety, FailedSaveRemovesItsTempDir) {
+  const std::string dir = tmpdir("failsave");
+  const std::string out = dir + "/o";
+  ::setenv("DELTASTACK_TEST_SAVE_PAUSE_MS", "400", 1);
+  const pid_t pid = spawn("train " + small_setup(dir) + " --threads 1 --steps 2 --save-interval 1 --out " + out,
+                          dir + "/log");
+  ::unsetenv("DELTASTACK_TEST_SAVE_PAUSE_MS");
+  const std::string tmp = out + "/.checkpoint-2.tmp";
+  ASSERT_TRUE(wait_for([&] { return fs::exists(tmp + "/model.safetensors"); })) << read_or_empty(dir + "/log");
+  fs::create_directories(tmp + "/optimizer.safetensors.tmp." + std::to_string(pid));
+  EXPECT_EQ(wait_exit(pid), 1) << read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(read_or_empty(dir + "/log"), "optimizer.safetensors: cannot write")) << read_or_empty(dir + "/log");
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-2"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-1/trainer_state.json"));
+  fs::remove_all(dir);
+}

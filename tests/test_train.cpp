@@ -100,18 +100,20 @@ TEST(Data, PackingKeepsDocumentsApart) {
 TEST(Data, ReadersAndErrors) {
   std::string dir = tmpdir("readers");
   ds::write_file_atomic(dir + "/a.txt", "para one\nline two\n\n\npara two\n");
-  ds::write_file_atomic(dir + "/b.jsonl", "{\"text\": \"hello\"}\n\n{\"text\": \"world\"}\n");
+  ds::write_file_atomic(dir + "/b.jsonl", "{\"text\": \"hello\"}\n{\"text\": \"world\"}\n");
   auto docs = ds::read_documents({dir + "/a.txt", dir + "/b.jsonl"}, ds::TxtSplit::Paragraph);
   EXPECT_EQ(docs, (std::vector<std::string>{"para one\nline two\n", "para two\n", "hello", "world"}));
   ds::write_file_atomic(dir + "/empty.txt", "");
   ds::write_file_atomic(dir + "/bad.jsonl", "{\"text\": 1}\n");
   ds::write_file_atomic(dir + "/x.csv", "a,b\n");
-  for (std::string f : {"empty.txt", "bad.jsonl", "x.csv", "missing.txt"}) {
+  ds::write_file_atomic(dir + "/blank.jsonl", "{\"text\": \"hello\"}\n\n{\"text\": \"world\"}\n");  // as tokenize
+  for (std::string f : {"empty.txt", "bad.jsonl", "x.csv", "missing.txt", "blank.jsonl"}) {
     try {
       ds::read_documents({dir + "/" + f}, ds::TxtSplit::Paragraph);
       ADD_FAILURE() << f;
     } catch (const ds::Error& e) {
       EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+      if (f == "blank.jsonl") EXPECT_NE(std::string(e.what()).find("blank.jsonl:2: empty line"), std::string::npos);
     }
   }
   fs::remove_all(dir);

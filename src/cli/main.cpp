@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   ds::TrainOptions to;
   auto* train = app.add_subcommand("train", "Train a model (no arguments: the tiny preset on bundled tiny Shakespeare)");
   ds::add_train_flags(app, *train, to);  // and --threads, on the app: it applies to every subcommand
+  train->footer(ds::train_help_footer());
 
   std::string model_dir, inputs, output, grads, tokenizer, prompt, input, txt_split = "paragraph";
   std::vector<std::string> data;

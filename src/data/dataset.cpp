@@ -87,7 +87,8 @@ std::vector<std::string> read_documents(const std::vector<std::string>& files, T
         std::string line = text.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
         pos = nl == std::string::npos ? text.size() : nl + 1;
         ++lineno;
-        if (blank(line)) continue;
+        // As `deltastack tokenize`: a trailing newline ends the last line, any other empty line is an error.
+        DS_CHECK(!blank(line), "{}:{}: empty line (expected a JSON object with a string field \"text\")", f, lineno);
         nlohmann::json j;
         try {
           j = nlohmann::json::parse(line);

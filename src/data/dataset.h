@@ -17,7 +17,7 @@ enum class TxtSplit { Paragraph, Line, File };
 TxtSplit parse_txt_split(const std::string& s);  // "paragraph" | "line" | "file", else ds::Error
 
 // Reads documents from .txt (split as above) and .jsonl (one JSON object per line with a string "text"
-// field; blank lines skipped) files, in file order. Errors name the file (and line): missing file, a file
+// field; an empty line is an error, as in `deltastack tokenize`) files, in file order. Errors name the file (and line): missing file, a file
 // with no text, invalid UTF-8 (with the byte offset), invalid JSON, a missing "text" field, an unknown extension.
 std::vector<std::string> read_documents(const std::vector<std::string>& files, TxtSplit split);
 

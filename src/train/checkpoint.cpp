@@ -123,6 +123,16 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state) {
   const std::string final_dir = (fs::path(opt_.out) / fmt::format("checkpoint-{}", state.step)).string();
   const std::string tmp_dir = (fs::path(opt_.out) / fmt::format(".checkpoint-{}.tmp", state.step)).string();
   fs::remove_all(tmp_dir);
+  // A save that fails before the checkpoint is complete (disk full, an unreadable tensor) removes its temp dir at
+  // once, not at the next run's start.
+  struct RemoveUnlessDone {
+    const std::string& dir;
+    bool done = false;
+    ~RemoveUnlessDone() {
+      std::error_code ec;
+      if (!done) fs::remove_all(dir, ec);
+    }
+  } cleanup{tmp_dir};
   const int64_t shard_bytes = opt_.max_shard_mb * 1000000;
   save_model_dir(tmp_dir, engine.config(), engine.weight_tensors(DType::F32), DType::F32, shard_bytes);
   // Fault-injection hook for the crash-safety tests: a pause inside every save, so that a kill aimed at "a save in
@@ -143,6 +153,7 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state) {
                 {"session_id", session_id_}};
   write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
   fsync_dir(tmp_dir);
+  cleanup.done = true;  // complete: kept if the rename fails (its error names it)
   rename_into_place(tmp_dir, final_dir);
   fsync_dir(opt_.out);
   log_info("saved {}", final_dir);

@@ -72,6 +72,9 @@ const TrainOption& train_option(std::string_view flag);  // ds::Error for a flag
 // ds::Error naming the flag of the first option out of range (or of two that contradict each other).
 void validate(const TrainOptions& o);
 
+// The flags a --resume may change, as "--steps, --out, ..." (for messages and --help).
+std::string resumable_flags();
+
 // trainer_state.json's "options": every saved option under its key.
 nlohmann::json options_to_json(const TrainOptions& o);
 

@@ -389,8 +389,9 @@ int train(TrainOptions cli) {
       const std::string reason =
           !std::isfinite(loss) ? fmt::format("loss is {}", loss) : fmt::format("grad norm is {}", gnorm);
       if (opt.nan_policy == "stop")
-        fail("step {}: {}; stopping (--nan-policy stop). The last checkpoint is intact; try a lower --lr or "
-             "--nan-policy skip", step, reason);
+        fail("step {}: {}; stopping (--nan-policy stop). {}; try a lower --lr or --nan-policy skip", step, reason,
+             saved_step < 0 ? std::string("No checkpoint was saved by this run")
+                            : fmt::format("The last checkpoint, {} (step {}), is intact", saved_dir, saved_step));
       log_warn("step {}: {}; skipping the update (--nan-policy skip)", step, reason);
       metrics.write({{"step", step}, {"skipped", true}, {"reason", reason}, {"lr", lr}, {"tokens", batches.tokens},
                      {"elapsed_s", elapsed()}});
@@ -425,6 +426,11 @@ int train(TrainOptions cli) {
     return 128 + sig;
   }
   if (opt.steps == 0 && start_step == 0) save();  // --steps 0: the initial weights as checkpoint-0
+  // --nan-policy skip that skipped every step of this session: the weights never changed, which is no success.
+  const int64_t updates = progress.optimizer_steps - (resumed ? resumed->state.optimizer_steps : 0);
+  DS_CHECK(opt.steps == start_step || updates > 0, "every step ({} to {}) had a non-finite loss or grad norm and was "
+           "skipped (--nan-policy skip): the weights are unchanged{}; try a lower --lr", start_step + 1, opt.steps,
+           saved_step < 0 ? std::string() : fmt::format(" in {}", saved_dir));
   log_info("done: {} steps, {} tokens, {:.1f} s; metrics in {}", opt.steps, progress.tokens_seen, elapsed(),
            metrics.path());
   return 0;
