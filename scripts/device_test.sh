@@ -83,13 +83,13 @@ if has probe; then
 fi
 if has parity; then
   F=tests/fixtures/hf_qwen35_tiny_a
-  $BUILD/deltastack forward --device cuda --model $F --inputs $F/inputs.safetensors --output /tmp/ds_gpu_out.safetensors \
+  $BUILD/deltastack forward --device cuda --model $F --inputs $F/inputs.safetensors --output /tmp/ds_gpu_out.safetensors --overwrite \
      --grads /tmp/ds_gpu_grads.safetensors && python3 scripts/compare_safetensors.py /tmp/ds_gpu_out.safetensors \
      $F/outputs.safetensors /tmp/ds_gpu_grads.safetensors $F/grads.safetensors >"$OUT/parity.txt" 2>&1 || status=1
   grep -E "^(logits|loss|worst)" "$OUT/parity.txt"
   # The same with cuDNN made unavailable: the simple attention kernel.
   DELTASTACK_CUDNN_LIBRARY=/nonexistent/libcudnn.so.9 $BUILD/deltastack forward --device cuda --model $F \
-     --inputs $F/inputs.safetensors --output /tmp/ds_gpu_out2.safetensors --grads /tmp/ds_gpu_grads2.safetensors &&
+     --inputs $F/inputs.safetensors --output /tmp/ds_gpu_out2.safetensors --grads /tmp/ds_gpu_grads2.safetensors --overwrite &&
     python3 scripts/compare_safetensors.py /tmp/ds_gpu_out2.safetensors $F/outputs.safetensors \
      /tmp/ds_gpu_grads2.safetensors $F/grads.safetensors >"$OUT/parity_simple.txt" 2>&1 || status=1
   echo "(simple attention kernel:)"; grep -E "^(logits|loss|worst)" "$OUT/parity_simple.txt"

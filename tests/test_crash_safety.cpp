@@ -52,8 +52,9 @@ struct OutDir {
 };
 
 OutDir scan(const std::string& out) {
+  // Besides checkpoints and temps: the metrics, the lock, and another run's files moved aside (--move-aside).
   static const std::regex ck("checkpoint-([0-9]+)"), tmp("\\.checkpoint-[0-9]+\\.tmp"),
-      metrics_tmp("metrics\\.jsonl\\.tmp\\.[0-9]+");
+      bookkeeping("metrics\\.jsonl(\\.tmp\\.[0-9]+)?|metrics-abandoned\\.jsonl|\\.deltastack\\.lock|previous-[0-9]+");
   OutDir d;
   if (!fs::exists(out)) return d;
   for (const auto& e : fs::directory_iterator(out)) {
@@ -61,7 +62,7 @@ OutDir scan(const std::string& out) {
     std::smatch m;
     if (std::regex_match(n, m, ck) && e.is_directory()) d.checkpoints[std::stoi(m[1])] = e.path().string();
     else if (std::regex_match(n, tmp)) d.temps.push_back(n);
-    else if (n != "metrics.jsonl" && !std::regex_match(n, metrics_tmp)) d.other.push_back(n);
+    else if (!std::regex_match(n, bookkeeping)) d.other.push_back(n);
   }
   return d;
 }
@@ -132,7 +133,9 @@ TEST(CrashSafety, KillDuringCheckpointSaveKeepsCheckpointsIntact) {
     OutDir before = scan(out);
     const int newest = before.checkpoints.empty() ? 0 : before.checkpoints.rbegin()->first;
     if (newest == S) break;
-    const std::string cmd = newest == 0 ? "train " + args + common + " --warmup 2 --save-interval 1 --out " + out
+    // A fresh start after a kill before the first checkpoint moves the killed run's metrics aside.
+    const std::string fresh = "train " + args + common + " --warmup 2 --save-interval 1 --move-aside --out " + out;
+    const std::string cmd = newest == 0 ? fresh
                                         : "train --resume " + before.checkpoints.rbegin()->second + common + " --out " + out;
     const std::string log = dir + "/log_" + std::to_string(round);
     const pid_t pid = spawn(cmd, log);
@@ -192,8 +195,9 @@ TEST(CrashSafety, KillDuringCheckpointSaveKeepsCheckpointsIntact) {
   // Resume from the newest to the end; the result is the uninterrupted run's, bit for bit.
   OutDir d = scan(out);
   if (d.checkpoints.empty() || d.checkpoints.rbegin()->first < S) {
-    const std::string cmd = d.checkpoints.empty() ? "train " + args + common + " --warmup 2 --save-interval 1 --out " + out
-                                                  : "train --resume " + d.checkpoints.rbegin()->second + common + " --out " + out;
+    const std::string cmd = d.checkpoints.empty()
+                                ? "train " + args + common + " --warmup 2 --save-interval 1 --move-aside --out " + out
+                                : "train --resume " + d.checkpoints.rbegin()->second + common + " --out " + out;
     std::string log;
     ASSERT_EQ(run(cmd, &log), 0) << log;
   }

@@ -100,18 +100,20 @@ TEST(Data, PackingKeepsDocumentsApart) {
 TEST(Data, ReadersAndErrors) {
   std::string dir = tmpdir("readers");
   ds::write_file_atomic(dir + "/a.txt", "para one\nline two\n\n\npara two\n");
-  ds::write_file_atomic(dir + "/b.jsonl", "{\"text\": \"hello\"}\n\n{\"text\": \"world\"}\n");
+  ds::write_file_atomic(dir + "/b.jsonl", "{\"text\": \"hello\"}\n{\"text\": \"world\"}\n");
   auto docs = ds::read_documents({dir + "/a.txt", dir + "/b.jsonl"}, ds::TxtSplit::Paragraph);
   EXPECT_EQ(docs, (std::vector<std::string>{"para one\nline two\n", "para two\n", "hello", "world"}));
   ds::write_file_atomic(dir + "/empty.txt", "");
   ds::write_file_atomic(dir + "/bad.jsonl", "{\"text\": 1}\n");
   ds::write_file_atomic(dir + "/x.csv", "a,b\n");
-  for (std::string f : {"empty.txt", "bad.jsonl", "x.csv", "missing.txt"}) {
+  ds::write_file_atomic(dir + "/blank.jsonl", "{\"text\": \"hello\"}\n\n{\"text\": \"world\"}\n");  // as tokenize
+  for (std::string f : {"empty.txt", "bad.jsonl", "x.csv", "missing.txt", "blank.jsonl"}) {
     try {
       ds::read_documents({dir + "/" + f}, ds::TxtSplit::Paragraph);
       ADD_FAILURE() << f;
     } catch (const ds::Error& e) {
       EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+      if (f == "blank.jsonl") EXPECT_NE(std::string(e.what()).find("blank.jsonl:2: empty line"), std::string::npos);
     }
   }
   fs::remove_all(dir);
@@ -334,14 +336,20 @@ TEST(Train, KeepLastCheckpoints) {
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-1/checkpoint-2"));
   for (const auto& e : fs::directory_iterator(dir + "/c"))
     EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
-  // A new run (another seed, not a resume) into a directory holding another run's checkpoints: warned about, and
-  // --keep-last prunes only the new run's own.
+  // A new run (another seed, not a resume) into a directory holding another run's checkpoints: refused, nothing
+  // touched; with --move-aside they go to c/previous-1/ as they were and --keep-last prunes only the new run's own.
   std::string log;
   const std::string old3 = ds::read_file(dir + "/c/checkpoint-3/model.safetensors");
-  ASSERT_EQ(run("train " + args + " --steps 4 --warmup 1 --threads 1 --save-interval 2 --keep-last 1 --seed 99 --out " +
-                dir + "/c", &log), 0);
-  EXPECT_NE(log.find("of another run"), std::string::npos) << log;
-  EXPECT_EQ(ds::read_file(dir + "/c/checkpoint-3/model.safetensors"), old3);  // the other run's, kept as it was
+  const std::string new_run = "train " + args + " --steps 4 --warmup 1 --threads 1 --save-interval 2 --keep-last 1 "
+                              "--seed 99 --out " + dir + "/c";
+  EXPECT_EQ(run(new_run, &log), 1) << log;
+  EXPECT_NE(log.find("holds another run's files (checkpoint-2, checkpoint-3, metrics-abandoned.jsonl, metrics.jsonl)"),
+            std::string::npos) << log;
+  EXPECT_EQ(ds::read_file(dir + "/c/checkpoint-3/model.safetensors"), old3);
+  ASSERT_EQ(run(new_run + " --move-aside", &log), 0) << log;
+  EXPECT_EQ(ds::read_file(dir + "/c/previous-1/checkpoint-3/model.safetensors"), old3);  // the other run's, as it was
+  EXPECT_TRUE(fs::exists(dir + "/c/previous-1/metrics.jsonl"));
+  EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-3"));
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-2"));  // the new run's own step 2, pruned
   EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-4/model.safetensors"));
   // "--resume CKPT/." continues in the run directory; a *file* named like the next checkpoint stops the save

@@ -55,9 +55,20 @@ inline std::vector<std::string> split_args(const std::string& s) {
   return v;
 }
 
+// In a forked child: replaces the process with `deltastack <args>` (exit 127 if that fails).
+[[noreturn]] inline void exec_deltastack(const std::string& args) {
+  std::vector<std::string> a = split_args(args);
+  std::vector<char*> argv;
+  std::string bin = DELTASTACK_BIN;
+  argv.push_back(bin.data());
+  for (auto& s : a) argv.push_back(s.data());
+  argv.push_back(nullptr);
+  ::execv(bin.c_str(), argv.data());
+  ::_exit(127);
+}
+
 // Starts `deltastack <args>` with stdout/stderr appended to `log`; returns the child's pid.
 inline pid_t spawn(const std::string& args, const std::string& log) {
-  std::vector<std::string> a = split_args(args);
   pid_t pid = ::fork();
   if (pid == 0) {
     FILE* f = std::fopen(log.c_str(), "a");
@@ -65,13 +76,7 @@ inline pid_t spawn(const std::string& args, const std::string& log) {
       ::dup2(::fileno(f), 1);
       ::dup2(::fileno(f), 2);
     }
-    std::vector<char*> argv;
-    std::string bin = DELTASTACK_BIN;
-    argv.push_back(bin.data());
-    for (auto& s : a) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    ::execv(bin.c_str(), argv.data());
-    ::_exit(127);
+    exec_deltastack(args);
   }
   return pid;
 }

@@ -2,6 +2,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -9,11 +10,13 @@
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "core/parallel.h"
 #include "train/options_cli.h"
 #include "train/trainer.h"
 
 int main(int argc, char** argv) {
+  std::signal(SIGPIPE, SIG_IGN);  // a closed stdout (`train | head -1`) is a failed write, never a killed run
   CLI::App app{"deltastack: a native training engine for Qwen3.5-class hybrid (Gated DeltaNet + attention) models"};
   app.require_subcommand(0, 1);
   app.fallthrough();  // --threads may come after the subcommand
@@ -21,6 +24,7 @@ int main(int argc, char** argv) {
   ds::TrainOptions to;
   auto* train = app.add_subcommand("train", "Train a model (no arguments: the tiny preset on bundled tiny Shakespeare)");
   ds::add_train_flags(app, *train, to);  // and --threads, on the app: it applies to every subcommand
+  train->footer(ds::train_help_footer());
 
   std::string model_dir, inputs, output, grads, tokenizer, prompt, input, txt_split = "paragraph";
   std::vector<std::string> data;
@@ -35,6 +39,9 @@ int main(int argc, char** argv) {
   forward->add_option("--grads", grads, "safetensors to write parameter gradients (needs labels)");
   std::string forward_device = "cpu";
   forward->add_option("--device", forward_device, "cpu (fp32 reference, default) or cuda (bf16)");
+  bool overwrite = false;
+  const char* overwrite_help = "Replace an existing output file (never an input or a checkpoint's file)";
+  forward->add_flag("--overwrite", overwrite, overwrite_help);
 
   auto* gen = app.add_subcommand("generate", "Sample text from a checkpoint");
   gen->add_option("--model", model_dir, "Checkpoint dir")->required();
@@ -59,6 +66,7 @@ int main(int argc, char** argv) {
   tokenize->add_option("--tokenizer", tokenizer, "HF tokenizer.json")->required();
   tokenize->add_option("--input", input, "Input .jsonl")->required();
   tokenize->add_option("--output", output, "Output .jsonl")->required();
+  tokenize->add_flag("--overwrite", overwrite, overwrite_help);
 
   auto* bench = app.add_subcommand("bench", "Benchmarks: `bench ops`, `bench step --preset 2b` (GPU), `bench tokenizer` (CPU)");
   bench->require_subcommand(1);
@@ -122,17 +130,19 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+  // The error line; a failed write (a closed stderr) changes nothing: the exit code is 1 either way.
+  auto error = [](const std::string& what) { ds::detail::log_line("error: " + what + "\n"); };
   try {
     ds::train_option("threads").check(to);
     ds::set_num_threads(to.threads);
     if (*forward) {
       DS_CHECK(forward_device == "cpu" || forward_device == "cuda", "--device must be cpu or cuda, got \"{}\"",
                forward_device);
-      return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device);
+      return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device, overwrite);
     }
     if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed);
     if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
-    if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output);
+    if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output, overwrite);
     if (*probe) return ds::cli::cmd_probe();
     if (*plan) return ds::cli::cmd_plan(plan_model, plan_seq, plan_mb, plan_docs, plan_mem, plan_attention, plan_memory);
     if (*bench_ops) return ds::cli::cmd_bench_ops();
@@ -147,14 +157,12 @@ int main(int argc, char** argv) {
     fmt::print("{}", app.help());
     return 0;
   } catch (const ds::Error& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
+    error(e.what());
   } catch (const std::bad_alloc&) {
-    fmt::print(stderr, "error: out of host memory (a larger model or batch than this machine holds; the fp32 "
-                       "engine keeps weights, gradients and two AdamW moments: 16 bytes per parameter)\n");
-    return 1;
+    error("out of host memory (a larger model or batch than this machine holds; the fp32 engine keeps weights, "
+          "gradients and two AdamW moments: 16 bytes per parameter, plus one micro-batch's activations)");
   } catch (const std::exception& e) {
-    fmt::print(stderr, "error: {}\n", e.what());
-    return 1;
+    error(e.what());
   }
+  return 1;
 }

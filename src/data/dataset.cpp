@@ -1,5 +1,6 @@
 #include "data/dataset.h"
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <utf8proc.h>
@@ -86,7 +87,8 @@ std::vector<std::string> read_documents(const std::vector<std::string>& files, T
         std::string line = text.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
         pos = nl == std::string::npos ? text.size() : nl + 1;
         ++lineno;
-        if (blank(line)) continue;
+        // As `deltastack tokenize`: a trailing newline ends the last line, any other empty line is an error.
+        DS_CHECK(!blank(line), "{}:{}: empty line (expected a JSON object with a string field \"text\")", f, lineno);
         nlohmann::json j;
         try {
           j = nlohmann::json::parse(line);
@@ -124,6 +126,22 @@ std::vector<std::vector<int32_t>> tokenize_documents(const Tokenizer& tok, const
   for (size_t i = 0; i < docs.size(); ++i)
     DS_CHECK(errors[i].empty(), "document {}: {}", i, errors[i]);
   return out;
+}
+
+std::string documents_fingerprint(const std::vector<std::vector<int32_t>>& docs) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](uint64_t v) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= (v >> (8 * b)) & 0xff;
+      h *= 0x100000001b3ull;
+    }
+  };
+  mix(docs.size());
+  for (const std::vector<int32_t>& d : docs) {
+    mix(d.size());
+    for (int32_t id : d) mix(static_cast<uint32_t>(id));
+  }
+  return fmt::format("{:016x}", h);
 }
 
 PackedDataset::PackedDataset(const std::vector<std::vector<int32_t>>& docs, int64_t seq_len) : seq_len_(seq_len) {

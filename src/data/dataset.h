@@ -17,7 +17,7 @@ enum class TxtSplit { Paragraph, Line, File };
 TxtSplit parse_txt_split(const std::string& s);  // "paragraph" | "line" | "file", else ds::Error
 
 // Reads documents from .txt (split as above) and .jsonl (one JSON object per line with a string "text"
-// field; blank lines skipped) files, in file order. Errors name the file (and line): missing file, a file
+// field; an empty line is an error, as in `deltastack tokenize`) files, in file order. Errors name the file (and line): missing file, a file
 // with no text, invalid UTF-8 (with the byte offset), invalid JSON, a missing "text" field, an unknown extension.
 std::vector<std::string> read_documents(const std::vector<std::string>& files, TxtSplit split);
 
@@ -26,6 +26,10 @@ std::vector<std::string> read_documents(const std::vector<std::string>& files, T
 // (when >= 0) to each, so the model learns where documents end.
 std::vector<std::vector<int32_t>> tokenize_documents(const Tokenizer& tok, const std::vector<std::string>& docs,
                                                      int32_t eos);
+
+// A 64-bit FNV-1a hash of tokenized documents (their count, each one's length and ids), as 16 hex digits: what a
+// checkpoint saves to tell whether a resume trains on the same data.
+std::string documents_fingerprint(const std::vector<std::vector<int32_t>>& docs);
 
 // The token stream of all documents cut into windows of seq_len tokens. Window w covers stream positions
 // [w*seq_len, (w+1)*seq_len) (the last partial window is dropped unless it is the only one); its cu_seqlens

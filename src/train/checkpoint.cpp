@@ -19,6 +19,7 @@
 #include "core/log.h"
 #include "model/model.h"
 #include "model/safetensors.h"
+#include "train/run_dir.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -26,53 +27,6 @@ using json = nlohmann::json;
 namespace ds {
 
 namespace {
-
-// The step of a checkpoint directory name as this trainer writes it ("checkpoint-N", N in canonical decimal);
-// -1 for any other name.
-int64_t checkpoint_step(const std::string& name) {
-  if (name.rfind("checkpoint-", 0) != 0) return -1;
-  const std::string digits = name.substr(11);
-  if (digits.empty() || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos ||
-      (digits.size() > 1 && digits[0] == '0'))
-    return -1;
-  return std::stoll(digits);
-}
-
-// Who wrote a checkpoint (trainer_state.json): the run, kept across resumes, and the process. Empty strings when
-// absent (checkpoints of earlier versions) or unreadable.
-struct CheckpointOwner {
-  std::string run_id, session_id;
-};
-CheckpointOwner checkpoint_owner(const fs::path& dir) {
-  CheckpointOwner o;
-  try {
-    const json st = json::parse(read_file((dir / "trainer_state.json").string()));
-    if (st.contains("run_id") && st["run_id"].is_string()) o.run_id = st["run_id"].get<std::string>();
-    if (st.contains("session_id") && st["session_id"].is_string()) o.session_id = st["session_id"].get<std::string>();
-  } catch (const std::exception&) {
-  }
-  return o;
-}
-
-// Temp dirs of checkpoint saves that a killed run left behind in `out` (never valid checkpoints): removed, but never
-// the directory this run is resumed from.
-void remove_stale_temps(const std::string& out, const std::string& resume) {
-  std::vector<fs::path> stale;
-  for (const auto& e : fs::directory_iterator(out)) {
-    const std::string n = e.path().filename().string();
-    if (n.rfind(".checkpoint-", 0) == 0 && n.size() > 16 && n.compare(n.size() - 4, 4, ".tmp") == 0)
-      stale.push_back(e.path());
-  }
-  std::error_code ec;
-  if (!resume.empty()) {
-    const fs::path src = fs::canonical(resume, ec);
-    std::erase_if(stale, [&](const fs::path& p) { return fs::canonical(p, ec) == src; });
-  }
-  for (const fs::path& p : stale) {
-    log_info("removing {} (left by an interrupted checkpoint save)", p.string());
-    fs::remove_all(p);
-  }
-}
 
 // Moves the complete checkpoint in tmp_dir to final_dir. Replacing a checkpoint of the same step (a resume from an
 // earlier one into the same --out) swaps the two directories in one atomic rename, so final_dir never goes missing.
@@ -121,6 +75,7 @@ SavedCheckpoint read_checkpoint_state(const std::string& dir) {
   c.state.elapsed_s = st.value("elapsed_s", 0.0);
   if (st.contains("run_id") && st["run_id"].is_string()) c.run_id = st["run_id"].get<std::string>();
   c.options = st["options"];
+  if (st.contains("data")) c.data = st["data"];
   return c;
 }
 
@@ -142,40 +97,42 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
   });
 }
 
-Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id)
-    : opt_(opt), start_step_(start_step), run_id_(std::move(run_id)), session_id_(new_run_id()) {
-  fs::create_directories(opt_.out);
-  remove_stale_temps(opt_.out, opt_.resume);
-  // One look at the checkpoints already in --out: a file (not a directory) named like a checkpoint this run will
-  // write stops the run now, not after the training; another run's checkpoints get a warning.
-  std::vector<std::string> foreign;
+Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id, std::string tokenizer_json,
+                         nlohmann::json data)
+    : opt_(opt),
+      start_step_(start_step),
+      run_id_(std::move(run_id)),
+      session_id_(new_run_id()),
+      tokenizer_json_(std::move(tokenizer_json)),
+      data_(std::move(data)) {
+  // A file (not a directory) named like a checkpoint this run will write stops the run now, not after the training.
+  // (Other runs' checkpoint directories are not here: RunDirectory::claim refused or moved them.)
   for (const auto& e : fs::directory_iterator(opt_.out)) {
-    const std::string n = e.path().filename().string();
-    const int64_t s = checkpoint_step(n);
-    if (s < 0) continue;
-    if (!e.is_directory()) {
-      DS_CHECK(!(s > start_step_ && due(s)),
-               "{} exists and is not a directory, but this run saves checkpoint-{} there; move it away",
-               e.path().string(), s);
-    } else if (checkpoint_owner(e.path()).run_id != run_id_) {
-      foreign.push_back(n);
-    }
+    const int64_t s = checkpoint_step(e.path().filename().string());
+    DS_CHECK(s < 0 || e.is_directory() || !(s > start_step_ && due(s)),
+             "{} exists and is not a directory, but this run saves checkpoint-{} there; move it away",
+             e.path().string(), s);
   }
-  if (!foreign.empty())
-    log_warn("{} holds {} checkpoint(s) of another run ({}{}): a save of the same step replaces one, --keep-last "
-             "leaves them alone; use another --out to keep them apart", opt_.out, foreign.size(), foreign.front(),
-             foreign.size() > 1 ? ", ..." : "");
-  tokenizer_json_ = read_file(opt_.tokenizer);
 }
 
 bool Checkpoints::due(int64_t step) const {
   return step == opt_.steps || (step <= opt_.steps && opt_.save_interval > 0 && step % opt_.save_interval == 0);
 }
 
-void Checkpoints::save(Engine& engine, const TrainerState& state) {
+std::string Checkpoints::save(Engine& engine, const TrainerState& state) {
   const std::string final_dir = (fs::path(opt_.out) / fmt::format("checkpoint-{}", state.step)).string();
   const std::string tmp_dir = (fs::path(opt_.out) / fmt::format(".checkpoint-{}.tmp", state.step)).string();
   fs::remove_all(tmp_dir);
+  // A save that fails before the checkpoint is complete (disk full, an unreadable tensor) removes its temp dir at
+  // once, not at the next run's start.
+  struct RemoveUnlessDone {
+    const std::string& dir;
+    bool done = false;
+    ~RemoveUnlessDone() {
+      std::error_code ec;
+      if (!done) fs::remove_all(dir, ec);
+    }
+  } cleanup{tmp_dir};
   const int64_t shard_bytes = opt_.max_shard_mb * 1000000;
   save_model_dir(tmp_dir, engine.config(), engine.checkpoint_weight_tensors(), DType::F32, shard_bytes);
   // Fault-injection hook for the crash-safety tests: a pause inside every save, so that a kill aimed at "a save in
@@ -191,15 +148,18 @@ void Checkpoints::save(Engine& engine, const TrainerState& state) {
                 {"tokens_seen", state.tokens_seen},
                 {"elapsed_s", state.elapsed_s},
                 {"options", options_to_json(opt_)},
+                {"data", data_},
                 {"deltastack_version", DELTASTACK_VERSION},
                 {"run_id", run_id_},
                 {"session_id", session_id_}};
   write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
   fsync_dir(tmp_dir);
+  cleanup.done = true;  // complete: kept if the rename fails (its error names it)
   rename_into_place(tmp_dir, final_dir);
   fsync_dir(opt_.out);
   log_info("saved {}", final_dir);
   if (opt_.keep_last > 0) prune(state.step);
+  return final_dir;
 }
 
 // --keep-last: after checkpoint-`step` is durable, the older checkpoints of this run's current history (N < step,

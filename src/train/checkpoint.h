@@ -30,7 +30,8 @@ struct SavedCheckpoint {
   // The run, kept across resumes; empty in checkpoints written before run ids existed (those count as this run's).
   std::string run_id;
   nlohmann::json options;
-  std::string path;  // of trainer_state.json
+  nlohmann::json data;  // the data's fingerprint (Checkpoints' `data`); null in checkpoints of earlier versions
+  std::string path;     // of trainer_state.json
 };
 SavedCheckpoint read_checkpoint_state(const std::string& dir);
 
@@ -40,15 +41,17 @@ void load_optimizer_state(Engine& engine, const std::string& dir);
 // The checkpoints in --out of a run that starts at start_step (its resumed step, or 0).
 class Checkpoints {
  public:
-  // Creates --out, removes the temp dirs a killed save left there (never the --resume source) and looks at the
-  // checkpoints already there: a file named like a checkpoint this run will save is a ds::Error now, other runs'
-  // checkpoints get a warning. Reads the tokenizer that every checkpoint gets a copy of.
-  Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id);
+  // For a run directory claimed by the run (RunDirectory::claim): a file named like a checkpoint this run will save
+  // is a ds::Error now. Every checkpoint gets a copy of `tokenizer_json` (the tokenizer the run reads) and, in
+  // trainer_state.json, `data` (what identifies the training and validation documents).
+  Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id, std::string tokenizer_json,
+              nlohmann::json data);
 
   // Whether the run saves a checkpoint after `step`: every --save-interval steps and at the last one.
   bool due(int64_t step) const;
   // Saves checkpoint-<state.step> (replacing one of the same step atomically), then prunes for --keep-last.
-  void save(Engine& engine, const TrainerState& state);
+  // Returns the checkpoint's path.
+  std::string save(Engine& engine, const TrainerState& state);
 
  private:
   void prune(int64_t step);
@@ -58,6 +61,7 @@ class Checkpoints {
   std::string run_id_;
   std::string session_id_;  // this process: --keep-last prunes its saves, and the run's up to the resumed step
   std::string tokenizer_json_;
+  nlohmann::json data_;
 };
 
 }  // namespace ds

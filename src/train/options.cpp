@@ -38,6 +38,15 @@ auto one_of(std::vector<std::string> names) {
              fmt::join(names.begin(), names.end() - 1, ", "), names.back(), v);
   };
 }
+// File names: not empty, and not a flag (`--data --steps 1` would read "--steps" as a file).
+auto file_names() {
+  return [](const std::string& f, const std::vector<std::string>& v) {
+    for (const std::string& p : v) {
+      DS_CHECK(!p.empty(), "--{}: an empty file name", f);
+      DS_CHECK(p.rfind("--", 0) != 0, "--{} got the flag \"{}\" as a file name: give --{} its files first", f, p, f);
+    }
+  };
+}
 auto not_empty() {
   return [](const std::string& f, const std::string& v) { DS_CHECK(!v.empty(), "--{} must not be empty", f); };
 }
@@ -54,6 +63,8 @@ TrainOption opt(const char* flag, TrainMember<T> m, std::type_identity_t<T> def,
   o.help = help;
   if constexpr (std::is_same_v<T, std::string> || std::is_same_v<T, std::vector<std::string>>)
     o.shows_default = !def.empty();
+  else if constexpr (std::is_same_v<T, bool>)
+    o.shows_default = false;
   else
     o.shows_default = (traits & kGlobal) == 0;  // --threads' help says what 0 means
   o.traits = traits;
@@ -67,7 +78,8 @@ TrainOption opt(const char* flag, TrainMember<T> m, std::type_identity_t<T> def,
 const std::vector<TrainOption>& train_options() {
   static const std::vector<TrainOption> table = {
       opt("model", &O::model, "tiny", "Preset (tiny, 0.8b, 2b, 4b, 9b, 27b), config.json, or HF checkpoint dir"),
-      opt("data", &O::data, {}, "Data files (.txt split into documents by --txt-split, .jsonl with a \"text\" field)"),
+      opt("data", &O::data, {}, "Data files (.txt split into documents by --txt-split, .jsonl with a \"text\" field); "
+          "on --resume, the same data at another path", file_names(), kResumable),
       opt("tokenizer", &O::tokenizer, "", "HF tokenizer.json (default: the bundled Qwen3 tokenizer)"),
       opt("txt-split", &O::txt_split, "paragraph", "How .txt files become documents: paragraph, line, file"),
       opt("seq-len", &O::seq_len, 128, "Tokens per packed window", at_least(2)),
@@ -86,7 +98,8 @@ const std::vector<TrainOption>& train_options() {
       opt("clip", &O::clip, 1.0, "Max global grad norm (0 = off)", at_least(0)),
       opt("z-loss", &O::z_loss, 0.0, "z-loss coefficient on lse^2 (0 = off)", at_least(0)),
       opt("val-fraction", &O::val_fraction, 0.05, "Fraction of documents held out for evaluation", in_range(0, 1, true)),
-      opt("val-data", &O::val_data, {}, "Separate evaluation files (then nothing is held out of --data)", {}, kNewerKey),
+      opt("val-data", &O::val_data, {}, "Separate evaluation files (then nothing is held out of --data)", file_names(),
+          kNewerKey | kResumable),
       opt("eval-interval", &O::eval_interval, 50, "Steps between evaluations (0 = start and end only)", at_least(0),
           kResumable),
       opt("eval-batches", &O::eval_batches, 4, "Micro-batches per evaluation", at_least(0)),
@@ -113,6 +126,10 @@ const std::vector<TrainOption>& train_options() {
       opt("memory", &O::memory, "auto",
           "auto: the memory modes not given are the fastest that fit the GPU; fixed: they are fp32 and selective",
           one_of({"auto", "fixed"}), kResumable | kNewerKey | kNotSaved),
+      opt("move-aside", &O::move_aside, false, "When --out holds another run's files (metrics, checkpoints): move "
+          "them into OUT/previous-N/ instead of refusing to start", {}, kResumable | kNotSaved),
+      opt("data-changed", &O::data_changed, "warn", "On --resume, when the data's fingerprint differs from the "
+          "checkpoint's: warn or error", one_of({"warn", "error"}), kResumable | kNotSaved),
       opt("threads", &O::threads, 0, "CPU threads for every subcommand (0 = all cores)", in_range(0, 1024),
           kResumable | kNotSaved | kGlobal),
   };
@@ -154,6 +171,13 @@ nlohmann::json options_to_json(const TrainOptions& o) {
   return j;
 }
 
+std::string resumable_flags() {
+  std::vector<std::string> may;
+  for (const TrainOption& e : train_options())
+    if (e.has(kResumable) && e.flag != "resume") may.push_back("--" + e.flag);
+  return fmt::format("{}", fmt::join(may, ", "));
+}
+
 TrainOptions resumed_options(const TrainOptions& cli, const nlohmann::json& saved, const std::string& src) {
   TrainOptions r = cli;
   try {
@@ -165,12 +189,9 @@ TrainOptions resumed_options(const TrainOptions& cli, const nlohmann::json& save
   } catch (const nlohmann::json::exception& e) {
     fail("{}: bad or missing training option ({})", src, e.what());
   }
-  std::vector<std::string> may;
-  for (const TrainOption& e : train_options())
-    if (e.has(kResumable) && e.flag != "resume") may.push_back("--" + e.flag);
   for (const std::string& g : cli.given)
     DS_CHECK(train_option(g).has(kResumable), "--{} cannot change on --resume: the checkpoint's options define the "
-             "run (only {} may)", g, fmt::join(may, ", "));
+             "run (only {} may)", g, resumable_flags());
   for (const TrainOption& e : train_options())
     if (e.has(kResumable) && cli.was_given(e.flag)) std::visit([&](auto m) { r.*m = cli.*m; }, e.member);
   // Not given: continue in the run's own directory ("run/checkpoint-3/" too), the real one (symlinks resolved; also

@@ -33,6 +33,8 @@ struct TrainOptions {
   std::string resume;
   std::string device;
   std::string optimizer_state, recompute, memory;
+  bool move_aside;
+  std::string data_changed;
   std::vector<std::string> given;  // long names of the flags on the command line (without "--")
 
   bool was_given(std::string_view flag) const;
@@ -52,9 +54,9 @@ using TrainMember = T TrainOptions::*;
 struct TrainOption {
   std::string flag;  // the long flag without "--"; its trainer_state.json key is the same with '_' ("seq_len")
   std::variant<TrainMember<std::string>, TrainMember<std::vector<std::string>>, TrainMember<int64_t>,
-               TrainMember<uint64_t>, TrainMember<double>, TrainMember<int>>
+               TrainMember<uint64_t>, TrainMember<double>, TrainMember<int>, TrainMember<bool>>
       member;
-  std::string help;
+  std::string help;  // a bool option is a flag without a value (--move-aside)
   bool shows_default;  // `--help` shows the default (not for an empty one)
   unsigned traits;     // TrainOptionTraits
   std::function<void(TrainOptions&)> set_default;
@@ -70,6 +72,9 @@ const TrainOption& train_option(std::string_view flag);  // ds::Error for a flag
 
 // ds::Error naming the flag of the first option out of range (or of two that contradict each other).
 void validate(const TrainOptions& o);
+
+// The flags a --resume may change, as "--steps, --out, ..." (for messages and --help).
+std::string resumable_flags();
 
 // trainer_state.json's "options": every saved option under its key.
 nlohmann::json options_to_json(const TrainOptions& o);

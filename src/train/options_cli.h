@@ -3,6 +3,7 @@
 #pragma once
 #include <CLI/CLI.hpp>
 
+#include <type_traits>
 #include <variant>
 
 #include "train/options.h"
@@ -16,11 +17,28 @@ inline void add_train_flags(CLI::App& app, CLI::App& train, TrainOptions& o) {
     CLI::App& where = e.has(kGlobal) ? app : train;
     std::visit(
         [&](auto m) {
-          CLI::Option* flag = where.add_option("--" + e.flag, o.*m, e.help);
+          CLI::Option* flag = nullptr;
+          if constexpr (std::is_same_v<decltype(m), TrainMember<bool>>)
+            flag = where.add_flag("--" + e.flag, o.*m, e.help);
+          else
+            flag = where.add_option("--" + e.flag, o.*m, e.help);
           if (e.shows_default) flag->capture_default_str();
+          if constexpr (std::is_same_v<decltype(m), TrainMember<uint64_t>>)  // CLI11 would wrap -1 to 2^64 - 1
+            flag->check(CLI::Validator(
+                [](std::string& v) { return v.rfind('-', 0) == 0 ? "must be >= 0, got " + v : std::string(); },
+                "UINT"));
         },
         e.member);
   }
+}
+
+// `train --help`'s footer: what a resume may change, the global --threads, the environment.
+inline std::string train_help_footer() {
+  return "--resume CKPT continues with the checkpoint's options; only " + resumable_flags() +
+         " may be given with it (any other flag is an error).\n--threads N (a flag of every subcommand, also before "
+         "it): CPU threads, 0 = all cores.\nSIGINT / SIGTERM: the current step finishes, a checkpoint is saved and "
+         "the run exits 130 / 143 (a second signal stops at once).\nEnvironment: DELTASTACK_<OP>=auto|fast|reference|"
+         "<backend> picks an op's backend (`deltastack probe` lists them), DELTASTACK_LOG=quiet|info|debug.\n";
 }
 
 // After parsing: the train options given on the command line, into o.given.

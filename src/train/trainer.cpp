@@ -1,11 +1,17 @@
 #include "train/trainer.h"
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -25,6 +31,8 @@
 #include "ops/adamw/adamw.h"
 #include "ops/registry.h"
 #include "train/checkpoint.h"
+#include "train/interrupt.h"
+#include "train/run_dir.h"
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
@@ -44,13 +52,13 @@ TrainOptions run_options(const TrainOptions& cli, const SavedCheckpoint* resumed
   TrainOptions opt = resumed ? resumed_options(cli, resumed->options, resumed->path) : cli;
   if (opt.data.empty()) opt.data = {bundled_data_path()};
   if (opt.tokenizer.empty()) opt.tokenizer = bundled_tokenizer_path();
-  if (!resumed) {
-    auto absolute_if_exists = [](std::string& p) {
-      std::error_code ec;
-      if (!p.empty() && fs::exists(p, ec)) p = fs::absolute(p).lexically_normal().string();
-    };
-    for (std::string& p : opt.data) absolute_if_exists(p);
-    for (std::string& p : opt.val_data) absolute_if_exists(p);
+  auto absolute_if_exists = [](std::string& p) {
+    std::error_code ec;
+    if (!p.empty() && fs::exists(p, ec)) p = fs::absolute(p).lexically_normal().string();
+  };
+  for (std::string& p : opt.data) absolute_if_exists(p);  // also a resume's --data (a moved corpus)
+  for (std::string& p : opt.val_data) absolute_if_exists(p);
+  if (!resumed) {  // a resume reads neither: the checkpoint has its own config.json and tokenizer.json
     absolute_if_exists(opt.tokenizer);
     absolute_if_exists(opt.model);  // a path; preset names ("tiny", "2b") stay as they are
   }
@@ -58,9 +66,18 @@ TrainOptions run_options(const TrainOptions& cli, const SavedCheckpoint* resumed
   return opt;
 }
 
-// The host model: the checkpoint's weights on --resume, an HF checkpoint's for --model DIR, else seeded init.
+// The tokenizer.json a run reads: the checkpoint's own copy on --resume (so the original --tokenizer may be gone),
+// else --tokenizer. Every checkpoint gets a copy.
+std::string tokenizer_path(const TrainOptions& opt) {
+  if (!opt.resume.empty() && file_exists((fs::path(opt.resume) / "tokenizer.json").string()))
+    return (fs::path(opt.resume) / "tokenizer.json").string();
+  return opt.tokenizer;
+}
+
+// The host model: the checkpoint's config and weights on --resume, an HF checkpoint's for --model DIR, else seeded
+// init.
 Qwen35Model build_model(const TrainOptions& opt) {
-  const ModelConfig cfg = ModelConfig::resolve(opt.model);
+  const ModelConfig cfg = opt.resume.empty() ? ModelConfig::resolve(opt.model) : ModelConfig::from_file(opt.resume);
   DS_CHECK(opt.seq_len <= cfg.max_position_embeddings, "--seq-len {} is above the model's max_position_embeddings {}",
            opt.seq_len, cfg.max_position_embeddings);
   Qwen35Model model(cfg);
@@ -78,16 +95,18 @@ Qwen35Model build_model(const TrainOptions& opt) {
 struct TrainData {
   std::unique_ptr<PackedDataset> train, val;  // val: null without validation documents
   std::vector<PackedBatch> eval_batches;      // fixed evaluation windows, evenly spread over val
+  json fingerprint;                           // saved with each checkpoint: the documents a resume must see again
   int64_t docs_per_window() const {
     return std::max(train->max_docs_per_window(), val ? val->max_docs_per_window() : 1);
   }
 };
 
 // Tokenized, packed documents: --val-data, or the last --val-fraction of --data, is held out for evaluation.
-TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg) {
-  Tokenizer tok = Tokenizer::from_file(opt.tokenizer);
+TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::string& tokenizer_json,
+                    const std::string& tokenizer_file) {
+  Tokenizer tok = Tokenizer::from_json_string(tokenizer_json, tokenizer_file);
   DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "{}: tokenizer has {} ids but the model's vocab_size is {}",
-           opt.tokenizer, tok.vocab_size(), cfg.vocab_size);
+           tokenizer_file, tok.vocab_size(), cfg.vocab_size);
   const int32_t eos = tok.token_to_id("<|endoftext|>");
   std::vector<std::vector<int32_t>> docs =
       tokenize_documents(tok, read_documents(opt.data, parse_txt_split(opt.txt_split)), eos);
@@ -105,6 +124,8 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg) {
   }
   DS_CHECK(!train_docs.empty(), "data: no training documents left after holding out {} for validation", n_val);
   TrainData d;
+  d.fingerprint = {{"train_documents", train_docs.size()}, {"train_fingerprint", documents_fingerprint(train_docs)},
+                   {"val_documents", val_docs.size()}, {"val_fingerprint", documents_fingerprint(val_docs)}};
   d.train = std::make_unique<PackedDataset>(train_docs, opt.seq_len);
   if (!val_docs.empty()) d.val = std::make_unique<PackedDataset>(val_docs, opt.seq_len);
   log_info("data: {} training documents, {} validation documents{}, {} training tokens in {} windows of {}; "
@@ -123,36 +144,89 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg) {
   return d;
 }
 
-// metrics.jsonl in --out, one JSON object a line. On resume, the lines past the resumed step (an earlier attempt's)
-// are dropped.
+// A resume on other data than the checkpoint's (an edited or another file) trains, but not bitwise like the run it
+// continues: said as a warning, or an error with --data-changed error. Checkpoints of earlier versions have no
+// fingerprint to compare.
+void check_data_fingerprint(const TrainOptions& opt, const json& saved, const json& now) {
+  if (saved.is_null()) {
+    log_info("{}: no data fingerprint (an earlier version's checkpoint): cannot tell whether the data changed",
+             opt.resume);
+    return;
+  }
+  std::vector<std::string> what;
+  for (const char* part : {"train", "val"}) {
+    const std::string n = std::string(part) + "_documents", f = std::string(part) + "_fingerprint";
+    if (saved.value(f, std::string()) != now[f].get<std::string>())
+      what.push_back(fmt::format("{} documents: {} (fingerprint {}), the checkpoint's {} ({})",
+                                 part == std::string("train") ? "training" : "validation", now[n].dump(),
+                                 now[f].get<std::string>(), saved.value(n, json()).dump(), saved.value(f, std::string())));
+  }
+  if (what.empty()) return;
+  const std::string msg = fmt::format("--resume {}: the data differs from the checkpoint's ({}); the run continues on "
+                                      "other documents than it was trained on, not bitwise like an uninterrupted run",
+                                      opt.resume, fmt::join(what, "; "));
+  DS_CHECK(opt.data_changed != "error", "{} (--data-changed error)", msg);
+  log_warn("{} (--data-changed error makes this an error)", msg);
+}
+
+// Appends `text` to `path` and fsyncs it (created when missing). ds::Error naming the path on failure.
+void append_durably(const std::string& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  DS_CHECK(fd >= 0, "{}: cannot open for appending ({})", path, std::strerror(errno));
+  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
+  const int err = errno;
+  ::close(fd);
+  DS_CHECK(ok, "{}: write failed ({})", path, std::strerror(err));
+}
+
+// metrics.jsonl in --out, one JSON object a line, each naming the run (RunDirectory::claim keeps other runs' files
+// out). On resume, the lines past the resumed step (an earlier attempt's, which this run does again) are moved to
+// metrics-abandoned.jsonl first: appended there and fsync'ed before metrics.jsonl is replaced, so a kill in between
+// loses no line.
 class MetricsLog {
  public:
-  MetricsLog(const std::string& out, int64_t start_step) : path_((fs::path(out) / "metrics.jsonl").string()) {
-    std::string kept;
-    if (file_exists(path_) && start_step > 0) {
+  MetricsLog(const std::string& out, int64_t start_step, std::string run_id)
+      : path_((fs::path(out) / RunDirectory::kMetricsName).string()), run_id_(std::move(run_id)) {
+    if (file_exists(path_)) {
+      std::string kept, later;
       std::istringstream in(read_file(path_));
       std::string line;
       while (std::getline(in, line)) {
+        bool past = false;
         try {
-          if (json::parse(line).value("step", int64_t{0}) <= start_step) kept += line + "\n";
-        } catch (...) {
+          const json j = json::parse(line);
+          past = j.is_object() && j.value("step", int64_t{0}) > start_step;
+        } catch (const json::exception&) {  // not ours to judge: kept as it is
         }
+        (past ? later : kept) += line + "\n";
+      }
+      if (!later.empty()) {
+        const std::string abandoned = (fs::path(out) / RunDirectory::kAbandonedMetricsName).string();
+        append_durably(abandoned, later);
+        write_file_atomic(path_, kept);
+        log_info("{}: the lines past step {} (an earlier attempt's) moved to {}", path_, start_step, abandoned);
       }
     }
-    write_file_atomic(path_, kept);
     file_.open(path_, std::ios::app);
     DS_CHECK(file_.good(), "{}: cannot open for appending", path_);
   }
-  void write(const json& j) {
+  void write(json j) {
+    if (!run_id_.empty()) j["run_id"] = run_id_;
     file_ << j.dump() << "\n";
     file_.flush();
   }
   const std::string& path() const { return path_; }
 
  private:
-  std::string path_;
+  std::string path_, run_id_;
   std::ofstream file_;
 };
+
+// A progress line on stdout; a failed write (a closed pipe: `train | head -1`) never stops the run.
+void print_progress(const std::string& line) {
+  std::fwrite(line.data(), 1, line.size(), stdout);
+  std::fflush(stdout);
+}
 
 // ---- the step
 
@@ -240,9 +314,21 @@ int train(TrainOptions cli) {
   if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
   TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
+  // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
+  // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
+  const RunDirectory run_dir(opt.out);
+  run_dir.remove_stale_temps(opt.resume);
+  // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
+  // run id (earlier versions) are this run's in the checkpoint's own directory.
+  const std::string run_id = resumed ? resumed->run_id : new_run_id();
+  std::error_code ec;
+  run_dir.claim(run_id, resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec),
+                opt.move_aside);
   set_num_threads(opt.threads);
   Qwen35Model model = build_model(opt);
-  const TrainData data = load_data(opt, model.config());
+  const std::string tokenizer_file = tokenizer_path(opt), tokenizer_json = read_file(tokenizer_file);
+  const TrainData data = load_data(opt, model.config(), tokenizer_json, tokenizer_file);
+  if (resumed) check_data_fingerprint(opt, resumed->data, data.fingerprint);
   // The GPU when there is one (auto), else the CPU reference engine.
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
   apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
@@ -263,14 +349,26 @@ int train(TrainOptions cli) {
   }
   DS_CHECK(opt.steps >= progress.step, "--steps {} is below the checkpoint's step {}", opt.steps, progress.step);
   const int64_t start_step = progress.step;
-  Checkpoints checkpoints(opt, start_step, resumed ? resumed->run_id : new_run_id());
-  MetricsLog metrics(opt.out, start_step);
+  Checkpoints checkpoints(opt, start_step, run_id, tokenizer_json, data.fingerprint);
+  MetricsLog metrics(opt.out, start_step, run_id);
   const double elapsed_before = progress.elapsed_s;
   auto elapsed = [&] {
     return elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   };
   auto eval_due = [&](int64_t step) {
     return !data.eval_batches.empty() && (step == opt.steps || (opt.eval_interval > 0 && step % opt.eval_interval == 0));
+  };
+
+  // From here on SIGINT / SIGTERM stop after the current step, with a checkpoint (interrupt.h).
+  InterruptGuard interrupt;
+  int64_t saved_step = resumed ? start_step : -1;  // the newest complete checkpoint of this run's history
+  std::string saved_dir = resumed ? opt.resume : std::string();
+  if (resumed) interrupt.set_last_checkpoint(saved_dir);
+  auto save = [&] {
+    progress.elapsed_s = elapsed();
+    saved_dir = checkpoints.save(*engine, progress);
+    saved_step = progress.step;
+    interrupt.set_last_checkpoint(saved_dir);
   };
 
   if (start_step == 0 && !data.eval_batches.empty()) {
@@ -281,7 +379,7 @@ int train(TrainOptions cli) {
 
   // ---- the steps
   WindowSampler sampler(data.train->num_windows(), opt.seed);
-  for (int64_t step = start_step + 1; step <= opt.steps; ++step) {
+  for (int64_t step = start_step + 1; step <= opt.steps && !interrupt.signal(); ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const StepBatches batches = step_batches(sampler, *data.train, opt, step);
     const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
@@ -298,8 +396,9 @@ int train(TrainOptions cli) {
       const std::string reason =
           !std::isfinite(loss) ? fmt::format("loss is {}", loss) : fmt::format("grad norm is {}", gnorm);
       if (opt.nan_policy == "stop")
-        fail("step {}: {}; stopping (--nan-policy stop). The last checkpoint is intact; try a lower --lr or "
-             "--nan-policy skip", step, reason);
+        fail("step {}: {}; stopping (--nan-policy stop). {}; try a lower --lr or --nan-policy skip", step, reason,
+             saved_step < 0 ? std::string("No checkpoint was saved by this run")
+                            : fmt::format("The last checkpoint, {} (step {}), is intact", saved_dir, saved_step));
       log_warn("step {}: {}; skipping the update (--nan-policy skip)", step, reason);
       metrics.write({{"step", step}, {"skipped", true}, {"reason", reason}, {"lr", lr}, {"tokens", batches.tokens},
                      {"elapsed_s", elapsed()}});
@@ -312,26 +411,33 @@ int train(TrainOptions cli) {
                 {"tokens_per_s", batches.tokens / dt}, {"elapsed_s", el}};
       if (engine->device() == "cuda") line["peak_gib"] = engine->peak_bytes() / 1073741824.0;
       metrics.write(line);
-      fmt::print("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | {:.1f} s\n",
-                 step, opt.steps, loss, gnorm, lr, batches.tokens, batches.tokens / dt, el);
-      std::fflush(stdout);
+      print_progress(fmt::format("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | "
+                                 "{:.1f} s\n", step, opt.steps, loss, gnorm, lr, batches.tokens, batches.tokens / dt, el));
     }
 
-    if (eval_due(step)) {
+    if (eval_due(step) && !interrupt.signal()) {  // interrupted: straight to the save
       const double el = evaluate(*engine, data.eval_batches);
-      fmt::print("step {:>5}/{} | eval_loss {:.4f}\n", step, opt.steps, el);
-      std::fflush(stdout);
+      print_progress(fmt::format("step {:>5}/{} | eval_loss {:.4f}\n", step, opt.steps, el));
       metrics.write({{"step", step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
     }
-    if (checkpoints.due(step)) {
-      progress.elapsed_s = elapsed();
-      checkpoints.save(*engine, progress);
-    }
+    if (checkpoints.due(step)) save();
   }
-  if (opt.steps == 0 && start_step == 0) {  // --steps 0: the initial weights as checkpoint-0
-    progress.elapsed_s = elapsed();
-    checkpoints.save(*engine, progress);
+  if (const int sig = interrupt.signal()) {
+    if (progress.step > saved_step && progress.step > 0) save();
+    const std::string where =
+        saved_step < 0 ? "no step was taken, so there is nothing to save (a new run starts over)"
+                       : fmt::format("the last checkpoint is {} (step {}); resume with: deltastack train --resume {}",
+                                     saved_dir, saved_step, saved_dir);
+    detail::log_line(fmt::format("[deltastack] stopped by {} after step {} of {}: {}\n", signal_name(sig),
+                                 progress.step, opt.steps, where));
+    return 128 + sig;
   }
+  if (opt.steps == 0 && start_step == 0) save();  // --steps 0: the initial weights as checkpoint-0
+  // --nan-policy skip that skipped every step of this session: the weights never changed, which is no success.
+  const int64_t updates = progress.optimizer_steps - (resumed ? resumed->state.optimizer_steps : 0);
+  DS_CHECK(opt.steps == start_step || updates > 0, "every step ({} to {}) had a non-finite loss or grad norm and was "
+           "skipped (--nan-policy skip): the weights are unchanged{}; try a lower --lr", start_step + 1, opt.steps,
+           saved_step < 0 ? std::string() : fmt::format(" in {}", saved_dir));
   log_info("done: {} steps, {} tokens, {:.1f} s; metrics in {}", opt.steps, progress.tokens_seen, elapsed(),
            metrics.path());
   return 0;

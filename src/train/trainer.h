@@ -8,7 +8,8 @@
 
 namespace ds {
 
-// Runs training. Returns the exit code (0). Throws ds::Error on bad input or a NaN under nan_policy=stop.
+// Runs training. Returns the exit code: 0, or 128 + the signal when SIGINT / SIGTERM stopped it (after saving a
+// checkpoint of the last step; interrupt.h). Throws ds::Error on bad input or a NaN under nan_policy=stop.
 int train(TrainOptions opt);
 
 // Default paths of the bundled data (next to the source tree the binary was built from).

@@ -8,23 +8,28 @@
 namespace ds::cli {
 
 // `deltastack tokenize`: one {"text": ...} JSON object per input line -> one {"ids": [...]} per output line.
-int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl);
+// An existing output is replaced only with `overwrite` (never an input: outputs.h).
+int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl,
+                 bool overwrite = false);
 
 // `deltastack forward`: HF-parity forward (and backward) on a safetensors input file. IN holds input_ids
 // (int [B, T]) and optionally labels (int [B, T], HF convention: shifted inside, -100 ignored) and cu_seqlens
 // (int [S+1], packed documents in a single row, B must be 1). OUT gets logits fp32 [B, T, V], loss fp32 [1]
 // (mean over valid shifted labels; only with labels) and hidden_states_0..L fp32 [B, T, H] (HF
 // output_hidden_states). GRADS (needs labels) gets d loss / d parameter under HF names. device "cuda" runs the
-// bf16 GPU engine (fp32 master weights) instead of the fp32 CPU reference.
+// bf16 GPU engine (fp32 master weights) instead of the fp32 CPU reference. OUT and GRADS never replace an input, each
+// other or a checkpoint's files, and replace an existing file only with `overwrite` (outputs.h).
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
-                const std::string& grads, const std::string& device = "cpu");
+                const std::string& grads, const std::string& device = "cpu", bool overwrite = false);
 
 // `deltastack generate`: samples a continuation of `prompt` from a checkpoint (tokenizer.json from the
-// checkpoint dir unless given). temperature 0 = greedy.
+// checkpoint dir unless given), printed as it comes (the prompt first, then each token's text). temperature 0 =
+// greedy.
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
                  int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed);
 
-// `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows. device
+// `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows, as one
+// JSON object; a non-finite value is null, and a non-finite loss adds "error" and returns 1. device
 // "auto" (the GPU engine when a GPU is present), "cpu" (fp32 reference) or "cuda".
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
              int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device = "auto");

@@ -1,9 +1,9 @@
 #include <algorithm>
-#include <filesystem>
 #include <memory>
 #include <utility>
 
 #include "cli/commands/commands.h"
+#include "cli/commands/outputs.h"
 #include "core/error.h"
 #include "model/engine.h"
 #include "model/model.h"
@@ -12,17 +12,8 @@
 namespace ds::cli {
 
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
-                const std::string& grads, const std::string& device) {
-  {  // the outputs must not replace each other or the inputs
-    namespace fs = std::filesystem;
-    auto same = [](const std::string& a, const std::string& b) {
-      std::error_code ec;
-      return fs::weakly_canonical(a, ec) == fs::weakly_canonical(b, ec);
-    };
-    DS_CHECK(!same(output, inputs), "forward: --output {} is the --inputs file", output);
-    DS_CHECK(grads.empty() || (!same(grads, inputs) && !same(grads, output)),
-             "forward: --grads {} must differ from --inputs and --output", grads);
-  }
+                const std::string& grads, const std::string& device, bool overwrite) {
+  check_outputs({{"--output", output}, {"--grads", grads}}, {inputs, model_dir}, overwrite);
   Qwen35Model model(ModelConfig::from_file(model_dir));
   model.load(model_dir);
   const ModelConfig c = model.config();

@@ -1,6 +1,11 @@
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <cmath>
 #include <filesystem>
 #include <memory>
@@ -42,6 +47,14 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
   const int64_t V = model.config().vocab_size, tok_v = tok.vocab_size();
   Rng rng(seed);
   std::vector<int32_t> generated;
+  // Streamed: the prompt at once, then each token's text as it comes. A token may end inside a UTF-8 character
+  // (decoded as a trailing U+FFFD until the next token completes it): that part waits for the next token.
+  size_t printed = 0;
+  auto emit = [&](const std::string& text) {
+    DS_CHECK(std::fwrite(text.data(), 1, text.size(), stdout) == text.size() && std::fflush(stdout) == 0,
+             "generate: cannot write to stdout ({})", std::strerror(errno));
+  };
+  emit(prompt);
   for (int64_t n = 0; n < max_new_tokens; ++n) {
     PackedBatch b;
     b.input_ids = ids;
@@ -75,9 +88,16 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
     if (next == eos) break;
     ids.push_back(next);
     generated.push_back(next);
+    std::string text = tok.decode(generated);
+    while (text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0) text.resize(text.size() - 3);
+    if (text.size() > printed) {
+      emit(text.substr(printed));
+      printed = text.size();
+    }
     if (static_cast<int64_t>(ids.size()) >= model.config().max_position_embeddings) break;
   }
-  fmt::print("{}{}\n", prompt, tok.decode(generated));
+  const std::string text = tok.decode(generated);
+  emit(text.substr(std::min(printed, text.size())) + "\n");
   return 0;
 }
 
@@ -122,9 +142,17 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
     n += r.num_valid;
   }
   DS_CHECK(n > 0, "eval: no targets in the data");
-  double loss = sum / static_cast<double>(n);
-  fmt::print("{{\"eval_loss\": {:.6f}, \"perplexity\": {:.4f}, \"tokens\": {}}}\n", loss, std::exp(loss), n);
-  return 0;
+  // Always one JSON object: a non-finite loss or perplexity is null, with the reason, and the exit code is 1.
+  const double loss = sum / static_cast<double>(n), ppl = std::exp(loss);
+  auto number = [](double v, int digits) { return std::isfinite(v) ? fmt::format("{:.{}f}", v, digits) : "null"; };
+  std::string error;
+  if (!std::isfinite(loss))
+    error = fmt::format("the loss is {}: the checkpoint's weights give non-finite logits on this data", loss);
+  fmt::print("{{\"eval_loss\": {}, \"perplexity\": {}, \"tokens\": {}{}}}\n", number(loss, 6), number(ppl, 4), n,
+             error.empty() ? "" : ", \"error\": " + nlohmann::json(error).dump());
+  if (error.empty()) return 0;
+  log_warn("eval: {}", error);
+  return 1;
 }
 
 int cmd_inspect(const std::string& path) {

@@ -5,17 +5,18 @@
 // an empty (or all-whitespace) line, invalid JSON, a non-object, or a missing / non-string "text" is a
 // ds::Error naming the file and the 1-based line number.
 // Output: one {"ids":[...]} line per input line, in order, written atomically (ds::write_file_atomic), so a
-// failed run leaves any previous output untouched. Lines are encoded in parallel (OpenMP); ids are the same as
+// failed run leaves any previous output untouched; an existing output is replaced only with --overwrite, never the
+// input or the tokenizer (outputs.h). Lines are encoded in parallel (OpenMP); ids are the same as
 // Tokenizer::encode on each text.
 #include <nlohmann/json.hpp>
 #include <charconv>
 #include <exception>
-#include <filesystem>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "cli/commands/commands.h"
+#include "cli/commands/outputs.h"
 #include "core/error.h"
 #include "core/files.h"
 #include "core/log.h"
@@ -23,10 +24,9 @@
 
 namespace ds::cli {
 
-int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl) {
-  std::error_code ec;
-  DS_CHECK(!std::filesystem::equivalent(input_jsonl, output_jsonl, ec),
-           "--output {} is the input file; write the ids to another file", output_jsonl);
+int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl,
+                 bool overwrite) {
+  check_outputs({{"--output", output_jsonl}}, {input_jsonl, tokenizer_path}, overwrite);
   Tokenizer tok = Tokenizer::from_file(tokenizer_path);
   std::string input = read_file(input_jsonl);
 

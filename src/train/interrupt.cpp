@@ -1,0 +1,85 @@
+#include "train/interrupt.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace ds {
+
+namespace {
+
+volatile sig_atomic_t g_signal = 0;
+// The message a second signal prints, in two buffers: the trainer fills the one not in use, then publishes it
+// (g_message), so the handler never reads a half-written one.
+constexpr size_t kMessageBytes = 4096;
+char g_messages[2][kMessageBytes];
+std::atomic<int> g_message{-1};
+struct sigaction g_old_int, g_old_term;
+
+void write_all(const char* s, size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(2, s, n);
+    if (w <= 0) return;
+    s += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+// Async-signal-safe: only write(2), _exit(2) and the flag.
+void on_signal(int sig) {
+  if (g_signal == 0) {
+    g_signal = sig;
+    const char* m = sig == SIGINT ? "\n[deltastack] SIGINT: finishing the current step, then saving a checkpoint "
+                                    "(a second signal stops at once)\n"
+                                  : "\n[deltastack] SIGTERM: finishing the current step, then saving a checkpoint "
+                                    "(a second signal stops at once)\n";
+    write_all(m, std::strlen(m));
+    return;
+  }
+  const int i = g_message.load();
+  const char* m = i >= 0 ? g_messages[i]
+                         : "[deltastack] second signal: stopping now; this run has saved no checkpoint yet\n";
+  write_all(m, std::strlen(m));
+  ::_exit(128 + sig);
+}
+
+}  // namespace
+
+InterruptGuard::InterruptGuard() {
+  g_signal = 0;
+  g_message = -1;
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  DS_CHECK(::sigaction(SIGINT, &sa, &g_old_int) == 0 && ::sigaction(SIGTERM, &sa, &g_old_term) == 0,
+           "cannot install the SIGINT / SIGTERM handlers");
+}
+
+InterruptGuard::~InterruptGuard() {
+  ::sigaction(SIGINT, &g_old_int, nullptr);
+  ::sigaction(SIGTERM, &g_old_term, nullptr);
+}
+
+int InterruptGuard::signal() const { return g_signal; }
+
+void InterruptGuard::set_last_checkpoint(const std::string& path) {
+  const int next = g_message.load() == 0 ? 1 : 0;
+  const std::string m = "[deltastack] second signal: stopping now; the last complete checkpoint is " + path +
+                        " (resume: deltastack train --resume " + path + ")\n";
+  std::strncpy(g_messages[next], m.c_str(), kMessageBytes - 1);
+  g_messages[next][kMessageBytes - 1] = '\0';
+  g_message.store(next);
+}
+
+std::string signal_name(int sig) {
+  if (sig == SIGINT) return "SIGINT";
+  if (sig == SIGTERM) return "SIGTERM";
+  return "signal " + std::to_string(sig);
+}
+
+}  // namespace ds

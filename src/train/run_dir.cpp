@@ -1,0 +1,151 @@
+#include "train/run_dir.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+#include <vector>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace ds {
+
+RunDirectory::RunDirectory(const std::string& out) : path_(out) {
+  std::error_code ec;
+  DS_CHECK(!fs::exists(out, ec) || fs::is_directory(out, ec), "--out {}: exists and is not a directory", out);
+  fs::create_directories(out, ec);
+  DS_CHECK(!ec, "--out {}: cannot create the directory ({})", out, ec.message());
+  DS_CHECK(::access(out.c_str(), W_OK | X_OK) == 0, "--out {}: cannot write there ({})", out, std::strerror(errno));
+  const std::string lock = (fs::path(out) / kLockName).string();
+  fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  DS_CHECK(fd_ >= 0, "--out {}: cannot create the lock file {} ({})", out, lock, std::strerror(errno));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    fd_ = -1;
+    DS_CHECK(err == EWOULDBLOCK, "--out {}: cannot lock {} ({})", out, lock, std::strerror(err));
+    std::string holder;
+    try {
+      holder = read_file(lock);
+    } catch (const Error&) {
+    }
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    fail("--out {}: another deltastack run ({}) is using this run directory; wait for it to end, stop it (Ctrl-C "
+         "saves a checkpoint first), or give another --out", out,
+         holder.empty() ? std::string("pid not yet written") : "pid " + holder);
+  }
+  // Ours: the pid for the message above (the file is not replaced, only rewritten, so the lock stays on it).
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size()))
+    log_warn("{}: could not record the pid ({})", lock, std::strerror(errno));
+}
+
+RunDirectory::~RunDirectory() {
+  if (fd_ >= 0) ::close(fd_);  // releases the lock
+}
+
+void RunDirectory::remove_stale_temps(const std::string& keep) const {
+  std::vector<fs::path> stale;
+  for (const auto& e : fs::directory_iterator(path_)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".checkpoint-", 0) == 0 && n.size() > 16 && n.compare(n.size() - 4, 4, ".tmp") == 0)
+      stale.push_back(e.path());
+  }
+  std::error_code ec;
+  if (!keep.empty()) {
+    const fs::path src = fs::canonical(keep, ec);
+    std::erase_if(stale, [&](const fs::path& p) { return fs::canonical(p, ec) == src; });
+  }
+  for (const fs::path& p : stale) {
+    log_info("removing {} (left by an interrupted checkpoint save)", p.string());
+    fs::remove_all(p, ec);
+    if (ec) log_warn("could not remove {}: {}", p.string(), ec.message());
+  }
+}
+
+
+int64_t checkpoint_step(const std::string& name) {
+  if (name.rfind("checkpoint-", 0) != 0) return -1;
+  const std::string digits = name.substr(11);
+  if (digits.empty() || digits.size() > 18 || digits.find_first_not_of("0123456789") != std::string::npos ||
+      (digits.size() > 1 && digits[0] == '0'))
+    return -1;
+  return std::stoll(digits);
+}
+
+CheckpointOwner checkpoint_owner(const fs::path& dir) {
+  CheckpointOwner o;
+  try {
+    const json st = json::parse(read_file((dir / "trainer_state.json").string()));
+    if (st.contains("run_id") && st["run_id"].is_string()) o.run_id = st["run_id"].get<std::string>();
+    if (st.contains("session_id") && st["session_id"].is_string()) o.session_id = st["session_id"].get<std::string>();
+  } catch (const std::exception&) {
+  }
+  return o;
+}
+
+namespace {
+
+// Whether a metrics file holds a line of a run other than `run_id` (lines without "run_id": legacy_ours decides;
+// lines that do not parse say nothing).
+bool metrics_of_another_run(const std::string& path, const std::string& run_id, bool legacy_ours) {
+  std::istringstream in(read_file(path));
+  std::string line;
+  while (std::getline(in, line)) {
+    json j;
+    try {
+      j = json::parse(line);
+    } catch (const json::exception&) {
+      continue;
+    }
+    if (!j.is_object()) continue;
+    if (j.contains("run_id") ? j["run_id"] != run_id : !legacy_ours) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void RunDirectory::claim(const std::string& run_id, bool legacy_lines_are_ours, bool move_aside) const {
+  std::vector<std::string> foreign;
+  for (const auto& e : fs::directory_iterator(path_)) {
+    const std::string n = e.path().filename().string();
+    if (n == kMetricsName || n == kAbandonedMetricsName) {
+      if (e.is_regular_file() && metrics_of_another_run(e.path().string(), run_id, legacy_lines_are_ours))
+        foreign.push_back(n);
+    } else if (checkpoint_step(n) >= 0 && e.is_directory() && checkpoint_owner(e.path()).run_id != run_id) {
+      foreign.push_back(n);
+    }
+  }
+  if (foreign.empty()) return;
+  std::sort(foreign.begin(), foreign.end());
+  const std::string list = foreign.size() <= 4 ? fmt::format("{}", fmt::join(foreign, ", "))
+                                               : fmt::format("{}, ... ({} in all)", fmt::join(foreign.begin(),
+                                                             foreign.begin() + 3, ", "), foreign.size());
+  DS_CHECK(move_aside, "--out {} holds another run's files ({}): this run would mix its metrics and checkpoints with "
+           "them. Give another --out, or --move-aside to move them into {}/previous-N/", path_, list, path_);
+  int k = 1;
+  while (fs::exists(fs::path(path_) / fmt::format("previous-{}", k))) ++k;
+  const fs::path aside = fs::path(path_) / fmt::format("previous-{}", k);
+  fs::create_directory(aside);
+  for (const std::string& n : foreign) fs::rename(fs::path(path_) / n, aside / n);
+  fsync_dir(aside.string());
+  fsync_dir(path_);
+  log_warn("--move-aside: moved another run's files ({}) into {}", list, aside.string());
+}
+
+}  // namespace ds

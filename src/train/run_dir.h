@@ -1,0 +1,58 @@
+// The run directory (--out) of a training run: created and locked before the model or the data load, so a second
+// run into the same directory stops at once with the holder's pid instead of deleting the first run's files.
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+namespace ds {
+
+// An exclusive flock(2) on OUT/.deltastack.lock, held for the life of the object (the kernel releases it when the
+// process dies, however it dies; the file itself stays, so there is never a race on its creation). The holder's pid
+// is written into the file, for the message another run prints.
+class RunDirectory {
+ public:
+  // Creates `out` if needed and takes the lock. ds::Error naming `out` when it is a file, cannot be created or
+  // written, or is locked by another process (with that process's pid).
+  explicit RunDirectory(const std::string& out);
+  ~RunDirectory();
+  RunDirectory(const RunDirectory&) = delete;
+  RunDirectory& operator=(const RunDirectory&) = delete;
+
+  const std::string& path() const { return path_; }
+  // The lock file's name inside the run directory.
+  static constexpr const char* kLockName = ".deltastack.lock";
+
+  // The run files: metrics.jsonl (each line names its run_id), the lines a resume dropped from it
+  // (metrics-abandoned.jsonl), and checkpoint-N directories (trainer_state.json names the run).
+  static constexpr const char* kMetricsName = "metrics.jsonl";
+  static constexpr const char* kAbandonedMetricsName = "metrics-abandoned.jsonl";
+
+  // Makes sure that the run files in the directory are all run `run_id`'s, so that nothing of another run is
+  // replaced, pruned or spliced into this run's metrics. Files of other runs stop the run with a ds::Error naming
+  // them, or with `move_aside` are moved into a new OUT/previous-N/ (renames: nothing is copied or deleted).
+  // Metrics lines without a run_id (written before run ids were logged) count as this run's when
+  // `legacy_lines_are_ours` (a resume in the checkpoint's own directory).
+  void claim(const std::string& run_id, bool legacy_lines_are_ours, bool move_aside) const;
+
+  // Removes the temp dirs that an interrupted checkpoint save left (".checkpoint-N.tmp", ".checkpoint-N.old.tmp"):
+  // only under the lock, so never a running save's. `keep` (the --resume source, when it is one of them) stays.
+  void remove_stale_temps(const std::string& keep) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+// The step of a checkpoint directory name as the trainer writes it ("checkpoint-N", N in canonical decimal); -1 for
+// any other name.
+int64_t checkpoint_step(const std::string& name);
+
+// Who wrote a checkpoint (its trainer_state.json): the run, kept across resumes, and the process. Empty strings when
+// absent (checkpoints of earlier versions) or unreadable.
+struct CheckpointOwner {
+  std::string run_id, session_id;
+};
+CheckpointOwner checkpoint_owner(const std::filesystem::path& dir);
+
+}  // namespace ds

@@ -1,0 +1,456 @@
+// Issue 13, "nothing lost, ever", through the `deltastack` binary: the run-directory lock, graceful signals, guarded
+// outputs, metrics.jsonl kept whole, and a resume that needs only the checkpoint.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/files.h"
+#include "train/run_dir.h"
+#include "train_test_util.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+using ds::test::run;
+using ds::test::small_setup;
+using ds::test::spawn;
+
+std::string tmpdir(const std::string& name) { return ds::test::fresh_tmpdir("safety_" + name); }
+
+// Polls `done` every 5 ms for at most `seconds`; returns whether it became true.
+bool wait_for(const std::function<bool()>& done, double seconds = 30) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return done();
+}
+
+// The exit code of a spawned child (waits for it); -signal when a signal killed it.
+int wait_exit(pid_t pid) {
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
+}
+
+std::string read_or_empty(const std::string& path) { return ds::file_exists(path) ? ds::read_file(path) : ""; }
+
+bool contains(const std::string& hay, const std::string& needle) { return hay.find(needle) != std::string::npos; }
+
+}  // namespace
+
+// 1. Two runs into one --out: the second stops at once naming the first's pid and leaves its files alone (also a
+// temp dir of a save in progress); the first finishes with every checkpoint. An --out that is a file is an error
+// before the model loads.
+TEST(RunSafety, LockRefusesASecondRunIntoTheSameOut) {
+  const std::string dir = tmpdir("lock");
+  const std::string args = small_setup(dir), out = dir + "/o";
+  {  // held by this process (the child does not inherit the descriptor: O_CLOEXEC)
+    const ds::RunDirectory held(out);
+    fs::create_directories(out + "/.checkpoint-5.tmp");
+    std::string log;
+    EXPECT_EQ(run("train " + args + " --steps 1 --out " + out, &log), 1) << log;
+    EXPECT_TRUE(contains(log, "another deltastack run (pid " + std::to_string(::getpid()) + ")")) << log;
+    EXPECT_FALSE(contains(log, "model:")) << "the lock is taken before the model loads\n" << log;
+    EXPECT_TRUE(fs::exists(out + "/.checkpoint-5.tmp"));
+    EXPECT_FALSE(fs::exists(out + "/metrics.jsonl"));
+  }
+  // The issue's case: run 1 saves every step (each save pauses 300 ms), run 2 starts into the same --out meanwhile.
+  ::setenv("DELTASTACK_TEST_SAVE_PAUSE_MS", "300", 1);
+  const pid_t first = spawn("train " + args + " --steps 3 --save-interval 1 --threads 1 --out " + out, dir + "/log1");
+  ::unsetenv("DELTASTACK_TEST_SAVE_PAUSE_MS");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(out + "/.checkpoint-1.tmp"); })) << read_or_empty(dir + "/log1");
+  EXPECT_EQ(read_or_empty(out + "/" + ds::RunDirectory::kLockName), std::to_string(first) + "\n");
+  std::string log;
+  EXPECT_EQ(run("train " + args + " --steps 2 --seed 2 --out " + out, &log), 1) << log;
+  EXPECT_TRUE(contains(log, "(pid " + std::to_string(first) + ")")) << log;
+  EXPECT_EQ(wait_exit(first), 0) << read_or_empty(dir + "/log1");
+  for (int s = 1; s <= 3; ++s)
+    EXPECT_TRUE(fs::exists(out + "/checkpoint-" + std::to_string(s) + "/trainer_state.json")) << s;
+  EXPECT_FALSE(fs::exists(out + "/.checkpoint-5.tmp")) << "the stale temp dir is removed under the lock";
+  // --out naming a file: a clear error before the model or data load, the file untouched.
+  ds::write_file_atomic(dir + "/file", "x");
+  EXPECT_EQ(run("train " + args + " --steps 1 --out " + dir + "/file", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "--out " + dir + "/file: exists and is not a directory")) << log;
+  EXPECT_FALSE(contains(log, "model:")) << log;
+  EXPECT_EQ(ds::read_file(dir + "/file"), "x");
+  fs::remove_all(dir);
+}
+
+namespace {
+
+// The step of the last training line of a metrics.jsonl (0 if none).
+int64_t last_step(const std::string& metrics_path) {
+  int64_t s = 0;
+  if (!ds::file_exists(metrics_path)) return 0;
+  for (const json& j : ds::test::metrics(metrics_path))
+    if (j.contains("loss")) s = j["step"].get<int64_t>();
+  return s;
+}
+
+int64_t checkpoint_step(const std::string& ck) {
+  return json::parse(ds::read_file(ck + "/trainer_state.json"))["step"].get<int64_t>();
+}
+
+}  // namespace
+
+// 2. SIGINT mid-run, without --save-interval: the step in progress finishes, a checkpoint of it is saved, the exit code
+// is 130 and the message says how to resume; the resume then continues bitwise like a run that was never stopped.
+TEST(RunSafety, SigintSavesACheckpointAndResumesBitwise) {
+  const std::string dir = tmpdir("sigint");
+  // A constant lr (no warmup), so the schedule does not depend on --steps and a run of N steps is a prefix.
+  const std::string args = small_setup(dir) + " --schedule constant --warmup 0 --threads 1", out = dir + "/o";
+  const pid_t pid = spawn("train " + args + " --steps 100000 --out " + out, dir + "/log");
+  ASSERT_TRUE(wait_for([&] { return last_step(out + "/metrics.jsonl") >= 3; })) << read_or_empty(dir + "/log");
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(wait_exit(pid), 130) << read_or_empty(dir + "/log");
+  const int64_t n = last_step(out + "/metrics.jsonl");
+  const std::string ck = out + "/checkpoint-" + std::to_string(n), log = read_or_empty(dir + "/log");
+  ASSERT_TRUE(fs::exists(ck + "/trainer_state.json")) << log;
+  EXPECT_EQ(checkpoint_step(ck), n);
+  EXPECT_TRUE(contains(log, "stopped by SIGINT after step " + std::to_string(n) + " of 100000")) << log;
+  EXPECT_TRUE(contains(log, "resume with: deltastack train --resume " + ck)) << log;
+  std::string rlog;
+  ASSERT_EQ(run("train --resume " + ck + " --steps " + std::to_string(n + 2) + " --threads 1", &rlog), 0) << rlog;
+  ASSERT_EQ(run("train " + args + " --steps " + std::to_string(n + 2) + " --out " + dir + "/ref"), 0);
+  EXPECT_EQ(ds::test::train_losses(out + "/metrics.jsonl"), ds::test::train_losses(dir + "/ref/metrics.jsonl"));
+  EXPECT_EQ(ds::read_file(out + "/checkpoint-" + std::to_string(n + 2) + "/model.safetensors"),
+            ds::read_file(dir + "/ref/checkpoint-" + std::to_string(n + 2) + "/model.safetensors"));
+  fs::remove_all(dir);
+}
+
+// 2. SIGTERM during a save: the save completes, no second one is made, exit 143. Then two signals during a save
+// of a resumed run: the second stops at once (exit 130), naming the last complete checkpoint, which stays intact.
+TEST(RunSafety, SigtermFinishesTheSaveAndASecondSignalStopsAtOnce) {
+  const std::string dir = tmpdir("sigterm");
+  const std::string args = small_setup(dir) + " --threads 1 --save-interval 2", out = dir + "/o";
+  ::setenv("DELTASTACK_TEST_SAVE_PAUSE_MS", "500", 1);
+  pid_t pid = spawn("train " + args + " --steps 100000 --out " + out, dir + "/log1");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(out + "/.checkpoint-2.tmp"); })) << read_or_empty(dir + "/log1");
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(wait_exit(pid), 143) << read_or_empty(dir + "/log1");
+  std::string log = read_or_empty(dir + "/log1");
+  EXPECT_EQ(checkpoint_step(out + "/checkpoint-2"), 2) << log;
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-3")) << log;
+  EXPECT_TRUE(contains(log, "stopped by SIGTERM after step 2 of 100000: the last checkpoint is " + out +
+                                "/checkpoint-2")) << log;
+  const std::string kept = ds::read_file(out + "/checkpoint-2/model.safetensors");
+
+  ::setenv("DELTASTACK_TEST_SAVE_PAUSE_MS", "3000", 1);
+  pid = spawn("train --resume " + out + "/checkpoint-2", dir + "/log2");
+  ::unsetenv("DELTASTACK_TEST_SAVE_PAUSE_MS");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(out + "/.checkpoint-4.tmp"); })) << read_or_empty(dir + "/log2");
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // two pending SIGINTs would merge into one
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(wait_exit(pid), 130);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 2.5)
+      << "the second signal must not wait for the save";
+  log = read_or_empty(dir + "/log2");
+  EXPECT_TRUE(contains(log, "second signal: stopping now; the last complete checkpoint is " + out +
+                                "/checkpoint-2")) << log;
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-4"));
+  EXPECT_EQ(ds::read_file(out + "/checkpoint-2/model.safetensors"), kept);
+  fs::remove_all(dir);
+}
+
+// 2. A closed stdout (`train | head -1`): SIGPIPE is ignored and failed writes are too; the run ends normally with its
+// checkpoint.
+TEST(RunSafety, ClosedStdoutDoesNotStopTraining) {
+  const std::string dir = tmpdir("sigpipe");
+  const std::string args = small_setup(dir) + " --threads 1 --steps 40 --out " + dir + "/o";
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    const int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, 2);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    ds::test::exec_deltastack("train " + args);
+  }
+  ::close(fds[0]);  // nobody reads: every write to stdout fails with EPIPE
+  ::close(fds[1]);
+  EXPECT_EQ(wait_exit(pid), 0);
+  EXPECT_EQ(checkpoint_step(dir + "/o/checkpoint-40"), 40);
+  EXPECT_EQ(last_step(dir + "/o/metrics.jsonl"), 40);
+  fs::remove_all(dir);
+}
+
+// 3. metrics.jsonl is never deleted or spliced: a fresh run into a directory with another run's files refuses and
+// changes nothing, so does a resume into another run's directory; a resume from an earlier checkpoint moves the later
+// lines to metrics-abandoned.jsonl (byte for byte) and every line names the run; --move-aside keeps the old run whole.
+TEST(RunSafety, MetricsAreNeverDeletedOrSpliced) {
+  const std::string dir = tmpdir("metrics");
+  const std::string args = small_setup(dir) + " --threads 1 --warmup 1", a = dir + "/a", b = dir + "/b";
+  ASSERT_EQ(run("train " + args + " --steps 4 --save-interval 2 --out " + a), 0);
+  ASSERT_EQ(run("train " + args + " --steps 2 --seed 7 --out " + b), 0);
+  const std::string a_metrics = ds::read_file(a + "/metrics.jsonl"), b_metrics = ds::read_file(b + "/metrics.jsonl");
+  std::string log;
+  EXPECT_EQ(run("train " + args + " --steps 2 --seed 2 --out " + a, &log), 1);
+  EXPECT_TRUE(contains(log, "--out " + a + " holds another run's files (checkpoint-2, checkpoint-4, metrics.jsonl)"))
+      << log;
+  EXPECT_TRUE(contains(log, "--move-aside")) << log;
+  EXPECT_EQ(run("train --resume " + a + "/checkpoint-2 --out " + b, &log), 1);
+  EXPECT_TRUE(contains(log, "holds another run's files (checkpoint-2, metrics.jsonl)")) << log;
+  EXPECT_EQ(ds::read_file(a + "/metrics.jsonl"), a_metrics);
+  EXPECT_EQ(ds::read_file(b + "/metrics.jsonl"), b_metrics);
+
+  // Resume of a from step 2 in its own directory: the old lines of steps 3-4 move, the new ones follow step 2.
+  ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --threads 1", &log), 0) << log;
+  const std::string run_id =
+      json::parse(ds::read_file(a + "/checkpoint-4/trainer_state.json"))["run_id"].get<std::string>();
+  std::string old_later;
+  for (const json& j : ds::test::metrics(a + "/metrics-abandoned.jsonl")) {
+    EXPECT_GT(j["step"].get<int64_t>(), 2) << j;
+    old_later += j.dump() + "\n";
+  }
+  EXPECT_TRUE(contains(a_metrics, old_later) && !old_later.empty()) << old_later;
+  std::vector<int64_t> steps;
+  for (const json& j : ds::test::metrics(a + "/metrics.jsonl")) {
+    EXPECT_EQ(j["run_id"], run_id) << j;
+    if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4}));
+  const std::vector<double> redone = ds::test::train_losses(a + "/metrics.jsonl");
+  ASSERT_EQ(redone.size(), 4u);
+  EXPECT_EQ(ds::test::train_losses(a + "/metrics-abandoned.jsonl"), std::vector<double>(redone.begin() + 2, redone.end()))
+      << "the same steps again (bitwise resume)";
+
+  // --move-aside: b's run goes whole into b/previous-1/, the new run starts clean.
+  ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --out " + b + " --move-aside --threads 1", &log), 0) << log;
+  EXPECT_EQ(ds::read_file(b + "/previous-1/metrics.jsonl"), b_metrics);
+  EXPECT_TRUE(fs::exists(b + "/previous-1/checkpoint-2/model.safetensors"));
+  steps.clear();
+  for (const json& j : ds::test::metrics(b + "/metrics.jsonl")) {
+    EXPECT_EQ(j["run_id"], run_id) << j;
+    if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{3, 4}));
+  fs::remove_all(dir);
+}
+
+// 4. forward and tokenize never write over their inputs (also through a symlink), each other, or a checkpoint's
+// files; an existing output only with --overwrite. Every refusal is exit 1 with the flag named and the file intact.
+TEST(RunSafety, OutputsNeverReplaceInputs) {
+  const std::string dir = tmpdir("outputs"), ck = dir + "/ck";
+  fs::create_directories(ck);
+  for (const char* f : {"config.json", "model.safetensors", "inputs.safetensors"})
+    fs::copy_file(ds::test::fixture(std::string("hf_qwen35_tiny_a/") + f), ck + "/" + f);
+  fs::copy_file(ck + "/inputs.safetensors", dir + "/in.safetensors");
+  fs::create_symlink(dir + "/in.safetensors", dir + "/link.safetensors");
+  const std::string model = ds::read_file(ck + "/model.safetensors"), in = ds::read_file(dir + "/in.safetensors");
+  const std::string fwd = "forward --threads 1 --model " + ck + " --inputs " + dir + "/in.safetensors ";
+  auto refused = [&](const std::string& args, const std::string& needle) {
+    std::string log;
+    EXPECT_EQ(run(args, &log), 1) << args << "\n" << log;
+    EXPECT_TRUE(contains(log, needle)) << args << "\n" << log;
+  };
+  refused(fwd + "--output " + ck + "/model.safetensors --overwrite",
+          "--output " + ck + "/model.safetensors: would replace a file of the input directory " + ck);
+  refused(fwd + "--output " + dir + "/in.safetensors --overwrite", "is the input file " + dir + "/in.safetensors");
+  refused(fwd + "--output " + dir + "/link.safetensors --overwrite", "is the input file");
+  refused(fwd + "--output " + dir + "/o.safetensors --grads " + dir + "/o.safetensors", "--grads " + dir +
+          "/o.safetensors: is also --output");
+  EXPECT_EQ(ds::read_file(ck + "/model.safetensors"), model);
+  EXPECT_EQ(ds::read_file(dir + "/in.safetensors"), in);
+  EXPECT_FALSE(fs::exists(dir + "/o.safetensors"));
+  // A new file beside the checkpoint's is fine; writing it again needs --overwrite.
+  ASSERT_EQ(run(fwd + "--output " + ck + "/out.safetensors"), 0);
+  ASSERT_EQ(run(fwd + "--output " + dir + "/o.safetensors"), 0);
+  ds::write_file_atomic(dir + "/o.safetensors", "old");
+  refused(fwd + "--output " + dir + "/o.safetensors", "--output " + dir + "/o.safetensors: exists; pass --overwrite");
+  EXPECT_EQ(ds::read_file(dir + "/o.safetensors"), "old");
+  ASSERT_EQ(run(fwd + "--output " + dir + "/o.safetensors --overwrite"), 0);
+  EXPECT_EQ(ds::read_file(dir + "/o.safetensors"), ds::read_file(ck + "/out.safetensors"));
+  refused(fwd + "--output " + ck + "/out.safetensors --overwrite", "would replace a file of the input directory");
+
+  // tokenize: not over the input or the tokenizer; an existing output only with --overwrite.
+  const std::string tok = dir + "/tokenizer.json";
+  fs::copy_file(std::string(DELTASTACK_SOURCE_DIR) + "/data/qwen3_tokenizer/tokenizer.json", tok);
+  ds::write_file_atomic(dir + "/t.jsonl", "{\"text\": \"hello\"}\n");
+  const std::string tk = "tokenize --tokenizer " + tok + " --input " + dir + "/t.jsonl ";
+  refused(tk + "--output " + dir + "/t.jsonl --overwrite", "--output " + dir + "/t.jsonl: is the input file");
+  refused(tk + "--output " + tok + " --overwrite", "is the input file " + tok);
+  ASSERT_EQ(run(tk + "--output " + dir + "/ids.jsonl"), 0);
+  const std::string ids = ds::read_file(dir + "/ids.jsonl");
+  EXPECT_EQ(ids, "{\"ids\":[14990]}\n");
+  refused(tk + "--output " + dir + "/ids.jsonl", "exists; pass --overwrite");
+  ASSERT_EQ(run(tk + "--output " + dir + "/ids.jsonl --overwrite"), 0);
+  EXPECT_EQ(ds::read_file(dir + "/ids.jsonl"), ids);
+  EXPECT_EQ(ds::read_file(dir + "/t.jsonl"), "{\"text\": \"hello\"}\n");
+  fs::remove_all(dir);
+}
+
+// 5. A resume needs only the checkpoint: with the config, the tokenizer and the corpus gone from their paths it
+// reads the checkpoint's config.json and tokenizer.json and takes --data at the corpus's new place, bitwise like the
+// original run. Edited data is a warning naming the fingerprints, or with --data-changed error an error.
+TEST(RunSafety, ResumeNeedsOnlyTheCheckpoint) {
+  const std::string dir = tmpdir("relocate");
+  std::string args = small_setup(dir) + " --threads 1 --warmup 1 --tokenizer " + dir + "/tok.json";
+  fs::copy_file(std::string(DELTASTACK_SOURCE_DIR) + "/data/qwen3_tokenizer/tokenizer.json", dir + "/tok.json");
+  ASSERT_EQ(run("train " + args + " --steps 4 --save-interval 2 --out " + dir + "/a"), 0);
+  fs::create_directories(dir + "/moved");
+  fs::rename(dir + "/corpus.txt", dir + "/moved/corpus.txt");
+  fs::remove(dir + "/tok.json");
+  fs::remove(dir + "/config.json");
+  const std::string ck = dir + "/a/checkpoint-2";
+  std::string log;
+  EXPECT_EQ(run("train --resume " + ck + " --out " + dir + "/x", &log), 1);
+  EXPECT_TRUE(contains(log, dir + "/corpus.txt: cannot open")) << log;
+  ASSERT_EQ(run("train --resume " + ck + " --data " + dir + "/moved/corpus.txt --out " + dir + "/b", &log), 0) << log;
+  EXPECT_FALSE(contains(log, "differs")) << log;
+  const std::vector<double> la = ds::test::train_losses(dir + "/a/metrics.jsonl");
+  ASSERT_EQ(la.size(), 4u);
+  EXPECT_EQ(ds::test::train_losses(dir + "/b/metrics.jsonl"), std::vector<double>(la.begin() + 2, la.end()));
+  EXPECT_EQ(ds::read_file(dir + "/b/checkpoint-4/tokenizer.json"), ds::read_file(ck + "/tokenizer.json"));
+  const json st = json::parse(ds::read_file(dir + "/b/checkpoint-4/trainer_state.json"));
+  EXPECT_EQ(st["options"]["data"], json::array({dir + "/moved/corpus.txt"}));
+  EXPECT_EQ(st["data"], json::parse(ds::read_file(ck + "/trainer_state.json"))["data"]);
+  EXPECT_EQ(st["data"]["train_fingerprint"].get<std::string>().size(), 16u);
+
+  // An edited corpus: a warning naming both fingerprints, or an error before any step.
+  std::string text = ds::read_file(dir + "/moved/corpus.txt");
+  text.replace(text.find("Citizen"), 7, "Soldier");
+  ds::write_file_atomic(dir + "/edited.txt", text);
+  const std::string saved = json::parse(ds::read_file(ck + "/trainer_state.json"))["data"]["train_fingerprint"];
+  ASSERT_EQ(run("train --resume " + ck + " --data " + dir + "/edited.txt --out " + dir + "/c", &log), 0) << log;
+  EXPECT_TRUE(contains(log, "warning: --resume " + ck + ": the data differs from the checkpoint's (training "
+                            "documents:")) << log;
+  EXPECT_TRUE(contains(log, "the checkpoint's 135 (" + saved + ")")) << log;
+  EXPECT_EQ(run("train --resume " + ck + " --data " + dir + "/edited.txt --data-changed error --out " + dir + "/d",
+                &log), 1);
+  EXPECT_TRUE(contains(log, "(--data-changed error)")) << log;
+  EXPECT_FALSE(fs::exists(dir + "/d/checkpoint-4"));
+  fs::remove_all(dir);
+}
+
+// 6. eval on a checkpoint whose weights blow up (finite, ~1e30 after one step at --lr 1e30) prints valid JSON with
+// null for the loss and the reason, and exits 1.
+TEST(RunSafety, EvalOfANonFiniteLossIsValidJson) {
+  const std::string dir = tmpdir("evalnan");
+  const std::string args = small_setup(dir);
+  ASSERT_EQ(run("train " + args + " --threads 1 --steps 1 --lr 1e30 --clip 0 --warmup 0 --out " + dir + "/a"), 0);
+  std::string out;
+  EXPECT_EQ(run("eval --threads 1 --device cpu --seq-len 32 --model " + dir + "/a/checkpoint-1 --data " + dir +
+                "/corpus.txt", &out), 1) << out;
+  const std::string line = out.substr(out.find("{\"eval_loss\""), out.find('\n', out.find("{\"eval_loss\"")) -
+                                                                    out.find("{\"eval_loss\""));
+  const json j = json::parse(line);  // throws (and fails the test) on `nan`
+  EXPECT_TRUE(j["eval_loss"].is_null()) << line;
+  EXPECT_TRUE(j["perplexity"].is_null()) << line;
+  EXPECT_GT(j["tokens"].get<int64_t>(), 0) << line;
+  EXPECT_TRUE(contains(j["error"].get<std::string>(), "non-finite")) << line;
+  fs::remove_all(dir);
+}
+
+// 6. generate streams: the prompt and the first tokens are on stdout while it is still generating (100000 tokens,
+// stopped by the test once it has seen them).
+TEST(RunSafety, GenerateStreamsTokens) {
+  const std::string dir = tmpdir("stream");
+  ASSERT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 0 --out " + dir + "/a"), 0);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(fds[1], 1);
+    ::close(fds[0]);
+    ::close(fds[1]);
+    ds::test::exec_deltastack("generate --threads 1 --max-new-tokens 100000 --temperature 1 --top-k 0 --prompt ROMEO: "
+                              "--model " + dir + "/a/checkpoint-0");
+  }
+  ::close(fds[1]);
+  ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
+  std::string got;
+  const bool seen = wait_for([&] {
+    char buf[4096];
+    for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) got.append(buf, static_cast<size_t>(n));
+    return got.size() > 20;
+  });
+  int st = 0;
+  const bool running = ::waitpid(pid, &st, WNOHANG) == 0;
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, &st, 0);
+  ::close(fds[0]);
+  EXPECT_TRUE(seen) << got;
+  EXPECT_TRUE(running) << "generate ended before the test saw its output";
+  EXPECT_EQ(got.rfind("ROMEO:", 0), 0u) << got;
+  fs::remove_all(dir);
+}
+
+// 7. The NaN guard: --nan-policy stop names the last checkpoint, or says there is none; --nan-policy skip that
+// skipped every step exits 1 (the weights never changed) after saving.
+TEST(RunSafety, NanGuardMessagesAndAllSkipped) {
+  const std::string dir = tmpdir("nanmsg");
+  const std::string args = small_setup(dir) + " --threads 1 --lr 1e30 --clip 0 --warmup 0 --schedule constant";
+  std::string log;
+  EXPECT_EQ(run("train " + args + " --steps 4 --out " + dir + "/a", &log), 1);
+  EXPECT_TRUE(contains(log, "error: step 2: loss is")) << log;
+  EXPECT_TRUE(contains(log, "stopping (--nan-policy stop). No checkpoint was saved by this run")) << log;
+  EXPECT_FALSE(contains(log, "intact")) << log;
+  EXPECT_EQ(run("train " + args + " --steps 4 --save-interval 1 --out " + dir + "/b", &log), 1);
+  EXPECT_TRUE(contains(log, "The last checkpoint, " + dir + "/b/checkpoint-1 (step 1), is intact")) << log;
+  // Resumed from the blown-up checkpoint-1: steps 2-3 are all skipped.
+  EXPECT_EQ(run("train --resume " + dir + "/b/checkpoint-1 --steps 3 --nan-policy skip --out " + dir + "/c", &log), 1);
+  EXPECT_TRUE(contains(log, "every step (2 to 3) had a non-finite loss or grad norm and was skipped")) << log;
+  EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-3/trainer_state.json")) << "saved all the same";
+  fs::remove_all(dir);
+}
+
+// 7. Bad flags are errors before anything is touched: --seed -1 (not 2^64 - 1), `--data --steps 1` (a flag taken for
+// a file), a blank line inside a .jsonl (as `tokenize` refuses it); train --help says what a resume may change,
+// --threads and the DELTASTACK_* variables.
+TEST(RunSafety, BadFlagsAndHelp) {
+  const std::string dir = tmpdir("flags");
+  const std::string args = small_setup(dir) + " --threads 1 --steps 1 --out " + dir + "/o";
+  std::string log;
+  EXPECT_NE(run("train " + args + " --seed -1", &log), 0);
+  EXPECT_TRUE(contains(log, "--seed: must be >= 0, got -1")) << log;
+  EXPECT_EQ(run("train --data --steps 1 --out " + dir + "/o", &log), 1);
+  EXPECT_TRUE(contains(log, "--data got the flag \"--steps\" as a file name")) << log;
+  EXPECT_FALSE(fs::exists(dir + "/o")) << "nothing is created for bad flags";
+  ds::write_file_atomic(dir + "/d.jsonl", "{\"text\": \"a b c d e f g h\"}\n\n{\"text\": \"i j k l\"}\n");
+  EXPECT_EQ(run("train " + args + " --data " + dir + "/d.jsonl", &log), 1);
+  EXPECT_TRUE(contains(log, dir + "/d.jsonl:2: empty line")) << log;
+  EXPECT_EQ(run("train --help", &log), 0);
+  for (const char* s : {"--threads N", "only --data, --steps", "--move-aside", "DELTASTACK_<OP>", "DELTASTACK_LOG",
+                        "130 / 143"})
+    EXPECT_TRUE(contains(log, s)) << s << "\n" << log;
+  fs::remove_all(dir);
+}
+
+// 7. A save that fails before its checkpoint is complete (here: a directory where the optimizer file's temp file
+// goes) exits 1 and removes its temp dir at once; the earlier checkpoint stays.
+TEST(RunSafety, FailedSaveRemovesItsTempDir) {
+  const std::string dir = tmpdir("failsave");
+  const std::string out = dir + "/o";
+  ::setenv("DELTASTACK_TEST_SAVE_PAUSE_MS", "400", 1);
+  const pid_t pid = spawn("train " + small_setup(dir) + " --threads 1 --steps 2 --save-interval 1 --out " + out,
+                          dir + "/log");
+  ::unsetenv("DELTASTACK_TEST_SAVE_PAUSE_MS");
+  const std::string tmp = out + "/.checkpoint-2.tmp";
+  ASSERT_TRUE(wait_for([&] { return fs::exists(tmp + "/model.safetensors"); })) << read_or_empty(dir + "/log");
+  fs::create_directories(tmp + "/optimizer.safetensors.tmp." + std::to_string(pid));
+  EXPECT_EQ(wait_exit(pid), 1) << read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(read_or_empty(dir + "/log"), "optimizer.safetensors: cannot write")) << read_or_empty(dir + "/log");
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-2"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-1/trainer_state.json"));
+  fs::remove_all(dir);
+}
