@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/build.sh
-./build/deltastack train "$@"
+./build/deltastack train --move-aside "$@"  # a rerun keeps the previous run in runs/default/previous-N
 last=$(ls -d runs/default/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -n 1 || true)
 if [ -n "$last" ] && [ $# -eq 0 ]; then
   echo "--- sample from $last"
