@@ -5,7 +5,8 @@
 # Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops peer bench-step memory curves
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
-# (CURVE_DATA); corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it).
+# (CURVE_DATA); corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
+# train-bf16, the default run with --optimizer-state bf16: twice and resumed, bitwise). BUILD_TARGET builds one target.
 # With a source tree of an earlier commit in .base (e.g.
 # `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
 # (build-base) and `train` / `bench-step` compare against it: losses bitwise, step time.
@@ -57,7 +58,7 @@ if has build; then
         -DCMAKE_PREFIX_PATH="$SYS/usr;$SYS/usr/lib/x86_64-linux-gnu/cmake;$SYS/usr/share/cmake" \
         -DCMAKE_CXX_FLAGS="-isystem $SYS/usr/include -isystem $SYS/usr/include/x86_64-linux-gnu" \
         -DCMAKE_CUDA_FLAGS="-isystem $SYS/usr/include" >"$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-  cmake --build $BUILD -j"$(nproc)" >"$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
+  cmake --build $BUILD -j"$(nproc)" ${BUILD_TARGET:+--target $BUILD_TARGET} >"$OUT/build.log" 2>&1 || { grep -E "error|Error" "$OUT/build.log" | head -40; exit 1; }
   echo "build: ok in $(( $(date +%s) - t0 )) s"
   [ -n "${BASE_PID:-}" ] && wait "$BASE_PID"
 fi
@@ -220,6 +221,17 @@ print(f"same seed twice: {'bitwise identical' if same else 'DIFFERENT'}; resume 
       f"{'bitwise identical' if resumed else 'DIFFERENT'}")
 raise SystemExit(0 if same and resumed else 1)
 PY
+  $D generate --model /tmp/ds_g1/checkpoint-200 --prompt "ROMEO:" --max-new-tokens 40 2>&1 | tail -3
+  # `deltastack eval` of that checkpoint on the GPU engine and on the CPU reference: within the bf16 band.
+  for dev in cuda cpu; do
+    $D eval --device $dev --model /tmp/ds_g1/checkpoint-200 --data data/tiny_shakespeare.txt --seq-len 256 \
+      --micro-batch 8 2>/dev/null | tail -1 >/tmp/ds_eval_$dev.json || status=1
+  done
+  python3 -c "import json; g, c = (json.load(open(f'/tmp/ds_eval_{d}.json'))['eval_loss'] for d in ('cuda', 'cpu')); \
+print(f'eval cuda {g:.5f} cpu {c:.5f} rel {abs(g - c) / c:.2e}'); raise SystemExit(0 if abs(g - c) / c < 1e-2 else 1)" || status=1
+fi
+if has train-bf16; then
+  D=$BUILD/deltastack
   # The bf16 optimizer state: two runs bitwise equal, a resume from step 100 bitwise, eval loss close to fp32's.
   rm -rf /tmp/ds_b1 /tmp/ds_b2 /tmp/ds_b3
   $D train --device cuda --optimizer-state bf16 --save-interval 100 --out /tmp/ds_b1 >/tmp/ds_train_b1.txt 2>&1 || { tail -3 /tmp/ds_train_b1.txt; status=1; }
@@ -233,20 +245,19 @@ def losses(p):
     return {j["step"]: j["loss"] for j in rows(p) if "loss" in j}
 a, b, c = (losses(f"/tmp/ds_b{i}/metrics.jsonl") for i in (1, 2, 3))
 ev = [j["eval_loss"] for j in rows("/tmp/ds_b1/metrics.jsonl") if "eval_loss" in j]
-ef = [j["eval_loss"] for j in rows("/tmp/ds_g1/metrics.jsonl") if "eval_loss" in j]
+import os
+ef = [j["eval_loss"] for j in rows("/tmp/ds_g1/metrics.jsonl") if "eval_loss" in j] if os.path.exists("/tmp/ds_g1/metrics.jsonl") else [float("nan")]
+import collections, struct
+def dtypes(f):
+    h = open(f, "rb"); n = struct.unpack("<Q", h.read(8))[0]
+    return collections.Counter(v["dtype"] for k, v in json.loads(h.read(n)).items() if k != "__metadata__")
+print("checkpoint-100 dtypes: model", dict(dtypes("/tmp/ds_b1/checkpoint-100/model.safetensors")), "optimizer",
+      dict(dtypes("/tmp/ds_b1/checkpoint-100/optimizer.safetensors")))
 ok = a == b and all(a[s] == c[s] for s in c) and len(c) == 100
 print(f"gpu train, --optimizer-state bf16: eval_loss {ev[0]:.4f} -> {ev[-1]:.4f} (fp32 state: {ef[-1]:.4f}, "
       f"{100 * (ev[-1] / ef[-1] - 1):+.2f}%); same seed twice and resume from step 100: "
       f"{'bitwise identical' if ok else 'DIFFERENT'}")
 raise SystemExit(0 if ok else 1)
 PY
-  $D generate --model /tmp/ds_g1/checkpoint-200 --prompt "ROMEO:" --max-new-tokens 40 2>&1 | tail -3
-  # `deltastack eval` of that checkpoint on the GPU engine and on the CPU reference: within the bf16 band.
-  for dev in cuda cpu; do
-    $D eval --device $dev --model /tmp/ds_g1/checkpoint-200 --data data/tiny_shakespeare.txt --seq-len 256 \
-      --micro-batch 8 2>/dev/null | tail -1 >/tmp/ds_eval_$dev.json || status=1
-  done
-  python3 -c "import json; g, c = (json.load(open(f'/tmp/ds_eval_{d}.json'))['eval_loss'] for d in ('cuda', 'cpu')); \
-print(f'eval cuda {g:.5f} cpu {c:.5f} rel {abs(g - c) / c:.2e}'); raise SystemExit(0 if abs(g - c) / c < 1e-2 else 1)" || status=1
 fi
 exit $status
