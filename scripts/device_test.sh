@@ -171,10 +171,12 @@ if has train-9b; then
   N="--model 9b --device cuda --data /tmp/ds_corpus.txt --seq-len 8192 --micro-batch 1 --lr 1e-4 --warmup 5 --val-fraction 0 --eval-batches 0"
   rm -rf /tmp/ds_9b /tmp/ds_9b_r
   $D train $N --steps 20 --save-interval 10 --out /tmp/ds_9b >/tmp/ds_9b.txt 2>&1; echo "9b run rc=$?"
+  cp /tmp/ds_9b.txt "$OUT/train_9b.txt"; cp /tmp/ds_9b/metrics.jsonl "$OUT/metrics_9b.jsonl"  # before the resume
   du -sh /tmp/ds_9b/checkpoint-10 2>&1; rm -rf /tmp/ds_9b/.checkpoint-20.tmp
   $D train --resume /tmp/ds_9b/checkpoint-10 --out /tmp/ds_9b_r >/tmp/ds_9b_r.txt 2>&1; echo "9b resume rc=$?"
+  cp /tmp/ds_9b_r.txt "$OUT/train_9b_resumed.txt"
   grep -E "gpu:|step (1|5|10|11|20) " /tmp/ds_9b.txt /tmp/ds_9b_r.txt | head -20
-  cp /tmp/ds_9b/metrics.jsonl "$OUT/metrics_9b.jsonl"; cp /tmp/ds_9b_r/metrics.jsonl "$OUT/metrics_9b_resumed.jsonl"
+  cp /tmp/ds_9b_r/metrics.jsonl "$OUT/metrics_9b_resumed.jsonl"
   python3 - <<'PY' || status=1
 import json
 L = lambda p: {j["step"]: j for j in map(json.loads, open(p)) if "loss" in j}
