@@ -25,7 +25,7 @@ ops::AdamWParams for_param(const ops::AdamWParams& p, const ParamSpec& s) {
 
 class CpuEngine final : public Engine {
  public:
-  explicit CpuEngine(Qwen35Model model) : model_(std::move(model)) {}
+  explicit CpuEngine(Qwen35Model model) : model_(std::move(model)) { model_.materialize(); }
 
   std::string device() const override { return "cpu"; }
   const ModelConfig& config() const override { return model_.config(); }

@@ -439,9 +439,9 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   real.base = m.arena_base;
   m.layout_memory(real);
   m.optimizer->zero_state(m.stream);
-  DS_CHECK(static_cast<int64_t>(host.weights().size()) == m.P,
+  DS_CHECK(host.deferred() || static_cast<int64_t>(host.weights().size()) == m.P,
            "gpu: the host model holds {} weights, expected {} (released or not loaded)", host.weights().size(), m.P);
-  m.store->upload(host.weights().data(), m.stream);
+  m.store->upload([&](size_t k, float* dst) { host.fill_param(k, dst); }, m.stream);
   m.note_peak();
   log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}), one allocation of {:.2f} GiB for {} tokens x "
            "{} documents per micro-batch; gated delta rule: {}, attention: {}", cuda_device_name(),

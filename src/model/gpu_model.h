@@ -23,7 +23,8 @@ namespace ds {
 
 class GpuModel {
  public:
-  // Uploads host.weights() (fp32) and allocates the whole plan. Throws ds::Error if CUDA is unavailable or
+  // Allocates the whole plan and uploads the host model's weights one parameter at a time (host.fill_param: a
+  // deferred model, Qwen35Model::Deferred, never holds them all on the host). Throws ds::Error if CUDA is unavailable or
   // the plan does not fit in device memory (the message gives the bytes needed).
   GpuModel(const Qwen35Model& host, const GpuPlan& plan);
   ~GpuModel();

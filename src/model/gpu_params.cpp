@@ -78,19 +78,26 @@ GpuParamStore::Model GpuParamStore::model_params() const {
   return {layout_.model<const bf16>(wb_), master_layout_.model<const float>(w_), layout_.model(g_)};
 }
 
-void GpuParamStore::upload(const float* host, cudaStream_t stream) {
-  if (state_ == OptimizerState::Fp32) {
-    DS_CUDA_CHECK(cudaMemcpyAsync(w_, host, P_ * sizeof(float), cudaMemcpyHostToDevice, stream));
-    K::to_bf16(w_, wb_, P_, stream);
-  } else {
-    // Through the gradient buffer (fp32 [P], zeroed below): the bf16 weights by rounding, the small parameters'
-    // fp32 master by copy.
-    DS_CUDA_CHECK(cudaMemcpyAsync(g_, host, P_ * sizeof(float), cudaMemcpyHostToDevice, stream));
-    K::to_bf16(g_, wb_, P_, stream);
-    for (size_t k = 0; k < params_.size(); ++k)
+void GpuParamStore::upload(const std::function<void(size_t k, float* dst)>& values, cudaStream_t stream) {
+  int64_t largest = 0;
+  for (const ParamSpec& p : params_) largest = std::max(largest, p.numel);
+  std::vector<float> stage(static_cast<size_t>(largest));  // one parameter at a time: bounded host memory
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const ParamSpec& p = params_[k];
+    values(k, stage.data());
+    if (state_ == OptimizerState::Fp32) {
+      DS_CUDA_CHECK(cudaMemcpyAsync(w_ + p.offset, stage.data(), p.numel * sizeof(float), cudaMemcpyHostToDevice, stream));
+      K::to_bf16(w_ + p.offset, wb_ + p.offset, p.numel, stream);
+    } else {
+      // Through the gradient buffer (fp32 [P], zeroed below): the bf16 weights by rounding to nearest, a small
+      // parameter's fp32 master by copy.
+      DS_CUDA_CHECK(cudaMemcpyAsync(g_ + p.offset, stage.data(), p.numel * sizeof(float), cudaMemcpyHostToDevice, stream));
+      K::to_bf16(g_ + p.offset, wb_ + p.offset, p.numel, stream);
       if (fp32_offset_[k] >= 0)
-        DS_CUDA_CHECK(cudaMemcpyAsync(w_ + fp32_offset_[k], g_ + params_[k].offset, params_[k].numel * sizeof(float),
+        DS_CUDA_CHECK(cudaMemcpyAsync(w_ + fp32_offset_[k], g_ + p.offset, p.numel * sizeof(float),
                                       cudaMemcpyDeviceToDevice, stream));
+    }
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is refilled next
   }
   DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, P_ * sizeof(float), stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/cuda/cuda_utils.h"
@@ -59,7 +60,9 @@ class GpuParamStore {
   // inside one parameter.
   size_t param_at(int64_t first, int64_t count) const;
 
-  void upload(const float* host, cudaStream_t stream);  // weights <- host fp32 [P] (bf16: rounded to nearest)
+  // The weights, one parameter at a time: values(k, dst) writes parameter k's fp32 values (numel) into dst, a host
+  // buffer of the largest parameter's size (bf16-only weights: rounded to nearest). Zeroes the gradients.
+  void upload(const std::function<void(size_t k, float* dst)>& values, cudaStream_t stream);
   // fp32 values of flat elements [first, first + count) (one parameter) to the host.
   void read_weights(int64_t first, int64_t count, float* dst, cudaStream_t stream) const;
   void zero_grads(cudaStream_t stream);

@@ -120,6 +120,45 @@ Qwen35Model::Qwen35Model(ModelConfig config) : cfg_(std::move(config)) {
   weights_.assign(static_cast<size_t>(params_.back().offset + params_.back().numel), 0.0f);
 }
 
+Qwen35Model::Qwen35Model(ModelConfig config, Deferred) : cfg_(std::move(config)) {
+  cfg_.validate();
+  params_ = qwen35_params(cfg_);
+  for (size_t i = 0; i < params_.size(); ++i) by_name_[params_[i].name] = i;
+  layout_ = std::make_shared<const ParamLayout>(cfg_, params_);
+}
+
+void Qwen35Model::defer_init(uint64_t seed) {
+  std::vector<float>().swap(weights_);
+  // By value: the model may be moved before the values are taken.
+  deferred_ = [cfg = cfg_, params = params_, seed](size_t k, float* dst) { init_param(cfg, params, k, seed, dst); };
+}
+
+void Qwen35Model::defer_load(const std::string& path) {
+  std::vector<float>().swap(weights_);
+  auto ck = std::make_shared<const CheckpointWeights>(path, cfg_, params_);
+  const size_t embed = by_name_.at("model.embed_tokens.weight");
+  deferred_ = [ck, params = params_, embed](size_t k, float* dst) {
+    const std::vector<float> v = ck->read(params[k]);
+    std::copy(v.begin(), v.end(), dst);
+    if (k == embed) ck->check_tied_head(params[k], dst);
+  };
+}
+
+void Qwen35Model::fill_param(size_t k, float* dst) const {
+  DS_CHECK(k < params_.size(), "model: no parameter {}", k);
+  const ParamSpec& p = params_[k];
+  if (deferred_) return deferred_(k, dst);
+  DS_CHECK(weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
+  std::copy(weights_.begin() + p.offset, weights_.begin() + p.offset + p.numel, dst);
+}
+
+void Qwen35Model::materialize() {
+  if (!deferred_) return;
+  weights_.assign(static_cast<size_t>(num_parameters()), 0.0f);
+  for (size_t k = 0; k < params_.size(); ++k) deferred_(k, weights_.data() + params_[k].offset);
+  deferred_ = nullptr;
+}
+
 const ParamSpec& Qwen35Model::spec(const std::string& name) const {
   auto it = by_name_.find(name);
   DS_CHECK(it != by_name_.end(), "unknown parameter \"{}\"", name);
@@ -131,35 +170,40 @@ void Qwen35Model::zero_grads() {
 }
 
 void Qwen35Model::release_buffers() {
+  deferred_ = nullptr;
   std::vector<float>().swap(weights_);
   std::vector<float>().swap(grads_);
 }
 
 void Qwen35Model::init_weights(uint64_t seed) {
-  for (size_t pi = 0; pi < params_.size(); ++pi) {
-    const ParamSpec& p = params_[pi];
-    Rng rng(seed, pi + 1);
-    float* w = weights_.data() + p.offset;
-    auto ends_with = [&](const char* suf) {
-      std::string s(suf);
-      return p.name.size() >= s.size() && p.name.compare(p.name.size() - s.size(), s.size(), s) == 0;
-    };
-    if (ends_with("linear_attn.norm.weight") || ends_with("dt_bias")) {
-      std::fill(w, w + p.numel, 1.0f);
-    } else if (ends_with("A_log")) {
-      for (int64_t i = 0; i < p.numel; ++i) w[i] = static_cast<float>(std::log(0.01 + (16.0 - 0.01) * rng.uniform()));
-    } else if (ends_with("layernorm.weight") || ends_with("norm.weight")) {
-      std::fill(w, w + p.numel, 0.0f);  // zero-centered RMSNorm: effective scale 1
-    } else {
-      // Blocks of 64k values, each from its own counter range: the same values for any thread count.
-      const int64_t block = 65536;
+  deferred_ = nullptr;
+  weights_.assign(static_cast<size_t>(num_parameters()), 0.0f);
+  for (size_t pi = 0; pi < params_.size(); ++pi) init_param(cfg_, params_, pi, seed, weights_.data() + params_[pi].offset);
+}
+
+void Qwen35Model::init_param(const ModelConfig& cfg, const std::vector<ParamSpec>& params, size_t pi, uint64_t seed,
+                             float* w) {
+  const ParamSpec& p = params[pi];
+  Rng rng(seed, pi + 1);
+  auto ends_with = [&](const char* suf) {
+    std::string s(suf);
+    return p.name.size() >= s.size() && p.name.compare(p.name.size() - s.size(), s.size(), s) == 0;
+  };
+  if (ends_with("linear_attn.norm.weight") || ends_with("dt_bias")) {
+    std::fill(w, w + p.numel, 1.0f);
+  } else if (ends_with("A_log")) {
+    for (int64_t i = 0; i < p.numel; ++i) w[i] = static_cast<float>(std::log(0.01 + (16.0 - 0.01) * rng.uniform()));
+  } else if (ends_with("layernorm.weight") || ends_with("norm.weight")) {
+    std::fill(w, w + p.numel, 0.0f);  // zero-centered RMSNorm: effective scale 1
+  } else {
+    // Blocks of 64k values, each from its own counter range: the same values for any thread count.
+    const int64_t block = 65536;
 #pragma omp parallel for schedule(static)
-      for (int64_t b0 = 0; b0 < p.numel; b0 += block) {
-        Rng r(seed, pi + 1);
-        r.set_counter(static_cast<uint64_t>(2 * b0));
-        for (int64_t i = b0; i < std::min(p.numel, b0 + block); ++i)
-          w[i] = static_cast<float>(cfg_.initializer_range * r.normal());
-      }
+    for (int64_t b0 = 0; b0 < p.numel; b0 += block) {
+      Rng r(seed, pi + 1);
+      r.set_counter(static_cast<uint64_t>(2 * b0));
+      for (int64_t i = b0; i < std::min(p.numel, b0 + block); ++i)
+        w[i] = static_cast<float>(cfg.initializer_range * r.normal());
     }
   }
 }
@@ -221,6 +265,8 @@ void CheckpointWeights::check_tied_head(const ParamSpec& embed, const float* loa
 
 void Qwen35Model::load(const std::string& path) {
   const CheckpointWeights ck(path, cfg_, params_);
+  deferred_ = nullptr;
+  weights_.assign(static_cast<size_t>(num_parameters()), 0.0f);
   for (const ParamSpec& p : params_) {
     const std::vector<float> v = ck.read(p);
     std::copy(v.begin(), v.end(), weights_.begin() + p.offset);

@@ -3,6 +3,7 @@
 // (llm.c style), packed sequences with cu_seqlens (no state, conv tap or attention crosses a document).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -81,6 +82,11 @@ std::vector<ParamSpec> qwen35_params(const ModelConfig& c);
 class Qwen35Model {
  public:
   explicit Qwen35Model(ModelConfig config);
+  // A model whose weights are not held on the host yet: defer_init or defer_load names where they come from, and
+  // an engine takes them one parameter at a time (fill_param): the GPU engine uploads each as it comes, so a GPU
+  // run never holds a full host copy (9B: 36 GB of fp32); the CPU engine materializes them.
+  struct Deferred {};
+  Qwen35Model(ModelConfig config, Deferred);
 
   const ModelConfig& config() const { return cfg_; }
   const std::vector<ParamSpec>& params() const { return params_; }
@@ -96,6 +102,16 @@ class Qwen35Model {
   // HF _init_weights (docs/model.md §5.5): normal(0, initializer_range) for linear/conv/embedding, zeros
   // for zero-centered norms, ones for the gated norm and dt_bias, A_log = log(U(0.01, 16)). Deterministic in seed.
   void init_weights(uint64_t seed);
+  // The same values, produced later per parameter (deferred model; the host buffer stays empty).
+  void defer_init(uint64_t seed);
+  // load()'s values, read per parameter later from the checkpoint at `path` (opened and checked here: a missing or
+  // misshapen tensor is a ds::Error now, a non-finite value when it is read).
+  void defer_load(const std::string& path);
+  bool deferred() const { return static_cast<bool>(deferred_); }
+  // Parameter k's fp32 values into dst[0, params()[k].numel): from the deferred source, or from weights().
+  void fill_param(size_t k, float* dst) const;
+  // A deferred model's weights into weights() (the CPU engine); nothing for a model that holds them.
+  void materialize();
   // Loads HF safetensors (single file, sharded with index, or a directory). Accepts "model." and
   // "model.language_model." prefixes, ignores model.visual.* and mtp.*, ties lm_head when the config says so
   // (an lm_head.weight present in a tied checkpoint must equal the embedding or it is an error). Every
@@ -129,6 +145,9 @@ class Qwen35Model {
   std::map<std::string, size_t> by_name_;
   std::shared_ptr<const ParamLayout> layout_;  // shared: a moved or copied model keeps the same offsets
   std::vector<float> weights_, grads_;
+  std::function<void(size_t k, float* dst)> deferred_;  // set by defer_init / defer_load until materialize()
+  static void init_param(const ModelConfig& cfg, const std::vector<ParamSpec>& params, size_t k, uint64_t seed,
+                         float* dst);
 };
 
 }  // namespace ds

@@ -80,12 +80,13 @@ Qwen35Model build_model(const TrainOptions& opt) {
   const ModelConfig cfg = opt.resume.empty() ? ModelConfig::resolve(opt.model) : ModelConfig::from_file(opt.resume);
   DS_CHECK(opt.seq_len <= cfg.max_position_embeddings, "--seq-len {} is above the model's max_position_embeddings {}",
            opt.seq_len, cfg.max_position_embeddings);
-  Qwen35Model model(cfg);
-  if (!opt.resume.empty()) model.load(opt.resume);
+  // For the GPU engine the weights are produced per parameter while it uploads them (no full host copy).
+  Qwen35Model model(cfg, Qwen35Model::Deferred{});
+  if (!opt.resume.empty()) model.defer_load(opt.resume);
   else if (fs::is_directory(opt.model) && (file_exists(opt.model + "/model.safetensors") ||
                                            file_exists(opt.model + "/model.safetensors.index.json")))
-    model.load(opt.model);
-  else model.init_weights(opt.seed);
+    model.defer_load(opt.model);
+  else model.defer_init(opt.seed);
   log_info("model: {} layers ({} full attention), hidden {}, vocab {}, {:.2f}M parameters", cfg.num_hidden_layers,
            std::count(cfg.layer_types.begin(), cfg.layer_types.end(), "full_attention"), cfg.hidden_size,
            cfg.vocab_size, model.num_parameters() / 1e6);

@@ -318,8 +318,8 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");
   DS_CHECK(seq_len >= 2 && micro_batch >= 1 && steps >= 1, "bench step: bad --seq-len/--micro-batch/--steps");
   ModelConfig cfg = ModelConfig::resolve(preset);
-  Qwen35Model model(cfg);
-  model.init_weights(1234);
+  Qwen35Model model(cfg, Qwen35Model::Deferred{});  // initialised per parameter while the engine uploads
+  model.defer_init(1234);
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
   std::unique_ptr<Engine> gpu = make_engine("cuda", std::move(model), plan);

@@ -106,8 +106,8 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   DS_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device must be auto, cpu or cuda, got \"{}\"",
            device);
   DS_CHECK(device != "cuda" || cuda_device_count() > 0, "--device cuda: no CUDA device is available");
-  Qwen35Model model(ModelConfig::from_file(model_dir));
-  model.load(model_dir);
+  Qwen35Model model(ModelConfig::from_file(model_dir), Qwen35Model::Deferred{});  // read per parameter by the engine
+  model.defer_load(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
   DS_CHECK(seq_len >= 2 && seq_len <= model.config().max_position_embeddings,
            "--seq-len {} must be in [2, max_position_embeddings = {}]", seq_len, model.config().max_position_embeddings);
@@ -115,7 +115,8 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   auto docs = tokenize_documents(tok, read_documents(data, parse_txt_split(txt_split)), tok.token_to_id("<|endoftext|>"));
   PackedDataset set(docs, seq_len);
   // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present; with
-  // auto, a model the GPU engine cannot take is evaluated on the CPU (loaded again: the first copy went to the GPU).
+  // auto, a model the GPU engine cannot take is evaluated on the CPU (read again: the first reader went to the GPU
+  // engine).
   const GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, set.max_docs_per_window());
   std::unique_ptr<Engine> engine;
   if (resolve_device(device) == "cuda") {
@@ -124,8 +125,8 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
     } catch (const Error& e) {
       if (device == "cuda") throw;
       log_warn("eval: the GPU engine cannot take this model ({}); evaluating on the CPU", e.what());
-      Qwen35Model again(ModelConfig::from_file(model_dir));
-      again.load(model_dir);
+      Qwen35Model again(ModelConfig::from_file(model_dir), Qwen35Model::Deferred{});
+      again.defer_load(model_dir);
       engine = make_engine("cpu", std::move(again), plan);
     }
   } else {
