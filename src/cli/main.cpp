@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   std::string eval_device = "auto";
   eval->add_option("--device", eval_device, "auto (GPU when present), cpu or cuda")->capture_default_str();
 
-  auto* tokenize = app.add_subcommand("tokenize", "Tokenize a .jsonl of {\"text\"} lines into {\"ids\"} lines");
+  auto* tokenize = app.add_subcommand("tokenize", "Tokenize a .jsonl of {\"text\"}, chat {\"messages\"} or {\"prompt\", \"completion\"} lines into {\"ids\"} (+ \"loss_mask\") lines");
   tokenize->add_option("--tokenizer", tokenizer, "HF tokenizer.json")->required();
   tokenize->add_option("--input", input, "Input .jsonl")->required();
   tokenize->add_option("--output", output, "Output .jsonl")->required();

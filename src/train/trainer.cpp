@@ -108,9 +108,9 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::
   DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "{}: tokenizer has {} ids but the model's vocab_size is {}",
            tokenizer_file, tok.vocab_size(), cfg.vocab_size);
   const int32_t eos = tok.token_to_id("<|endoftext|>");
-  std::vector<std::vector<int32_t>> docs =
+  std::vector<TokenizedSample> docs =
       tokenize_documents(tok, read_documents(opt.data, parse_txt_split(opt.txt_split)), eos);
-  std::vector<std::vector<int32_t>> train_docs, val_docs;
+  std::vector<TokenizedSample> train_docs, val_docs;
   int64_t n_val = 0;
   if (!opt.val_data.empty()) {  // a separate evaluation set: all of --data trains
     val_docs = tokenize_documents(tok, read_documents(opt.val_data, parse_txt_split(opt.txt_split)), eos);
