@@ -228,6 +228,14 @@ void print_progress(const std::string& line) {
   std::fflush(stdout);
 }
 
+// A duration as "42s", "3m07s" or "2h05m" (the progress line's ETA).
+std::string short_duration(double seconds) {
+  const int64_t t = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  if (t < 60) return fmt::format("{}s", t);
+  if (t < 3600) return fmt::format("{}m{:02}s", t / 60, t % 60);
+  return fmt::format("{}h{:02}m", t / 3600, (t % 3600) / 60);
+}
+
 // ---- the step
 
 double lr_at(const TrainOptions& o, int64_t step) {  // step is 1-based
@@ -379,6 +387,7 @@ int train(TrainOptions cli) {
 
   // ---- the steps
   WindowSampler sampler(data.train->num_windows(), opt.seed);
+  const auto t_loop = std::chrono::steady_clock::now();  // the ETA: this session's mean time per step, evals included
   for (int64_t step = start_step + 1; step <= opt.steps && !interrupt.signal(); ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const StepBatches batches = step_batches(sampler, *data.train, opt, step);
@@ -411,8 +420,11 @@ int train(TrainOptions cli) {
                 {"tokens_per_s", batches.tokens / dt}, {"elapsed_s", el}};
       if (engine->device() == "cuda") line["peak_gib"] = engine->peak_bytes() / 1073741824.0;
       metrics.write(line);
+      const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_loop).count() /
+                              static_cast<double>(step - start_step);
       print_progress(fmt::format("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | "
-                                 "{:.1f} s\n", step, opt.steps, loss, gnorm, lr, batches.tokens, batches.tokens / dt, el));
+                                 "{:.1f} s | ETA {}\n", step, opt.steps, loss, gnorm, lr, batches.tokens,
+                                 batches.tokens / dt, el, short_duration(per_step * static_cast<double>(opt.steps - step))));
     }
 
     if (eval_due(step) && !interrupt.signal()) {  // interrupted: straight to the save
