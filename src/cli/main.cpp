@@ -1,4 +1,4 @@
-// deltastack command line: train, forward, eval, generate, tokenize, probe, inspect, export, bench.
+// deltastack command line: train, forward, eval, generate, tokenize, probe, plan, plot, inspect, export, bench.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   std::string eval_device = "auto";
   eval->add_option("--device", eval_device, "auto (GPU when present), cpu or cuda")->capture_default_str();
 
-  auto* tokenize = app.add_subcommand("tokenize", "Tokenize a .jsonl of {\"text\"} lines into {\"ids\"} lines");
+  auto* tokenize = app.add_subcommand("tokenize", "Tokenize a .jsonl of {\"text\"}, chat {\"messages\"} or {\"prompt\", \"completion\"} lines into {\"ids\"} (+ \"loss_mask\") lines");
   tokenize->add_option("--tokenizer", tokenizer, "HF tokenizer.json")->required();
   tokenize->add_option("--input", input, "Input .jsonl")->required();
   tokenize->add_option("--output", output, "Output .jsonl")->required();
@@ -106,6 +106,12 @@ int main(int argc, char** argv) {
   plan->add_option("--device-memory", plan_mem, "Device memory in GiB (default: an H200's 140.4)")->capture_default_str();
   plan->add_option("--attention", plan_attention, "cudnn or simple")->capture_default_str();
   add_memory_flags(plan, plan_memory);
+  auto* plot = app.add_subcommand("plot", "SVG of runs' loss, eval loss, lr, grad norm and tokens/s against steps");
+  std::vector<std::string> plot_runs;
+  std::string plot_out;
+  plot->add_option("runs", plot_runs, "Run directories (or their metrics.jsonl), one chart for all")->required();
+  plot->add_option("--out", plot_out, "Output .svg (default: RUN_DIR/metrics.svg for one run)");
+  plot->add_flag("--overwrite", overwrite, overwrite_help);
   auto* inspect = app.add_subcommand("inspect", "Show a checkpoint's config and tensors");
   std::string inspect_path;
   inspect->add_option("checkpoint", inspect_path, "Checkpoint dir or config.json")->required();
@@ -149,6 +155,7 @@ int main(int argc, char** argv) {
     if (*bench_tok) return ds::cli::cmd_bench_tokenizer(bench_tokenizer, bench_text, bench_repeats);
     if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps, bench_memory);
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
+    if (*plot) return ds::cli::cmd_plot(plot_runs, plot_out, overwrite);
     if (*exp) return ds::cli::cmd_export(exp_in, exp_out, exp_dtype, exp_shard_mb);
     if (*train) {
       ds::record_given_flags(app, *train, to);

@@ -69,9 +69,9 @@ void split_txt(const std::string& text, TxtSplit split, std::vector<std::string>
 
 }  // namespace
 
-std::vector<std::string> read_documents(const std::vector<std::string>& files, TxtSplit split) {
+std::vector<LabelledText> read_documents(const std::vector<std::string>& files, TxtSplit split) {
   DS_CHECK(!files.empty(), "--data: no data files given");
-  std::vector<std::string> docs;
+  std::vector<LabelledText> docs;
   for (const std::string& f : files) {
     std::string ext = std::filesystem::path(f).extension().string();
     std::string text = read_file(f);
@@ -95,13 +95,18 @@ std::vector<std::string> read_documents(const std::vector<std::string>& files, T
         } catch (const nlohmann::json::exception& e) {
           fail("{}:{}: invalid JSON ({})", f, lineno, e.what());
         }
-        DS_CHECK(j.is_object() && j.contains("text") && j["text"].is_string(),
-                 "{}:{}: expected an object with a string \"text\" field", f, lineno);
-        std::string t = j["text"].get<std::string>();
-        if (!t.empty()) docs.push_back(std::move(t));
+        LabelledText sample;
+        try {
+          sample = parse_sample(j);
+        } catch (const Error& e) {
+          fail("{}:{}: {}", f, lineno, e.what());
+        }
+        if (!sample.text.empty()) docs.push_back(std::move(sample));
       }
     } else if (ext == ".txt" || ext == ".text" || ext == ".md") {
-      split_txt(text, split, docs);
+      std::vector<std::string> parts;
+      split_txt(text, split, parts);
+      for (std::string& p : parts) docs.push_back(LabelledText{std::move(p), false, {}});
     } else {
       fail("{}: unsupported data file type \"{}\" (use .txt or .jsonl)", f, ext);
     }
@@ -110,15 +115,18 @@ std::vector<std::string> read_documents(const std::vector<std::string>& files, T
   return docs;
 }
 
-std::vector<std::vector<int32_t>> tokenize_documents(const Tokenizer& tok, const std::vector<std::string>& docs,
-                                                     int32_t eos) {
-  std::vector<std::vector<int32_t>> out(docs.size());
+std::vector<TokenizedSample> tokenize_documents(const Tokenizer& tok, const std::vector<LabelledText>& docs,
+                                                int32_t eos) {
+  std::vector<TokenizedSample> out(docs.size());
   std::vector<std::string> errors(docs.size());
 #pragma omp parallel for schedule(dynamic, 64)
   for (size_t i = 0; i < docs.size(); ++i) {
     try {
-      out[i] = tok.encode(docs[i]);
-      if (eos >= 0) out[i].push_back(eos);
+      out[i] = tokenize_sample(tok, docs[i]);
+      if (eos >= 0) {
+        if (!out[i].loss_mask.empty()) out[i].loss_mask.push_back(out[i].loss_mask.back());
+        out[i].ids.push_back(eos);
+      }
     } catch (const std::exception& e) {
       errors[i] = e.what();
     }
@@ -128,20 +136,41 @@ std::vector<std::vector<int32_t>> tokenize_documents(const Tokenizer& tok, const
   return out;
 }
 
-std::string documents_fingerprint(const std::vector<std::vector<int32_t>>& docs) {
+namespace {
+
+struct Fnv1a {
   uint64_t h = 0xcbf29ce484222325ull;
-  auto mix = [&h](uint64_t v) {
+  void mix(uint64_t v) {
     for (int b = 0; b < 8; ++b) {
       h ^= (v >> (8 * b)) & 0xff;
       h *= 0x100000001b3ull;
     }
-  };
-  mix(docs.size());
-  for (const std::vector<int32_t>& d : docs) {
-    mix(d.size());
-    for (int32_t id : d) mix(static_cast<uint32_t>(id));
   }
-  return fmt::format("{:016x}", h);
+};
+
+}  // namespace
+
+std::string documents_fingerprint(const std::vector<std::vector<int32_t>>& docs) {
+  Fnv1a f;
+  f.mix(docs.size());
+  for (const std::vector<int32_t>& d : docs) {
+    f.mix(d.size());
+    for (int32_t id : d) f.mix(static_cast<uint32_t>(id));
+  }
+  return fmt::format("{:016x}", f.h);
+}
+
+std::string documents_fingerprint(const std::vector<TokenizedSample>& docs) {
+  Fnv1a f;
+  f.mix(docs.size());
+  for (const TokenizedSample& d : docs) {
+    f.mix(d.ids.size());
+    for (int32_t id : d.ids) f.mix(static_cast<uint32_t>(id));
+    if (d.loss_mask.empty()) continue;
+    f.mix(0x6d61736bull);  // "mask": a masked document never hashes like an unmasked one
+    for (uint8_t m : d.loss_mask) f.mix(m);
+  }
+  return fmt::format("{:016x}", f.h);
 }
 
 PackedDataset::PackedDataset(const std::vector<std::vector<int32_t>>& docs, int64_t seq_len) : seq_len_(seq_len) {
@@ -151,11 +180,33 @@ PackedDataset::PackedDataset(const std::vector<std::vector<int32_t>>& docs, int6
       stream_.push_back(id);
       doc_of_.push_back(static_cast<int32_t>(d));
     }
+  index_windows();
+}
+
+PackedDataset::PackedDataset(const std::vector<TokenizedSample>& docs, int64_t seq_len) : seq_len_(seq_len) {
+  DS_CHECK(seq_len >= 2, "--seq-len must be at least 2, got {}", seq_len);
+  bool masked = false;
+  for (const TokenizedSample& d : docs) masked = masked || !d.loss_mask.empty();
+  for (size_t d = 0; d < docs.size(); ++d) {
+    const TokenizedSample& s = docs[d];
+    DS_CHECK(s.loss_mask.empty() || s.loss_mask.size() == s.ids.size(), "document {}: {} ids but {} loss_mask values",
+             d, s.ids.size(), s.loss_mask.size());
+    for (size_t i = 0; i < s.ids.size(); ++i) {
+      stream_.push_back(s.ids[i]);
+      doc_of_.push_back(static_cast<int32_t>(d));
+      if (masked) label_.push_back(s.loss_mask.empty() ? 1 : s.loss_mask[i]);
+    }
+  }
+  index_windows();
+}
+
+void PackedDataset::index_windows() {
   DS_CHECK(stream_.size() >= 2, "data: fewer than 2 tokens in total");
-  num_windows_ = static_cast<int64_t>(stream_.size()) / seq_len;
+  num_windows_ = static_cast<int64_t>(stream_.size()) / seq_len_;
   if (num_windows_ == 0) num_windows_ = 1;  // one short window
   for (int64_t w = 0; w < num_windows_; ++w) {
-    int64_t begin = w * seq_len, end = std::min<int64_t>(static_cast<int64_t>(stream_.size()), begin + seq_len), docs = 1;
+    int64_t begin = w * seq_len_, end = std::min<int64_t>(static_cast<int64_t>(stream_.size()), begin + seq_len_),
+            docs = 1;
     for (int64_t t = begin + 1; t < end; ++t) docs += doc_of_[t] != doc_of_[t - 1];
     max_docs_ = std::max(max_docs_, docs);
   }
@@ -171,8 +222,9 @@ PackedBatch PackedDataset::batch(const std::vector<int64_t>& windows) const {
     for (int64_t t = begin; t < end; ++t) {
       if (t > begin && doc_of_[t] != doc_of_[t - 1]) b.cu_seqlens.push_back(static_cast<int32_t>(b.input_ids.size()));
       b.input_ids.push_back(stream_[t]);
-      bool next_same = t + 1 < total && doc_of_[t + 1] == doc_of_[t];
-      b.targets.push_back(next_same ? stream_[t + 1] : -100);
+      const bool next_same = t + 1 < total && doc_of_[t + 1] == doc_of_[t];
+      const bool labelled = label_.empty() || (next_same && label_[t + 1]);
+      b.targets.push_back(next_same && labelled ? stream_[t + 1] : -100);
     }
     b.cu_seqlens.push_back(static_cast<int32_t>(b.input_ids.size()));
   }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "data/chat.h"
 #include "data/tokenizer.h"
 #include "model/model.h"
 
@@ -16,28 +17,35 @@ namespace ds {
 enum class TxtSplit { Paragraph, Line, File };
 TxtSplit parse_txt_split(const std::string& s);  // "paragraph" | "line" | "file", else ds::Error
 
-// Reads documents from .txt (split as above) and .jsonl (one JSON object per line with a string "text"
-// field; an empty line is an error, as in `deltastack tokenize`) files, in file order. Errors name the file (and line): missing file, a file
-// with no text, invalid UTF-8 (with the byte offset), invalid JSON, a missing "text" field, an unknown extension.
-std::vector<std::string> read_documents(const std::vector<std::string>& files, TxtSplit split);
+// Reads documents from .txt (split as above) and .jsonl files, in file order. A .jsonl line is one sample as
+// parse_sample (data/chat.h) takes it: {"text"}, a chat {"messages"} rendered with the bundled Qwen3 template
+// (labels on the assistant turns), or {"prompt", "completion"} (labels on the completion); an empty line is an
+// error, as in `deltastack tokenize`. Text documents are unmasked (every token labelled). Errors name the file
+// (and line): missing file, a file with no text, invalid UTF-8 (with the byte offset), invalid JSON, a sample
+// parse_sample rejects (naming the field), an unknown extension.
+std::vector<LabelledText> read_documents(const std::vector<std::string>& files, TxtSplit split);
 
-// Tokenizes every document (errors name the document index; read_documents has already rejected invalid UTF-8
-// naming the file) and appends `eos`
-// (when >= 0) to each, so the model learns where documents end.
-std::vector<std::vector<int32_t>> tokenize_documents(const Tokenizer& tok, const std::vector<std::string>& docs,
-                                                     int32_t eos);
+// Tokenizes every document (tokenize_sample; errors name the document index; read_documents has already
+// rejected invalid UTF-8 naming the file) and appends `eos` (when >= 0) to each, so the model learns where
+// documents end; in a masked document the eos is labelled when the token before it is (a completion's end, not the
+// "\n" after a chat's last <|im_end|>).
+std::vector<TokenizedSample> tokenize_documents(const Tokenizer& tok, const std::vector<LabelledText>& docs,
+                                                int32_t eos);
 
-// A 64-bit FNV-1a hash of tokenized documents (their count, each one's length and ids), as 16 hex digits: what a
-// checkpoint saves to tell whether a resume trains on the same data.
+// A 64-bit FNV-1a hash of tokenized documents (their count, each one's length and ids, and the loss mask of each
+// masked one), as 16 hex digits: what a checkpoint saves to tell whether a resume trains on the same data.
+// Documents without masks hash as the ids-only overload.
 std::string documents_fingerprint(const std::vector<std::vector<int32_t>>& docs);
+std::string documents_fingerprint(const std::vector<TokenizedSample>& docs);
 
 // The token stream of all documents cut into windows of seq_len tokens. Window w covers stream positions
 // [w*seq_len, (w+1)*seq_len) (the last partial window is dropped unless it is the only one); its cu_seqlens
 // mark document starts; the target of position t is the next token of the same document (even when it lies in
-// the next window), or -100 at a document's last token.
+// the next window), or -100 at a document's last token and where that next token is not labelled (loss_mask 0).
 class PackedDataset {
  public:
   PackedDataset(const std::vector<std::vector<int32_t>>& docs, int64_t seq_len);
+  PackedDataset(const std::vector<TokenizedSample>& docs, int64_t seq_len);
   int64_t num_windows() const { return num_windows_; }
   int64_t num_tokens() const { return static_cast<int64_t>(stream_.size()); }
   int64_t seq_len() const { return seq_len_; }
@@ -50,6 +58,8 @@ class PackedDataset {
   int64_t seq_len_, num_windows_, max_docs_ = 1;
   std::vector<int32_t> stream_;
   std::vector<int32_t> doc_of_;  // document index of each stream position
+  std::vector<uint8_t> label_;   // 1 where a stream position is labelled; empty when all are
+  void index_windows();
 };
 
 }  // namespace ds

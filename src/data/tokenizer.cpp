@@ -492,7 +492,8 @@ class AddedMatcher {
   }
   bool empty() const { return empty_; }
 
-  // Calls on_text(begin, end) for unmatched pieces and on_token(id) for matches, in order.
+  // Calls on_text(begin, end) for unmatched pieces and on_token(id, begin, end) for matches (the bytes the match
+  // consumed, with any whitespace lstrip / rstrip took), in order.
   template <class FT, class FI>
   void split(std::string_view s, FT&& on_text, FI&& on_token) const {
     if (empty_) {
@@ -547,7 +548,7 @@ class AddedMatcher {
         }
       }
       if (start_offset < start) on_text(start_offset, start);
-      on_token(hit->id);
+      on_token(hit->id, start, stop);
       start_offset = stop;
     }
     if (start_offset < n) on_text(start_offset, n);
@@ -622,6 +623,9 @@ struct Tokenizer::Impl {
   void encode_word(std::string_view w, std::vector<int32_t>& out) const;
   void pretokenize(size_t level, std::string_view s, std::vector<int32_t>& out) const;
   void encode_normalized_piece(std::string_view s, std::vector<int32_t>& out) const;
+  // The same, with each token's byte range [begin, end) in s.
+  void encode_normalized_piece_offsets(std::string_view s, std::vector<int32_t>& out,
+                                       std::vector<TokenOffset>& offsets) const;
 };
 
 // BPE on raw bytes w[0..n): merge the lowest-rank adjacent pair, leftmost on ties, until no pair merges.
@@ -741,7 +745,40 @@ void Tokenizer::Impl::pretokenize(size_t level, std::string_view s, std::vector<
 void Tokenizer::Impl::encode_normalized_piece(std::string_view s, std::vector<int32_t>& out) const {
   norm_matcher.split(
       s, [&](size_t b, size_t e) { pretokenize(0, s.substr(b, e - b), out); },
-      [&](int32_t id) { out.push_back(id); });
+      [&](int32_t id, size_t, size_t) { out.push_back(id); });
+}
+
+void Tokenizer::Impl::encode_normalized_piece_offsets(std::string_view s, std::vector<int32_t>& out,
+                                                      std::vector<TokenOffset>& offsets) const {
+  // A word's tokens are the word's bytes in order (byte-level BPE), so each token's length is its decoded byte
+  // length; when they do not add up (a vocabulary token outside the byte-level alphabet), every token of the word
+  // gets the whole word.
+  auto words = [&](auto&& self, size_t level, std::string_view w, size_t base) -> void {
+    if (level == splits.size()) {
+      const size_t first = out.size();
+      encode_word(w, out);
+      size_t sum = 0;
+      for (size_t k = first; k < out.size(); ++k) sum += dec_bytes[static_cast<size_t>(out[k])].size();
+      size_t pos = base;
+      for (size_t k = first; k < out.size(); ++k) {
+        if (sum == w.size()) {
+          const size_t len = dec_bytes[static_cast<size_t>(out[k])].size();
+          offsets.push_back({pos, pos + len});
+          pos += len;
+        } else {
+          offsets.push_back({base, base + w.size()});
+        }
+      }
+      return;
+    }
+    splits[level]->split_isolated(w, [&](size_t b, size_t e) { self(self, level + 1, w.substr(b, e - b), base + b); });
+  };
+  norm_matcher.split(
+      s, [&](size_t b, size_t e) { words(words, 0, s.substr(b, e - b), b); },
+      [&](int32_t id, size_t b, size_t e) {
+        out.push_back(id);
+        offsets.push_back({b, e});
+      });
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1018,7 +1055,64 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text) const {
           im.encode_normalized_piece(piece, out);
         }
       },
-      [&](int32_t id) { out.push_back(id); });
+      [&](int32_t id, size_t, size_t) { out.push_back(id); });
+  return out;
+}
+
+std::vector<int32_t> Tokenizer::encode_with_offsets(std::string_view text, std::vector<TokenOffset>& offsets) const {
+  size_t bad = utf8_first_invalid(text);
+  if (bad != std::string_view::npos)
+    fail("tokenizer: invalid UTF-8 at byte offset {} (byte 0x{:02X})", bad, static_cast<unsigned char>(text[bad]));
+  const Impl& im = *impl_;
+  std::vector<int32_t> out;
+  offsets.clear();
+  std::vector<TokenOffset> local;
+  im.raw_matcher.split(
+      text,
+      [&](size_t b, size_t e) {
+        const std::string_view piece = text.substr(b, e - b);
+        local.clear();
+        if (!im.nfc) {
+          im.encode_normalized_piece_offsets(piece, out, local);
+          for (const TokenOffset& o : local) offsets.push_back({b + o.begin, b + o.end});
+          return;
+        }
+        const std::string norm = nfc(piece);
+        im.encode_normalized_piece_offsets(norm, out, local);
+        if (norm == piece) {
+          for (const TokenOffset& o : local) offsets.push_back({b + o.begin, b + o.end});
+          return;
+        }
+        // NFC changed the piece. No code point composes with or reorders across a '\n' (a starter without
+        // compositions), so the piece normalizes line by line: offsets at line starts and ends map exactly, and
+        // one inside a line maps to a position strictly inside the same line of the text.
+        std::vector<size_t> orig_start{0}, norm_start{0};
+        std::string joined;
+        for (size_t p = 0; p < piece.size();) {
+          size_t nl = piece.find('\n', p);
+          size_t end = nl == std::string_view::npos ? piece.size() : nl + 1;
+          joined += nfc(piece.substr(p, end - p));
+          p = end;
+          orig_start.push_back(p);
+          norm_start.push_back(joined.size());
+        }
+        if (joined != norm) {  // not expected; the piece as a whole is then the best that can be said
+          for (size_t k = 0; k < local.size(); ++k) offsets.push_back({b, e});
+          return;
+        }
+        auto map = [&](size_t x) {
+          const size_t k = static_cast<size_t>(std::upper_bound(norm_start.begin(), norm_start.end(), x) -
+                                               norm_start.begin()) - 1;
+          if (x == norm_start[k]) return b + orig_start[k];
+          const size_t len = orig_start[k + 1] - orig_start[k];
+          return b + orig_start[k] + std::clamp<size_t>(x - norm_start[k], 1, len > 1 ? len - 1 : 1);
+        };
+        for (const TokenOffset& o : local) offsets.push_back({map(o.begin), map(o.end)});
+      },
+      [&](int32_t id, size_t b, size_t e) {
+        out.push_back(id);
+        offsets.push_back({b, e});
+      });
   return out;
 }
 

@@ -11,6 +11,11 @@
 
 namespace ds {
 
+// The bytes [begin, end) of the text a token came from.
+struct TokenOffset {
+  size_t begin = 0, end = 0;
+};
+
 class Tokenizer {
  public:
   // Throws ds::Error naming the file for a missing/corrupt file or an unsupported model/normalizer/pre-tokenizer.
@@ -23,6 +28,11 @@ class Tokenizer {
 
   // UTF-8 text -> ids. Invalid UTF-8 is handled as documented in tokenizer.cpp (ds::Error naming the byte offset).
   std::vector<int32_t> encode(std::string_view text) const;
+  // encode(text), and for each id the bytes of `text` it came from (HF's offset mapping, in bytes; offsets.size()
+  // == ids.size()). Added tokens: the bytes they matched. Model tokens: exact, except inside a line that the NFC
+  // normalizer changed, where an offset not at the line's start or end lies somewhere strictly inside that line.
+  // A token that is part of a UTF-8 character covers only its own bytes of it.
+  std::vector<int32_t> encode_with_offsets(std::string_view text, std::vector<TokenOffset>& offsets) const;
   // ids -> UTF-8 text (byte-level decode; incomplete byte sequences become U+FFFD as HF does).
   std::string decode(const std::vector<int32_t>& ids) const;
 

@@ -109,9 +109,9 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::
   DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "{}: tokenizer has {} ids but the model's vocab_size is {}",
            tokenizer_file, tok.vocab_size(), cfg.vocab_size);
   const int32_t eos = tok.token_to_id("<|endoftext|>");
-  std::vector<std::vector<int32_t>> docs =
+  std::vector<TokenizedSample> docs =
       tokenize_documents(tok, read_documents(opt.data, parse_txt_split(opt.txt_split)), eos);
-  std::vector<std::vector<int32_t>> train_docs, val_docs;
+  std::vector<TokenizedSample> train_docs, val_docs;
   int64_t n_val = 0;
   if (!opt.val_data.empty()) {  // a separate evaluation set: all of --data trains
     val_docs = tokenize_documents(tok, read_documents(opt.val_data, parse_txt_split(opt.txt_split)), eos);
@@ -227,6 +227,14 @@ class MetricsLog {
 void print_progress(const std::string& line) {
   std::fwrite(line.data(), 1, line.size(), stdout);
   std::fflush(stdout);
+}
+
+// A duration as "42s", "3m07s" or "2h05m" (the progress line's ETA).
+std::string short_duration(double seconds) {
+  const int64_t t = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  if (t < 60) return fmt::format("{}s", t);
+  if (t < 3600) return fmt::format("{}m{:02}s", t / 60, t % 60);
+  return fmt::format("{}h{:02}m", t / 3600, (t % 3600) / 60);
 }
 
 // ---- the step
@@ -380,6 +388,7 @@ int train(TrainOptions cli) {
 
   // ---- the steps
   WindowSampler sampler(data.train->num_windows(), opt.seed);
+  const auto t_loop = std::chrono::steady_clock::now();  // the ETA: this session's mean time per step, evals included
   for (int64_t step = start_step + 1; step <= opt.steps && !interrupt.signal(); ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const StepBatches batches = step_batches(sampler, *data.train, opt, step);
@@ -412,8 +421,11 @@ int train(TrainOptions cli) {
                 {"tokens_per_s", batches.tokens / dt}, {"elapsed_s", el}};
       if (engine->device() == "cuda") line["peak_gib"] = engine->peak_bytes() / 1073741824.0;
       metrics.write(line);
+      const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_loop).count() /
+                              static_cast<double>(step - start_step);
       print_progress(fmt::format("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | "
-                                 "{:.1f} s\n", step, opt.steps, loss, gnorm, lr, batches.tokens, batches.tokens / dt, el));
+                                 "{:.1f} s | ETA {}\n", step, opt.steps, loss, gnorm, lr, batches.tokens,
+                                 batches.tokens / dt, el, short_duration(per_step * static_cast<double>(opt.steps - step))));
     }
 
     if (eval_due(step) && !interrupt.signal()) {  // interrupted: straight to the save

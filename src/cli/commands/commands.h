@@ -34,6 +34,14 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
              int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device = "auto");
 
+// `deltastack plot`: an SVG of each run's metrics.jsonl (a run directory of `train`, or the file itself): loss, eval
+// loss, learning rate, grad norm and tokens/s against the step, five panels, every run a <polyline data-run="NAME">
+// in every panel (NAME: the run directory's name, or the paths as given when two names are the same), and a legend.
+// `out` defaults to RUN_DIR/metrics.svg for one run (needed for several); an existing file is replaced only with
+// `overwrite`, never an input (outputs.h). ds::Error naming file:line for a line that is not a JSON object with a
+// numeric "step", or a run without metrics.jsonl.
+int cmd_plot(const std::vector<std::string>& runs, const std::string& out, bool overwrite = false);
+
 // `deltastack inspect`: config summary and tensor list of a checkpoint.
 int cmd_inspect(const std::string& path);
 
