@@ -165,6 +165,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(r.keep_last, 0);
   EXPECT_EQ(r.max_shard_mb, 5000);
   EXPECT_EQ(r.device, "auto");
+  EXPECT_EQ(r.optimizer_state, "fp32");  // earlier versions kept fp32 state: not `auto`, which may pick bf16
   EXPECT_EQ(r.out, "elsewhere");
   EXPECT_EQ(r.resume, "ck");
   cli.given.push_back("lr");
