@@ -151,4 +151,20 @@ TEST(Plan, AutoPicksTheLeastRecomputeThenTheLeanestStateThatFits) {
   EXPECT_NE(out.find("GiB of 140.40 GiB: fits\n"), std::string::npos) << out;
 }
 
+// eval's engine (GpuPlan::forward_windows) leaves the modes to the device: a 9B checkpoint that trained on an H200
+// (bf16 state) is evaluated there too, not refused for the fp32 state's 200 GiB and sent to the CPU.
+TEST(Plan, EvalLeavesTheModesToTheDevice) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  const ds::GpuPlan plan = ds::GpuPlan::forward_windows(1, 8192, 1);
+  EXPECT_EQ(plan.optimizer_state, ds::OptimizerState::Auto);
+  EXPECT_EQ(plan.recompute, ds::Recompute::Auto);
+  EXPECT_EQ(plan.max_tokens, ds::GpuPlan::windows(1, 8192, 1).max_tokens);
+  const ds::ModelConfig c = ds::ModelConfig::preset("9b");
+  const auto fits = [](const ds::GpuMemoryPlan& p) { return p.allocation + (512u << 20) < 139.0 * kGiB; };
+  const ds::GpuPlan r = ds::resolve_memory_modes(c, plan, fits);
+  EXPECT_TRUE(fits(ds::plan_gpu_memory(c, r)));
+  ds::GpuPlan fixed = ds::GpuPlan::windows(1, 8192, 1);  // what eval asked for before
+  EXPECT_FALSE(fits(ds::plan_gpu_memory(c, fixed)));
+}
+
 }  // namespace

@@ -66,6 +66,16 @@ struct GpuPlan {
     p.rows = micro_batch;
     return p;
   }
+  // The same for an engine that only runs forwards (eval): the memory modes left to the engine (Auto: the
+  // leanest that fits the device), since a forward is bitwise the same in every mode (the GEMMs read the same
+  // bf16 weights, the small parameters the same fp32 ones). With the fp32 state a 9B checkpoint would not fit an
+  // H200 for eval although it trained there.
+  static GpuPlan forward_windows(int64_t micro_batch, int64_t seq_len, int64_t docs_per_window) {
+    GpuPlan p = windows(micro_batch, seq_len, docs_per_window);
+    p.optimizer_state = OptimizerState::Auto;
+    p.recompute = Recompute::Auto;
+    return p;
+  }
 };
 
 // Reads fp32 values of the named tensor, numel elements; ds::Error naming the file and tensor when it is missing
