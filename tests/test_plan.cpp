@@ -68,6 +68,11 @@ TEST(Plan, CommandEndsWithTheVerdictAndExitsZero) {
   EXPECT_NE(out.find("--optimizer-state must be auto, fp32 or bf16"), std::string::npos) << out;
   EXPECT_EQ(ds::test::run("plan --model 2b --recompute some", &out), 1);
   EXPECT_NE(out.find("--recompute must be"), std::string::npos) << out;
+  // bench step checks the same flags before it looks for a GPU or makes the model
+  EXPECT_EQ(ds::test::run("bench step --preset 9b --recompute ful", &out), 1);
+  EXPECT_NE(out.find("--recompute must be"), std::string::npos) << out;
+  EXPECT_EQ(ds::test::run("bench step --preset 9b --memory lots", &out), 1);
+  EXPECT_NE(out.find("--memory must be"), std::string::npos) << out;
 }
 
 ds::GpuMemoryPlan plan_modes(const char* preset, int64_t seq, int64_t mb, ds::OptimizerState s, ds::Recompute r) {
