@@ -68,6 +68,11 @@ TEST(Plan, CommandEndsWithTheVerdictAndExitsZero) {
   EXPECT_NE(out.find("--optimizer-state must be auto, fp32 or bf16"), std::string::npos) << out;
   EXPECT_EQ(ds::test::run("plan --model 2b --recompute some", &out), 1);
   EXPECT_NE(out.find("--recompute must be"), std::string::npos) << out;
+  // bench step checks the same flags before it looks for a GPU or makes the model
+  EXPECT_EQ(ds::test::run("bench step --preset 9b --recompute ful", &out), 1);
+  EXPECT_NE(out.find("--recompute must be"), std::string::npos) << out;
+  EXPECT_EQ(ds::test::run("bench step --preset 9b --memory lots", &out), 1);
+  EXPECT_NE(out.find("--memory must be"), std::string::npos) << out;
 }
 
 ds::GpuMemoryPlan plan_modes(const char* preset, int64_t seq, int64_t mb, ds::OptimizerState s, ds::Recompute r) {
@@ -121,14 +126,16 @@ TEST(Plan, RecomputePoliciesOrderTheActivationMemory) {
   EXPECT_EQ(use(none, MemoryUse::Optimizer), use(full, MemoryUse::Optimizer));
 }
 
-TEST(Plan, AutoPicksTheLeastRecomputeThenTheLeanestStateThatFits) {
+TEST(Plan, AutoPicksExactModesBeforeLossyAndCheapRecomputeBeforeFull) {
   if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
   using ds::OptimizerState;
   using ds::Recompute;
   const auto all = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto);
   ASSERT_EQ(all.size(), 6u);
   EXPECT_EQ(all.front(), std::make_pair(OptimizerState::Fp32, Recompute::None));
-  EXPECT_EQ(all[1], std::make_pair(OptimizerState::Bf16, Recompute::None));
+  EXPECT_EQ(all[1], std::make_pair(OptimizerState::Fp32, Recompute::Selective));  // exact before lossy
+  EXPECT_EQ(all[2], std::make_pair(OptimizerState::Bf16, Recompute::None));
+  EXPECT_EQ(all[4], std::make_pair(OptimizerState::Fp32, Recompute::Full));
   EXPECT_EQ(all.back(), std::make_pair(OptimizerState::Bf16, Recompute::Full));
   EXPECT_EQ(ds::memory_candidates(OptimizerState::Fp32, Recompute::Auto).size(), 3u);  // a given mode is kept
   EXPECT_EQ(ds::memory_candidates(OptimizerState::Bf16, Recompute::Full).size(), 1u);
@@ -141,7 +148,8 @@ TEST(Plan, AutoPicksTheLeastRecomputeThenTheLeanestStateThatFits) {
     return std::make_pair(r.optimizer_state, r.recompute);
   };
   EXPECT_EQ(pick(140), std::make_pair(OptimizerState::Fp32, Recompute::None));
-  EXPECT_EQ(pick(64), std::make_pair(OptimizerState::Bf16, Recompute::None));  // 61.6 fp32 + selective would fit too
+  EXPECT_EQ(pick(64), std::make_pair(OptimizerState::Fp32, Recompute::Selective));  // 61.6 GiB; fp32 + none 75.5
+  EXPECT_EQ(pick(50), std::make_pair(OptimizerState::Bf16, Recompute::Selective));  // 47.5 GiB
   EXPECT_EQ(pick(40), std::make_pair(OptimizerState::Bf16, Recompute::Full));
   EXPECT_EQ(pick(1), std::make_pair(OptimizerState::Bf16, Recompute::Full));  // nothing fits: the leanest
   // the 9B shape of the issue fits an H200 only with the bf16 state
@@ -149,6 +157,22 @@ TEST(Plan, AutoPicksTheLeastRecomputeThenTheLeanestStateThatFits) {
   ASSERT_EQ(ds::test::run("plan --model 9b --seq-len 8192 --micro-batch 1", &out), 0) << out;
   EXPECT_NE(out.find("optimizer state bf16"), std::string::npos) << out;
   EXPECT_NE(out.find("GiB of 140.40 GiB: fits\n"), std::string::npos) << out;
+}
+
+// eval's engine (GpuPlan::forward_windows) leaves the modes to the device: a 9B checkpoint that trained on an H200
+// (bf16 state) is evaluated there too, not refused for the fp32 state's 200 GiB and sent to the CPU.
+TEST(Plan, EvalLeavesTheModesToTheDevice) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  const ds::GpuPlan plan = ds::GpuPlan::forward_windows(1, 8192, 1);
+  EXPECT_EQ(plan.optimizer_state, ds::OptimizerState::Auto);
+  EXPECT_EQ(plan.recompute, ds::Recompute::Auto);
+  EXPECT_EQ(plan.max_tokens, ds::GpuPlan::windows(1, 8192, 1).max_tokens);
+  const ds::ModelConfig c = ds::ModelConfig::preset("9b");
+  const auto fits = [](const ds::GpuMemoryPlan& p) { return p.allocation + (512u << 20) < 139.0 * kGiB; };
+  const ds::GpuPlan r = ds::resolve_memory_modes(c, plan, fits);
+  EXPECT_TRUE(fits(ds::plan_gpu_memory(c, r)));
+  ds::GpuPlan fixed = ds::GpuPlan::windows(1, 8192, 1);  // what eval asked for before
+  EXPECT_FALSE(fits(ds::plan_gpu_memory(c, fixed)));
 }
 
 }  // namespace

@@ -170,6 +170,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(r.keep_last, 0);
   EXPECT_EQ(r.max_shard_mb, 5000);
   EXPECT_EQ(r.device, "auto");
+  EXPECT_EQ(r.optimizer_state, "fp32");  // earlier versions kept fp32 state: not `auto`, which may pick bf16
   EXPECT_EQ(r.out, "elsewhere");
   EXPECT_EQ(r.resume, "ck");
   cli.given.push_back("lr");
@@ -412,6 +413,19 @@ TEST(Train, NanGuardAndBadInputs) {
   ASSERT_EQ(run("train --resume " + dir + "/r/checkpoint-1 --threads 1"), 0);  // continues runs/r to step 2
   auto m = metrics(dir + "/r/metrics.jsonl");
   EXPECT_EQ(m.back().value("step", -1), 2);
+  // A checkpoint of a bf16-state (GPU) run resumed on the CPU: the error says it is the checkpoint's mode and
+  // what to give; with --optimizer-state fp32 it continues.
+  fs::copy(dir + "/r/checkpoint-1", dir + "/b16", fs::copy_options::recursive);
+  {
+    json st = json::parse(ds::read_file(dir + "/b16/trainer_state.json"));
+    st["options"]["optimizer_state"] = "bf16";
+    ds::write_file_atomic(dir + "/b16/trainer_state.json", st.dump());
+  }
+  expect_error("train --resume " + dir + "/b16 --out " + dir + "/b16r --device cpu",
+               "is a checkpoint of a run with --optimizer-state bf16");
+  EXPECT_FALSE(fs::exists(dir + "/b16r"));  // before --out is made
+  EXPECT_EQ(run("train --resume " + dir + "/b16 --out " + dir + "/b16r --device cpu --optimizer-state fp32 --threads 1"),
+            0);
   fs::remove_all(dir);
 }
 

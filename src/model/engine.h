@@ -31,7 +31,7 @@ enum class OptimizerState { Auto, Fp32, Bf16 };
 //   selective: the cheap ones rebuilt (norm outputs, SwiGLU output, conv output, q/k l2norm, gated-norm output,
 //              gated attention output; model/gpu_activations.h), one shared buffer each;
 //   full: only each layer's input kept; the backward runs the layer's forward again first;
-//   auto: the least recompute that fits (with the optimizer state, see memory_candidates()).
+//   auto: chosen with the optimizer state to fit the device (the order of memory_candidates(), model/gpu_plan.h).
 // Every policy computes bitwise the same losses and gradients (the rebuilt values are the forward's own bits).
 enum class Recompute { Auto, None, Selective, Full };
 const char* optimizer_state_name(OptimizerState s);  // "auto" | "fp32" | "bf16"
@@ -64,6 +64,16 @@ struct GpuPlan {
     p.max_seqs = micro_batch * docs_per_window;
     p.max_seqlen = seq_len;
     p.rows = micro_batch;
+    return p;
+  }
+  // The same for an engine that only runs forwards (eval): the memory modes left to the engine (Auto: the
+  // leanest that fits the device), since a forward is bitwise the same in every mode (the GEMMs read the same
+  // bf16 weights, the small parameters the same fp32 ones). With the fp32 state a 9B checkpoint would not fit an
+  // H200 for eval although it trained there.
+  static GpuPlan forward_windows(int64_t micro_batch, int64_t seq_len, int64_t docs_per_window) {
+    GpuPlan p = windows(micro_batch, seq_len, docs_per_window);
+    p.optimizer_state = OptimizerState::Auto;
+    p.recompute = Recompute::Auto;
     return p;
   }
 };

@@ -128,10 +128,15 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
 }
 
 std::vector<std::pair<OptimizerState, Recompute>> memory_candidates(OptimizerState s, Recompute r) {
+  // Exact modes before lossy ones, cheap recompute before expensive: the fp32 state with no or selective recompute
+  // (bitwise the same results), then the bf16 state with those, then full recompute (one more forward per step).
+  using OS = OptimizerState;
+  using RC = Recompute;
+  const std::pair<OS, RC> order[] = {{OS::Fp32, RC::None}, {OS::Fp32, RC::Selective}, {OS::Bf16, RC::None},
+                                     {OS::Bf16, RC::Selective}, {OS::Fp32, RC::Full}, {OS::Bf16, RC::Full}};
   std::vector<std::pair<OptimizerState, Recompute>> out;
-  for (Recompute rc : {Recompute::None, Recompute::Selective, Recompute::Full})
-    for (OptimizerState st : {OptimizerState::Fp32, OptimizerState::Bf16})
-      if ((r == Recompute::Auto || r == rc) && (s == OptimizerState::Auto || s == st)) out.emplace_back(st, rc);
+  for (const auto& [st, rc] : order)
+    if ((r == Recompute::Auto || r == rc) && (s == OptimizerState::Auto || s == st)) out.emplace_back(st, rc);
   return out;
 }
 

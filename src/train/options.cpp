@@ -73,6 +73,14 @@ TrainOption opt(const char* flag, TrainMember<T> m, std::type_identity_t<T> def,
   return o;
 }
 
+// o, read as `value` from a checkpoint of an earlier version (which lacks its key: kNewerKey).
+template <class T>
+TrainOption older_reads(TrainOption o, T value) {
+  const TrainMember<T> m = std::get<TrainMember<T>>(o.member);
+  o.set_older = [m, value](TrainOptions& x) { x.*m = value; };
+  return o;
+}
+
 }  // namespace
 
 const std::vector<TrainOption>& train_options() {
@@ -117,14 +125,18 @@ const std::vector<TrainOption>& train_options() {
           kResumable | kNotSaved),
       opt("device", &O::device, "auto", "auto (a GPU when present), cpu or cuda", one_of({"auto", "cpu", "cuda"}),
           kResumable | kNewerKey),
-      opt("optimizer-state", &O::optimizer_state, "auto",
-          "GPU weights and AdamW state: fp32 (18 bytes per parameter), bf16 (stochastic rounding, 10 bytes) or auto",
-          one_of({"auto", "fp32", "bf16"}), kResumable | kNewerKey),
+      // A checkpoint of an earlier version ran with the fp32 state (the only one then): its resume keeps it, where
+      // `auto` could pick bf16 and change the run's numerics.
+      older_reads(opt("optimizer-state", &O::optimizer_state, "auto",
+                      "GPU weights and AdamW state: fp32 (18 bytes per parameter), bf16 (stochastic rounding, 10 "
+                      "bytes) or auto",
+                      one_of({"auto", "fp32", "bf16"}), kResumable | kNewerKey),
+                  std::string("fp32")),
       opt("recompute", &O::recompute, "auto",
           "Activations the GPU backward rebuilds: none, selective, full (keeps only layer inputs) or auto",
           one_of({"auto", "none", "selective", "full"}), kResumable | kNewerKey | kNotSaved),
       opt("memory", &O::memory, "auto",
-          "auto: the memory modes not given are the fastest that fit the GPU; fixed: they are fp32 and selective",
+          "auto: the memory modes not given are chosen to fit the GPU (docs/memory.md); fixed: fp32 and selective",
           one_of({"auto", "fixed"}), kResumable | kNewerKey | kNotSaved),
       opt("move-aside", &O::move_aside, false, "When --out holds another run's files (metrics, checkpoints): move "
           "them into OUT/previous-N/ instead of refusing to start", {}, kResumable | kNotSaved),
@@ -183,7 +195,7 @@ TrainOptions resumed_options(const TrainOptions& cli, const nlohmann::json& save
   try {
     for (const TrainOption& e : train_options()) {
       if (e.has(kNotSaved)) continue;
-      if (e.has(kNewerKey) && !saved.contains(e.key())) e.set_default(r);
+      if (e.has(kNewerKey) && !saved.contains(e.key())) (e.set_older ? e.set_older : e.set_default)(r);
       else std::visit([&](auto m) { saved.at(e.key()).get_to(r.*m); }, e.member);
     }
   } catch (const nlohmann::json::exception& e) {

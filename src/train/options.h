@@ -44,7 +44,7 @@ struct TrainOptions {
 enum TrainOptionTraits : unsigned {
   kResumable = 1,  // a --resume may change it (any other flag given with --resume is an error)
   kNotSaved = 2,   // not in trainer_state.json
-  kNewerKey = 4,   // absent in checkpoints of earlier versions: those read the default
+  kNewerKey = 4,   // absent in checkpoints of earlier versions: those read the default (or set_older's value)
   kGlobal = 8,     // a flag of every subcommand, registered on the top-level app (--threads)
 };
 
@@ -60,6 +60,9 @@ struct TrainOption {
   bool shows_default;  // `--help` shows the default (not for an empty one)
   unsigned traits;     // TrainOptionTraits
   std::function<void(TrainOptions&)> set_default;
+  // kNewerKey options whose earlier versions ran with another value than today's default: what a checkpoint
+  // without the key reads instead (empty: the default).
+  std::function<void(TrainOptions&)> set_older;
   std::function<void(const TrainOptions&)> check;  // ds::Error naming the flag; empty: any value
 
   std::string key() const;

@@ -323,6 +323,16 @@ int train(TrainOptions cli) {
   if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
   TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
+  if (resolve_device(opt.device) != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
+    DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
+             "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",
+             opt.recompute);
+    DS_CHECK(!resumed || opt.was_given("optimizer-state") || opt.optimizer_state != "bf16",
+             "{} is a checkpoint of a run with --optimizer-state bf16, a mode of the GPU engine; to continue it on "
+             "the CPU, give --optimizer-state fp32 (its bf16 weights and moments widen exactly)", opt.resume);
+    DS_CHECK(opt.optimizer_state != "bf16", "--optimizer-state bf16 is a mode of the GPU engine; the CPU engine keeps "
+             "fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)");
+  }
   // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
   // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
   const RunDirectory run_dir(opt.out);
@@ -341,10 +351,6 @@ int train(TrainOptions cli) {
   // The GPU when there is one (auto), else the CPU reference engine.
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
   apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
-  DS_CHECK(resolve_device(opt.device) == "cuda" || !opt.was_given("recompute") || opt.recompute == "auto" ||
-               opt.recompute == "none",
-           "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",
-           opt.recompute);
   std::unique_ptr<Engine> engine = make_engine(opt.device, std::move(model), plan);
   opt.device = engine->device();  // saved in checkpoints: a resume continues on the same engine
   // The optimizer state in use, saved too: a resume keeps the numerics unless --optimizer-state changes them.

@@ -315,13 +315,14 @@ int cmd_bench_ops() {
 
 int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps,
                    const MemoryFlags& memory) {
-  DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");
+  // The flags first: a typo is an error at once, not after the model's weights are made (a minute at 9B).
+  GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
+  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
   DS_CHECK(seq_len >= 2 && micro_batch >= 1 && steps >= 1, "bench step: bad --seq-len/--micro-batch/--steps");
+  DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");
   ModelConfig cfg = ModelConfig::resolve(preset);
   Qwen35Model model(cfg, Qwen35Model::Deferred{});  // initialised per parameter while the engine uploads
   model.defer_init(1234);
-  GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
-  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
   std::unique_ptr<Engine> gpu = make_engine("cuda", std::move(model), plan);
   // Random tokens, one document per row (the HF benchmark's layout).
   PackedBatch b;

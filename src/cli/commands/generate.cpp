@@ -117,7 +117,7 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present; with
   // auto, a model the GPU engine cannot take is evaluated on the CPU (read again: the first reader went to the GPU
   // engine).
-  const GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, set.max_docs_per_window());
+  const GpuPlan plan = GpuPlan::forward_windows(micro_batch, seq_len, set.max_docs_per_window());
   std::unique_ptr<Engine> engine;
   if (resolve_device(device) == "cuda") {
     try {
