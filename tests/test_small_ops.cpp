@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/bf16.h"
+#include "core/cpu_blas.h"
 #include "core/error.h"
 #include "ops/adamw/adamw.h"
 #include "ops/adamw/bf16_state.h"
@@ -210,4 +211,26 @@ TEST(AdamWBf16State, KeepsUpdatesSmallerThanHalfABf16StepInExpectation) {
   ops::adamw_update_bf16(p3.data(), g.data(), m3.data(), v3.data(), n, ap, n);
   EXPECT_EQ(p2, p);
   EXPECT_NE(p3, p);
+}
+
+// OpenBLAS's kernel set by the CPU's features (core/cpu_blas.h): what the binary re-executes with.
+TEST(CpuBlas, OverrideOnlyAnOlderLibraryChoiceAndNeverTheUsers) {
+  EXPECT_TRUE(ds::blas_core_older("Prescott", "SkylakeX"));  // a current Xeon on Debian 12's OpenBLAS
+  EXPECT_TRUE(ds::blas_core_older("Haswell", "SkylakeX"));
+  EXPECT_FALSE(ds::blas_core_older("Cooperlake", "SkylakeX"));  // as good or newer: left alone
+  EXPECT_FALSE(ds::blas_core_older("Zen", "Haswell"));
+  EXPECT_FALSE(ds::blas_core_older("SomethingNew", "Haswell"));  // not understood: left alone
+  EXPECT_EQ(ds::blas_override(nullptr, false, "Prescott", "SkylakeX"), "SkylakeX");
+  EXPECT_EQ(ds::blas_override("Haswell", false, "Haswell", "SkylakeX"), "");  // the user's OPENBLAS_CORETYPE wins
+  EXPECT_EQ(ds::blas_override(nullptr, true, "Prescott", "SkylakeX"), "");    // DELTASTACK_BLAS_CORETYPE=keep
+  EXPECT_EQ(ds::blas_override(nullptr, false, "Prescott", ""), "");           // no vector unit to ask for
+  // This CPU's choice follows its features.
+  __builtin_cpu_init();
+  const std::string want = ds::blas_coretype_for_cpu();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl"))
+    EXPECT_EQ(want, "SkylakeX");
+  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    EXPECT_EQ(want, "Haswell");
+  EXPECT_FALSE(ds::blas_corename().empty());
 }

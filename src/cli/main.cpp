@@ -9,6 +9,7 @@
 #include <new>
 
 #include "cli/commands/commands.h"
+#include "core/cpu_blas.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/parallel.h"
@@ -16,6 +17,7 @@
 #include "train/trainer.h"
 
 int main(int argc, char** argv) {
+  ds::reexec_with_cpu_blas_kernels(argv);  // first: OpenBLAS picked its kernels when it loaded (core/cpu_blas.h)
   std::signal(SIGPIPE, SIG_IGN);  // a closed stdout (`train | head -1`) is a failed write, never a killed run
   CLI::App app{"deltastack: a native training engine for Qwen3.5-class hybrid (Gated DeltaNet + attention) models"};
   app.require_subcommand(0, 1);
