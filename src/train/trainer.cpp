@@ -272,23 +272,33 @@ class WindowSampler {
   std::vector<int64_t> perm_;
 };
 
-// One step's grad_accum micro-batches of micro_batch windows each.
-struct StepBatches {
-  std::vector<PackedBatch> micro;
-  int64_t targets = 0, tokens = 0;
-};
-StepBatches step_batches(WindowSampler& sampler, const PackedDataset& set, const TrainOptions& opt, int64_t step) {
-  StepBatches s;
-  for (int64_t a = 0; a < opt.grad_accum; ++a) {
-    std::vector<int64_t> ws;
-    for (int64_t b = 0; b < opt.micro_batch; ++b)
-      ws.push_back(sampler.at(((step - 1) * opt.grad_accum + a) * opt.micro_batch + b));
-    s.micro.push_back(set.batch(ws));
-    s.targets += s.micro.back().num_targets();
-    s.tokens += s.micro.back().size();
+// One step's grad_accum micro-batches of micro_batch windows each, built one at a time (a large --grad-accum never
+// holds them all): the loss is normalised by the step's target count, so a first pass counts targets and tokens
+// and the step builds each micro-batch again as it runs it (packing is cheap next to a forward).
+class StepBatches {
+ public:
+  StepBatches(WindowSampler& sampler, const PackedDataset& set, const TrainOptions& opt, int64_t step)
+      : sampler_(sampler), set_(set), opt_(opt), step_(step) {
+    for (int64_t a = 0; a < opt.grad_accum; ++a) {
+      const PackedBatch b = micro(a);
+      targets += b.num_targets();
+      tokens += b.size();
+    }
   }
-  return s;
-}
+  PackedBatch micro(int64_t a) const {
+    std::vector<int64_t> ws;
+    for (int64_t b = 0; b < opt_.micro_batch; ++b)
+      ws.push_back(sampler_.at(((step_ - 1) * opt_.grad_accum + a) * opt_.micro_batch + b));
+    return set_.batch(ws);
+  }
+  int64_t targets = 0, tokens = 0;
+
+ private:
+  WindowSampler& sampler_;
+  const PackedDataset& set_;
+  const TrainOptions& opt_;
+  int64_t step_;
+};
 
 // Mean loss per target over the evaluation batches (forward only); NaN without targets.
 double evaluate(Engine& engine, const std::vector<PackedBatch>& batches) {
@@ -397,11 +407,12 @@ int train(TrainOptions cli) {
   const auto t_loop = std::chrono::steady_clock::now();  // the ETA: this session's mean time per step, evals included
   for (int64_t step = start_step + 1; step <= opt.steps && !interrupt.signal(); ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    const StepBatches batches = step_batches(sampler, *data.train, opt, step);
+    const StepBatches batches(sampler, *data.train, opt, step);
     const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
     engine->zero_grads();
     double loss_sum = 0;
-    for (const PackedBatch& b : batches.micro) loss_sum += engine->forward_backward(b, per_target, opt.z_loss).loss_sum;
+    for (int64_t a = 0; a < opt.grad_accum; ++a)
+      loss_sum += engine->forward_backward(batches.micro(a), per_target, opt.z_loss).loss_sum;
     const double loss = batches.targets > 0 ? loss_sum / static_cast<double>(batches.targets) : 0.0;
     const double gnorm = std::sqrt(engine->grad_sum_squares());
     const double lr = lr_at(opt, step);
