@@ -332,6 +332,9 @@ struct Qwen35Model::Impl {
   int64_t num_seqs;
   Buf cos_t, sin_t;
 
+  DecodeState* dec = nullptr;  // generation: the state carried from the earlier tokens (one sequence)
+  int64_t layer = 0;           // the layer running (its slot in dec)
+
   Impl(Qwen35Model& model, const PackedBatch& b)
       : m(model), c(model.cfg_), batch(b), N(b.size()), H(model.cfg_.hidden_size),
         I(model.cfg_.intermediate_size), num_seqs(static_cast<int64_t>(b.cu_seqlens.size()) - 1) {}
@@ -352,7 +355,20 @@ struct Qwen35Model::Impl {
     ops::linear_forward(s.xn1.data(), w.gdn.in_proj_ba, s.bb.data(), N, H, Hv);
     ops::linear_forward(s.xn1.data(), w.gdn.in_proj_a, s.aa.data(), N, H, Hv);
     s.conv_out.resize(N * CD);
-    ops::conv1d_silu_forward(s.mixed.data(), w.gdn.conv1d, batch.cu_seqlens.data(), num_seqs, N, CD, K, s.conv_out.data());
+    if (dec) {  // the conv over [the earlier tokens' last K-1 rows | these], keeping the last K-1 rows again
+      std::vector<float>& tail = dec->conv_tail[static_cast<size_t>(layer)];
+      if (tail.empty()) tail.assign(static_cast<size_t>((K - 1) * CD), 0.0f);  // the causal conv's zero padding
+      Buf ext(tail);
+      ext.insert(ext.end(), s.mixed.begin(), s.mixed.end());
+      Buf ext_out(ext.size());
+      const int32_t cu[2] = {0, static_cast<int32_t>(K - 1 + N)};
+      ops::conv1d_silu_forward(ext.data(), w.gdn.conv1d, cu, 1, K - 1 + N, CD, K, ext_out.data());
+      std::copy(ext_out.begin() + (K - 1) * CD, ext_out.end(), s.conv_out.begin());
+      std::copy(ext.end() - (K - 1) * CD, ext.end(), tail.begin());
+    } else {
+      ops::conv1d_silu_forward(s.mixed.data(), w.gdn.conv1d, batch.cu_seqlens.data(), num_seqs, N, CD, K,
+                               s.conv_out.data());
+    }
     s.qc.resize(N * KD);
     s.kc.resize(N * KD);
     s.vc.resize(N * VD);
@@ -373,9 +389,13 @@ struct Qwen35Model::Impl {
     s.beta.resize(N * Hv);
     ops::gdn_gate_forward(s.aa.data(), s.bb.data(), w.gdn.A_log, w.gdn.dt_bias, s.g.data(), s.beta.data(), N, Hv);
     s.core.resize(N * VD);
+    std::vector<float>* S = dec ? &dec->state[static_cast<size_t>(layer)] : nullptr;
+    if (S && S->empty()) S->assign(static_cast<size_t>(Hv * c.linear_key_head_dim * c.linear_value_head_dim), 0.0f);
+    Buf S_next(S ? S->size() : 0);
     ops::gated_delta_rule_forward(gdn_dims(c, N, num_seqs), s.qn.data(), s.kn.data(), s.vc.data(), s.g.data(),
-                                        s.beta.data(), batch.cu_seqlens.data(), static_cast<const float*>(nullptr),
-                                        s.core.data(), static_cast<float*>(nullptr));
+                                        s.beta.data(), batch.cu_seqlens.data(), S ? static_cast<const float*>(S->data()) : nullptr,
+                                        s.core.data(), S ? S_next.data() : static_cast<float*>(nullptr));
+    if (S) *S = S_next;
     const int64_t rows_v = N * Hv, dv = c.linear_value_head_dim;
     s.rstd_g.resize(rows_v);
     s.y.resize(N * VD);
@@ -448,11 +468,50 @@ struct Qwen35Model::Impl {
     ops::rope_apply(s.kr.data(), N, Hkv, hd, c.rotary_dim(), cos_t.data(), sin_t.data(), false);
     s.ao.resize(N * Hq * hd);
     s.lse.resize(N * Hq);
-    ops::attention_forward(attn_dims(c, N, num_seqs), s.qr.data(), s.kr.data(), s.vraw.data(), batch.cu_seqlens.data(),
-                           s.ao.data(), s.lse.data());
+    if (dec) attn_decode(s);
+    else
+      ops::attention_forward(attn_dims(c, N, num_seqs), s.qr.data(), s.kr.data(), s.vraw.data(),
+                             batch.cu_seqlens.data(), s.ao.data(), s.lse.data());
     s.og.resize(N * Hq * hd);
     ops::output_gate_forward(s.ao.data(), s.graw.data(), s.og.data(), N * Hq * hd);
     ops::linear_forward(s.og.data(), w.attn.o_proj, out.data(), N, Hq * hd, H);
+  }
+
+  // Generation: these N tokens' keys and values appended to the layer's cache, then each query's causal softmax
+  // over every cached position up to its own (the math of ops/attention/attention.h, sums in double).
+  void attn_decode(LayerCache& s) {
+    const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim, group = Hq / Hkv;
+    std::vector<float>& K = dec->keys[static_cast<size_t>(layer)];
+    std::vector<float>& V = dec->values[static_cast<size_t>(layer)];
+    K.insert(K.end(), s.kr.begin(), s.kr.end());
+    V.insert(V.end(), s.vraw.begin(), s.vraw.end());
+    const double scale = attn_dims(c, N, 1).scale;
+    std::vector<double> p;
+    for (int64_t t = 0; t < N; ++t) {
+      const int64_t upto = dec->length + t;  // the query's own position
+      p.resize(static_cast<size_t>(upto + 1));
+      for (int64_t h = 0; h < Hq; ++h) {
+        const float* q = s.qr.data() + (t * Hq + h) * hd;
+        const int64_t g = h / group;
+        double mx = -INFINITY;
+        for (int64_t j = 0; j <= upto; ++j) {
+          const float* k = K.data() + (j * Hkv + g) * hd;
+          double d = 0;
+          for (int64_t e = 0; e < hd; ++e) d += static_cast<double>(q[e]) * k[e];
+          p[static_cast<size_t>(j)] = d * scale;
+          mx = std::max(mx, p[static_cast<size_t>(j)]);
+        }
+        double total = 0;
+        for (int64_t j = 0; j <= upto; ++j) total += p[static_cast<size_t>(j)] = std::exp(p[static_cast<size_t>(j)] - mx);
+        float* o = s.ao.data() + (t * Hq + h) * hd;
+        for (int64_t e = 0; e < hd; ++e) {
+          double acc = 0;
+          for (int64_t j = 0; j <= upto; ++j) acc += p[static_cast<size_t>(j)] * V[static_cast<size_t>((j * Hkv + g) * hd + e)];
+          o[e] = static_cast<float>(acc / total);
+        }
+        s.lse[static_cast<size_t>(t * Hq + h)] = static_cast<float>(mx + std::log(total));
+      }
+    }
   }
 
   void attn_backward(const LayerParams<float*>& w, const LayerParams<float*>& gw, LayerCache& s, const Buf& dout, Buf& dxn) {
@@ -536,6 +595,7 @@ struct Qwen35Model::Impl {
     if (cap && cap->hidden_states) cap->hidden.push_back(h);
     caches.resize(static_cast<size_t>(c.num_hidden_layers));
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      layer = i;
       layer_forward(i, caches[static_cast<size_t>(i)], h);
       if (cap && cap->hidden_states && i + 1 < c.num_hidden_layers) cap->hidden.push_back(h);
     }
@@ -585,6 +645,29 @@ LossResult Qwen35Model::forward_backward(const PackedBatch& batch, double grad_s
   if (grad_scale != 0.0 && grads_.size() != weights_.size()) grads_.assign(weights_.size(), 0.0f);
   Impl impl(*this, batch);
   return impl.run(grad_scale, z_loss, capture);
+}
+
+std::vector<float> Qwen35Model::decode(DecodeState& st, const std::vector<int32_t>& ids) {
+  DS_CHECK(weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
+  DS_CHECK(!ids.empty(), "decode: no tokens");
+  const size_t L = static_cast<size_t>(cfg_.num_hidden_layers);
+  if (st.conv_tail.size() != L) st.conv_tail.assign(L, {}), st.state.assign(L, {}), st.keys.assign(L, {}), st.values.assign(L, {});
+  PackedBatch b;
+  b.input_ids = ids;
+  b.targets.assign(ids.size(), -100);
+  b.cu_seqlens = {0, static_cast<int32_t>(ids.size())};
+  b.finalize("decode");
+  for (int32_t& p : b.positions) p += static_cast<int32_t>(st.length);  // absolute positions (RoPE)
+  Impl impl(*this, b);
+  impl.dec = &st;
+  std::vector<LayerCache> caches;
+  Buf h, hf, rstd_f;
+  impl.trunk_forward(caches, h, hf, rstd_f, nullptr);  // checks positions < max_position_embeddings
+  st.length += static_cast<int64_t>(ids.size());
+  const int64_t H = cfg_.hidden_size;
+  std::vector<float> logits(static_cast<size_t>(cfg_.vocab_size));
+  ops::linear_forward(hf.data() + (b.size() - 1) * H, impl.lm_head_w(), logits.data(), 1, H, cfg_.vocab_size);
+  return logits;
 }
 
 std::vector<float> Qwen35Model::last_logits(const PackedBatch& batch) {

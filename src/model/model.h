@@ -138,6 +138,19 @@ class Qwen35Model {
   // Logits of the last token only [V] (generation).
   std::vector<float> last_logits(const PackedBatch& batch);
 
+  // What generation keeps between tokens (one sequence): per Gated DeltaNet layer the conv input's last K-1 rows
+  // and the recurrent state S [Hv, dk, dv]; per attention layer the keys (after norm and RoPE) and values of
+  // every position so far. A new token then costs one token's work in the GDN layers and one row of scores in
+  // the attention layers, instead of the whole prefix again.
+  struct DecodeState {
+    int64_t length = 0;  // tokens consumed
+    std::vector<std::vector<float>> conv_tail, state, keys, values;  // per layer (empty where it does not apply)
+  };
+  // Appends `ids` (the prompt, then one token at a time) to `st` and returns the logits [V] after the last of
+  // them: what last_logits of the whole sequence so far returns, up to fp32 rounding (the attention sums run in
+  // another order). ds::Error past max_position_embeddings or for an id >= vocab_size.
+  std::vector<float> decode(DecodeState& st, const std::vector<int32_t>& ids);
+
  private:
   struct Impl;
   ModelConfig cfg_;

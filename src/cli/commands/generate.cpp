@@ -55,13 +55,12 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
              "generate: cannot write to stdout ({})", std::strerror(errno));
   };
   emit(prompt);
+  // The prompt once, then one token per step on the carried state (Qwen35Model::decode: O(1) per token in the
+  // GDN layers, one row of scores in the attention layers).
+  Qwen35Model::DecodeState state;
+  std::vector<int32_t> feed = ids;
   for (int64_t n = 0; n < max_new_tokens; ++n) {
-    PackedBatch b;
-    b.input_ids = ids;
-    b.targets.assign(ids.size(), -100);
-    b.cu_seqlens = {0, static_cast<int32_t>(ids.size())};
-    b.finalize("generate");
-    std::vector<float> logits = model.last_logits(b);
+    std::vector<float> logits = model.decode(state, feed);
     // Only ids the tokenizer knows can be sampled.
     int64_t usable = std::min(V, tok_v);
     int32_t next = 0;
@@ -87,6 +86,7 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
     }
     if (next == eos) break;
     ids.push_back(next);
+    feed = {next};
     generated.push_back(next);
     std::string text = tok.decode(generated);
     while (text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0) text.resize(text.size() - 3);
