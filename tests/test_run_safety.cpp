@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -243,6 +244,33 @@ TEST(RunSafety, MetricsAreNeverDeletedOrSpliced) {
     if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
   }
   EXPECT_EQ(steps, (std::vector<int64_t>{3, 4}));
+  fs::remove_all(dir);
+}
+
+// A metrics.jsonl whose last line was cut short (a run killed or a disk filled while writing it): the resume does
+// not append its first line onto the torn one (which lost that line and left invalid JSON mid-file); the torn line
+// goes to metrics-abandoned.jsonl and every line of metrics.jsonl parses.
+TEST(RunSafety, ATornLastMetricsLineIsNotSplicedOnResume) {
+  const std::string dir = tmpdir("torn");
+  const std::string args = small_setup(dir) + " --threads 1 --warmup 1 --eval-interval 0", a = dir + "/a";
+  ASSERT_EQ(run("train " + args + " --steps 2 --save-interval 1 --out " + a), 0);
+  const std::string full = ds::read_file(a + "/metrics.jsonl");
+  ASSERT_GT(full.size(), 20u);
+  const std::string torn = full.substr(0, full.size() - 20);  // the last line without its end
+  ds::write_file_atomic(a + "/metrics.jsonl", torn);
+  std::string log;
+  ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --steps 3 --threads 1", &log), 0) << log;
+  std::vector<int64_t> steps;
+  std::istringstream in(ds::read_file(a + "/metrics.jsonl"));
+  std::string line;
+  while (std::getline(in, line)) {
+    json j;
+    ASSERT_NO_THROW(j = json::parse(line)) << line;
+    if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3}));
+  const std::string last_torn = torn.substr(torn.rfind('\n') + 1);
+  EXPECT_TRUE(contains(read_or_empty(a + "/metrics-abandoned.jsonl"), last_torn)) << "the torn line is kept";
   fs::remove_all(dir);
 }
 

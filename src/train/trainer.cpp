@@ -190,14 +190,19 @@ class MetricsLog {
       : path_((fs::path(out) / RunDirectory::kMetricsName).string()), run_id_(std::move(run_id)) {
     if (file_exists(path_)) {
       std::string kept, later;
-      std::istringstream in(read_file(path_));
+      const std::string text = read_file(path_);
+      // A last line without its newline (a run killed or a disk filled while writing it): a line of this run would
+      // be appended onto it, so the file is rewritten, and a torn line that does not parse goes with the abandoned.
+      const bool unterminated = !text.empty() && text.back() != '\n';
+      std::istringstream in(text);
       std::string line;
       while (std::getline(in, line)) {
         bool past = false;
         try {
           const json j = json::parse(line);
           past = j.is_object() && j.value("step", int64_t{0}) > start_step;
-        } catch (const json::exception&) {  // not ours to judge: kept as it is
+        } catch (const json::exception&) {  // not ours to judge: kept as it is, unless it is a torn last line
+          past = unterminated && in.eof();
         }
         (past ? later : kept) += line + "\n";
       }
@@ -206,6 +211,8 @@ class MetricsLog {
         append_durably(abandoned, later);
         write_file_atomic(path_, kept);
         log_info("{}: the lines past step {} (an earlier attempt's) moved to {}", path_, start_step, abandoned);
+      } else if (unterminated) {
+        write_file_atomic(path_, kept);
       }
     }
     file_.open(path_, std::ios::app);
