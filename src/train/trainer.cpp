@@ -124,6 +124,16 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::
     val_docs.assign(docs.end() - n_val, docs.end());
   }
   DS_CHECK(!train_docs.empty(), "data: no training documents left after holding out {} for validation", n_val);
+  // Chat / SFT data whose loss masks label nothing (only user turns, an empty completion): every step would report
+  // loss 0 and still move the weights (weight decay, the moments), and the evaluation would be NaN.
+  const bool any_label = std::any_of(train_docs.begin(), train_docs.end(), [](const TokenizedSample& d) {
+    if (d.loss_mask.empty()) return d.ids.size() >= 2;
+    return std::find(d.loss_mask.begin() + std::min<size_t>(1, d.loss_mask.size()), d.loss_mask.end(), 1) !=
+           d.loss_mask.end();
+  });
+  DS_CHECK(any_label, "data: none of the {} training documents has a labelled token (chat samples label only the "
+           "assistant turns, prompt / completion pairs only the completion): there is nothing to train on",
+           train_docs.size());
   TrainData d;
   d.fingerprint = {{"train_documents", train_docs.size()}, {"train_fingerprint", documents_fingerprint(train_docs)},
                    {"val_documents", val_docs.size()}, {"val_fingerprint", documents_fingerprint(val_docs)}};
