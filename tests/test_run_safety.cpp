@@ -170,6 +170,26 @@ TEST(RunSafety, SigtermFinishesTheSaveAndASecondSignalStopsAtOnce) {
   fs::remove_all(dir);
 }
 
+// A second signal while --keep-last removes an older checkpoint names the checkpoint just saved, not the one being
+// removed (which was gone when the message named it).
+TEST(RunSafety, ASecondSignalDuringKeepLastNamesTheNewCheckpoint) {
+  const std::string dir = tmpdir("prune_signal");
+  const std::string args = small_setup(dir) + " --threads 1 --save-interval 1 --keep-last 1", out = dir + "/o";
+  ::setenv("DELTASTACK_TEST_PRUNE_PAUSE_MS", "3000", 1);
+  const pid_t pid = spawn("train " + args + " --steps 100000 --out " + out, dir + "/log");
+  ::unsetenv("DELTASTACK_TEST_PRUNE_PAUSE_MS");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(out + "/.checkpoint-1.old.tmp"); })) << read_or_empty(dir + "/log");
+  ::kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // two pending SIGINTs would merge into one
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(wait_exit(pid), 130);
+  const std::string log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "second signal: stopping now; the last complete checkpoint is " + out +
+                                "/checkpoint-2 ")) << log;
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-2/trainer_state.json"));
+  fs::remove_all(dir);
+}
+
 // 2. A closed stdout (`train | head -1`): SIGPIPE is ignored and failed writes are too; the run ends normally with its
 // checkpoint.
 TEST(RunSafety, ClosedStdoutDoesNotStopTraining) {

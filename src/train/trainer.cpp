@@ -408,9 +408,11 @@ int train(TrainOptions cli) {
   if (resumed) interrupt.set_last_checkpoint(saved_dir);
   auto save = [&] {
     progress.elapsed_s = elapsed();
-    saved_dir = checkpoints.save(*engine, progress);
-    saved_step = progress.step;
-    interrupt.set_last_checkpoint(saved_dir);
+    checkpoints.save(*engine, progress, [&](const std::string& dir) {  // before --keep-last prunes the older ones
+      saved_dir = dir;
+      saved_step = progress.step;
+      interrupt.set_last_checkpoint(saved_dir);
+    });
   };
 
   if (start_step == 0 && !data.eval_batches.empty()) {
