@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -291,6 +292,29 @@ TEST(RunSafety, ATornLastMetricsLineIsNotSplicedOnResume) {
   EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3}));
   const std::string last_torn = torn.substr(torn.rfind('\n') + 1);
   EXPECT_TRUE(contains(read_or_empty(a + "/metrics-abandoned.jsonl"), last_torn)) << "the torn line is kept";
+  fs::remove_all(dir);
+}
+
+// --out that is a checkpoint directory (or lies inside one) is refused before anything is written there: the run's
+// files would be deleted with the checkpoint by its own run's --keep-last.
+TEST(RunSafety, OutIsNeverACheckpointDirectory) {
+  const std::string dir = tmpdir("out_in_ckpt");
+  const std::string args = small_setup(dir) + " --threads 1 --warmup 1", a = dir + "/a";
+  ASSERT_EQ(run("train " + args + " --steps 2 --save-interval 1 --out " + a), 0);
+  const std::string ck = a + "/checkpoint-1";
+  std::vector<std::string> before;
+  for (const auto& e : fs::directory_iterator(ck)) before.push_back(e.path().filename().string());
+  std::string log;
+  for (const std::string& out : {ck, ck + "/sub"}) {
+    EXPECT_EQ(run("train --resume " + ck + " --out " + out, &log), 1) << log;
+    EXPECT_TRUE(contains(log, "is a checkpoint directory")) << log;
+    EXPECT_EQ(run("train " + args + " --steps 1 --out " + out, &log), 1) << log;
+  }
+  std::vector<std::string> after;
+  for (const auto& e : fs::directory_iterator(ck)) after.push_back(e.path().filename().string());
+  std::sort(before.begin(), before.end());
+  std::sort(after.begin(), after.end());
+  EXPECT_EQ(after, before);
   fs::remove_all(dir);
 }
 

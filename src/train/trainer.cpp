@@ -180,6 +180,18 @@ void check_data_fingerprint(const TrainOptions& opt, const json& saved, const js
   log_warn("{} (--data-changed error makes this an error)", msg);
 }
 
+// --out must not be a checkpoint directory or lie inside one (`--resume R/checkpoint-2 --out R/checkpoint-2`): the
+// run's lock, metrics and checkpoints would go into it, and --keep-last of the run it belongs to would delete them
+// with it.
+void check_out_is_no_checkpoint(const std::string& out) {
+  std::error_code ec;
+  for (fs::path p = fs::weakly_canonical(fs::absolute(out), ec);; p = p.parent_path()) {
+    DS_CHECK(!fs::exists(p / "trainer_state.json", ec), "--out {}: {} is a checkpoint directory; a run's directory "
+             "holds checkpoints, it is not inside one (give another --out)", out, p.string());
+    if (p == p.parent_path() || p.empty()) break;
+  }
+}
+
 // Appends `text` to `path` and fsyncs it (created when missing). ds::Error naming the path on failure.
 void append_durably(const std::string& path, const std::string& text) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -362,6 +374,7 @@ int train(TrainOptions cli) {
   }
   // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
   // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
+  check_out_is_no_checkpoint(opt.out);
   const RunDirectory run_dir(opt.out);
   run_dir.remove_stale_temps(opt.resume);
   // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
