@@ -318,6 +318,27 @@ TEST(RunSafety, OutIsNeverACheckpointDirectory) {
   fs::remove_all(dir);
 }
 
+// A training run's metrics (a directory with the run lock) are never an output of plot or tokenize, even with
+// --overwrite: `plot RUN --out RUN/metrics-abandoned.jsonl --overwrite` replaced the abandoned lines with an SVG.
+TEST(RunSafety, OutputsNeverReplaceARunsMetrics) {
+  const std::string dir = tmpdir("run_metrics"), r = dir + "/r";
+  fs::create_directories(r);
+  const std::string line = "{\"step\":1,\"loss\":2.5,\"run_id\":\"x\"}\n";
+  for (const char* f : {"metrics.jsonl", "metrics-abandoned.jsonl", ".deltastack.lock"})
+    ds::write_file_atomic(r + "/" + f, line);
+  ds::write_file_atomic(dir + "/in.jsonl", "{\"text\":\"hello\"}\n");
+  std::string log;
+  for (const char* f : {"metrics.jsonl", "metrics-abandoned.jsonl", ".deltastack.lock"}) {
+    EXPECT_EQ(run("plot " + r + " --out " + r + "/" + f + " --overwrite", &log), 1) << f << "\n" << log;
+    EXPECT_EQ(run("tokenize --tokenizer " + ds::test::data_path("qwen3_tokenizer/tokenizer.json") + " --input " +
+                  dir + "/in.jsonl --output " + r + "/" + f + " --overwrite", &log), 1) << f << "\n" << log;
+    EXPECT_TRUE(contains(log, "would replace the training run's")) << log;
+    EXPECT_EQ(ds::read_file(r + "/" + f), line) << f;
+  }
+  EXPECT_EQ(run("plot " + r + " --out " + r + "/metrics.svg"), 0);  // a new file beside them is fine
+  fs::remove_all(dir);
+}
+
 // 4. forward and tokenize never write over their inputs (also through a symlink), each other, or a checkpoint's
 // files; an existing output only with --overwrite. Every refusal is exit 1 with the flag named and the file intact.
 TEST(RunSafety, OutputsNeverReplaceInputs) {
