@@ -317,4 +317,24 @@ TEST(Chat, TrainsOnChatData) {
   fs::remove_all(dir);
 }
 
+// Chat data that labels nothing (user turns only, empty completions) is an error before training, not steps that
+// report loss 0 while the weights still move and an eval_loss of NaN.
+TEST(Chat, TrainingDataWithoutALabelIsAnError) {
+  const std::string dir = ds::test::fresh_tmpdir("chat_nolabel");
+  std::string args = ds::test::small_setup(dir);
+  args.replace(args.find(dir + "/corpus.txt"), dir.size() + 11, dir + "/chat.jsonl");
+  std::string lines;
+  for (int i = 0; i < 24; ++i) {
+    lines += json{{"messages", json::array({{{"role", "user"}, {"content", "question " + std::to_string(i)}}})}}.dump() +
+             "\n";
+    lines += json{{"prompt", "prompt " + std::to_string(i)}, {"completion", ""}}.dump() + "\n";
+  }
+  ds::write_file_atomic(dir + "/chat.jsonl", lines);
+  std::string log;
+  EXPECT_EQ(ds::test::run("train " + args + " --threads 1 --steps 2 --out " + dir + "/run", &log), 1) << log;
+  EXPECT_NE(log.find("has a labelled token"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(dir + "/run/checkpoint-2"));
+  fs::remove_all(dir);
+}
+
 }  // namespace

@@ -7,10 +7,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -169,6 +171,26 @@ TEST(RunSafety, SigtermFinishesTheSaveAndASecondSignalStopsAtOnce) {
   fs::remove_all(dir);
 }
 
+// A second signal while --keep-last removes an older checkpoint names the checkpoint just saved, not the one being
+// removed (which was gone when the message named it).
+TEST(RunSafety, ASecondSignalDuringKeepLastNamesTheNewCheckpoint) {
+  const std::string dir = tmpdir("prune_signal");
+  const std::string args = small_setup(dir) + " --threads 1 --save-interval 1 --keep-last 1", out = dir + "/o";
+  ::setenv("DELTASTACK_TEST_PRUNE_PAUSE_MS", "3000", 1);
+  const pid_t pid = spawn("train " + args + " --steps 100000 --out " + out, dir + "/log");
+  ::unsetenv("DELTASTACK_TEST_PRUNE_PAUSE_MS");
+  ASSERT_TRUE(wait_for([&] { return fs::exists(out + "/.checkpoint-1.old.tmp"); })) << read_or_empty(dir + "/log");
+  ::kill(pid, SIGINT);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // two pending SIGINTs would merge into one
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(wait_exit(pid), 130);
+  const std::string log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "second signal: stopping now; the last complete checkpoint is " + out +
+                                "/checkpoint-2 ")) << log;
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-2/trainer_state.json"));
+  fs::remove_all(dir);
+}
+
 // 2. A closed stdout (`train | head -1`): SIGPIPE is ignored and failed writes are too; the run ends normally with its
 // checkpoint.
 TEST(RunSafety, ClosedStdoutDoesNotStopTraining) {
@@ -243,6 +265,77 @@ TEST(RunSafety, MetricsAreNeverDeletedOrSpliced) {
     if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
   }
   EXPECT_EQ(steps, (std::vector<int64_t>{3, 4}));
+  fs::remove_all(dir);
+}
+
+// A metrics.jsonl whose last line was cut short (a run killed or a disk filled while writing it): the resume does
+// not append its first line onto the torn one (which lost that line and left invalid JSON mid-file); the torn line
+// goes to metrics-abandoned.jsonl and every line of metrics.jsonl parses.
+TEST(RunSafety, ATornLastMetricsLineIsNotSplicedOnResume) {
+  const std::string dir = tmpdir("torn");
+  const std::string args = small_setup(dir) + " --threads 1 --warmup 1 --eval-interval 0", a = dir + "/a";
+  ASSERT_EQ(run("train " + args + " --steps 2 --save-interval 1 --out " + a), 0);
+  const std::string full = ds::read_file(a + "/metrics.jsonl");
+  ASSERT_GT(full.size(), 20u);
+  const std::string torn = full.substr(0, full.size() - 20);  // the last line without its end
+  ds::write_file_atomic(a + "/metrics.jsonl", torn);
+  std::string log;
+  ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --steps 3 --threads 1", &log), 0) << log;
+  std::vector<int64_t> steps;
+  std::istringstream in(ds::read_file(a + "/metrics.jsonl"));
+  std::string line;
+  while (std::getline(in, line)) {
+    json j;
+    ASSERT_NO_THROW(j = json::parse(line)) << line;
+    if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3}));
+  const std::string last_torn = torn.substr(torn.rfind('\n') + 1);
+  EXPECT_TRUE(contains(read_or_empty(a + "/metrics-abandoned.jsonl"), last_torn)) << "the torn line is kept";
+  fs::remove_all(dir);
+}
+
+// --out that is a checkpoint directory (or lies inside one) is refused before anything is written there: the run's
+// files would be deleted with the checkpoint by its own run's --keep-last.
+TEST(RunSafety, OutIsNeverACheckpointDirectory) {
+  const std::string dir = tmpdir("out_in_ckpt");
+  const std::string args = small_setup(dir) + " --threads 1 --warmup 1", a = dir + "/a";
+  ASSERT_EQ(run("train " + args + " --steps 2 --save-interval 1 --out " + a), 0);
+  const std::string ck = a + "/checkpoint-1";
+  std::vector<std::string> before;
+  for (const auto& e : fs::directory_iterator(ck)) before.push_back(e.path().filename().string());
+  std::string log;
+  for (const std::string& out : {ck, ck + "/sub"}) {
+    EXPECT_EQ(run("train --resume " + ck + " --out " + out, &log), 1) << log;
+    EXPECT_TRUE(contains(log, "is a checkpoint directory")) << log;
+    EXPECT_EQ(run("train " + args + " --steps 1 --out " + out, &log), 1) << log;
+  }
+  std::vector<std::string> after;
+  for (const auto& e : fs::directory_iterator(ck)) after.push_back(e.path().filename().string());
+  std::sort(before.begin(), before.end());
+  std::sort(after.begin(), after.end());
+  EXPECT_EQ(after, before);
+  fs::remove_all(dir);
+}
+
+// A training run's metrics (a directory with the run lock) are never an output of plot or tokenize, even with
+// --overwrite: `plot RUN --out RUN/metrics-abandoned.jsonl --overwrite` replaced the abandoned lines with an SVG.
+TEST(RunSafety, OutputsNeverReplaceARunsMetrics) {
+  const std::string dir = tmpdir("run_metrics"), r = dir + "/r";
+  fs::create_directories(r);
+  const std::string line = "{\"step\":1,\"loss\":2.5,\"run_id\":\"x\"}\n";
+  for (const char* f : {"metrics.jsonl", "metrics-abandoned.jsonl", ".deltastack.lock"})
+    ds::write_file_atomic(r + "/" + f, line);
+  ds::write_file_atomic(dir + "/in.jsonl", "{\"text\":\"hello\"}\n");
+  std::string log;
+  for (const char* f : {"metrics.jsonl", "metrics-abandoned.jsonl", ".deltastack.lock"}) {
+    EXPECT_EQ(run("plot " + r + " --out " + r + "/" + f + " --overwrite", &log), 1) << f << "\n" << log;
+    EXPECT_EQ(run("tokenize --tokenizer " + ds::test::data_path("qwen3_tokenizer/tokenizer.json") + " --input " +
+                  dir + "/in.jsonl --output " + r + "/" + f + " --overwrite", &log), 1) << f << "\n" << log;
+    EXPECT_TRUE(contains(log, "would replace the training run's")) << log;
+    EXPECT_EQ(ds::read_file(r + "/" + f), line) << f;
+  }
+  EXPECT_EQ(run("plot " + r + " --out " + r + "/metrics.svg"), 0);  // a new file beside them is fine
   fs::remove_all(dir);
 }
 

@@ -119,7 +119,8 @@ bool Checkpoints::due(int64_t step) const {
   return step == opt_.steps || (step <= opt_.steps && opt_.save_interval > 0 && step % opt_.save_interval == 0);
 }
 
-std::string Checkpoints::save(Engine& engine, const TrainerState& state) {
+std::string Checkpoints::save(Engine& engine, const TrainerState& state,
+                              const std::function<void(const std::string&)>& saved) {
   const std::string final_dir = (fs::path(opt_.out) / fmt::format("checkpoint-{}", state.step)).string();
   const std::string tmp_dir = (fs::path(opt_.out) / fmt::format(".checkpoint-{}.tmp", state.step)).string();
   fs::remove_all(tmp_dir);
@@ -158,6 +159,7 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state) {
   rename_into_place(tmp_dir, final_dir);
   fsync_dir(opt_.out);
   log_info("saved {}", final_dir);
+  if (saved) saved(final_dir);
   if (opt_.keep_last > 0) prune(state.step);
   return final_dir;
 }
@@ -189,6 +191,9 @@ void Checkpoints::prune(int64_t step) {
       fs::remove_all(doomed);
       fs::rename(older[i].second, doomed);
       fsync_dir(opt_.out);
+      // Fault-injection hook for the crash-safety tests (a signal while an older checkpoint is being removed).
+      if (const char* pause = std::getenv("DELTASTACK_TEST_PRUNE_PAUSE_MS"))
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::strtol(pause, nullptr, 10)));
       fs::remove_all(doomed);
       log_info("removed {} (--keep-last {})", older[i].second.string(), opt_.keep_last);
     } catch (const std::exception& e) {

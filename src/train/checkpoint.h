@@ -3,6 +3,7 @@
 // kill never leaves a partial checkpoint-STEP; --keep-last prunes the run's older ones; resume reads them back.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -49,9 +50,11 @@ class Checkpoints {
 
   // Whether the run saves a checkpoint after `step`: every --save-interval steps and at the last one.
   bool due(int64_t step) const;
-  // Saves checkpoint-<state.step> (replacing one of the same step atomically), then prunes for --keep-last.
-  // Returns the checkpoint's path.
-  std::string save(Engine& engine, const TrainerState& state);
+  // Saves checkpoint-<state.step> (replacing one of the same step atomically), calls `saved` with its path once it
+  // is durable, then prunes for --keep-last (so what `saved` records, e.g. the checkpoint a second signal names, is
+  // never one that the pruning is removing). Returns the checkpoint's path.
+  std::string save(Engine& engine, const TrainerState& state,
+                   const std::function<void(const std::string&)>& saved = {});
 
  private:
   void prune(int64_t step);

@@ -124,6 +124,16 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::
     val_docs.assign(docs.end() - n_val, docs.end());
   }
   DS_CHECK(!train_docs.empty(), "data: no training documents left after holding out {} for validation", n_val);
+  // Chat / SFT data whose loss masks label nothing (only user turns, an empty completion): every step would report
+  // loss 0 and still move the weights (weight decay, the moments), and the evaluation would be NaN.
+  const bool any_label = std::any_of(train_docs.begin(), train_docs.end(), [](const TokenizedSample& d) {
+    if (d.loss_mask.empty()) return d.ids.size() >= 2;
+    return std::find(d.loss_mask.begin() + std::min<size_t>(1, d.loss_mask.size()), d.loss_mask.end(), 1) !=
+           d.loss_mask.end();
+  });
+  DS_CHECK(any_label, "data: none of the {} training documents has a labelled token (chat samples label only the "
+           "assistant turns, prompt / completion pairs only the completion): there is nothing to train on",
+           train_docs.size());
   TrainData d;
   d.fingerprint = {{"train_documents", train_docs.size()}, {"train_fingerprint", documents_fingerprint(train_docs)},
                    {"val_documents", val_docs.size()}, {"val_fingerprint", documents_fingerprint(val_docs)}};
@@ -170,6 +180,18 @@ void check_data_fingerprint(const TrainOptions& opt, const json& saved, const js
   log_warn("{} (--data-changed error makes this an error)", msg);
 }
 
+// --out must not be a checkpoint directory or lie inside one (`--resume R/checkpoint-2 --out R/checkpoint-2`): the
+// run's lock, metrics and checkpoints would go into it, and --keep-last of the run it belongs to would delete them
+// with it.
+void check_out_is_no_checkpoint(const std::string& out) {
+  std::error_code ec;
+  for (fs::path p = fs::weakly_canonical(fs::absolute(out), ec);; p = p.parent_path()) {
+    DS_CHECK(!fs::exists(p / "trainer_state.json", ec), "--out {}: {} is a checkpoint directory; a run's directory "
+             "holds checkpoints, it is not inside one (give another --out)", out, p.string());
+    if (p == p.parent_path() || p.empty()) break;
+  }
+}
+
 // Appends `text` to `path` and fsyncs it (created when missing). ds::Error naming the path on failure.
 void append_durably(const std::string& path, const std::string& text) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -190,14 +212,19 @@ class MetricsLog {
       : path_((fs::path(out) / RunDirectory::kMetricsName).string()), run_id_(std::move(run_id)) {
     if (file_exists(path_)) {
       std::string kept, later;
-      std::istringstream in(read_file(path_));
+      const std::string text = read_file(path_);
+      // A last line without its newline (a run killed or a disk filled while writing it): a line of this run would
+      // be appended onto it, so the file is rewritten, and a torn line that does not parse goes with the abandoned.
+      const bool unterminated = !text.empty() && text.back() != '\n';
+      std::istringstream in(text);
       std::string line;
       while (std::getline(in, line)) {
         bool past = false;
         try {
           const json j = json::parse(line);
           past = j.is_object() && j.value("step", int64_t{0}) > start_step;
-        } catch (const json::exception&) {  // not ours to judge: kept as it is
+        } catch (const json::exception&) {  // not ours to judge: kept as it is, unless it is a torn last line
+          past = unterminated && in.eof();
         }
         (past ? later : kept) += line + "\n";
       }
@@ -206,6 +233,8 @@ class MetricsLog {
         append_durably(abandoned, later);
         write_file_atomic(path_, kept);
         log_info("{}: the lines past step {} (an earlier attempt's) moved to {}", path_, start_step, abandoned);
+      } else if (unterminated) {
+        write_file_atomic(path_, kept);
       }
     }
     file_.open(path_, std::ios::app);
@@ -345,6 +374,7 @@ int train(TrainOptions cli) {
   }
   // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
   // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
+  check_out_is_no_checkpoint(opt.out);
   const RunDirectory run_dir(opt.out);
   run_dir.remove_stale_temps(opt.resume);
   // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
@@ -391,9 +421,11 @@ int train(TrainOptions cli) {
   if (resumed) interrupt.set_last_checkpoint(saved_dir);
   auto save = [&] {
     progress.elapsed_s = elapsed();
-    saved_dir = checkpoints.save(*engine, progress);
-    saved_step = progress.step;
-    interrupt.set_last_checkpoint(saved_dir);
+    checkpoints.save(*engine, progress, [&](const std::string& dir) {  // before --keep-last prunes the older ones
+      saved_dir = dir;
+      saved_step = progress.step;
+      interrupt.set_last_checkpoint(saved_dir);
+    });
   };
 
   if (start_step == 0 && !data.eval_batches.empty()) {

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "train/run_dir.h"
 
 namespace fs = std::filesystem;
 
@@ -53,6 +54,13 @@ void check_outputs(const std::vector<OutputFile>& outputs, const std::vector<std
     const fs::path parent = p.parent_path();
     DS_CHECK(!fs::exists(parent / "trainer_state.json", ec) && !fs::exists(parent / "config.json", ec),
              "{} {}: would replace a file of the checkpoint / model directory {}; write it elsewhere", o.flag, o.path,
+             parent.string());
+    // A training run's directory (its lock file): its metrics are never replaced, --overwrite or not.
+    const std::string name = p.filename().string();
+    DS_CHECK(!fs::exists(parent / RunDirectory::kLockName, ec) ||
+                 (name != RunDirectory::kMetricsName && name != RunDirectory::kAbandonedMetricsName &&
+                  name != RunDirectory::kLockName),
+             "{} {}: would replace the training run's {} in {}; write it elsewhere", o.flag, o.path, name,
              parent.string());
     DS_CHECK(overwrite, "{} {}: exists; pass --overwrite to replace it", o.flag, o.path);
   }
