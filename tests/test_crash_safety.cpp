@@ -52,9 +52,11 @@ struct OutDir {
 };
 
 OutDir scan(const std::string& out) {
-  // Besides checkpoints and temps: the metrics, the lock, and another run's files moved aside (--move-aside).
+  // Besides checkpoints and temps: the metrics, the lock, another run's files moved aside (--move-aside) and an
+  // abandoned history's later checkpoints (a resume from an earlier step).
   static const std::regex ck("checkpoint-([0-9]+)"), tmp("\\.checkpoint-[0-9]+\\.tmp"),
-      bookkeeping("metrics\\.jsonl(\\.tmp\\.[0-9]+)?|metrics-abandoned\\.jsonl|\\.deltastack\\.lock|previous-[0-9]+");
+      bookkeeping("metrics\\.jsonl(\\.tmp\\.[0-9]+)?|metrics-abandoned\\.jsonl|\\.deltastack\\.lock|previous-[0-9]+|"
+                  "abandoned-[0-9]+");
   OutDir d;
   if (!fs::exists(out)) return d;
   for (const auto& e : fs::directory_iterator(out)) {
@@ -258,8 +260,8 @@ TEST(CrashSafety, NanMidRunStopsAndKeepsCheckpoints) {
     for (float w : m.weights()) mx = std::max(mx, std::fabs(w));
     EXPECT_GT(mx, 1e20f);  // the poisoned update happened
   }
-  // Nothing was logged for step 5 (metrics stop at 4) and the stale poisoned checkpoint-4 is replaced in place by a
-  // resume from the good checkpoint-3 (RENAME_EXCHANGE: checkpoint-4 exists throughout).
+  // Nothing was logged for step 5 (metrics stop at 4). A resume from the good checkpoint-3 moves the poisoned
+  // checkpoint-4 (the abandoned history's) whole into abandoned-1/ and writes its own step 4.
   auto losses = train_losses(out + "/metrics.jsonl");
   EXPECT_EQ(losses.size(), 4u);
   ASSERT_EQ(run("train --resume " + out + "/checkpoint-3 --steps 4 --threads 1 --out " + out, &log), 0) << log;
@@ -267,6 +269,7 @@ TEST(CrashSafety, NanMidRunStopsAndKeepsCheckpoints) {
   EXPECT_TRUE(d.other.empty()) << d.other.size();
   EXPECT_TRUE(d.temps.empty());
   expect_complete(out + "/checkpoint-4", 4, tok);
+  expect_complete(out + "/abandoned-1/checkpoint-4", 4, tok);  // the poisoned one, kept as it was
   {
     ds::Qwen35Model m(ds::ModelConfig::from_file(out + "/checkpoint-4"));
     m.load(out + "/checkpoint-4");

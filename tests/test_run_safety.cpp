@@ -234,8 +234,15 @@ TEST(RunSafety, MetricsAreNeverDeletedOrSpliced) {
   EXPECT_EQ(ds::read_file(a + "/metrics.jsonl"), a_metrics);
   EXPECT_EQ(ds::read_file(b + "/metrics.jsonl"), b_metrics);
 
-  // Resume of a from step 2 in its own directory: the old lines of steps 3-4 move, the new ones follow step 2.
+  // Resume of a from step 2 in its own directory: the old lines of steps 3-4 move, the new ones follow step 2, and
+  // the abandoned history's checkpoint-4 moves whole into a/abandoned-1/ (the new run's save of step 4 would
+  // otherwise replace it).
+  const std::string old4 = ds::read_file(a + "/checkpoint-4/trainer_state.json");
   ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --threads 1", &log), 0) << log;
+  EXPECT_EQ(ds::read_file(a + "/abandoned-1/checkpoint-4/trainer_state.json"), old4);
+  EXPECT_TRUE(fs::exists(a + "/abandoned-1/checkpoint-4/model.safetensors"));
+  EXPECT_FALSE(fs::exists(a + "/abandoned-1/checkpoint-2"));  // the resumed step itself stays where it is
+  EXPECT_NE(ds::read_file(a + "/checkpoint-4/trainer_state.json"), old4);  // this run's own step 4 (new session)
   const std::string run_id =
       json::parse(ds::read_file(a + "/checkpoint-4/trainer_state.json"))["run_id"].get<std::string>();
   std::string old_later;

@@ -320,7 +320,7 @@ TEST(Export, Bf16MatchesReleaseLayoutFixture) {
 
 // --keep-last 2 with a checkpoint every step: only the two newest stay, and a resume from the newest may keep
 // another number (it is not run-defining); foreign directories are left alone; a resume from an older checkpoint
-// never removes what it just saved or a newer checkpoint of the abandoned run.
+// never removes what it just saved, and moves the abandoned run's newer checkpoints into OUT/abandoned-K/.
 TEST(Train, KeepLastCheckpoints) {
   std::string dir = tmpdir("keep");
   std::string args = small_setup(dir);
@@ -332,28 +332,30 @@ TEST(Train, KeepLastCheckpoints) {
   ASSERT_EQ(run("train --resume " + dir + "/a/checkpoint-4 --steps 6 --threads 1 --keep-last 1"), 0);
   for (int s = 1; s <= 6; ++s) EXPECT_EQ(fs::exists(dir + "/a/checkpoint-" + std::to_string(s)), s == 6) << s;
   EXPECT_NE(run("train " + args + " --steps 1 --keep-last -1 --out " + dir + "/b"), 0);
-  // Resuming an earlier checkpoint into the same directory (a trailing slash too): the new checkpoint-2 and the
-  // abandoned, higher checkpoint-3 stay; only older ones are pruned.
+  // Resuming an earlier checkpoint into the same directory (a trailing slash too): the new checkpoint-2 stays, the
+  // abandoned, higher checkpoint-3 moves whole into c/abandoned-1/; only older ones are pruned.
   ASSERT_EQ(run("train " + args + " --steps 3 --warmup 1 --threads 1 --save-interval 1 --out " + dir + "/c"), 0);
   ASSERT_EQ(run("train --resume " + dir + "/c/checkpoint-1/ --steps 2 --threads 1 --keep-last 1"), 0);
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-1"));
   EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-2/model.safetensors"));
-  EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-3/model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir + "/c/abandoned-1/checkpoint-3/model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-3"));
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-1/checkpoint-2"));
   for (const auto& e : fs::directory_iterator(dir + "/c"))
     EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
   // A new run (another seed, not a resume) into a directory holding another run's checkpoints: refused, nothing
   // touched; with --move-aside they go to c/previous-1/ as they were and --keep-last prunes only the new run's own.
   std::string log;
-  const std::string old3 = ds::read_file(dir + "/c/checkpoint-3/model.safetensors");
+  const std::string old3 = ds::read_file(dir + "/c/abandoned-1/checkpoint-3/model.safetensors");
   const std::string new_run = "train " + args + " --steps 4 --warmup 1 --threads 1 --save-interval 2 --keep-last 1 "
                               "--seed 99 --out " + dir + "/c";
   EXPECT_EQ(run(new_run, &log), 1) << log;
-  EXPECT_NE(log.find("holds another run's files (checkpoint-2, checkpoint-3, metrics-abandoned.jsonl, metrics.jsonl)"),
+  EXPECT_NE(log.find("holds another run's files (checkpoint-2, metrics-abandoned.jsonl, metrics.jsonl)"),
             std::string::npos) << log;
-  EXPECT_EQ(ds::read_file(dir + "/c/checkpoint-3/model.safetensors"), old3);
+  EXPECT_EQ(ds::read_file(dir + "/c/abandoned-1/checkpoint-3/model.safetensors"), old3);
   ASSERT_EQ(run(new_run + " --move-aside", &log), 0) << log;
-  EXPECT_EQ(ds::read_file(dir + "/c/previous-1/checkpoint-3/model.safetensors"), old3);  // the other run's, as it was
+  EXPECT_TRUE(fs::exists(dir + "/c/previous-1/checkpoint-2/model.safetensors"));  // the other run's, as it was
+  EXPECT_EQ(ds::read_file(dir + "/c/abandoned-1/checkpoint-3/model.safetensors"), old3);
   EXPECT_TRUE(fs::exists(dir + "/c/previous-1/metrics.jsonl"));
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-3"));
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-2"));  // the new run's own step 2, pruned
@@ -363,11 +365,13 @@ TEST(Train, KeepLastCheckpoints) {
   ASSERT_EQ(run("train --resume " + dir + "/c/checkpoint-4/. --steps 6 --threads 1"), 0);
   EXPECT_TRUE(fs::exists(dir + "/c/checkpoint-6/model.safetensors"));
   EXPECT_FALSE(fs::exists(dir + "/c/checkpoint-4/checkpoint-6"));
-  // Resuming an earlier checkpoint with another --save-interval: the abandoned history's later checkpoints (4, 5)
-  // are left alone, the resumed history is pruned: after saving 3 and 6 with --keep-last 2, 3 and 6 remain of it.
+  // Resuming an earlier checkpoint with another --save-interval: the abandoned history's later checkpoints (3..6)
+  // move into h/abandoned-1/, the resumed history is pruned: after saving 3 and 6 with --keep-last 2, 3 and 6 remain.
   ASSERT_EQ(run("train " + args + " --steps 6 --warmup 1 --threads 1 --save-interval 1 --out " + dir + "/h"), 0);
   ASSERT_EQ(run("train --resume " + dir + "/h/checkpoint-2 --steps 6 --threads 1 --save-interval 3 --keep-last 2"), 0);
-  for (int s = 1; s <= 6; ++s) EXPECT_EQ(fs::exists(dir + "/h/checkpoint-" + std::to_string(s)), s >= 3) << s;
+  for (int s = 1; s <= 6; ++s)
+    EXPECT_EQ(fs::exists(dir + "/h/checkpoint-" + std::to_string(s)), s == 3 || s == 6) << s;
+  for (int s = 3; s <= 6; ++s) EXPECT_TRUE(fs::exists(dir + "/h/abandoned-1/checkpoint-" + std::to_string(s))) << s;
   // Input paths are saved absolute (a resume works from any directory).
   const auto st = nlohmann::json::parse(ds::read_file(dir + "/h/checkpoint-6/trainer_state.json"));
   for (const auto& p : st["options"]["data"]) EXPECT_TRUE(fs::path(p.get<std::string>()).is_absolute()) << p;

@@ -148,4 +148,25 @@ void RunDirectory::claim(const std::string& run_id, bool legacy_lines_are_ours, 
   log_warn("--move-aside: moved another run's files ({}) into {}", list, aside.string());
 }
 
+std::string RunDirectory::set_aside_later_checkpoints(const std::string& run_id, int64_t start_step) const {
+  std::vector<std::string> later;
+  for (const auto& e : fs::directory_iterator(path_)) {
+    const std::string n = e.path().filename().string();
+    if (checkpoint_step(n) > start_step && e.is_directory() && checkpoint_owner(e.path()).run_id == run_id)
+      later.push_back(n);
+  }
+  if (later.empty()) return "";
+  std::sort(later.begin(), later.end());
+  int k = 1;
+  while (fs::exists(fs::path(path_) / fmt::format("abandoned-{}", k))) ++k;
+  const fs::path aside = fs::path(path_) / fmt::format("abandoned-{}", k);
+  fs::create_directory(aside);
+  for (const std::string& n : later) fs::rename(fs::path(path_) / n, aside / n);
+  fsync_dir(aside.string());
+  fsync_dir(path_);
+  log_warn("resuming from step {}: the later checkpoints of the abandoned history ({}) moved into {}", start_step,
+           fmt::join(later, ", "), aside.string());
+  return aside.string();
+}
+
 }  // namespace ds

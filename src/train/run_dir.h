@@ -35,6 +35,11 @@ class RunDirectory {
   // `legacy_lines_are_ours` (a resume in the checkpoint's own directory).
   void claim(const std::string& run_id, bool legacy_lines_are_ours, bool move_aside) const;
 
+  // A resume from step `start_step` abandons this run's later history in this directory: its checkpoints past
+  // that step (run `run_id`) are moved into a new OUT/abandoned-K/ (renames; nothing is deleted), so the resumed
+  // run's saves never replace them. Returns the directory they went to ("" when there were none).
+  std::string set_aside_later_checkpoints(const std::string& run_id, int64_t start_step) const;
+
   // Removes the temp dirs that an interrupted checkpoint save left (".checkpoint-N.tmp", ".checkpoint-N.old.tmp"):
   // only under the lock, so never a running save's. `keep` (the --resume source, when it is one of them) stays.
   void remove_stale_temps(const std::string& keep) const;

@@ -383,6 +383,8 @@ int train(TrainOptions cli) {
   std::error_code ec;
   run_dir.claim(run_id, resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec),
                 opt.move_aside);
+  // The abandoned history's later checkpoints are kept, out of the way of this run's saves of the same steps.
+  if (resumed) run_dir.set_aside_later_checkpoints(run_id, resumed->state.step);
   set_num_threads(opt.threads);
   Qwen35Model model = build_model(opt);
   const std::string tokenizer_file = tokenizer_path(opt), tokenizer_json = read_file(tokenizer_file);
