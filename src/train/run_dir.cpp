@@ -120,6 +120,23 @@ bool metrics_of_another_run(const std::string& path, const std::string& run_id, 
 
 }  // namespace
 
+namespace {
+
+// Renames the entries `names` of `dir` into a new dir/<prefix>-K/ (K the first free number), durably (both
+// directories fsync'ed); returns its path. Nothing is copied or deleted.
+std::string move_into_new_subdir(const std::string& dir, const char* prefix, const std::vector<std::string>& names) {
+  int k = 1;
+  while (fs::exists(fs::path(dir) / fmt::format("{}-{}", prefix, k))) ++k;
+  const fs::path aside = fs::path(dir) / fmt::format("{}-{}", prefix, k);
+  fs::create_directory(aside);
+  for (const std::string& n : names) fs::rename(fs::path(dir) / n, aside / n);
+  fsync_dir(aside.string());
+  fsync_dir(dir);
+  return aside.string();
+}
+
+}  // namespace
+
 void RunDirectory::claim(const std::string& run_id, bool legacy_lines_are_ours, bool move_aside) const {
   std::vector<std::string> foreign;
   for (const auto& e : fs::directory_iterator(path_)) {
@@ -138,14 +155,8 @@ void RunDirectory::claim(const std::string& run_id, bool legacy_lines_are_ours, 
                                                              foreign.begin() + 3, ", "), foreign.size());
   DS_CHECK(move_aside, "--out {} holds another run's files ({}): this run would mix its metrics and checkpoints with "
            "them. Give another --out, or --move-aside to move them into {}/previous-N/", path_, list, path_);
-  int k = 1;
-  while (fs::exists(fs::path(path_) / fmt::format("previous-{}", k))) ++k;
-  const fs::path aside = fs::path(path_) / fmt::format("previous-{}", k);
-  fs::create_directory(aside);
-  for (const std::string& n : foreign) fs::rename(fs::path(path_) / n, aside / n);
-  fsync_dir(aside.string());
-  fsync_dir(path_);
-  log_warn("--move-aside: moved another run's files ({}) into {}", list, aside.string());
+  const std::string aside = move_into_new_subdir(path_, "previous", foreign);
+  log_warn("--move-aside: moved another run's files ({}) into {}", list, aside);
 }
 
 std::string RunDirectory::set_aside_later_checkpoints(const std::string& run_id, int64_t start_step) const {
@@ -157,16 +168,10 @@ std::string RunDirectory::set_aside_later_checkpoints(const std::string& run_id,
   }
   if (later.empty()) return "";
   std::sort(later.begin(), later.end());
-  int k = 1;
-  while (fs::exists(fs::path(path_) / fmt::format("abandoned-{}", k))) ++k;
-  const fs::path aside = fs::path(path_) / fmt::format("abandoned-{}", k);
-  fs::create_directory(aside);
-  for (const std::string& n : later) fs::rename(fs::path(path_) / n, aside / n);
-  fsync_dir(aside.string());
-  fsync_dir(path_);
+  const std::string aside = move_into_new_subdir(path_, "abandoned", later);
   log_warn("resuming from step {}: the later checkpoints of the abandoned history ({}) moved into {}", start_step,
-           fmt::join(later, ", "), aside.string());
-  return aside.string();
+           fmt::join(later, ", "), aside);
+  return aside;
 }
 
 }  // namespace ds
