@@ -144,6 +144,16 @@ TEST(Chat, PromptCompletion) {
   std::vector<uint8_t> mask(p.size(), 0);
   mask.resize(ids.size(), 1);
   EXPECT_EQ(t.loss_mask, mask);
+  // A boundary inside what would be one token: prompt and completion are tokenized apart, so the completion keeps
+  // its labels ("Hello" is one token; "Hel" + "lo" are not merged across the boundary).
+  const ds::TokenizedSample split =
+      ds::tokenize_sample(qwen3(), ds::parse_sample(json::parse(R"({"prompt": "Hel", "completion": "lo"})")));
+  ASSERT_EQ(qwen3().encode("Hello").size(), 1u);
+  std::vector<int32_t> hel = qwen3().encode("Hel"), lo = qwen3().encode("lo");
+  hel.insert(hel.end(), lo.begin(), lo.end());
+  EXPECT_EQ(split.ids, hel);
+  EXPECT_EQ(std::count(split.loss_mask.begin(), split.loss_mask.end(), 1), static_cast<long>(lo.size()));
+  EXPECT_EQ(split.loss_mask.back(), 1);
   // Conversational form: one conversation; only the completion's assistant turns are labelled (not a few-shot
   // answer inside the prompt).
   s = ds::parse_sample(json::parse(

@@ -162,7 +162,7 @@ LabelledText parse_sample(const json& line) {
   const json &p = line["prompt"], &c = line["completion"];
   if (p.is_string() && c.is_string()) {
     DS_CHECK(!opt.add_generation_prompt, "field \"add_generation_prompt\": only for conversations");
-    LabelledText out{p.get<std::string>(), true, {}};
+    LabelledText out{p.get<std::string>(), true, {}, /*split_at_labels=*/true};
     const size_t begin = out.text.size();
     out.text += c.get<std::string>();
     if (out.text.size() > begin) out.labels.push_back({begin, out.text.size()});
@@ -182,6 +182,22 @@ TokenizedSample tokenize_sample(const Tokenizer& tok, const LabelledText& sample
   TokenizedSample out;
   if (!sample.masked) {
     out.ids = tok.encode(sample.text);
+    return out;
+  }
+  if (sample.split_at_labels) {  // each span on its own: the labels are exactly the labelled spans' tokens
+    size_t at = 0;
+    auto piece = [&](size_t end, uint8_t label) {
+      if (end <= at) return;
+      const std::vector<int32_t> ids = tok.encode(sample.text.substr(at, end - at));
+      out.ids.insert(out.ids.end(), ids.begin(), ids.end());
+      out.loss_mask.insert(out.loss_mask.end(), ids.size(), label);
+      at = end;
+    };
+    for (const ByteSpan& l : sample.labels) {
+      piece(l.begin, 0);
+      piece(l.end, 1);
+    }
+    piece(sample.text.size(), 0);
     return out;
   }
   std::vector<TokenOffset> offsets;

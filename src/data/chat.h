@@ -41,6 +41,11 @@ struct LabelledText {
   std::string text;
   bool masked = false;
   std::vector<ByteSpan> labels;  // sorted, disjoint
+  // Tokenized span by span (the text between and inside the labels each on its own), so that no token straddles a
+  // label boundary: a string prompt / completion pair, where the boundary is plain text (a completion "lo" after
+  // "Hel" would otherwise merge into one unlabelled token). Conversations keep one pass: their boundaries are
+  // special tokens.
+  bool split_at_labels = false;
 };
 
 // Renders `messages` as the bundled template does (tokenizer_config.json's chat_template, tools absent):
