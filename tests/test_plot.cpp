@@ -267,6 +267,14 @@ TEST(Plot, DefaultsAndErrors) {
   EXPECT_NE(error([&] { ds::cli::cmd_plot({dir + "/bad"}, dir + "/b.svg"); }).find("metrics.jsonl:2: field \"step\""),
             std::string::npos);
   EXPECT_FALSE(fs::exists(dir + "/b.svg"));
+  // Values near the top of double's range (a blown-up run) are left out of the axes instead of overflowing them.
+  fs::create_directories(dir + "/huge");
+  ds::write_file_atomic(dir + "/huge/metrics.jsonl", "{\"step\": 1, \"loss\": 1e308}\n{\"step\": 2, \"loss\": -1e308}\n"
+                                                     "{\"step\": 3, \"loss\": 2.5}\n");
+  ASSERT_EQ(ds::cli::cmd_plot({dir + "/huge"}, dir + "/h.svg"), 0);
+  const std::string h = ds::read_file(dir + "/h.svg");
+  EXPECT_EQ(h.find("nan"), std::string::npos);
+  EXPECT_EQ(h.find("inf"), std::string::npos);
   fs::remove_all(dir);
 }
 

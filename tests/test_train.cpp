@@ -436,6 +436,19 @@ TEST(Train, NanGuardAndBadInputs) {
 // A resume from a checkpoint whose optimizer state is corrupt (a negative second moment, a NaN first moment) stops
 // with an error naming the file and the tensor, before any step, and leaves the checkpoint as it was: such moments
 // would turn the weights into NaN at the first update and write a checkpoint that cannot be loaded.
+// A resume from checkpoint-0 (a --steps 0 run) in its own directory keeps the one step-0 evaluation line.
+TEST(Train, ResumeFromStepZeroKeepsOneStepZeroEval) {
+  const std::string dir = tmpdir("zero");
+  const std::string args = small_setup(dir);
+  ASSERT_EQ(run("train " + args + " --steps 0 --threads 1 --out " + dir + "/z"), 0);
+  ASSERT_TRUE(fs::exists(dir + "/z/checkpoint-0"));
+  ASSERT_EQ(run("train --resume " + dir + "/z/checkpoint-0 --steps 1 --threads 1"), 0);
+  int step0 = 0;
+  for (const auto& j : metrics(dir + "/z/metrics.jsonl")) step0 += j.value("step", -1) == 0 && j.contains("eval_loss");
+  EXPECT_EQ(step0, 1);
+  fs::remove_all(dir);
+}
+
 TEST(Train, ResumeRejectsCorruptOptimizerState) {
   namespace fs = std::filesystem;
   const std::string dir = ds::test::fresh_tmpdir("corrupt_opt");

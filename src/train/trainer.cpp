@@ -223,6 +223,7 @@ class MetricsLog {
         try {
           const json j = json::parse(line);
           past = j.is_object() && j.value("step", int64_t{0}) > start_step;
+          if (j.is_object() && j.value("step", int64_t{-1}) == 0 && j.contains("eval_loss")) has_step0_eval_ = true;
         } catch (const json::exception&) {  // not ours to judge: kept as it is, unless it is a torn last line
           past = unterminated && in.eof();
         }
@@ -240,6 +241,8 @@ class MetricsLog {
     file_.open(path_, std::ios::app);
     DS_CHECK(file_.good(), "{}: cannot open for appending", path_);
   }
+  // Whether the kept history already holds the step-0 evaluation (a resume from checkpoint-0 in its directory).
+  bool has_step0_eval() const { return has_step0_eval_; }
   void write(json j) {
     if (!run_id_.empty()) j["run_id"] = run_id_;
     file_ << j.dump() << "\n";
@@ -250,6 +253,7 @@ class MetricsLog {
  private:
   std::string path_, run_id_;
   std::ofstream file_;
+  bool has_step0_eval_ = false;
 };
 
 // A progress line on stdout; a failed write (a closed pipe: `train | head -1`) never stops the run.
@@ -430,7 +434,7 @@ int train(TrainOptions cli) {
     });
   };
 
-  if (start_step == 0 && !data.eval_batches.empty()) {
+  if (start_step == 0 && !data.eval_batches.empty() && !metrics.has_step0_eval()) {
     const double el = evaluate(*engine, data.eval_batches);
     log_info("step 0 | eval_loss {:.4f}", el);
     metrics.write({{"step", 0}, {"eval_loss", el}, {"elapsed_s", elapsed()}});

@@ -80,7 +80,9 @@ Run read_run(const std::string& arg) {
       auto v = j.find(kMetrics[m].key);
       if (v == j.end() || !v->is_number()) continue;
       const double x = step->get<double>(), y = v->get<double>();
-      if (std::isfinite(x) && std::isfinite(y)) r.series[m].push_back({x, y});
+      // finite and within ±1e300 (the axis ranges of larger values overflow double)
+      if (std::isfinite(x) && std::isfinite(y) && std::fabs(x) < 1e300 && std::fabs(y) < 1e300)
+        r.series[m].push_back({x, y});
     }
   }
   return r;
