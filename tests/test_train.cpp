@@ -449,6 +449,26 @@ TEST(Train, ResumeFromStepZeroKeepsOneStepZeroEval) {
   fs::remove_all(dir);
 }
 
+// An evaluation the run skipped at the step it was due (a signal goes straight to the save) is done by the resume
+// from that step, even when no step is left to train; one that exists is not repeated.
+TEST(Train, ResumeDoesTheEvaluationItsCheckpointSkipped) {
+  const std::string dir = tmpdir("skipped_eval");
+  const std::string args = small_setup(dir);
+  ASSERT_EQ(run("train " + args + " --steps 4 --eval-interval 2 --threads 1 --out " + dir + "/e"), 0);
+  std::string kept;
+  int evals4 = 0;
+  for (const auto& j : metrics(dir + "/e/metrics.jsonl")) {
+    if (j.value("step", -1) == 4 && j.contains("eval_loss")) continue;  // as if the signal had skipped it
+    kept += j.dump() + "\n";
+  }
+  ds::write_file_atomic(dir + "/e/metrics.jsonl", kept);
+  ASSERT_EQ(run("train --resume " + dir + "/e/checkpoint-4 --threads 1"), 0);
+  ASSERT_EQ(run("train --resume " + dir + "/e/checkpoint-4 --threads 1"), 0);  // now it has it: not again
+  for (const auto& j : metrics(dir + "/e/metrics.jsonl")) evals4 += j.value("step", -1) == 4 && j.contains("eval_loss");
+  EXPECT_EQ(evals4, 1);
+  fs::remove_all(dir);
+}
+
 TEST(Train, ResumeRejectsCorruptOptimizerState) {
   namespace fs = std::filesystem;
   const std::string dir = ds::test::fresh_tmpdir("corrupt_opt");

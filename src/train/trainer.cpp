@@ -17,6 +17,7 @@
 #include <memory>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "core/error.h"
@@ -223,7 +224,7 @@ class MetricsLog {
         try {
           const json j = json::parse(line);
           past = j.is_object() && j.value("step", int64_t{0}) > start_step;
-          if (j.is_object() && j.value("step", int64_t{-1}) == 0 && j.contains("eval_loss")) has_step0_eval_ = true;
+          if (!past && j.is_object() && j.contains("eval_loss")) evals_.insert(j.value("step", int64_t{-1}));
         } catch (const json::exception&) {  // not ours to judge: kept as it is, unless it is a torn last line
           past = unterminated && in.eof();
         }
@@ -241,8 +242,8 @@ class MetricsLog {
     file_.open(path_, std::ios::app);
     DS_CHECK(file_.good(), "{}: cannot open for appending", path_);
   }
-  // Whether the kept history already holds the step-0 evaluation (a resume from checkpoint-0 in its directory).
-  bool has_step0_eval() const { return has_step0_eval_; }
+  // Whether the kept history holds an evaluation at `step` (a resume in its own directory).
+  bool has_eval(int64_t step) const { return evals_.count(step) > 0; }
   void write(json j) {
     if (!run_id_.empty()) j["run_id"] = run_id_;
     file_ << j.dump() << "\n";
@@ -253,7 +254,7 @@ class MetricsLog {
  private:
   std::string path_, run_id_;
   std::ofstream file_;
-  bool has_step0_eval_ = false;
+  std::set<int64_t> evals_;
 };
 
 // A progress line on stdout; a failed write (a closed pipe: `train | head -1`) never stops the run.
@@ -434,10 +435,12 @@ int train(TrainOptions cli) {
     });
   };
 
-  if (start_step == 0 && !data.eval_batches.empty() && !metrics.has_step0_eval()) {
+  // The evaluation at the start step: step 0 of a new run, or one that an interrupted run skipped at the step it
+  // was due (a signal goes straight to the save), unless the kept history already has it.
+  if (!data.eval_batches.empty() && (start_step == 0 || eval_due(start_step)) && !metrics.has_eval(start_step)) {
     const double el = evaluate(*engine, data.eval_batches);
-    log_info("step 0 | eval_loss {:.4f}", el);
-    metrics.write({{"step", 0}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
+    log_info("step {} | eval_loss {:.4f}", start_step, el);
+    metrics.write({{"step", start_step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
   }
 
   // ---- the steps
