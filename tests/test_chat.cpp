@@ -52,14 +52,7 @@ std::string tmpdir(const std::string& tag) {
   return p.string();
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ds::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+using ds::test::error_of;
 
 TEST(Chat, GoldenRenderingIdsAndMasksExact) {
   const json& cases = golden()["cases"];

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/numerics.h"
 #include "core/rng.h"
 
@@ -14,6 +15,16 @@ namespace ds::test {
 
 inline std::string fixture(const std::string& rel) { return std::string(DELTASTACK_FIXTURES) + "/" + rel; }
 inline std::string data_path(const std::string& rel) { return std::string(DELTASTACK_DATA) + "/" + rel; }
+
+// The message of the ds::Error that `f` throws, or "(no error)".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ds::Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
 
 template <typename T>
 std::vector<T> randn(size_t n, uint64_t seed, double stddev = 1.0, double mean = 0.0) {

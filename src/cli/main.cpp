@@ -5,6 +5,7 @@
 #include <csignal>
 #include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <new>
 
@@ -66,8 +67,19 @@ int main(int argc, char** argv) {
 
   auto* tokenize = app.add_subcommand("tokenize", "Tokenize a .jsonl of {\"text\"}, chat {\"messages\"} or {\"prompt\", \"completion\"} lines into {\"ids\"} (+ \"loss_mask\") lines");
   tokenize->add_option("--tokenizer", tokenizer, "HF tokenizer.json")->required();
-  tokenize->add_option("--input", input, "Input .jsonl")->required();
-  tokenize->add_option("--output", output, "Output .jsonl")->required();
+  std::vector<std::string> tok_inputs;
+  std::string tok_format = "auto";
+  int64_t shard_tokens = 16 << 20;
+  tokenize->add_option("--input", tok_inputs, "Input .jsonl (--format jsonl), or .txt / .jsonl files (dataset)")
+      ->required();
+  tokenize->add_option("--output", output, "Output .jsonl, or dataset directory")->required();
+  tokenize->add_option("--format", tok_format, "jsonl ({\"ids\"} lines), dataset (a directory of token shards for "
+                       "`train --data DIR`), or auto: dataset unless --output ends in .jsonl or is an existing file")
+      ->capture_default_str();
+  tokenize->add_option("--txt-split", txt_split, "dataset: how .txt files split into documents (paragraph, line, file)")
+      ->capture_default_str();
+  tokenize->add_option("--shard-tokens", shard_tokens, "dataset: token ids per shard file (4 bytes each)")
+      ->capture_default_str();
   tokenize->add_flag("--overwrite", overwrite, overwrite_help);
 
   auto* bench = app.add_subcommand("bench", "Benchmarks: `bench ops`, `bench step --preset 2b` (GPU), `bench tokenizer` (CPU)");
@@ -150,7 +162,18 @@ int main(int argc, char** argv) {
     }
     if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed);
     if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
-    if (*tokenize) return ds::cli::cmd_tokenize(tokenizer, input, output, overwrite);
+    if (*tokenize) {
+      std::error_code ec;
+      const bool to_file = output.ends_with(".jsonl") || std::filesystem::is_regular_file(output, ec);
+      if (tok_format == "auto") tok_format = to_file ? "jsonl" : "dataset";
+      if (tok_format == "dataset")
+        return ds::cli::cmd_tokenize_dataset(tokenizer, tok_inputs, output, txt_split, shard_tokens, overwrite);
+      if (tok_format != "jsonl")
+        throw ds::Error(fmt::format("--format: unknown value \"{}\" (auto, jsonl or dataset)", tok_format));
+      if (tok_inputs.size() != 1)
+        throw ds::Error(fmt::format("--format jsonl takes one --input file, got {}", tok_inputs.size()));
+      return ds::cli::cmd_tokenize(tokenizer, tok_inputs[0], output, overwrite);
+    }
     if (*probe) return ds::cli::cmd_probe();
     if (*plan) return ds::cli::cmd_plan(plan_model, plan_seq, plan_mb, plan_docs, plan_mem, plan_attention, plan_memory);
     if (*bench_ops) return ds::cli::cmd_bench_ops();

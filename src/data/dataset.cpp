@@ -74,6 +74,10 @@ std::vector<LabelledText> read_documents(const std::vector<std::string>& files, 
   std::vector<LabelledText> docs;
   for (const std::string& f : files) {
     std::string ext = std::filesystem::path(f).extension().string();
+    std::error_code ec;
+    DS_CHECK(!std::filesystem::is_directory(f, ec), "{}: is a directory; a pre-tokenized dataset directory (`deltastack "
+             "tokenize --format dataset`) is read by `train --data DIR` alone, other commands take .txt / .jsonl files",
+             f);
     std::string text = read_file(f);
     if (size_t bad = first_invalid_utf8(text); bad != std::string::npos)
       fail("{}:{}: invalid UTF-8 at byte offset {} (data files must be UTF-8 text)", f,
@@ -173,41 +177,114 @@ std::string documents_fingerprint(const std::vector<TokenizedSample>& docs) {
   return fmt::format("{:016x}", f.h);
 }
 
-PackedDataset::PackedDataset(const std::vector<std::vector<int32_t>>& docs, int64_t seq_len) : seq_len_(seq_len) {
-  DS_CHECK(seq_len >= 2, "--seq-len must be at least 2, got {}", seq_len);
-  for (size_t d = 0; d < docs.size(); ++d)
-    for (int32_t id : docs[d]) {
-      stream_.push_back(id);
-      doc_of_.push_back(static_cast<int32_t>(d));
-    }
-  index_windows();
-}
-
-PackedDataset::PackedDataset(const std::vector<TokenizedSample>& docs, int64_t seq_len) : seq_len_(seq_len) {
-  DS_CHECK(seq_len >= 2, "--seq-len must be at least 2, got {}", seq_len);
+MemoryTokenStore::MemoryTokenStore(const std::vector<TokenizedSample>& docs) {
   bool masked = false;
-  for (const TokenizedSample& d : docs) masked = masked || !d.loss_mask.empty();
+  size_t total = 0;
+  for (const TokenizedSample& d : docs) {
+    masked = masked || !d.loss_mask.empty();
+    total += d.ids.size();
+  }
+  ids_.reserve(total);
+  if (masked) {
+    labels_.reserve(total);
+    doc_masked_.reserve(docs.size());
+  }
+  doc_starts_.clear();
+  doc_starts_.reserve(docs.size() + 1);
   for (size_t d = 0; d < docs.size(); ++d) {
     const TokenizedSample& s = docs[d];
     DS_CHECK(s.loss_mask.empty() || s.loss_mask.size() == s.ids.size(), "document {}: {} ids but {} loss_mask values",
              d, s.ids.size(), s.loss_mask.size());
-    for (size_t i = 0; i < s.ids.size(); ++i) {
-      stream_.push_back(s.ids[i]);
-      doc_of_.push_back(static_cast<int32_t>(d));
-      if (masked) label_.push_back(s.loss_mask.empty() ? 1 : s.loss_mask[i]);
-    }
+    doc_starts_.push_back(static_cast<int64_t>(ids_.size()));
+    ids_.insert(ids_.end(), s.ids.begin(), s.ids.end());
+    if (!masked) continue;
+    doc_masked_.push_back(!s.loss_mask.empty());
+    if (s.loss_mask.empty()) labels_.insert(labels_.end(), s.ids.size(), 1);
+    else labels_.insert(labels_.end(), s.loss_mask.begin(), s.loss_mask.end());
   }
-  index_windows();
+  num_tokens_ = static_cast<int64_t>(ids_.size());
+  doc_starts_.push_back(num_tokens_);
+  shard_ = std::max<int64_t>(1, num_tokens_);
+  token_shards_ = {ids_.data()};
+  if (masked) label_shards_ = {labels_.data()};
 }
 
-void PackedDataset::index_windows() {
-  DS_CHECK(stream_.size() >= 2, "data: fewer than 2 tokens in total");
-  num_windows_ = static_cast<int64_t>(stream_.size()) / seq_len_;
+std::string documents_fingerprint(const TokenStore& store, int64_t doc_begin, int64_t doc_end) {
+  Fnv1a f;
+  f.mix(static_cast<uint64_t>(doc_end - doc_begin));
+  const std::vector<int64_t>& st = store.doc_starts();
+  for (int64_t d = doc_begin; d < doc_end; ++d) {
+    const int64_t b = st[d], e = st[d + 1];
+    f.mix(static_cast<uint64_t>(e - b));
+    for (int64_t t = b; t < e; ++t) f.mix(static_cast<uint32_t>(store.token(t)));
+    if (!store.masked(d)) continue;
+    f.mix(0x6d61736bull);
+    for (int64_t t = b; t < e; ++t) f.mix(store.label(t));
+  }
+  return fmt::format("{:016x}", f.h);
+}
+
+bool any_labelled_target(const TokenStore& store, int64_t doc_begin, int64_t doc_end) {
+  const std::vector<int64_t>& st = store.doc_starts();
+  for (int64_t d = doc_begin; d < doc_end; ++d) {
+    if (!store.has_labels()) {
+      if (st[d + 1] - st[d] >= 2) return true;
+      continue;
+    }
+    for (int64_t t = st[d] + 1; t < st[d + 1]; ++t)
+      if (store.label(t)) return true;
+  }
+  return false;
+}
+
+namespace {
+
+std::vector<TokenizedSample> unmasked(const std::vector<std::vector<int32_t>>& docs) {
+  std::vector<TokenizedSample> out(docs.size());
+  for (size_t i = 0; i < docs.size(); ++i) out[i].ids = docs[i];
+  return out;
+}
+
+std::shared_ptr<const TokenStore> in_memory(const std::vector<TokenizedSample>& docs, int64_t seq_len) {
+  DS_CHECK(seq_len >= 2, "--seq-len must be at least 2, got {}", seq_len);
+  return std::make_shared<MemoryTokenStore>(docs);
+}
+
+}  // namespace
+
+PackedDataset::PackedDataset(const std::vector<std::vector<int32_t>>& docs, int64_t seq_len)
+    : PackedDataset(unmasked(docs), seq_len) {}
+
+PackedDataset::PackedDataset(const std::vector<TokenizedSample>& docs, int64_t seq_len)
+    : PackedDataset(in_memory(docs, seq_len), 0, static_cast<int64_t>(docs.size()), seq_len) {}
+
+PackedDataset::PackedDataset(std::shared_ptr<const TokenStore> store, int64_t doc_begin, int64_t doc_end,
+                             int64_t seq_len)
+    : seq_len_(seq_len), store_(std::move(store)) {
+  DS_CHECK(seq_len >= 2, "--seq-len must be at least 2, got {}", seq_len);
+  DS_CHECK(0 <= doc_begin && doc_begin <= doc_end && doc_end <= store_->num_documents(),
+           "data: documents [{}, {}) out of range ({} documents)", doc_begin, doc_end, store_->num_documents());
+  index_windows(doc_begin, doc_end);
+}
+
+void PackedDataset::index_windows(int64_t doc_begin, int64_t doc_end) {
+  const std::vector<int64_t>& st = store_->doc_starts();
+  base_ = st[doc_begin];
+  end_ = st[doc_end];
+  starts_.reserve(static_cast<size_t>(doc_end - doc_begin) + 1);
+  for (int64_t d = doc_begin; d < doc_end; ++d) starts_.push_back(st[d] - base_);
+  starts_.push_back(end_ - base_);
+  const int64_t total = end_ - base_;
+  DS_CHECK(total >= 2, "data: fewer than 2 tokens in total");
+  num_windows_ = total / seq_len_;
   if (num_windows_ == 0) num_windows_ = 1;  // one short window
   for (int64_t w = 0; w < num_windows_; ++w) {
-    int64_t begin = w * seq_len_, end = std::min<int64_t>(static_cast<int64_t>(stream_.size()), begin + seq_len_),
-            docs = 1;
-    for (int64_t t = begin + 1; t < end; ++t) docs += doc_of_[t] != doc_of_[t - 1];
+    const int64_t begin = w * seq_len_, end = std::min(total, begin + seq_len_);
+    int64_t docs = 1;
+    // Distinct document starts strictly inside the window (empty documents repeat a start).
+    for (auto it = std::upper_bound(starts_.begin(), starts_.end(), begin); it != starts_.end() && *it < end;
+         it = std::upper_bound(it, starts_.end(), *it))
+      ++docs;
     max_docs_ = std::max(max_docs_, docs);
   }
 }
@@ -215,16 +292,23 @@ void PackedDataset::index_windows() {
 PackedBatch PackedDataset::batch(const std::vector<int64_t>& windows) const {
   PackedBatch b;
   b.cu_seqlens.push_back(0);
-  const int64_t total = static_cast<int64_t>(stream_.size());
+  const int64_t total = end_ - base_;
+  const TokenStore& s = *store_;
+  const bool labels = s.has_labels();
   for (int64_t w : windows) {
     DS_CHECK(w >= 0 && w < num_windows_, "data: window {} out of range", w);
-    int64_t begin = w * seq_len_, end = std::min(total, begin + seq_len_);
+    const int64_t begin = w * seq_len_, end = std::min(total, begin + seq_len_);
+    // The first document start after position t (the last entry is `total`, so one always exists for t < total).
+    auto it = std::upper_bound(starts_.begin(), starts_.end(), begin);
     for (int64_t t = begin; t < end; ++t) {
-      if (t > begin && doc_of_[t] != doc_of_[t - 1]) b.cu_seqlens.push_back(static_cast<int32_t>(b.input_ids.size()));
-      b.input_ids.push_back(stream_[t]);
-      const bool next_same = t + 1 < total && doc_of_[t + 1] == doc_of_[t];
-      const bool labelled = label_.empty() || (next_same && label_[t + 1]);
-      b.targets.push_back(next_same && labelled ? stream_[t + 1] : -100);
+      if (t == *it) {
+        b.cu_seqlens.push_back(static_cast<int32_t>(b.input_ids.size()));
+        it = std::upper_bound(it, starts_.end(), t);
+      }
+      b.input_ids.push_back(s.token(base_ + t));
+      const bool next_same = t + 1 < *it;
+      const bool labelled = !labels || (next_same && s.label(base_ + t + 1));
+      b.targets.push_back(next_same && labelled ? s.token(base_ + t + 1) : -100);
     }
     b.cu_seqlens.push_back(static_cast<int32_t>(b.input_ids.size()));
   }

@@ -3,6 +3,7 @@
 // predicts across one.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,16 +39,59 @@ std::vector<TokenizedSample> tokenize_documents(const Tokenizer& tok, const std:
 std::string documents_fingerprint(const std::vector<std::vector<int32_t>>& docs);
 std::string documents_fingerprint(const std::vector<TokenizedSample>& docs);
 
+// A token stream with document boundaries and optional labels: either held in memory (built from tokenized
+// documents) or the read-only memory-mapped shards of a pre-tokenized dataset directory (data/token_dataset.h).
+// Tokens are stored in shards of shard_tokens() ids each (one shard in memory); doc_starts() holds each document's
+// first stream position and, last, the stream's length (num_documents() + 1 values).
+class TokenStore {
+ public:
+  virtual ~TokenStore() = default;
+  int64_t num_tokens() const { return num_tokens_; }
+  int64_t num_documents() const { return static_cast<int64_t>(doc_starts_.size()) - 1; }
+  const std::vector<int64_t>& doc_starts() const { return doc_starts_; }
+  bool has_labels() const { return !label_shards_.empty(); }
+  int32_t token(int64_t t) const { return token_shards_[t / shard_][t % shard_]; }
+  uint8_t label(int64_t t) const { return label_shards_[t / shard_][t % shard_]; }
+  // Whether document d carried a loss mask (it hashes with it: documents_fingerprint).
+  bool masked(int64_t d) const { return !doc_masked_.empty() && doc_masked_[d]; }
+
+ protected:
+  int64_t num_tokens_ = 0, shard_ = 1;
+  std::vector<int64_t> doc_starts_{0};
+  std::vector<const int32_t*> token_shards_;
+  std::vector<const uint8_t*> label_shards_;  // empty: every position labelled
+  std::vector<uint8_t> doc_masked_;           // empty: no document masked
+};
+
+// The documents concatenated in memory (labels kept only when some document is masked; an unmasked document in a
+// masked corpus is labelled everywhere).
+class MemoryTokenStore : public TokenStore {
+ public:
+  explicit MemoryTokenStore(const std::vector<TokenizedSample>& docs);
+
+ private:
+  std::vector<int32_t> ids_;
+  std::vector<uint8_t> labels_;
+};
+
+// documents_fingerprint of documents [doc_begin, doc_end) of a store: equal to the vector overload's on the same
+// documents.
+std::string documents_fingerprint(const TokenStore& store, int64_t doc_begin, int64_t doc_end);
+// Whether any of documents [doc_begin, doc_end) has a token after its first that is labelled (something to train on).
+bool any_labelled_target(const TokenStore& store, int64_t doc_begin, int64_t doc_end);
+
 // The token stream of all documents cut into windows of seq_len tokens. Window w covers stream positions
 // [w*seq_len, (w+1)*seq_len) (the last partial window is dropped unless it is the only one); its cu_seqlens
 // mark document starts; the target of position t is the next token of the same document (even when it lies in
 // the next window), or -100 at a document's last token and where that next token is not labelled (loss_mask 0).
+// Over a store: documents [doc_begin, doc_end) of it form the stream (a train / validation split), read in place.
 class PackedDataset {
  public:
   PackedDataset(const std::vector<std::vector<int32_t>>& docs, int64_t seq_len);
   PackedDataset(const std::vector<TokenizedSample>& docs, int64_t seq_len);
+  PackedDataset(std::shared_ptr<const TokenStore> store, int64_t doc_begin, int64_t doc_end, int64_t seq_len);
   int64_t num_windows() const { return num_windows_; }
-  int64_t num_tokens() const { return static_cast<int64_t>(stream_.size()); }
+  int64_t num_tokens() const { return end_ - base_; }
   int64_t seq_len() const { return seq_len_; }
   // The most documents (cu_seqlens segments) any one window holds: sizes the GPU's per-batch buffers.
   int64_t max_docs_per_window() const { return max_docs_; }
@@ -55,11 +99,11 @@ class PackedDataset {
   PackedBatch batch(const std::vector<int64_t>& windows) const;
 
  private:
-  int64_t seq_len_, num_windows_, max_docs_ = 1;
-  std::vector<int32_t> stream_;
-  std::vector<int32_t> doc_of_;  // document index of each stream position
-  std::vector<uint8_t> label_;   // 1 where a stream position is labelled; empty when all are
-  void index_windows();
+  int64_t seq_len_, num_windows_ = 0, max_docs_ = 1;
+  std::shared_ptr<const TokenStore> store_;
+  int64_t base_ = 0, end_ = 0;  // stream positions [base_, end_) of the store
+  std::vector<int64_t> starts_;  // document starts inside [base_, end_), relative to base_, then num_tokens()
+  void index_windows(int64_t doc_begin, int64_t doc_end);
 };
 
 }  // namespace ds

@@ -86,7 +86,8 @@ TrainOption older_reads(TrainOption o, T value) {
 const std::vector<TrainOption>& train_options() {
   static const std::vector<TrainOption> table = {
       opt("model", &O::model, "tiny", "Preset (tiny, 0.8b, 2b, 4b, 9b, 27b), config.json, or HF checkpoint dir"),
-      opt("data", &O::data, {}, "Data files (.txt split into documents by --txt-split, .jsonl with a \"text\" field); "
+      opt("data", &O::data, {}, "Data files (.txt split into documents by --txt-split, .jsonl with a \"text\" field), "
+          "or one dataset directory from `deltastack tokenize --format dataset` (memory-mapped); "
           "on --resume, the same data at another path", file_names(), kResumable),
       opt("tokenizer", &O::tokenizer, "", "HF tokenizer.json (default: the bundled Qwen3 tokenizer)"),
       opt("txt-split", &O::txt_split, "paragraph", "How .txt files become documents: paragraph, line, file"),

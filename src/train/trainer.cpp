@@ -26,6 +26,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "data/dataset.h"
+#include "data/token_dataset.h"
 #include "data/tokenizer.h"
 #include "model/engine.h"
 #include "model/model.h"
@@ -103,6 +104,33 @@ struct TrainData {
   }
 };
 
+// The documents of data files, tokenized into memory, or a pre-tokenized dataset directory (data/token_dataset.h)
+// mapped read-only; either gives the same token stream, labels and fingerprints for the same corpus. A dataset must
+// have been made with the run's tokenizer (its fingerprint) and hold only ids of the model's vocabulary.
+std::shared_ptr<const TokenStore> load_store(const std::vector<std::string>& files, const char* flag,
+                                             const TrainOptions& opt, const ModelConfig& cfg, const Tokenizer& tok,
+                                             const std::string& tokenizer_json, int32_t eos) {
+  const bool dir = std::any_of(files.begin(), files.end(), [](const std::string& f) { return is_dataset_dir(f); });
+  if (!dir) return std::make_shared<MemoryTokenStore>(
+      tokenize_documents(tok, read_documents(files, parse_txt_split(opt.txt_split)), eos));
+  DS_CHECK(files.size() == 1, "--{}: a dataset directory ({}) must be the only --{} (tokenize all files into one)",
+           flag, *std::find_if(files.begin(), files.end(), [](const std::string& f) { return is_dataset_dir(f); }),
+           flag);
+  auto store = std::make_shared<MappedTokenStore>(files[0]);
+  const std::string ix = files[0] + "/index.json";
+  const std::string want = tokenizer_fingerprint(tokenizer_json);
+  const json& j = store->index();
+  DS_CHECK(j.value("tokenizer_fingerprint", std::string()) == want, "{}: field \"tokenizer_fingerprint\" is {}, but "
+           "the run's tokenizer.json hashes to \"{}\": the dataset was made with another tokenizer (tokenize it again)",
+           ix, j.value("tokenizer_fingerprint", json()).dump(), want);
+  DS_CHECK(j.value("eos_id", json()) == json(eos), "{}: field \"eos_id\" is {}, the tokenizer's <|endoftext|> is {}",
+           ix, j.value("eos_id", json()).dump(), eos);
+  store->check_ids(cfg.vocab_size);
+  log_info("data: {} mapped ({} tokens, {} documents, {} shards)", files[0], store->num_tokens(),
+           store->num_documents(), j["shards"].size());
+  return store;
+}
+
 // Tokenized, packed documents: --val-data, or the last --val-fraction of --data, is held out for evaluation.
 TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::string& tokenizer_json,
                     const std::string& tokenizer_file) {
@@ -110,38 +138,34 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::
   DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "{}: tokenizer has {} ids but the model's vocab_size is {}",
            tokenizer_file, tok.vocab_size(), cfg.vocab_size);
   const int32_t eos = tok.token_to_id("<|endoftext|>");
-  std::vector<TokenizedSample> docs =
-      tokenize_documents(tok, read_documents(opt.data, parse_txt_split(opt.txt_split)), eos);
-  std::vector<TokenizedSample> train_docs, val_docs;
-  int64_t n_val = 0;
+  const std::shared_ptr<const TokenStore> store = load_store(opt.data, "data", opt, cfg, tok, tokenizer_json, eos);
+  std::shared_ptr<const TokenStore> val_store = store;
+  const int64_t n_docs = store->num_documents();
+  int64_t n_val = 0, train_end = n_docs, val_begin = n_docs, val_end = n_docs;
   if (!opt.val_data.empty()) {  // a separate evaluation set: all of --data trains
-    val_docs = tokenize_documents(tok, read_documents(opt.val_data, parse_txt_split(opt.txt_split)), eos);
-    n_val = static_cast<int64_t>(val_docs.size());
-    train_docs = std::move(docs);
+    val_store = load_store(opt.val_data, "val-data", opt, cfg, tok, tokenizer_json, eos);
+    n_val = val_store->num_documents();
+    val_begin = 0;
+    val_end = n_val;
   } else {
-    n_val = static_cast<int64_t>(std::floor(opt.val_fraction * static_cast<double>(docs.size())));
-    if (opt.val_fraction > 0 && n_val == 0 && docs.size() >= 2) n_val = 1;
-    train_docs.assign(docs.begin(), docs.end() - n_val);
-    val_docs.assign(docs.end() - n_val, docs.end());
+    n_val = static_cast<int64_t>(std::floor(opt.val_fraction * static_cast<double>(n_docs)));
+    if (opt.val_fraction > 0 && n_val == 0 && n_docs >= 2) n_val = 1;
+    train_end = val_begin = n_docs - n_val;
   }
-  DS_CHECK(!train_docs.empty(), "data: no training documents left after holding out {} for validation", n_val);
+  DS_CHECK(train_end > 0, "data: no training documents left after holding out {} for validation", n_val);
   // Chat / SFT data whose loss masks label nothing (only user turns, an empty completion): every step would report
   // loss 0 and still move the weights (weight decay, the moments), and the evaluation would be NaN.
-  const bool any_label = std::any_of(train_docs.begin(), train_docs.end(), [](const TokenizedSample& d) {
-    if (d.loss_mask.empty()) return d.ids.size() >= 2;
-    return std::find(d.loss_mask.begin() + std::min<size_t>(1, d.loss_mask.size()), d.loss_mask.end(), 1) !=
-           d.loss_mask.end();
-  });
-  DS_CHECK(any_label, "data: none of the {} training documents has a labelled token (chat samples label only the "
-           "assistant turns, prompt / completion pairs only the completion): there is nothing to train on",
-           train_docs.size());
+  DS_CHECK(any_labelled_target(*store, 0, train_end), "data: none of the {} training documents has a labelled token "
+           "(chat samples label only the assistant turns, prompt / completion pairs only the completion): there is "
+           "nothing to train on", train_end);
   TrainData d;
-  d.fingerprint = {{"train_documents", train_docs.size()}, {"train_fingerprint", documents_fingerprint(train_docs)},
-                   {"val_documents", val_docs.size()}, {"val_fingerprint", documents_fingerprint(val_docs)}};
-  d.train = std::make_unique<PackedDataset>(train_docs, opt.seq_len);
-  if (!val_docs.empty()) d.val = std::make_unique<PackedDataset>(val_docs, opt.seq_len);
+  d.fingerprint = {{"train_documents", train_end}, {"train_fingerprint", documents_fingerprint(*store, 0, train_end)},
+                   {"val_documents", n_val},
+                   {"val_fingerprint", documents_fingerprint(*val_store, val_begin, val_end)}};
+  d.train = std::make_unique<PackedDataset>(store, 0, train_end, opt.seq_len);
+  if (n_val > 0) d.val = std::make_unique<PackedDataset>(val_store, val_begin, val_end, opt.seq_len);
   log_info("data: {} training documents, {} validation documents{}, {} training tokens in {} windows of {}; "
-           "validation {} tokens", train_docs.size(), n_val, opt.val_data.empty() ? " (held out)" : " (--val-data)",
+           "validation {} tokens", train_end, n_val, opt.val_data.empty() ? " (held out)" : " (--val-data)",
            d.train->num_tokens(), d.train->num_windows(), opt.seq_len, d.val ? d.val->num_tokens() : 0);
   if (d.val && opt.eval_batches > 0) {
     const int64_t want = std::min(d.val->num_windows(), opt.eval_batches * opt.micro_batch);

@@ -11,6 +11,11 @@ namespace ds::cli {
 // An existing output is replaced only with `overwrite` (never an input: outputs.h).
 int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl,
                  bool overwrite = false);
+// `deltastack tokenize --format dataset`: data files (.txt / .jsonl, as `train --data` reads them) -> a
+// pre-tokenized dataset directory (data/token_dataset.h), written atomically; shards of `shard_tokens` ids.
+int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<std::string>& inputs,
+                         const std::string& output_dir, const std::string& txt_split = "paragraph",
+                         int64_t shard_tokens = 16 << 20, bool overwrite = false);
 
 // `deltastack forward`: HF-parity forward (and backward) on a safetensors input file. IN holds input_ids
 // (int [B, T]) and optionally labels (int [B, T], HF convention: shifted inside, -100 ignored) and cu_seqlens

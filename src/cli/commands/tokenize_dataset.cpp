@@ -1,0 +1,116 @@
+// `deltastack tokenize --format dataset`: many .txt / .jsonl files -> a pre-tokenized dataset directory
+// (data/token_dataset.h) that `train --data DIR` maps instead of tokenizing into memory.
+//
+// Documents are those training reads (read_documents with --txt-split, tokenize_documents with the <|endoftext|>
+// separator and the chat / completion loss masks), one input file at a time, so memory holds one file's documents,
+// not the corpus. The directory is written as "<DIR>.tmp.<pid>" (every file fsync'ed), then renamed to DIR and the
+// parent fsync'ed: a failed or killed run leaves no DIR (or the previous one). An existing DIR is replaced only with
+// --overwrite and only when it is a dataset directory (an index.json) or empty; never one holding an input.
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "cli/commands/commands.h"
+#include "cli/commands/outputs.h"
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "data/dataset.h"
+#include "data/token_dataset.h"
+#include "data/tokenizer.h"
+
+namespace fs = std::filesystem;
+
+namespace ds::cli {
+
+namespace {
+
+fs::path real_path(const std::string& p) {
+  std::error_code ec;
+  const fs::path r = fs::weakly_canonical(fs::absolute(p), ec);
+  return ec ? fs::absolute(p).lexically_normal() : r;
+}
+
+void check_dataset_output(const std::string& out, const std::vector<std::string>& inputs,
+                          const std::string& tokenizer, bool overwrite) {
+  std::error_code ec;
+  DS_CHECK(!out.empty(), "--output: an empty directory name");
+  const fs::path o = real_path(out);
+  std::vector<std::string> all = inputs;
+  all.push_back(tokenizer);
+  for (const std::string& in : all) {
+    const fs::path rel = real_path(in).lexically_relative(o);
+    DS_CHECK(rel.empty() || *rel.begin() == "..", "--output {}: holds the input {}; write the dataset elsewhere", out,
+             in);
+  }
+  if (!fs::exists(o, ec)) return;
+  DS_CHECK(fs::is_directory(o, ec), "--output {}: exists and is not a directory (a dataset is a directory; give "
+           "--format jsonl for a .jsonl of ids)", out);
+  const bool empty = fs::is_empty(o, ec);
+  DS_CHECK(empty || is_dataset_dir(o.string()), "--output {}: an existing directory that is not a dataset (no "
+           "index.json); refusing to replace it, --overwrite or not", out);
+  // The rest as for any output (checkpoint / model directories, --overwrite), on the file that names a dataset.
+  if (empty) return;
+  check_outputs({{"--output", (o / "index.json").string()}}, all, /*overwrite=*/true);
+  DS_CHECK(overwrite, "--output {}: a dataset directory exists; pass --overwrite to replace it", out);
+}
+
+}  // namespace
+
+int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<std::string>& inputs,
+                         const std::string& output_dir, const std::string& txt_split, int64_t shard_tokens,
+                         bool overwrite) {
+  DS_CHECK(!inputs.empty(), "--input: no input files given");
+  DS_CHECK(shard_tokens >= 1, "--shard-tokens must be at least 1, got {}", shard_tokens);
+  const TxtSplit split = parse_txt_split(txt_split);
+  check_dataset_output(output_dir, inputs, tokenizer_path, overwrite);
+  const std::string tokenizer_json = read_file(tokenizer_path);
+  const Tokenizer tok = Tokenizer::from_json_string(tokenizer_json, tokenizer_path);
+  const int32_t eos = tok.token_to_id("<|endoftext|>");
+
+  const fs::path out = real_path(output_dir);
+  const std::string tmp = out.string() + ".tmp." + std::to_string(::getpid());
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  DS_CHECK(fs::create_directories(tmp, ec) && !ec, "{}: cannot create ({})", tmp, ec.message());
+  try {
+    DatasetWriter w(tmp, shard_tokens);
+    const auto t0 = std::chrono::steady_clock::now();
+    double bytes = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const std::vector<TokenizedSample> docs = tokenize_documents(tok, read_documents({inputs[i]}, split), eos);
+      for (const TokenizedSample& d : docs) w.add(d);
+      bytes += static_cast<double>(fs::file_size(inputs[i], ec));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      log_info("tokenize: [{}/{}] {}: {} documents; {} documents, {} tokens, {:.1f} MB in {:.1f} s ({:.2f} MB/s)",
+               i + 1, inputs.size(), inputs[i], docs.size(), w.num_documents(), w.num_tokens(), bytes / 1e6, s,
+               s > 0 ? bytes / 1e6 / s : 0.0);
+    }
+    std::vector<std::string> sources;
+    for (const std::string& f : inputs) sources.push_back(fs::absolute(f).lexically_normal().string());
+    w.finish({{"tokenizer", fs::absolute(tokenizer_path).lexically_normal().string()},
+              {"tokenizer_fingerprint", tokenizer_fingerprint(tokenizer_json)},
+              {"eos_id", eos},
+              {"txt_split", txt_split},
+              {"sources", sources}});
+    if (fs::exists(out, ec)) {  // checked above: an empty directory, or a dataset with --overwrite
+      const std::string old = out.string() + ".old." + std::to_string(::getpid());
+      fs::rename(out, old);
+      fs::rename(tmp, out);
+      fs::remove_all(old, ec);
+    } else {
+      fs::rename(tmp, out);
+    }
+    fsync_dir(out.parent_path().string());
+    log_info("tokenize: {} documents, {} tokens -> {}", w.num_documents(), w.num_tokens(), out.string());
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  return 0;
+}
+
+}  // namespace ds::cli

@@ -1,0 +1,254 @@
+// Pre-tokenized dataset directories (data/token_dataset.h): `deltastack tokenize --format dataset` writes what
+// training's in-memory path reads (batches, fingerprints), errors name the bad file and field, and training on the
+// directory is bitwise training on the source file, resume included.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cli/commands/commands.h"
+#include "core/error.h"
+#include "core/files.h"
+#include "data/dataset.h"
+#include "data/token_dataset.h"
+#include "data/tokenizer.h"
+#include "test_util.h"
+#include "train_test_util.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+std::string tok_path() { return ds::test::data_path("qwen3_tokenizer/tokenizer.json"); }
+const ds::Tokenizer& tok() {
+  static const ds::Tokenizer t = ds::Tokenizer::from_file(tok_path());
+  return t;
+}
+
+using ds::test::error_of;
+
+// Two files: paragraphs of text, and .jsonl with a chat, a prompt / completion pair and a text.
+std::vector<std::string> write_corpus(const std::string& dir) {
+  ds::write_file_atomic(dir + "/a.txt", "First paragraph, a few words.\nIts second line.\n\nSecond one.\n\nThird, "
+                                        "the last paragraph of the file.\n");
+  ds::write_file_atomic(
+      dir + "/b.jsonl",
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi there\"}, {\"role\": \"assistant\", \"content\": "
+      "\"Hello! How can I help?\"}]}\n{\"prompt\": \"2+2=\", \"completion\": \"4\"}\n{\"text\": \"plain text line\"}\n");
+  return {dir + "/a.txt", dir + "/b.jsonl"};
+}
+
+void expect_same_batches(const ds::PackedDataset& a, const ds::PackedDataset& b) {
+  ASSERT_EQ(a.num_windows(), b.num_windows());
+  ASSERT_EQ(a.num_tokens(), b.num_tokens());
+  EXPECT_EQ(a.max_docs_per_window(), b.max_docs_per_window());
+  for (int64_t w = 0; w < a.num_windows(); ++w) {
+    std::vector<int64_t> ws = {w, (w + 3) % a.num_windows()};
+    const ds::PackedBatch x = a.batch(ws), y = b.batch(ws);
+    EXPECT_EQ(x.input_ids, y.input_ids) << w;
+    EXPECT_EQ(x.targets, y.targets) << w;
+    EXPECT_EQ(x.cu_seqlens, y.cu_seqlens) << w;
+    EXPECT_EQ(x.positions, y.positions) << w;
+  }
+}
+
+}  // namespace
+
+TEST(Dataset, RoundTripBatchesEqualTheInMemoryPath) {
+  const std::string dir = ds::test::fresh_tmpdir("dataset_roundtrip");
+  const std::vector<std::string> files = write_corpus(dir);
+  ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), files, dir + "/ds", "paragraph", 7), 0);
+  EXPECT_FALSE(fs::exists(dir + "/ds.tmp." + std::to_string(::getpid())));
+
+  const int32_t eos = tok().token_to_id("<|endoftext|>");
+  ASSERT_GE(eos, 0);
+  const std::vector<ds::TokenizedSample> docs =
+      ds::tokenize_documents(tok(), ds::read_documents(files, ds::TxtSplit::Paragraph), eos);
+  ASSERT_EQ(docs.size(), 6u);
+  int64_t total = 0;
+  for (const auto& d : docs) total += static_cast<int64_t>(d.ids.size());
+
+  auto store = std::make_shared<ds::MappedTokenStore>(dir + "/ds");
+  const json& ix = store->index();
+  EXPECT_EQ(ix["format"], "deltastack-dataset");
+  EXPECT_EQ(ix["version"], 1);
+  EXPECT_EQ(ix["num_documents"], 6);
+  EXPECT_EQ(ix["num_tokens"], total);
+  EXPECT_EQ(ix["eos_id"], eos);
+  EXPECT_EQ(ix["masked"], true);
+  EXPECT_EQ(ix["tokenizer_fingerprint"], ds::tokenizer_fingerprint(ds::read_file(tok_path())));
+  ASSERT_EQ(ix["shards"].size(), static_cast<size_t>((total + 6) / 7));
+  EXPECT_EQ(ix["shards"][0]["tokens"], "tokens-00000.bin");
+  EXPECT_EQ(ix["shards"][0]["labels"], "labels-00000.bin");
+  EXPECT_EQ(store->num_tokens(), total);
+  EXPECT_EQ(store->num_documents(), 6);
+  // The shard bytes are the ids, little-endian int32; documents.bin the offsets; masked.bin the chat / completion.
+  const std::string t0 = ds::read_file(dir + "/ds/tokens-00000.bin");
+  ASSERT_EQ(t0.size(), 28u);
+  std::vector<int32_t> first(7);
+  std::memcpy(first.data(), t0.data(), 28);
+  EXPECT_EQ(first, std::vector<int32_t>(docs[0].ids.begin(), docs[0].ids.begin() + 7));
+  EXPECT_EQ(store->doc_starts()[1], static_cast<int64_t>(docs[0].ids.size()));
+  EXPECT_EQ(store->token(store->doc_starts()[1] - 1), eos);
+  EXPECT_EQ(ds::read_file(dir + "/ds/masked.bin"), std::string("\0\0\0\1\1\0", 6));
+
+  // The whole stream, a split (the last 2 documents held out) and their fingerprints: as in memory.
+  for (int64_t seq : {5, 16, 64}) {
+    expect_same_batches(ds::PackedDataset(docs, seq), ds::PackedDataset(store, 0, 6, seq));
+    expect_same_batches(ds::PackedDataset(std::vector<ds::TokenizedSample>(docs.begin(), docs.end() - 2), seq),
+                        ds::PackedDataset(store, 0, 4, seq));
+    expect_same_batches(ds::PackedDataset(std::vector<ds::TokenizedSample>(docs.end() - 2, docs.end()), seq),
+                        ds::PackedDataset(store, 4, 6, seq));
+  }
+  EXPECT_EQ(ds::documents_fingerprint(*store, 0, 6), ds::documents_fingerprint(docs));
+  EXPECT_EQ(ds::documents_fingerprint(*store, 4, 6),
+            ds::documents_fingerprint(std::vector<ds::TokenizedSample>(docs.end() - 2, docs.end())));
+  // Labels survive: the chat's user turn is unlabelled, so some targets are -100 inside a document.
+  const ds::PackedBatch all = ds::PackedDataset(store, 0, 6, total).batch({0});
+  int64_t ignored = 0;
+  for (int32_t t : all.targets) ignored += t == -100;
+  EXPECT_GT(ignored, 6);
+
+  // Text only: no label shards, "masked": false.
+  ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), {files[0]}, dir + "/text", "line", 1 << 20), 0);
+  const ds::MappedTokenStore text(dir + "/text");
+  EXPECT_EQ(text.index()["masked"], false);
+  EXPECT_FALSE(text.has_labels());
+  EXPECT_EQ(text.num_documents(), 4);  // --txt-split line: four non-blank lines
+  EXPECT_FALSE(fs::exists(dir + "/text/labels-00000.bin"));
+  EXPECT_FALSE(fs::exists(dir + "/text/masked.bin"));
+  fs::remove_all(dir);
+}
+
+TEST(Dataset, CorruptOrMissingFilesAndOutputsAreNamed) {
+  const std::string dir = ds::test::fresh_tmpdir("dataset_errors");
+  const std::vector<std::string> files = write_corpus(dir);
+  ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), files, dir + "/ds", "paragraph", 7), 0);
+  const std::string index = ds::read_file(dir + "/ds/index.json");
+
+  // An existing dataset is replaced only with --overwrite; a directory that is no dataset never; nor one that
+  // holds an input.
+  EXPECT_NE(error_of([&] { ds::cli::cmd_tokenize_dataset(tok_path(), files, dir + "/ds", "paragraph", 7); })
+                .find("exists; pass --overwrite"), std::string::npos);
+  EXPECT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), {files[1]}, dir + "/ds", "paragraph", 7, true), 0);
+  EXPECT_EQ(ds::MappedTokenStore(dir + "/ds").num_documents(), 3);
+  EXPECT_NE(error_of([&] { ds::cli::cmd_tokenize_dataset(tok_path(), files, dir, "paragraph", 7, true); })
+                .find("holds the input"), std::string::npos);
+  fs::create_directories(dir + "/other");
+  ds::write_file_atomic(dir + "/other/keep.txt", "x");
+  EXPECT_NE(error_of([&] { ds::cli::cmd_tokenize_dataset(tok_path(), files, dir + "/other", "paragraph", 7, true); })
+                .find("not a dataset"), std::string::npos);
+  EXPECT_TRUE(fs::exists(dir + "/other/keep.txt"));
+  // A bad input file: the error names it, and no dataset (nor temporary directory) is left.
+  ds::write_file_atomic(dir + "/bad.jsonl", "{\"text\": 3}\n");
+  EXPECT_NE(error_of([&] { ds::cli::cmd_tokenize_dataset(tok_path(), {dir + "/bad.jsonl"}, dir + "/new"); })
+                .find("bad.jsonl:1"), std::string::npos);
+  EXPECT_FALSE(fs::exists(dir + "/new"));
+  EXPECT_FALSE(fs::exists(dir + "/new.tmp." + std::to_string(::getpid())));
+
+  ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), files, dir + "/ds", "paragraph", 7, true), 0);
+  const std::string work = dir + "/work";
+  auto fresh = [&] {
+    fs::remove_all(work);
+    fs::copy(dir + "/ds", work);
+  };
+  auto expect = [&](const std::string& what, const std::vector<std::string>& needles) {
+    const std::string e = error_of([&] { ds::MappedTokenStore s(work); });
+    for (const std::string& n : needles) EXPECT_NE(e.find(n), std::string::npos) << what << ": " << e;
+  };
+  fresh();
+  fs::remove(work + "/index.json");
+  expect("missing index", {"index.json"});
+  fresh();
+  ds::write_file_atomic(work + "/index.json", "{\"format\": ");
+  expect("truncated index", {"index.json", "invalid JSON"});
+  for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{
+           {"version", 2}, {"format", "other"}, {"num_tokens", "many"}, {"shards", json::array()}}) {
+    fresh();
+    json j = json::parse(index);
+    j[key] = value;
+    ds::write_file_atomic(work + "/index.json", j.dump());
+    expect(key, {"index.json", "\"" + key + "\""});
+  }
+  fresh();
+  json j = json::parse(index);
+  j.erase("num_documents");
+  ds::write_file_atomic(work + "/index.json", j.dump());
+  expect("missing field", {"index.json", "missing field \"num_documents\""});
+  fresh();
+  fs::resize_file(work + "/tokens-00001.bin", 12);
+  expect("truncated shard", {"tokens-00001.bin", "12 bytes", "shards[1].tokens"});
+  fresh();
+  fs::remove(work + "/labels-00000.bin");
+  expect("missing labels", {"labels-00000.bin", "cannot open"});
+  fresh();
+  fs::remove(work + "/documents.bin");
+  expect("missing documents", {"documents.bin"});
+  fresh();
+  {
+    std::string d = ds::read_file(work + "/documents.bin");
+    const int64_t big = 1000000;
+    std::memcpy(d.data() + 8, &big, 8);
+    ds::write_file_atomic(work + "/documents.bin", d);
+  }
+  expect("offsets", {"documents.bin", "must not decrease"});
+  // Ids outside the model's vocabulary: named by shard and position.
+  fresh();
+  EXPECT_NE(error_of([&] { ds::MappedTokenStore(work).check_ids(1000); }).find("tokens-00000.bin: token 0"),
+            std::string::npos);
+  fs::remove_all(dir);
+}
+
+// `deltastack tokenize` then `train --data DIR`: the same losses and eval losses, bit for bit, as training on the
+// source file, and a resume from a checkpoint of the text run continues on the dataset (same fingerprint) bitwise.
+TEST(Dataset, TrainingOnADatasetIsTrainingOnItsSource) {
+  const std::string dir = ds::test::fresh_tmpdir("dataset_train");
+  const std::string args = ds::test::small_setup(dir);
+  std::string out;
+  ASSERT_EQ(ds::test::run("tokenize --tokenizer " + tok_path() + " --input " + dir + "/corpus.txt --output " + dir +
+                          "/ds --shard-tokens 1000", &out), 0) << out;
+  EXPECT_NE(out.find("MB/s"), std::string::npos) << out;
+  ASSERT_TRUE(fs::exists(dir + "/ds/tokens-00001.bin"));
+  std::string ds_args = args;
+  ds_args.replace(ds_args.find(dir + "/corpus.txt"), (dir + "/corpus.txt").size(), dir + "/ds");
+  ASSERT_EQ(ds::test::run("train " + args + " --steps 6 --warmup 2 --threads 1 --save-interval 3 --out " + dir + "/a"), 0);
+  ASSERT_EQ(ds::test::run("train " + ds_args + " --steps 3 --warmup 2 --threads 1 --out " + dir + "/b", &out), 0) << out;
+  EXPECT_NE(out.find("mapped"), std::string::npos) << out;
+  const auto la = ds::test::train_losses(dir + "/a/metrics.jsonl"), lb = ds::test::train_losses(dir + "/b/metrics.jsonl");
+  ASSERT_EQ(la.size(), 6u);
+  ASSERT_EQ(lb.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(la[i], lb[i]) << "step " << i + 1;
+  const auto ma = ds::test::metrics(dir + "/a/metrics.jsonl"), mb = ds::test::metrics(dir + "/b/metrics.jsonl");
+  ASSERT_TRUE(ma[0].contains("eval_loss") && mb[0].contains("eval_loss"));
+  EXPECT_EQ(ma[0]["eval_loss"].get<double>(), mb[0]["eval_loss"].get<double>());
+  // Resume the text run's checkpoint on the dataset: no data-change warning, steps 4..6 as the text run's.
+  ASSERT_EQ(ds::test::run("train --resume " + dir + "/a/checkpoint-3 --data " + dir + "/ds --steps 6 --threads 1 "
+                          "--data-changed error --out " + dir + "/c", &out), 0) << out;
+  const auto lc = ds::test::train_losses(dir + "/c/metrics.jsonl");
+  ASSERT_EQ(lc.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(la[3 + i], lc[i]) << "step " << 4 + i;
+  // --val-data as a dataset: the same evaluation as --val-data with its source file.
+  std::string va = args, vb = args;
+  va.replace(va.find("--val-fraction 0.1"), 18, "--val-data " + dir + "/corpus.txt");
+  vb.replace(vb.find("--val-fraction 0.1"), 18, "--val-data " + dir + "/ds");
+  ASSERT_EQ(ds::test::run("train " + va + " --steps 1 --threads 1 --out " + dir + "/va", &out), 0) << out;
+  ASSERT_EQ(ds::test::run("train " + vb + " --steps 1 --threads 1 --out " + dir + "/vb", &out), 0) << out;
+  const auto mva = ds::test::metrics(dir + "/va/metrics.jsonl"), mvb = ds::test::metrics(dir + "/vb/metrics.jsonl");
+  ASSERT_TRUE(mva[0].contains("eval_loss") && mvb[0].contains("eval_loss"));
+  EXPECT_EQ(mva[0]["eval_loss"].get<double>(), mvb[0]["eval_loss"].get<double>());
+  EXPECT_EQ(ds::test::train_losses(dir + "/va/metrics.jsonl"), ds::test::train_losses(dir + "/vb/metrics.jsonl"));
+  // A dataset made with another tokenizer is refused, naming the field.
+  json ix = json::parse(ds::read_file(dir + "/ds/index.json"));
+  ix["tokenizer_fingerprint"] = "0000000000000000";
+  ds::write_file_atomic(dir + "/ds/index.json", ix.dump());
+  EXPECT_NE(ds::test::run("train " + ds_args + " --steps 1 --out " + dir + "/d", &out), 0);
+  EXPECT_NE(out.find("tokenizer_fingerprint"), std::string::npos) << out;
+  fs::remove_all(dir);
+}
