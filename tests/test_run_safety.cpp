@@ -494,6 +494,26 @@ TEST(RunSafety, GenerateStreamsTokens) {
   fs::remove_all(dir);
 }
 
+// generate's sampling flags: a vanishing --top-p keeps only the most likely id (the greedy text), a bad one is an
+// error naming it; --chat renders the prompt as a user turn (the reply is different text from the plain prompt's).
+TEST(RunSafety, GenerateTopPAndChat) {
+  const std::string dir = tmpdir("topp");
+  ASSERT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 2 --out " + dir + "/a"), 0);
+  const std::string g = "generate --threads 1 --max-new-tokens 12 --prompt ROMEO: --model " + dir + "/a/checkpoint-2";
+  std::string greedy, nucleus, sampled, chat, log;
+  ASSERT_EQ(run(g + " --temperature 0", &greedy), 0) << greedy;
+  ASSERT_EQ(run(g + " --temperature 1 --top-k 0 --top-p 1e-9 --seed 5", &nucleus), 0) << nucleus;
+  EXPECT_EQ(nucleus, greedy);
+  ASSERT_EQ(run(g + " --temperature 1 --top-k 0 --seed 5", &sampled), 0);
+  EXPECT_NE(sampled, greedy);  // without the nucleus, 12 draws from 151k ids of a 2-step model differ
+  ASSERT_EQ(run(g + " --temperature 0 --chat", &chat), 0) << chat;
+  EXPECT_EQ(chat.rfind("ROMEO:", 0), 0u) << chat;
+  EXPECT_NE(chat, greedy);
+  EXPECT_EQ(run(g + " --top-p 0", &log), 1);
+  EXPECT_NE(log.find("--top-p must be in (0, 1]"), std::string::npos) << log;
+  fs::remove_all(dir);
+}
+
 // 7. The NaN guard: --nan-policy stop names the last checkpoint, or says there is none; --nan-policy skip that
 // skipped every step exits 1 (the weights never changed) after saving.
 TEST(RunSafety, NanGuardMessagesAndAllSkipped) {

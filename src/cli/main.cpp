@@ -54,6 +54,11 @@ int main(int argc, char** argv) {
   gen->add_option("--temperature", temperature, "Sampling temperature (0 = greedy)")->capture_default_str();
   gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0 = all)")->capture_default_str();
   gen->add_option("--seed", seed, "Sampling seed")->capture_default_str();
+  double top_p = 1.0;
+  bool chat = false;
+  gen->add_option("--top-p", top_p, "Sample from the most likely ids whose probability reaches p (1 = off)")
+      ->capture_default_str();
+  gen->add_flag("--chat", chat, "The prompt is a user turn of the chat template; the reply stops at <|im_end|>");
 
   auto* eval = app.add_subcommand("eval", "Mean loss of a checkpoint on data files");
   eval->add_option("--model", model_dir, "Checkpoint dir")->required();
@@ -160,7 +165,7 @@ int main(int argc, char** argv) {
                forward_device);
       return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device, overwrite);
     }
-    if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed);
+    if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed, top_p, chat);
     if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
     if (*tokenize) {
       std::error_code ec;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <memory>
 #include <numeric>
+#include <optional>
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
@@ -17,6 +18,7 @@
 #include "core/files.h"
 #include "core/log.h"
 #include "core/rng.h"
+#include "data/chat.h"
 #include "data/dataset.h"
 #include "data/tokenizer.h"
 #include "model/engine.h"
@@ -34,16 +36,19 @@ std::string tokenizer_for(const std::string& model_dir, const std::string& token
 }  // namespace
 
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
-                 int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed) {
+                 int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed, double top_p, bool chat) {
+  DS_CHECK(std::isfinite(top_p) && top_p > 0 && top_p <= 1, "--top-p must be in (0, 1], got {}", top_p);
   DS_CHECK(max_new_tokens >= 0, "--max-new-tokens must be >= 0, got {}", max_new_tokens);
   DS_CHECK(std::isfinite(temperature) && temperature >= 0, "--temperature must be finite and >= 0, got {}", temperature);
   DS_CHECK(top_k >= 0, "--top-k must be >= 0, got {}", top_k);
   Qwen35Model model(ModelConfig::from_file(model_dir));
   model.load(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
-  std::vector<int32_t> ids = tok.encode(prompt);
-  DS_CHECK(!ids.empty(), "--prompt must not be empty");
-  const int32_t eos = tok.token_to_id("<|endoftext|>");
+  DS_CHECK(!prompt.empty(), "--prompt must not be empty");
+  ChatTemplateOptions chat_opt;
+  chat_opt.add_generation_prompt = true;
+  std::vector<int32_t> ids = tok.encode(chat ? render_qwen3_chat({{"user", prompt, std::nullopt}}, chat_opt).text : prompt);
+  const int32_t eos = tok.token_to_id("<|endoftext|>"), im_end = chat ? tok.token_to_id("<|im_end|>") : -1;
   const int64_t V = model.config().vocab_size, tok_v = tok.vocab_size();
   Rng rng(seed);
   std::vector<int32_t> generated;
@@ -75,6 +80,13 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
       double mx = logits[order[0]], total = 0;
       std::vector<double> p(static_cast<size_t>(k));
       for (int64_t i = 0; i < k; ++i) total += p[i] = std::exp((logits[order[i]] - mx) / temperature);
+      if (top_p < 1) {  // the most likely ids (sorted) until their probability reaches top_p
+        double kept = 0;
+        int64_t n = 0;
+        while (n < k && kept < top_p * total) kept += p[static_cast<size_t>(n++)];
+        k = std::max<int64_t>(n, 1);
+        total = kept > 0 ? kept : p[0];
+      }
       double u = rng.uniform() * total;
       next = order[static_cast<size_t>(k - 1)];
       for (int64_t i = 0; i < k; ++i) {
@@ -84,7 +96,7 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
         }
       }
     }
-    if (next == eos) break;
+    if (next == eos || next == im_end) break;
     ids.push_back(next);
     feed = {next};
     generated.push_back(next);
