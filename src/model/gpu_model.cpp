@@ -10,7 +10,6 @@
 #include <initializer_list>
 #include <memory>
 
-#include "core/bf16.h"
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
 #include "core/log.h"
@@ -347,11 +346,8 @@ struct GpuModel::Impl {
   void capture(ForwardCapture* cap, const GpuParamStore::Model& mp) {
     const int64_t H = c.hidden_size, V = c.vocab_size;
     auto down_bf16 = [&](const bf16* src, int64_t n) {
-      std::vector<uint16_t> raw(static_cast<size_t>(n));
-      DS_CUDA_CHECK(cudaMemcpyAsync(raw.data(), src, n * 2, cudaMemcpyDeviceToHost, stream));
-      DS_CUDA_CHECK(cudaStreamSynchronize(stream));
-      std::vector<float> out(raw.size());
-      for (size_t k = 0; k < raw.size(); ++k) out[k] = bf16_bits_to_f32(raw[k]);
+      std::vector<float> out(static_cast<size_t>(n));
+      download_bf16_as_f32(src, n, out.data(), stream);  // model/gpu_params.h
       return out;
     };
     if (cap->hidden_states) {

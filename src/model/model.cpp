@@ -112,12 +112,8 @@ std::vector<ParamSpec> qwen35_params(const ModelConfig& c) {
   return params;
 }
 
-Qwen35Model::Qwen35Model(ModelConfig config) : cfg_(std::move(config)) {
-  cfg_.validate();
-  params_ = qwen35_params(cfg_);
-  for (size_t i = 0; i < params_.size(); ++i) by_name_[params_[i].name] = i;
-  layout_ = std::make_shared<const ParamLayout>(cfg_, params_);
-  weights_.assign(static_cast<size_t>(params_.back().offset + params_.back().numel), 0.0f);
+Qwen35Model::Qwen35Model(ModelConfig config) : Qwen35Model(std::move(config), Deferred{}) {
+  weights_.assign(static_cast<size_t>(num_parameters()), 0.0f);
 }
 
 Qwen35Model::Qwen35Model(ModelConfig config, Deferred) : cfg_(std::move(config)) {
