@@ -165,17 +165,21 @@ PY
 fi
 if has train-9b; then
   # Qwen3.5-9B on the H200 (seq 8192 x 1, the modes --memory auto picks: bf16 state): 20 steps on real text with a
-  # checkpoint at step 10, then a resume from it; steps 11..20 must be bitwise equal. A 9B checkpoint is ~50 GiB
-  # (bf16 weights and moments), so the step-20 saves may fail for lack of disk there: the metrics come first.
+  # checkpoint at step 10, then a resume from it; steps 11..20 must be bitwise equal. A 9B checkpoint is ~50 GiB and
+  # the disk there 64 GiB: the step-20 saves are refused by the free-space check (exit 1) after the metrics of
+  # step 20 are written. Logs go straight to $OUT.
   D=$BUILD/deltastack
   N="--model 9b --device cuda --data /tmp/ds_corpus.txt --seq-len 8192 --micro-batch 1 --lr 1e-4 --warmup 5 --val-fraction 0 --eval-batches 0"
   rm -rf /tmp/ds_9b /tmp/ds_9b_r
-  $D train $N --steps 20 --save-interval 10 --out /tmp/ds_9b >/tmp/ds_9b.txt 2>&1; echo "9b run rc=$?"
-  cp /tmp/ds_9b.txt "$OUT/train_9b.txt"; cp /tmp/ds_9b/metrics.jsonl "$OUT/metrics_9b.jsonl"  # before the resume
-  du -sh /tmp/ds_9b/checkpoint-10 2>&1; rm -rf /tmp/ds_9b/.checkpoint-20.tmp
-  $D train --resume /tmp/ds_9b/checkpoint-10 --out /tmp/ds_9b_r >/tmp/ds_9b_r.txt 2>&1; echo "9b resume rc=$?"
-  cp /tmp/ds_9b_r.txt "$OUT/train_9b_resumed.txt"
-  grep -E "gpu:|step (1|5|10|11|20) " /tmp/ds_9b.txt /tmp/ds_9b_r.txt | head -20
+  df -h /tmp | tail -1
+  t0=$(date +%s)
+  timeout 420 $D train $N --steps 20 --save-interval 10 --out /tmp/ds_9b >"$OUT/train_9b.txt" 2>&1; echo "9b run rc=$? in $(( $(date +%s) - t0 )) s"
+  cp /tmp/ds_9b/metrics.jsonl "$OUT/metrics_9b.jsonl"  # before the resume
+  du -sh /tmp/ds_9b/checkpoint-10 2>&1; ls -a /tmp/ds_9b; tail -2 "$OUT/train_9b.txt"
+  t0=$(date +%s)
+  timeout 300 $D train --resume /tmp/ds_9b/checkpoint-10 --out /tmp/ds_9b_r >"$OUT/train_9b_resumed.txt" 2>&1; echo "9b resume rc=$? in $(( $(date +%s) - t0 )) s"
+  tail -2 "$OUT/train_9b_resumed.txt"
+  grep -E "gpu:|step (1|5|10|11|20) " "$OUT/train_9b.txt" "$OUT/train_9b_resumed.txt" | head -20
   cp /tmp/ds_9b_r/metrics.jsonl "$OUT/metrics_9b_resumed.jsonl"
   python3 - <<'PY' || status=1
 import json

@@ -574,3 +574,22 @@ TEST(RunSafety, FailedSaveRemovesItsTempDir) {
   EXPECT_TRUE(fs::exists(out + "/checkpoint-1/trainer_state.json"));
   fs::remove_all(dir);
 }
+
+// 8. A checkpoint that does not fit on the disk (the free space the check sees set by a test hook) stops before any
+// byte is written: exit 1, an error with both sizes, no temp dir, and the metrics of every step trained.
+TEST(RunSafety, SaveRefusedWhenTheDiskIsTooSmall) {
+  const std::string dir = tmpdir("diskfull");
+  const std::string out = dir + "/o";
+  ::setenv("DELTASTACK_TEST_DISK_FREE_BYTES", "1000000", 1);
+  std::string log;
+  const int rc = run("train " + small_setup(dir) + " --threads 1 --steps 2 --save-interval 1 --out " + out, &log);
+  ::unsetenv("DELTASTACK_TEST_DISK_FREE_BYTES");
+  EXPECT_EQ(rc, 1) << log;
+  EXPECT_TRUE(contains(log, "cannot save checkpoint-1: it needs")) << log;
+  EXPECT_TRUE(contains(log, "GiB but only 0.00 GiB is free")) << log;
+  EXPECT_FALSE(fs::exists(out + "/.checkpoint-1.tmp"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-1"));
+  const std::string metrics = read_or_empty(out + "/metrics.jsonl");
+  EXPECT_TRUE(contains(metrics, "\"step\":1,")) << metrics;
+  fs::remove_all(dir);
+}

@@ -46,6 +46,17 @@ void rename_into_place(const std::string& tmp_dir, const std::string& final_dir)
   }
 }
 
+// Bytes the tensors take as stored (the safetensors headers and small JSON files are left out: a few MB).
+int64_t stored_bytes(const std::vector<SaveTensor>& ts) {
+  int64_t b = 0;
+  for (const SaveTensor& t : ts) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    b += n * static_cast<int64_t>(dtype_size(t.dtype));
+  }
+  return b;
+}
+
 }  // namespace
 
 std::string new_run_id() {
@@ -135,14 +146,30 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state,
     }
   } cleanup{tmp_dir};
   const int64_t shard_bytes = opt_.max_shard_mb * 1000000;
-  save_model_dir(tmp_dir, engine.config(), engine.checkpoint_weight_tensors(), DType::F32, shard_bytes);
+  std::vector<SaveTensor> weights = engine.checkpoint_weight_tensors();
+  std::vector<SaveTensor> optimizer = engine.optimizer_tensors();
+  // A checkpoint that cannot fit stops here with the sizes, before it fills the disk (which would also starve the
+  // run's own log and metrics). 64 MiB of slack covers headers, JSON and the tokenizer.
+  {
+    const int64_t need = stored_bytes(weights) + stored_bytes(optimizer) + (int64_t{64} << 20);
+    std::error_code ec;
+    const fs::space_info sp = fs::space(opt_.out, ec);
+    int64_t avail = static_cast<int64_t>(sp.available);
+    // Test hook: the free bytes the check sees (a full disk without filling one). Unset in normal use.
+    if (const char* f = std::getenv("DELTASTACK_TEST_DISK_FREE_BYTES")) avail = std::strtoll(f, nullptr, 10);
+    DS_CHECK(ec || avail >= need,
+             "cannot save checkpoint-{}: it needs {:.2f} GiB but only {:.2f} GiB is free on the filesystem of {} "
+             "(free space there, or use --keep-last / a larger disk)",
+             state.step, need / 1073741824.0, static_cast<double>(avail) / 1073741824.0, opt_.out);
+  }
+  save_model_dir(tmp_dir, engine.config(), weights, DType::F32, shard_bytes);
   // Fault-injection hook for the crash-safety tests: a pause inside every save, so that a kill aimed at "a save in
   // progress" lands there however fast the disk is. Unset in normal use.
   if (const char* pause = std::getenv("DELTASTACK_TEST_SAVE_PAUSE_MS"))
     std::this_thread::sleep_for(std::chrono::milliseconds(std::strtol(pause, nullptr, 10)));
   // The optimizer's state (AdamW moments, HF-style names; F32, or BF16 where the engine keeps them in bf16),
   // streamed from the engine, sharded like the weights.
-  write_safetensors_sharded(tmp_dir, "optimizer", engine.optimizer_tensors(), shard_bytes);
+  write_safetensors_sharded(tmp_dir, "optimizer", optimizer, shard_bytes);
   write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), tokenizer_json_);
   const json st{{"step", state.step},
                 {"optimizer_steps", state.optimizer_steps},
