@@ -410,8 +410,11 @@ static void time_shape(const char* name, const std::vector<int>& lens, int Hk, i
   CK(cudaDeviceSynchronize());
   printf("== %s: N=%lld seqs=%lld Hk=%d Hv=%d  saved %.1f MiB workspace %.1f MiB\n", name, (long long)p.N,
          (long long)p.S, Hk, Hv, p.plan.saved_bytes() / 1048576.0, p.plan.workspace_bytes() / 1048576.0);
-  for (int bv : {0, 32, 64}) {
+  const int cfg[4][2] = {{0, 0}, {32, 3}, {32, 2}, {64, 2}};  // (scan BV, scan cp.async stages); 0 = automatic
+  for (const auto& bs : cfg) {
+    const int bv = bs[0];
     gdn_chunked_set_scan_bv(bv);
+    gdn_chunked_set_scan_stages(bs[1]);
     const float f = median_ms([&] { run_fwd(p); });
     const float fb = median_ms([&] {
       run_fwd(p);
@@ -425,12 +428,13 @@ static void time_shape(const char* name, const std::vector<int>& lens, int Hk, i
     const float dl = median_ms([&] { run_phase(p, GdnPhase::kBwdDvLocal); });
     const float dh = median_ms([&] { run_phase(p, GdnPhase::kBwdDh); });
     const float bc = median_ms([&] { run_phase(p, GdnPhase::kBwdChunk); });
-    printf("  bv=%-2d fwd %.3f ms  fwd+bwd %.3f ms | prep %.3f fwd_h %.3f fwd_o %.3f | bwd_prep %.3f dvlocal %.3f "
-           "bwd_dh %.3f bwd_chunk %.3f\n",
-           bv, f, fb, pp, fh, fo, bp, dl, dh, bc);
+    printf("  bv=%-2d stages=%d fwd %.3f ms  fwd+bwd %.3f ms | prep %.3f fwd_h %.3f fwd_o %.3f | bwd_prep %.3f "
+           "dvlocal %.3f bwd_dh %.3f bwd_chunk %.3f\n",
+           bv, bs[1], f, fb, pp, fh, fo, bp, dl, dh, bc);
     fflush(stdout);
   }
   gdn_chunked_set_scan_bv(0);
+  gdn_chunked_set_scan_stages(0);
   if (old_kernel) {
     ds::ops::GdnDims d = p.dims();
     std::vector<int32_t> co(1, 0);
@@ -523,8 +527,8 @@ int main(int argc, char** argv) {
     }
   }
   if (do_time) {
-    time_shape("T32768_hk16_hv32", {32768}, 16, 32, true);
-    time_shape("B2x8192_hk16_hv16", {8192, 8192}, 16, 16, true);
+    time_shape("T32768_hk16_hv32", {32768}, 16, 32, false);
+    time_shape("B2x8192_hk16_hv16", {8192, 8192}, 16, 16, false);
   }
   printf("%s (%d failing)\n", fails ? "FAILURES" : "ALL PASS", fails);
   return fails ? 1 : 0;

@@ -5,7 +5,8 @@
 # Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops peer bench-step memory curves
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
-# (CURVE_DATA); corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
+# (CURVE_DATA); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
+# per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step; corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
 # train-bf16, the default run with --optimizer-state bf16: twice and resumed, bitwise). BUILD_TARGET builds one target.
 # With a source tree of an earlier commit in .base (e.g.
 # `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
@@ -103,6 +104,31 @@ if has real-shapes; then
 fi
 if has bench-ops; then
   $BUILD/deltastack bench ops 2>&1 | tee "$OUT/bench_ops.txt"
+fi
+if has bench-ops-base && [ -x build-base/deltastack ]; then
+  # The earlier commit's binary (.base) in the same call: an A/B for kernels changed since.
+  build-base/deltastack bench ops 2>&1 | tee "$OUT/bench_ops_base.txt"
+fi
+if has harness || has ncu-gdn; then
+  # The chunked GDN kernel's standalone harness: float64-oracle tests, per-phase timings (every scan variant).
+  sh bench/build_gdn_harness.sh /tmp/gdn_h >"$OUT/harness_build.log" 2>&1 || { tail "$OUT/harness_build.log"; status=1; }
+fi
+if has harness; then
+  timeout 300 /tmp/gdn_h test time 2>&1 | tee "$OUT/gdn_harness.txt" | grep -vE "^\s+(ok|pass)" | tail -40
+fi
+if has ncu-gdn; then
+  # Hardware counters of each GDN kernel at the 2B layer shape (ncu; clocks left alone, as METHOD.md says).
+  timeout 240 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
+    --section LaunchStats -k regex:'k_(prep|fwd_h|fwd_o|dvlocal|bwd_dh|bwd_chunk)' /tmp/gdn_h profile \
+    >"$OUT/ncu_gdn.txt" 2>&1; echo "ncu rc=$?"
+  grep -E "k_(prep|fwd_h|fwd_o|dvlocal|bwd_dh|bwd_chunk)|Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Stall" "$OUT/ncu_gdn.txt" | head -80
+fi
+if has ncu-step; then
+  # Every kernel of a 2B training step (seq 8192 x 2: one warm-up step + one timed) with its duration, for the
+  # per-kernel breakdown (ncu serialises kernels; one metric, one replay each).
+  timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    $BUILD/deltastack bench step --preset ${NCU_PRESET:-2b} --steps 1 >"$OUT/ncu_step.csv" 2>"$OUT/ncu_step.err"
+  echo "ncu-step rc=$? ($(grep -c gpu__time_duration "$OUT/ncu_step.csv") kernel launches)"
 fi
 if has peer; then
   # The peer's kernels at bench ops' shapes, in this same call (fla from .peers/site, carried; see peer_bench.py).

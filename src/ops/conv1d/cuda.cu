@@ -4,16 +4,17 @@
 //   dx[s, c] = sum_j dp[s+(K-1)-j, c] w[c, j]   over t = s+(K-1)-j < N with seq_start[t] <= s (same document)
 //   dw[c, j] += sum_t dp[t, c] x[t-(K-1)+j, c]
 // K is a template parameter (1..4; Qwen3.5 uses 4). Each thread owns V adjacent channels.
-// Forward: grid x over channels (128 threads x V), grid y over tiles of TT tokens; a thread loads the tile's x
-// plus K-1 halo tokens once into registers (packed bf16) and writes TT outputs. V = 8 (16-byte) when C % 8 == 0
-// and x/y are 16-byte aligned, else V = 1.
+// Forward: grid x over channels (128 threads x V), grid y over tiles of TT = 32 tokens; a thread loads its taps
+// once per tile (vector loads: scalar ones, one 128-byte line per lane, made the L1 the bottleneck), then walks
+// the tile in groups of 8 tokens, carrying the K-1 rows before each group in registers (packed bf16): each x row is
+// read once, plus K-1 halo rows per tile. V = 8 (16-byte) when C % 8 == 0 and x/y are 16-byte aligned, else V = 1.
 // Backward: grid x over channels, grid y over fixed token slots (a function of N only). A thread walks its
 // slot in tiles of TT "lead" tokens u, keeping the last K-1 tokens' x and dp in registers: dp[u] is
 // recomputed from x, dx[u-(K-1)] is completed from dp[u-(K-1)..u], and dw accumulates in fp32 registers
 // (tokens in ascending order). The K-1 tokens after the slot are recomputed (halo), so slots are independent.
 // The partial dw of each slot goes to scratch [slot, C*K]; a second kernel sums slots in a fixed order and
 // ADDS into dw. V = 4 (8-byte accesses, to keep the dp window in registers) when C % 4 == 0 and pointers are
-// 8-byte aligned, else V = 1. Deterministic, no atomics.
+// 8-byte aligned, else V = 1. A step's rows are loaded while the step before computes. Deterministic, no atomics.
 #include <climits>
 #include <cstdint>
 
@@ -26,7 +27,8 @@ namespace {
 using namespace ds::cuda;
 
 constexpr int kThreads = 128;
-constexpr int kFwdTile = 8;  // tokens per forward tile
+constexpr int kFwdTile = 32;  // tokens per forward tile (the taps are loaded once per tile)
+constexpr int kFwdGroup = 8;  // rows loaded together inside a tile
 constexpr int kBwdTile = 4;  // lead tokens per backward step
 constexpr int64_t kMaxSlots = 128;
 constexpr int64_t kMinTokensPerSlot = 16;
@@ -76,46 +78,79 @@ __device__ __forceinline__ float raw_get(const typename Raw<V>::T& r, int k) {  
   }
 }
 
+// The K taps of V adjacent channels (w: [C, K] fp32) into wr[j][v]: 16-byte loads when w is 16-byte aligned and
+// V * K % 4 == 0 (c0 is a multiple of V), else one float at a time.
+template <int V, int K>
+__device__ __forceinline__ void load_taps(const float* __restrict__ w, bool w16, int64_t c0, float (&wr)[K][V]) {
+  if ((V * K) % 4 == 0 && w16) {
+    const float4* w4 = reinterpret_cast<const float4*>(w + c0 * K);
+#pragma unroll
+    for (int q = 0; q < V * K / 4; ++q) {
+      const float4 f = __ldg(w4 + q);
+      const float e[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) wr[(4 * q + u) % K][(4 * q + u) / K] = e[u];
+    }
+  } else {
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+#pragma unroll
+      for (int j = 0; j < K; ++j) wr[j][v] = __ldg(w + (c0 + v) * K + j);
+  }
+}
+
+// A thread owns V channels of a tile of TT tokens: the taps once (vector loads), then TT / G groups of G tokens,
+// each loading its G rows while the K-1 rows before them are carried in registers (a tile reads TT + K-1 rows).
+// Per output the same arithmetic as ever: p += w[j] x[t-(K-1)+j] for j ascending over the document's taps, then
+// p * sigmoid(p).
 template <int V, int K>
 __global__ void __launch_bounds__(kThreads)
     conv_fwd_kernel(const bf16* __restrict__ x, const float* __restrict__ w, const int32_t* __restrict__ seq_start,
                     bf16* __restrict__ y, int64_t N, int64_t C) {
-  constexpr int TT = kFwdTile;
+  constexpr int TT = kFwdTile, G = kFwdGroup, W = K - 1;
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c0 >= C) return;
   float wr[K][V];
-#pragma unroll
-  for (int v = 0; v < V; ++v)
-#pragma unroll
-    for (int j = 0; j < K; ++j) wr[j][v] = __ldg(w + (c0 + v) * K + j);
+  load_taps<V, K>(w, (reinterpret_cast<uintptr_t>(w) & 15u) == 0, c0, wr);
   const int64_t ntiles = (N + TT - 1) / TT;
   for (int64_t tile = blockIdx.y; tile < ntiles; tile += gridDim.y) {
     const int64_t t0 = tile * TT;
-    typename Raw<V>::T xw[TT + K - 1];  // tokens t0-(K-1) .. t0+TT-1
+    typename Raw<V>::T xw[W + G];  // tokens u0-W .. u0+G-1
 #pragma unroll
-    for (int i = 0; i < TT + K - 1; ++i) {
-      const int64_t t = t0 - (K - 1) + i;
+    for (int i = 0; i < W; ++i) {
+      const int64_t t = t0 - W + i;
       xw[i] = (t >= 0 && t < N) ? raw_load<V>(x + t * C + c0) : raw_zero<V>();
     }
+#pragma unroll 1
+    for (int64_t u0 = t0; u0 < t0 + TT && u0 < N; u0 += G) {
+      int32_t st[G];
 #pragma unroll
-    for (int i = 0; i < TT; ++i) {
-      const int64_t t = t0 + i;
-      if (t < N) {
-        const int64_t st = seq_start[t];
-        float p[V];
-#pragma unroll
-        for (int v = 0; v < V; ++v) p[v] = 0.f;
-#pragma unroll
-        for (int j = 0; j < K; ++j) {
-          if (t - (K - 1) + j >= st) {
-#pragma unroll
-            for (int v = 0; v < V; ++v) p[v] += wr[j][v] * raw_get<V>(xw[i + j], v);
-          }
-        }
-#pragma unroll
-        for (int v = 0; v < V; ++v) p[v] = p[v] * sigmoid_fast(p[v]);
-        store_bf<V>(y + t * C + c0, p);
+      for (int i = 0; i < G; ++i) {
+        const int64_t t = u0 + i;
+        xw[W + i] = t < N ? raw_load<V>(x + t * C + c0) : raw_zero<V>();
+        st[i] = t < N ? __ldg(seq_start + t) : 0;
       }
+#pragma unroll
+      for (int i = 0; i < G; ++i) {
+        const int64_t t = u0 + i;
+        if (t < N) {
+          float p[V];
+#pragma unroll
+          for (int v = 0; v < V; ++v) p[v] = 0.f;
+#pragma unroll
+          for (int j = 0; j < K; ++j) {
+            if (t - W + j >= st[i]) {
+#pragma unroll
+              for (int v = 0; v < V; ++v) p[v] += wr[j][v] * raw_get<V>(xw[i + j], v);
+            }
+          }
+#pragma unroll
+          for (int v = 0; v < V; ++v) p[v] = p[v] * sigmoid_fast(p[v]);
+          store_bf<V>(y + t * C + c0, p);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < W; ++i) xw[i] = xw[G + i];
     }
   }
 }
@@ -133,37 +168,53 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t s1 = s0 + per < N ? s0 + per : N;
   const int64_t uend = s1 + W < N ? s1 + W : N;  // lead tokens needed: [s0, s1 + K - 1) within N
   float wr[K][V], dwa[K][V];
+  load_taps<V, K>(w, (reinterpret_cast<uintptr_t>(w) & 15u) == 0, c0, wr);
 #pragma unroll
   for (int v = 0; v < V; ++v)
 #pragma unroll
-    for (int j = 0; j < K; ++j) wr[j][v] = __ldg(w + (c0 + v) * K + j), dwa[j][v] = 0.f;
-  // Window over tokens u0-W .. u0+TT-1: entries [0, W) are carried from the previous step.
+    for (int j = 0; j < K; ++j) dwa[j][v] = 0.f;
+  // Window over tokens u0-W .. u0+TT-1: entries [0, W) are carried from the previous step. Document starts are
+  // int32 (N < 2^31); INT_MAX marks tokens at or past uend (in no document).
   typename Raw<V>::T xw[W + TT];
   float dpw[W + TT][V];
-  int64_t stw[W + TT];
+  int32_t stw[W + TT];
 #pragma unroll
   for (int i = 0; i < W; ++i) {
     const int64_t t = s0 - W + i;
     xw[i] = t >= 0 ? raw_load<V>(x + t * C + c0) : raw_zero<V>();
-    stw[i] = t >= 0 ? seq_start[t] : 0;
+    stw[i] = t >= 0 ? __ldg(seq_start + t) : 0;
 #pragma unroll
     for (int v = 0; v < V; ++v) dpw[i][v] = 0.f;  // dp before s0 only feeds dx rows of other slots
   }
-  for (int64_t u0 = s0; u0 < s1 + W; u0 += TT) {
-    typename Raw<V>::T dyt[TT];
+  // The next step's rows are loaded before this step computes (one step of software pipelining).
+  typename Raw<V>::T nx[TT], ndy[TT];
+  int32_t nst[TT];
+  auto fetch = [&](int64_t u0) {
 #pragma unroll
     for (int i = 0; i < TT; ++i) {
       const int64_t u = u0 + i;
       const bool in = u < uend;
-      xw[W + i] = in ? raw_load<V>(x + u * C + c0) : raw_zero<V>();
-      dyt[i] = in ? raw_load<V>(dy + u * C + c0) : raw_zero<V>();
-      stw[W + i] = in ? seq_start[u] : LLONG_MAX;  // beyond N: never in any document
+      nx[i] = in ? raw_load<V>(x + u * C + c0) : raw_zero<V>();
+      ndy[i] = in ? raw_load<V>(dy + u * C + c0) : raw_zero<V>();
+      nst[i] = in ? __ldg(seq_start + u) : INT_MAX;
     }
+  };
+  fetch(s0);
+#pragma unroll 1
+  for (int64_t u0 = s0; u0 < s1 + W; u0 += TT) {
+    typename Raw<V>::T dyt[TT];
+#pragma unroll
+    for (int i = 0; i < TT; ++i) {
+      xw[W + i] = nx[i];
+      dyt[i] = ndy[i];
+      stw[W + i] = nst[i];
+    }
+    if (u0 + TT < s1 + W) fetch(u0 + TT);
     // dp for the lead tokens; dw for those inside the slot.
 #pragma unroll
     for (int i = 0; i < TT; ++i) {
       const int64_t u = u0 + i;
-      const int64_t st = stw[W + i];
+      const int32_t st = stw[W + i];
       float p[V];
 #pragma unroll
       for (int v = 0; v < V; ++v) p[v] = 0.f;

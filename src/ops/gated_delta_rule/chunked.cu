@@ -132,6 +132,11 @@ __device__ __forceinline__ void cp16(void* s, const void* g, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s2u(s)), "l"(g), "r"(valid ? 16 : 0)
                : "memory");
 }
+// 4-byte copy (a strided gather such as γ[t, h]); zero-filled when !valid.
+__device__ __forceinline__ void cp4(void* s, const void* g, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s2u(s)), "l"(g), "r"(valid ? 4 : 0)
+               : "memory");
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() {
@@ -476,13 +481,14 @@ __global__ void __launch_bounds__(128) k_prep(const Args a) {
 // ---------------------------------------------------------------------------------------------------------
 // k_fwd_h: forward state scan.
 
-template <int BV>
+template <int BV, int NS>
 struct ScanCfg {
   static_assert(BV == 32 || BV == 64, "scan tile");
+  static_assert(NS == 2 || NS == 3, "scan pipeline depth");
   static constexpr int LV = BV + 8, NT = BV / 8, NT2 = BV / 16;
-  // stage: two 64x128 tiles, one 64xBV tile, 64 floats
+  // stage: two 64x128 tiles, one 64xBV tile, 64 floats; NS stages in a ring (chunk ci in stage ci % NS)
   static constexpr int STAGE = 2 * C * LD * 2 + C * LV * 2 + C * 4;
-  static constexpr int SMEM = 2 * STAGE + 2 * (D * LV * 2 + C * LV * 2);  // tiles double-buffered by chunk parity
+  static constexpr int SMEM = NS * STAGE + 2 * (D * LV * 2 + C * LV * 2);  // state tiles double-buffered by parity
 };
 
 // Copies a 128 x BV bf16 tile from shared (rows of LV) to global rows of D elements, 16 bytes per thread.
@@ -496,10 +502,11 @@ __device__ __forceinline__ void store_state_tile(bf16* g, const bf16* s, int tid
 }
 
 // 256 threads: warp w holds state rows 16w..16w+15 (all BV columns); the 64 x BV products use warp tile
-// rows 16(w%4).., columns (BV/2)(w/4)..
-template <int BV>
+// rows 16(w%4).., columns (BV/2)(w/4)... Chunk ci+NS-1's tiles (and γ, by 4-byte cp.async: no thread waits on a
+// global load inside the loop) are requested while chunk ci computes.
+template <int BV, int NS>
 __global__ void __launch_bounds__(256) k_fwd_h(const Args a) {
-  using Cf = ScanCfg<BV>;
+  using Cf = ScanCfg<BV, NS>;
   constexpr int LV = Cf::LV, NT = Cf::NT, NT2 = Cf::NT2;
   extern __shared__ __align__(16) unsigned char smem[];
   const int seq = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * BV, hk = h / a.G;
@@ -511,7 +518,7 @@ __global__ void __launch_bounds__(256) k_fwd_h(const Args a) {
   auto Ks = [&](int st) { return Ws(st) + C * LD; };
   auto Us = [&](int st) { return Ws(st) + 2 * C * LD; };
   auto Gs = [&](int st) { return reinterpret_cast<float*>(Ws(st) + 2 * C * LD + C * LV); };
-  bf16* hs0 = reinterpret_cast<bf16*>(smem + 2 * Cf::STAGE);  // [2][D*LV] state, [2][C*LV] scaled V_new
+  bf16* hs0 = reinterpret_cast<bf16*>(smem + NS * Cf::STAGE);  // [2][D*LV] state, [2][C*LV] scaled V_new
   bf16* vns0 = hs0 + 2 * D * LV;
 
   float S[1][NT][4];
@@ -524,19 +531,27 @@ __global__ void __launch_bounds__(256) k_fwd_h(const Args a) {
       S[0][nt][e] = a.h0 ? a.h0[sbase + int64_t(r) * D + c] : 0.f;
     }
 
-  auto issue = [&](int ci, int st) {
-    const int t0 = bos + C * ci, L = min(C, eos - t0);
-    load_tile<C, D>(Ws(st), LD, a.W + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 256);
-    load_tile<C, D>(Ks(st), LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
-    load_tile<C, BV>(Us(st), LV, a.U + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 256);
-    if (tid < C) Gs(st)[tid] = tid < L ? a.gam[(int64_t(t0) + tid) * a.Hv + h] : 0.f;
+  // Every iteration commits one cp.async group (empty past the last chunk), so "chunk ci landed" is always
+  // cp.async.wait_group NS-2.
+  auto issue = [&](int ci) {
+    if (ci < nc) {
+      const int st = ci % NS, t0 = bos + C * ci, L = min(C, eos - t0);
+      load_tile<C, D>(Ws(st), LD, a.W + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 256);
+      load_tile<C, D>(Ks(st), LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+      load_tile<C, BV>(Us(st), LV, a.U + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 256);
+      if (tid < C) {
+        const bool ok = tid < L;
+        cp4(Gs(st) + tid, a.gam + (ok ? (int64_t(t0) + tid) * a.Hv + h : 0), ok);
+      }
+    }
     cp_commit();
   };
-  if (nc > 0) issue(0, 0);
+#pragma unroll
+  for (int i = 0; i < NS - 1; ++i) issue(i);
   for (int ci = 0; ci < nc; ++ci) {
-    const int st = ci & 1, t0 = bos + C * ci, L = min(C, eos - t0);
-    bf16* hs = hs0 + st * D * LV;
-    bf16* vns = vns0 + st * C * LV;
+    const int st = ci % NS, t0 = bos + C * ci, L = min(C, eos - t0);
+    bf16* hs = hs0 + (ci & 1) * D * LV;
+    bf16* vns = vns0 + (ci & 1) * C * LV;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -544,9 +559,9 @@ __global__ void __launch_bounds__(256) k_fwd_h(const Args a) {
         const int r = frag_row(16 * w, e), c = frag_col(0, nt);
         st2(hs + r * LV + c, pack2(S[0][nt][e], S[0][nt][e + 1]));
       }
-    cp_wait<0>();
-    __syncthreads();  // chunk ci's tiles and hs visible; every warp is done with chunk ci-1
-    if (ci + 1 < nc) issue(ci + 1, st ^ 1);
+    cp_wait<NS - 2>();
+    __syncthreads();  // chunk ci's tiles and hs visible; every warp is done with chunk ci-1 (whose stage is refilled)
+    issue(ci + NS - 1);
     store_state_tile<BV>(a.hsave + (int64_t(c0 + ci) * a.Hv + h) * D * D + v0, hs, tid);
     const float* gs = Gs(st);
     const float gl = gs[L - 1];
@@ -706,17 +721,20 @@ __global__ void __launch_bounds__(256) k_dvlocal(const Args a) {
 // ---------------------------------------------------------------------------------------------------------
 // k_bwd_dh: reverse scan of dH.
 
-template <int BV>
+template <int BV, int NS>
 struct DhCfg {
   static_assert(BV == 32 || BV == 64, "scan tile");
+  static_assert(NS == 2 || NS == 3, "scan pipeline depth");
   static constexpr int LV = BV + 8, NT = BV / 8, NT2 = BV / 16;
   static constexpr int STAGE = 3 * C * LD * 2 + 2 * C * LV * 2 + C * 4;
-  static constexpr int SMEM = 2 * STAGE + 2 * (D * LV * 2 + C * LV * 2);
+  static constexpr int SMEM = NS * STAGE + 2 * (D * LV * 2 + C * LV * 2);
+  static_assert(SMEM <= 227 * 1024, "bwd_dh shared memory");
 };
 
-template <int BV>
+// Pipelined like k_fwd_h (chunk ci-(NS-1) requested while chunk ci computes), walking the chunks backwards.
+template <int BV, int NS>
 __global__ void __launch_bounds__(256) k_bwd_dh(const Args a) {
-  using Cf = DhCfg<BV>;
+  using Cf = DhCfg<BV, NS>;
   constexpr int LV = Cf::LV, NT = Cf::NT, NT2 = Cf::NT2;
   extern __shared__ __align__(16) unsigned char smem[];
   const int seq = blockIdx.x, h = blockIdx.y, v0 = blockIdx.z * BV, hk = h / a.G;
@@ -730,7 +748,7 @@ __global__ void __launch_bounds__(256) k_bwd_dh(const Args a) {
   auto Os = [&](int st) { return Ks(st) + 3 * C * LD; };
   auto Ls = [&](int st) { return Ks(st) + 3 * C * LD + C * LV; };
   auto Gs = [&](int st) { return reinterpret_cast<float*>(Ks(st) + 3 * C * LD + 2 * C * LV); };
-  bf16* dhs0 = reinterpret_cast<bf16*>(smem + 2 * Cf::STAGE);  // [2][D*LV] dH, [2][C*LV] −dV2
+  bf16* dhs0 = reinterpret_cast<bf16*>(smem + NS * Cf::STAGE);  // [2][D*LV] dH, [2][C*LV] −dV2
   bf16* dvn0 = dhs0 + 2 * D * LV;
 
   float S[1][NT][4];
@@ -742,21 +760,28 @@ __global__ void __launch_bounds__(256) k_bwd_dh(const Args a) {
       const int r = frag_row(16 * w, e), c = frag_col(0, nt) + (e & 1);
       S[0][nt][e] = a.dht ? a.dht[sbase + int64_t(r) * D + c] : 0.f;
     }
-  auto issue = [&](int ci, int st) {
-    const int t0 = bos + C * ci, L = min(C, eos - t0);
-    load_tile<C, D>(Ks(st), LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
-    load_tile<C, D>(Ws(st), LD, a.W + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 256);
-    load_tile<C, D>(Qs(st), LD, a.q + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
-    load_tile<C, BV>(Os(st), LV, a.dO + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 256);
-    load_tile<C, BV>(Ls(st), LV, a.X + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 256);
-    if (tid < C) Gs(st)[tid] = tid < L ? a.gam[(int64_t(t0) + tid) * a.Hv + h] : 0.f;
+  // Chunk ci lives in stage (nc-1-ci) % NS; one cp.async group per iteration (empty before the first chunk).
+  auto issue = [&](int ci) {
+    if (ci >= 0) {
+      const int st = (nc - 1 - ci) % NS, t0 = bos + C * ci, L = min(C, eos - t0);
+      load_tile<C, D>(Ks(st), LD, a.k + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+      load_tile<C, D>(Ws(st), LD, a.W + (int64_t(t0) * a.Hv + h) * D, int64_t(a.Hv) * D, L, tid, 256);
+      load_tile<C, D>(Qs(st), LD, a.q + (int64_t(t0) * a.Hk + hk) * D, int64_t(a.Hk) * D, L, tid, 256);
+      load_tile<C, BV>(Os(st), LV, a.dO + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 256);
+      load_tile<C, BV>(Ls(st), LV, a.X + (int64_t(t0) * a.Hv + h) * D + v0, int64_t(a.Hv) * D, L, tid, 256);
+      if (tid < C) {
+        const bool ok = tid < L;
+        cp4(Gs(st) + tid, a.gam + (ok ? (int64_t(t0) + tid) * a.Hv + h : 0), ok);
+      }
+    }
     cp_commit();
   };
-  if (nc > 0) issue(nc - 1, (nc - 1) & 1);
+#pragma unroll
+  for (int i = 0; i < NS - 1; ++i) issue(nc - 1 - i);
   for (int ci = nc - 1; ci >= 0; --ci) {
-    const int st = ci & 1, t0 = bos + C * ci, L = min(C, eos - t0);
-    bf16* dhs = dhs0 + st * D * LV;
-    bf16* dvn = dvn0 + st * C * LV;
+    const int st = (nc - 1 - ci) % NS, t0 = bos + C * ci, L = min(C, eos - t0);
+    bf16* dhs = dhs0 + (ci & 1) * D * LV;
+    bf16* dvn = dvn0 + (ci & 1) * C * LV;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -764,9 +789,9 @@ __global__ void __launch_bounds__(256) k_bwd_dh(const Args a) {
         const int r = frag_row(16 * w, e), c = frag_col(0, nt);
         st2(dhs + r * LV + c, pack2(S[0][nt][e], S[0][nt][e + 1]));
       }
-    cp_wait<0>();
-    __syncthreads();  // chunk ci's tiles and dhs visible; every warp is done with chunk ci+1
-    if (ci > 0) issue(ci - 1, st ^ 1);
+    cp_wait<NS - 2>();
+    __syncthreads();  // chunk ci's tiles and dhs visible; every warp is done with chunk ci+1 (its stage refills)
+    issue(ci - (NS - 1));
     store_state_tile<BV>(a.dH + (int64_t(c0 + ci) * a.Hv + h) * D * D + v0, dhs, tid);
     const float* gs = Gs(st);
     const float gl = gs[L - 1];
@@ -1184,7 +1209,8 @@ WsLayout ws_layout(const GdnChunkedPlan& p) {
   return l;
 }
 
-int g_scan_bv = 0;  // 0 = auto; else 32 or 64
+int g_scan_bv = 0;      // 0 = auto; else 32 or 64
+int g_scan_stages = 0;  // 0 = auto (3 at BV 32, 2 at BV 64); 2 = the two-stage ring at BV 32 too
 
 int pick_bv(const GdnChunkedPlan& plan, const GdnDims& d) {
   if (g_scan_bv) return g_scan_bv;
@@ -1244,12 +1270,15 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
       break;
     case GdnPhase::kFwdH: {
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
-      if (bv == 32) {
-        set_smem(k_fwd_h<32>, ScanCfg<32>::SMEM);
-        k_fwd_h<32><<<g, 256, ScanCfg<32>::SMEM, s>>>(a);
+      if (bv == 32 && g_scan_stages != 2) {
+        set_smem(k_fwd_h<32, 3>, ScanCfg<32, 3>::SMEM);
+        k_fwd_h<32, 3><<<g, 256, ScanCfg<32, 3>::SMEM, s>>>(a);
+      } else if (bv == 32) {
+        set_smem(k_fwd_h<32, 2>, ScanCfg<32, 2>::SMEM);
+        k_fwd_h<32, 2><<<g, 256, ScanCfg<32, 2>::SMEM, s>>>(a);
       } else {
-        set_smem(k_fwd_h<64>, ScanCfg<64>::SMEM);
-        k_fwd_h<64><<<g, 256, ScanCfg<64>::SMEM, s>>>(a);
+        set_smem(k_fwd_h<64, 2>, ScanCfg<64, 2>::SMEM);
+        k_fwd_h<64, 2><<<g, 256, ScanCfg<64, 2>::SMEM, s>>>(a);
       }
       break;
     }
@@ -1263,12 +1292,15 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
       break;
     case GdnPhase::kBwdDh: {
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
-      if (bv == 32) {
-        set_smem(k_bwd_dh<32>, DhCfg<32>::SMEM);
-        k_bwd_dh<32><<<g, 256, DhCfg<32>::SMEM, s>>>(a);
+      if (bv == 32 && g_scan_stages != 2) {
+        set_smem(k_bwd_dh<32, 3>, DhCfg<32, 3>::SMEM);
+        k_bwd_dh<32, 3><<<g, 256, DhCfg<32, 3>::SMEM, s>>>(a);
+      } else if (bv == 32) {
+        set_smem(k_bwd_dh<32, 2>, DhCfg<32, 2>::SMEM);
+        k_bwd_dh<32, 2><<<g, 256, DhCfg<32, 2>::SMEM, s>>>(a);
       } else {
-        set_smem(k_bwd_dh<64>, DhCfg<64>::SMEM);
-        k_bwd_dh<64><<<g, 256, DhCfg<64>::SMEM, s>>>(a);
+        set_smem(k_bwd_dh<64, 2>, DhCfg<64, 2>::SMEM);
+        k_bwd_dh<64, 2><<<g, 256, DhCfg<64, 2>::SMEM, s>>>(a);
       }
       break;
     }
@@ -1285,6 +1317,7 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
 }  // namespace
 
 void gdn_chunked_set_scan_bv(int bv) { g_scan_bv = bv; }
+void gdn_chunked_set_scan_stages(int stages) { g_scan_stages = stages; }
 
 size_t GdnChunkedPlan::index_bytes() const { return al256(4 * size_t(1 + 2 * (max_seqs + 1) + 2 * max_chunks)); }
 size_t GdnChunkedPlan::saved_bytes() const { return saved_layout(*this).total; }
