@@ -114,7 +114,7 @@ if has harness || has ncu-gdn; then
   sh bench/build_gdn_harness.sh /tmp/gdn_h >"$OUT/harness_build.log" 2>&1 || { tail "$OUT/harness_build.log"; status=1; }
 fi
 if has harness; then
-  timeout 300 /tmp/gdn_h test time 2>&1 | tee "$OUT/gdn_harness.txt" | grep -vE "^\s+(ok|pass)" | tail -40
+  timeout 300 /tmp/gdn_h ${HARNESS_MODES:-test time} 2>&1 | tee "$OUT/gdn_harness.txt" | grep -vE "^\s+(ok|pass)" | tail -40
 fi
 if has ncu-gdn; then
   # Hardware counters of each GDN kernel at the 2B layer shape (ncu; clocks left alone, as METHOD.md says).
@@ -122,13 +122,6 @@ if has ncu-gdn; then
     --section LaunchStats -k regex:'k_(prep|fwd_h|fwd_o|dvlocal|bwd_dh|bwd_chunk)' /tmp/gdn_h profile \
     >"$OUT/ncu_gdn.txt" 2>&1; echo "ncu rc=$?"
   grep -E "k_(prep|fwd_h|fwd_o|dvlocal|bwd_dh|bwd_chunk)|Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Stall" "$OUT/ncu_gdn.txt" | head -80
-fi
-if has ncu-step; then
-  # Every kernel of a 2B training step (seq 8192 x 2: one warm-up step + one timed) with its duration, for the
-  # per-kernel breakdown (ncu serialises kernels; one metric, one replay each).
-  timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-    $BUILD/deltastack bench step --preset ${NCU_PRESET:-2b} --steps 1 >"$OUT/ncu_step.csv" 2>"$OUT/ncu_step.err"
-  echo "ncu-step rc=$? ($(grep -c gpu__time_duration "$OUT/ncu_step.csv") kernel launches)"
 fi
 if has peer; then
   # The peer's kernels at bench ops' shapes, in this same call (fla from .peers/site, carried; see peer_bench.py).
@@ -291,5 +284,12 @@ print(f"gpu train, --optimizer-state bf16: eval_loss {ev[0]:.4f} -> {ev[-1]:.4f}
       f"{'bitwise identical' if ok else 'DIFFERENT'}")
 raise SystemExit(0 if ok else 1)
 PY
+fi
+if has ncu-step; then
+  # Every kernel of a 2B training step (seq 8192 x 2: one warm-up step + one timed) with its duration, for the
+  # per-kernel breakdown (ncu serialises kernels; one metric, one replay each).
+  timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    $BUILD/deltastack bench step --preset ${NCU_PRESET:-2b} --steps 1 >"$OUT/ncu_step.csv" 2>"$OUT/ncu_step.err"
+  echo "ncu-step rc=$? ($(grep -c gpu__time_duration "$OUT/ncu_step.csv") kernel launches)"
 fi
 exit $status

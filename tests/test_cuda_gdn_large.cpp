@@ -45,7 +45,8 @@ using ds::ops::check::Ctx;
 using ds::ops::check::I32;
 using ds::ops::check::kForward;
 using ds::ops::check::kGateGradient;
-using ds::ops::check::kGradient;
+// The gated delta rule issue's band for dq, dk, dv, dh0 (tighter than check.h's general 1e-2).
+constexpr double kGradient8e3 = 8e-3;
 using ds::ops::check::Result;
 using ds::ops::check::Vec;
 using ds::test::cuda::expect_ok;
@@ -181,9 +182,9 @@ TEST(CudaGatedDeltaRuleChunked, PastTwoToThe31Elements) {
                                                       rdv.data(), rdg.data(), rdbeta.data(), nullptr);
     });
     r.add("o", ds::rel_l2(rows_v(o.get()), ro), kForward);
-    r.add("dq", ds::rel_l2(rows_k(dq.get()), rdq), kGradient);
-    r.add("dk", ds::rel_l2(rows_k(dk.get()), rdk), kGradient);
-    r.add("dv", ds::rel_l2(rows_v(dv.get()), rdv), kGradient);
+    r.add("dq", ds::rel_l2(rows_k(dq.get()), rdq), kGradient8e3);
+    r.add("dk", ds::rel_l2(rows_k(dk.get()), rdk), kGradient8e3);
+    r.add("dv", ds::rel_l2(rows_v(dv.get()), rdv), kGradient8e3);
     r.add("dg", ds::rel_l2(rows_g(dg.get()), rdg), kGateGradient);
     r.add("dbeta", ds::rel_l2(rows_g(dbeta.get()), rdbeta), kGateGradient);
     expect_ok(r);
@@ -330,9 +331,9 @@ TEST(CudaGatedDeltaRuleChunked, OneMillionTokenSequence) {
   r.add("o", ds::test::cuda::rel_l2(o_c.get(), o_s.get() + cv, N * Hv * D, ctx.s), kForward);
   r.add("final state",
         ds::test::cuda::rel_l2(final_c.get(), states.get() + final_chunk * S, S, ctx.s), kForward);
-  r.add("dq", ds::test::cuda::rel_l2(dq_c.get(), dq_s.get() + cq, N * Hk * D, ctx.s), kGradient);
-  r.add("dk", ds::test::cuda::rel_l2(dk_c.get(), dk_s.get() + cq, N * Hk * D, ctx.s), kGradient);
-  r.add("dv", ds::test::cuda::rel_l2(dv_c.get(), dv_s.get() + cv, N * Hv * D, ctx.s), kGradient);
+  r.add("dq", ds::test::cuda::rel_l2(dq_c.get(), dq_s.get() + cq, N * Hk * D, ctx.s), kGradient8e3);
+  r.add("dk", ds::test::cuda::rel_l2(dk_c.get(), dk_s.get() + cq, N * Hk * D, ctx.s), kGradient8e3);
+  r.add("dv", ds::test::cuda::rel_l2(dv_c.get(), dv_s.get() + cv, N * Hv * D, ctx.s), kGradient8e3);
   r.add("dg", ds::test::cuda::rel_l2(dg_c.get(), dg_s.get() + cg, N * Hv, ctx.s), kGateGradient);
   r.add("dbeta", ds::test::cuda::rel_l2(dbeta_c.get(), dbeta_s.get() + cg, N * Hv, ctx.s), kGateGradient);
   {
@@ -341,7 +342,7 @@ TEST(CudaGatedDeltaRuleChunked, OneMillionTokenSequence) {
     for (int64_t i = 0; i < pre; ++i)
       for (int64_t h = 0; h < Hv; ++h)
         for (int64_t j = 0; j < D; ++j) dh0_ref[(h * D + i) * D + j] = pdv[(i * Hv + h) * D + j];
-    r.add("dinitial_state", ds::rel_l2(dh0, dh0_ref), kGradient);
+    r.add("dinitial_state", ds::rel_l2(dh0, dh0_ref), kGradient8e3);
   }
   // The simple kernel's read-out tokens see the final state too (bf16 o = scale S[:, i, :]): a check that the
   // construction above is what it claims, independent of the chunked kernel.
