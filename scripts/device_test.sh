@@ -2,8 +2,9 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops peer bench-step memory curves
+# Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops peer peer-step bench-step memory curves
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
+# peer-step, full training steps, ours vs transformers + fla (+ Liger): scripts/peer_step.py, PEER_PRESETS;
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
 # (CURVE_DATA); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
 # per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step; corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
@@ -130,6 +131,55 @@ if has peer; then
   else
     echo "peer: .peers/site/fla not carried"
   fi
+fi
+if has peer-step; then
+  # Full training steps, ours against transformers' Qwen3.5 + fla (+ Liger) at one shape (scripts/peer_step.py;
+  # fla and liger_kernel from .peers/site, carried: scripts/fetch_peers.sh). The model config comes from our own
+  # binary (`plan --hf-config`), so both run the same preset. PEER_PRESETS, PEER_SEQ x PEER_MB, PEER_TIMEOUT (s, each).
+  PS="--seq-len ${PEER_SEQ:-8192} --micro-batch ${PEER_MB:-2}"
+  : >"$OUT/peer_step.txt"
+  if [ ! -d .peers/site/fla ]; then
+    echo "peer-step: .peers/site/fla not carried (scripts/fetch_peers.sh)" | tee -a "$OUT/peer_step.txt"
+  fi
+  for preset in ${PEER_PRESETS:-2b 0.8b}; do
+    timeout ${PEER_TIMEOUT:-300} $BUILD/deltastack bench step --preset $preset $PS 2>&1 | sed "s/^/[ours $preset] /" |
+      tee -a "$OUT/peer_step.txt"
+    [ -d .peers/site/fla ] || continue
+    for liger in off on; do
+      [ $liger = on ] && [ ! -d .peers/site/liger_kernel ] && { echo "peer-step: .peers/site/liger_kernel not carried"; continue; }
+      PYTHONPATH=$PWD/.peers/site timeout ${PEER_TIMEOUT:-300} python3 scripts/peer_step.py --preset $preset $PS \
+        --deltastack $BUILD/deltastack --liger $liger --bypass-640 ${PEER_ARGS:-} 2>&1 | grep -v "Warning" |
+        sed "s/^/[peer $preset liger-$liger] /" | tee -a "$OUT/peer_step.txt"
+      [ "${PIPESTATUS[0]}" = 124 ] && echo "[peer $preset liger-$liger] timed out after ${PEER_TIMEOUT:-300} s" | tee -a "$OUT/peer_step.txt"
+    done
+  done
+  python3 - "$OUT/peer_step.txt" <<'PY'
+import re, sys
+ours, peers, last = {}, {}, {}
+for line in open(sys.argv[1]):
+    m = re.match(r"\[ours (\S+)\]\s+step ([\d.]+) ms \(median\) \| (\d+) tokens/s .*?peak ([\d.]+) GiB", line)
+    if m:
+        ours[m[1]] = (float(m[3]), float(m[4]))
+    m = re.match(r"\[peer (\S+) liger-(\w+)\] (.*)", line)
+    if m:
+        last[m[1], m[2]] = m[3].strip()
+        r = re.match(r"peer step \S+ seq \S+ x \S+: (.*)", m[3])
+        if r:
+            peers[m[1], m[2]] = r[1].strip()
+print("peer-step summary (tokens/s ratio = ours / peer):")
+for preset, (tok, peak) in ours.items():
+    print(f"  {preset}: ours {tok:.0f} tokens/s, peak {peak:.1f} GiB")
+for (preset, liger), tail in last.items():
+    what = "HF+fla" + ("+Liger" if liger == "on" else "")
+    rest = peers.get((preset, liger))
+    m = rest and re.match(r"[\d.]+ ms/step, (\d+) tokens/s, peak ([\d.]+) GiB", rest)
+    if m and preset in ours:
+        t, p = float(m[1]), float(m[2])
+        print(f"  {preset} vs {what}: {t:.0f} tokens/s, peak {p:.1f} GiB -> ours/peer {ours[preset][0] / t:.2f}x "
+              f"tokens/s, {ours[preset][1] / p:.2f}x memory")
+    else:
+        print(f"  {preset} vs {what}: {(rest or 'no result: ' + tail)[:200]}")
+PY
 fi
 if has bench-step; then
   for preset in ${BENCH_PRESETS:-2b}; do

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from peer_common import bypass_fla_640  # scripts/peer_common.py
+
 
 def time_ms(fn, iters):
     for _ in range(3):
@@ -36,12 +38,11 @@ def time_ms(fn, iters):
 
 
 def gdn_rows(iters, bypass):
-    import fla.ops.common.chunk_o as chunk_o
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     note = "fla chunk_gated_delta_rule"
     if bypass:
-        chunk_o.TRITON_ABOVE_3_7_1 = True  # the #640 guard, lifted for timing only
+        bypass_fla_640()
         note += "; #640 guard bypassed (timing only)"
     shapes = [([32768], 16, 32, "T32768 Hk16 Hv32 d128"),
               ([8192, 8192], 16, 16, "B2xT8192 Hk16 Hv16 d128"),

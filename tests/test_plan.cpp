@@ -3,11 +3,14 @@
 // (docs/results/2026-12-01_h200_bench_step.txt: 2B 61.5 GiB, 0.8B 36.8 GiB at seq 8192 x micro-batch 2, chunked
 // gated delta rule, cuDNN attention): the plan's total must be within 5 % of each. Needs a CUDA build (no device).
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <string>
 
 #include "core/cuda/device.h"
+#include "core/files.h"
 #include "model/config.h"
 #include "model/gpu_plan.h"
 #include "model/model.h"
@@ -73,6 +76,41 @@ TEST(Plan, CommandEndsWithTheVerdictAndExitsZero) {
   EXPECT_NE(out.find("--recompute must be"), std::string::npos) << out;
   EXPECT_EQ(ds::test::run("bench step --preset 9b --memory lots", &out), 1);
   EXPECT_NE(out.find("--memory must be"), std::string::npos) << out;
+}
+
+// `plan --hf-config`: the preset's config.json as deltastack writes it (scripts/peer_step.py --config builds the
+// transformers model from it), on any build, CPU-only included.
+TEST(Plan, HfConfigWritesThePresetAsTransformersLoadsIt) {
+  const std::string dir = ds::test::fresh_tmpdir("plan_hf_config"), out = dir + "/2b.json";
+  std::string log;
+  ASSERT_EQ(ds::test::run("plan --model 2b --hf-config " + out, &log), 0) << log;
+  EXPECT_NE(log.find(std::to_string(ds::ModelConfig::preset("2b").num_parameters()) + " parameters) written to " + out),
+            std::string::npos)
+      << log;
+  const nlohmann::json j = nlohmann::json::parse(ds::read_file(out));
+  EXPECT_EQ(j.at("model_type"), "qwen3_5_text");
+  EXPECT_EQ(j.at("architectures"), nlohmann::json::array({"Qwen3_5ForCausalLM"}));
+  EXPECT_EQ(j.at("hidden_size"), 2048);
+  EXPECT_EQ(j.at("num_hidden_layers"), 24);
+  EXPECT_EQ(j.at("intermediate_size"), 6144);
+  EXPECT_EQ(j.at("vocab_size"), 248320);
+  EXPECT_EQ(j.at("tie_word_embeddings"), true);
+  EXPECT_EQ(j.at("linear_num_value_heads"), 16);
+  int full = 0;
+  for (const auto& t : j.at("layer_types")) full += t == "full_attention";
+  EXPECT_EQ(j.at("layer_types").size(), 24u);
+  EXPECT_EQ(full, 6);  // every fourth layer
+  // It reads back as the same model; an existing file is replaced only with --overwrite.
+  const ds::ModelConfig back = ds::ModelConfig::from_file(out), want = ds::ModelConfig::preset("2b");
+  EXPECT_EQ(back.num_parameters(), want.num_parameters());
+  EXPECT_EQ(back.layer_types, want.layer_types);
+  EXPECT_EQ(ds::test::run("plan --model 2b --hf-config " + out, &log), 1);
+  EXPECT_NE(log.find("--overwrite"), std::string::npos) << log;
+  EXPECT_EQ(ds::test::run("plan --model 9b --hf-config " + out + " --overwrite", &log), 0) << log;
+  EXPECT_EQ(nlohmann::json::parse(ds::read_file(out)).at("hidden_size"), 4096);
+  // Never over the config it reads.
+  EXPECT_EQ(ds::test::run("plan --model " + out + " --hf-config " + out + " --overwrite", &log), 1);
+  std::filesystem::remove_all(dir);
 }
 
 ds::GpuMemoryPlan plan_modes(const char* preset, int64_t seq, int64_t mb, ds::OptimizerState s, ds::Recompute r) {

@@ -125,6 +125,10 @@ int main(int argc, char** argv) {
   plan->add_option("--device-memory", plan_mem, "Device memory in GiB (default: an H200's 140.4)")->capture_default_str();
   plan->add_option("--attention", plan_attention, "cudnn or simple")->capture_default_str();
   add_memory_flags(plan, plan_memory);
+  std::string plan_hf_config;
+  plan->add_option("--hf-config", plan_hf_config,
+                   "Write the model's HF config.json (Qwen3_5ForCausalLM) to this file instead of the plan");
+  plan->add_flag("--overwrite", overwrite, overwrite_help);
   auto* plot = app.add_subcommand("plot", "SVG of runs' loss, eval loss, lr, grad norm and tokens/s against steps");
   std::vector<std::string> plot_runs;
   std::string plot_out;
@@ -180,6 +184,7 @@ int main(int argc, char** argv) {
       return ds::cli::cmd_tokenize(tokenizer, tok_inputs[0], output, overwrite);
     }
     if (*probe) return ds::cli::cmd_probe();
+    if (*plan && !plan_hf_config.empty()) return ds::cli::cmd_plan_hf_config(plan_model, plan_hf_config, overwrite);
     if (*plan) return ds::cli::cmd_plan(plan_model, plan_seq, plan_mb, plan_docs, plan_mem, plan_attention, plan_memory);
     if (*bench_ops) return ds::cli::cmd_bench_ops();
     if (*bench_tok) return ds::cli::cmd_bench_tokenizer(bench_tokenizer, bench_text, bench_repeats);

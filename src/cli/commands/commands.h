@@ -82,5 +82,10 @@ int cmd_probe();
 // device of Y GiB. ds::Error for bad arguments or a CPU-only build.
 int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int64_t docs_per_window,
              double device_memory_gib, const std::string& attention, const MemoryFlags& memory);
+// `deltastack plan --hf-config OUT`: writes `model`'s configuration as the HF config.json deltastack itself writes
+// (ModelConfig::to_json: model_type "qwen3_5_text", which transformers loads as Qwen3_5ForCausalLM) to OUT, without
+// the plan, so peer benchmarks (scripts/peer_step.py --config) build exactly the same model. Works on a CPU build.
+// An existing OUT is replaced only with `overwrite` (outputs.h).
+int cmd_plan_hf_config(const std::string& model, const std::string& out, bool overwrite);
 
 }  // namespace ds::cli

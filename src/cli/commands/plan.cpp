@@ -3,14 +3,29 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <filesystem>
 #include <string>
+#include <vector>
 
 #include "cli/commands/commands.h"
+#include "cli/commands/outputs.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "model/config.h"
 #include "model/gpu_plan.h"
 
 namespace ds::cli {
+
+int cmd_plan_hf_config(const std::string& model, const std::string& out, bool overwrite) {
+  const ModelConfig cfg = ModelConfig::resolve(model);
+  std::vector<std::string> inputs;
+  if (std::filesystem::exists(model)) inputs.push_back(model);  // a config.json or model dir: never written over
+  check_outputs({{"--hf-config", out}}, inputs, overwrite);
+  write_file_atomic(out, cfg.to_json().dump(2) + "\n");
+  fmt::print("plan: {}'s HF config ({} layers, hidden {}, {} parameters) written to {}\n", model,
+             cfg.num_hidden_layers, cfg.hidden_size, cfg.num_parameters(), out);
+  return 0;
+}
 
 int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int64_t docs_per_window,
              double device_memory_gib, const std::string& attention, const MemoryFlags& memory) {

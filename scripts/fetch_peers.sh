@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Downloads (here, where PyPI is reached) the peer stacks' pure-Python packages into .peers/site, which git ignores
+# and the device tool carries (`carry: [".peers"]`); scripts/device_test.sh stages `peer` and `peer-step` put it on
+# PYTHONPATH (the device machine has torch, triton and transformers, and no network).
+#   liger_kernel   liger-kernel's wheel (LIGER_VERSION, default 0.8.5: has apply_liger_kernel_to_qwen3_5)
+#   fla            fla-core's wheel (fla.ops, fla.modules: what transformers' Qwen3.5 uses), FLA_VERSION (default
+#                  0.5.2, the version of the 2026-12-01 peer numbers), only when .peers/site/fla is not there already
+#                  (a source tree put there by hand is kept; FLA_REFETCH=1 replaces it), with einops, which it imports
+# Wheels only (--no-deps), unpacked with Python's zipfile: nothing is installed on this machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SITE=.peers/site
+WHL=$(mktemp -d)  # the wheels themselves are not carried
+trap 'rm -rf "$WHL"' EXIT
+mkdir -p "$SITE"
+unpack() {  # unpack WHEEL: its packages and dist-info into $SITE
+  python3 -m zipfile -e "$1" "$SITE"
+  echo "fetch_peers: $(basename "$1") -> $SITE"
+}
+rm -rf "$SITE"/liger_kernel "$SITE"/liger_kernel-*.dist-info
+pip download --no-deps --only-binary=:all: -d "$WHL" "liger-kernel==${LIGER_VERSION:-0.8.5}" >/dev/null
+unpack "$(ls -t "$WHL"/liger_kernel-"${LIGER_VERSION:-0.8.5}"-*.whl | head -1)"
+if [ ! -d "$SITE/fla" ] || [ "${FLA_REFETCH:-0}" = 1 ]; then
+  rm -rf "$SITE"/fla "$SITE"/fla_core-*.dist-info
+  pip download --no-deps --only-binary=:all: -d "$WHL" "fla-core==${FLA_VERSION:-0.5.2}" >/dev/null
+  unpack "$(ls -t "$WHL"/fla_core-"${FLA_VERSION:-0.5.2}"-*.whl | head -1)"
+  # fla-core's one dependency outside torch and triton (pure Python)
+  rm -rf "$SITE"/einops "$SITE"/einops-*.dist-info
+  pip download --no-deps --only-binary=:all: -d "$WHL" einops >/dev/null
+  unpack "$(ls -t "$WHL"/einops-*.whl | head -1)"
+else
+  echo "fetch_peers: $SITE/fla already there (kept; FLA_REFETCH=1 replaces it)"
+fi
+python3 - "$SITE" <<'PY'
+import os, sys
+site = sys.argv[1]
+print("fetch_peers:", ", ".join(sorted(d for d in os.listdir(site) if not d.startswith("__"))))
+PY
