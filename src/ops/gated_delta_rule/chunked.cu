@@ -31,15 +31,17 @@
 //                  Gram K Kᵀ (MMA, warp w rows 16w..), A, T by forward substitution (64 threads, one column each,
 //                  4 partial sums) while warps 2-3 scale K, V by βe^γ, β; W = T·(βe^γK), U = T·(βV) (MMA) staged
 //                  in shared memory and stored 16 B per thread. T, γ -> saved; W, U -> workspace.
-//   k_fwd_h<BV>    grid (num_seqs, Hv, 128/BV), BV = 32 (auto) or 64, 256 threads: warp w holds state rows
+//   k_fwd_h<BV,NS> grid (num_seqs, Hv, 128/BV), BV = 32 (auto) or 64, 256 threads: warp w holds state rows
 //                  16w..16w+15 x BV as fp32 MMA accumulators for the whole sequence; per chunk (2 barriers): the
 //                  bf16 state -> shared (double-buffered by chunk parity) and -> saved, V_new = U − W S (MMA),
-//                  V_new -> workspace, S = e^{γ_L} S + Kᵀ (e^{γ_L−γ} V_new) (MMA); W, K, U, γ of the next chunk
-//                  arrive by cp.async in a 2-stage ring while the current one computes. Final state fp32.
+//                  V_new -> workspace, S = e^{γ_L} S + Kᵀ (e^{γ_L−γ} V_new) (MMA); W, K, U and γ (4-byte
+//                  cp.async: no thread waits on a global load inside the loop) of the next NS-1 chunks arrive in an
+//                  NS-stage cp.async ring while the current one computes (NS = 2; 3 measured no faster). Final
+//                  state fp32.
 //   k_fwd_o        grid (max_chunks, Hv), 256 threads, 94 KiB: O from Q, K, V_new, saved state.
 //   k_prep<true>   backward: W, U again from the saved T, γ (no Gram, no inverse; same arithmetic as the forward).
 //   k_dvlocal      grid (max_chunks, Hv), 256 threads: scale (lower-incl(Γ ⊙ Q Kᵀ))ᵀ dO -> workspace.
-//   k_bwd_dh<BV>   grid (num_seqs, Hv, 128/BV), 256 threads, mapping as k_fwd_h, reverse over chunks: stores the
+//   k_bwd_dh<BV,NS> grid (num_seqs, Hv, 128/BV), 256 threads, mapping and ring as k_fwd_h, reverse over chunks: stores the
 //                  bf16 dH of every chunk, dV2 (bf16), dh0 (fp32).
 //   k_bwd_chunk    grid (max_chunks, Hk), 256 threads, 220 KiB (1 block/SM): loops over the Hv/Hk value heads of
 //                  the k-head in order; recomputes V_new = U − W S (same operands and MMA order as the forward),
@@ -1210,7 +1212,7 @@ WsLayout ws_layout(const GdnChunkedPlan& p) {
 }
 
 int g_scan_bv = 0;      // 0 = auto; else 32 or 64
-int g_scan_stages = 0;  // 0 = auto (3 at BV 32, 2 at BV 64); 2 = the two-stage ring at BV 32 too
+int g_scan_stages = 0;  // 0 = auto (2); 3 = a three-stage ring at BV 32 (measured no faster on the H200)
 
 int pick_bv(const GdnChunkedPlan& plan, const GdnDims& d) {
   if (g_scan_bv) return g_scan_bv;
@@ -1270,7 +1272,7 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
       break;
     case GdnPhase::kFwdH: {
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
-      if (bv == 32 && g_scan_stages != 2) {
+      if (bv == 32 && g_scan_stages == 3) {
         set_smem(k_fwd_h<32, 3>, ScanCfg<32, 3>::SMEM);
         k_fwd_h<32, 3><<<g, 256, ScanCfg<32, 3>::SMEM, s>>>(a);
       } else if (bv == 32) {
@@ -1292,7 +1294,7 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
       break;
     case GdnPhase::kBwdDh: {
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
-      if (bv == 32 && g_scan_stages != 2) {
+      if (bv == 32 && g_scan_stages == 3) {
         set_smem(k_bwd_dh<32, 3>, DhCfg<32, 3>::SMEM);
         k_bwd_dh<32, 3><<<g, 256, DhCfg<32, 3>::SMEM, s>>>(a);
       } else if (bv == 32) {

@@ -73,7 +73,7 @@ void gdn_chunked_run_phase(GdnPhase phase, const GdnChunkedPlan& plan, const ds:
 
 // Testing knob: scan kernels' value-column tile (16, 32 or 64; 0 = automatic).
 void gdn_chunked_set_scan_bv(int bv);
-// Testing knob: the scans' cp.async ring at BV 32 (2 or 3 stages; 0 = automatic: 3).
+// Testing knob: the scans' cp.async ring at BV 32 (2 or 3 stages; 0 = automatic: 2).
 void gdn_chunked_set_scan_stages(int stages);
 
 }  // namespace ds::ops::cuda
