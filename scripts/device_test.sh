@@ -7,7 +7,9 @@
 # peer-step, full training steps, ours vs transformers + fla (+ Liger): scripts/peer_step.py, PEER_PRESETS;
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
 # (CURVE_DATA); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
-# per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step; corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
+# per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step;
+# profile-step, `bench step --profile` (ms per op family / role, gaps) beside the plain bench step (its overhead);
+# corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
 # train-bf16, the default run with --optimizer-state bf16: twice and resumed, bitwise). BUILD_TARGET builds one target.
 # With a source tree of an earlier commit in .base (e.g.
 # `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
@@ -188,6 +190,15 @@ if has bench-step; then
       2>&1 | sed 's/^/[cuda-simple] /' | tee -a "$OUT/bench_step.txt"
     [ -x build-base/deltastack ] && [ -n "${BENCH_BASE:-}" ] && build-base/deltastack bench step --preset $preset \
       --seq-len 8192 --micro-batch 2 2>&1 | sed 's/^/[base] /' | tee -a "$OUT/bench_step.txt"
+  done
+fi
+if has profile-step; then
+  # Where the step's time goes: ms per op family / role from CUDA events, gaps, roofline (docs/gpu.md), and the
+  # plain step beside it (the profile's own cost on the step time).
+  for preset in ${BENCH_PRESETS:-2b}; do
+    $BUILD/deltastack bench step --preset $preset --seq-len 8192 --micro-batch 2 --profile 2>&1 | tee -a "$OUT/profile_step.txt"
+    $BUILD/deltastack bench step --preset $preset --seq-len 8192 --micro-batch 2 2>&1 | sed 's/^/[no profile] /' \
+      | tee -a "$OUT/profile_step.txt"
   done
 fi
 if has memory; then

@@ -3,18 +3,23 @@
 // 7e-3 .. 4e-2, docs/gpu.md). Two batches exercise both attention paths of the engine: a few documents (cuDNN's
 // fused SDPA where it loads) and 64 four-token documents (more than cuDNN's first length bucket holds, so the
 // engine runs the simple kernel for that batch). A third uses GDN head dim 128, so the GDN layers run the chunked
-// kernel's plan. A second forward_backward of the same batch is bitwise equal.
+// kernel's plan. A second forward_backward of the same batch is bitwise equal. The step profiler's scopes
+// (`bench step --profile`) change no result.
 #ifdef DELTASTACK_CUDA
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
 #include "core/bf16.h"
+#include "core/cuda/profile.h"
 #include "core/error.h"
+#include "core/profile.h"
 #include "core/rng.h"
 #include "cuda_test_util.h"
 #include "model/config.h"
@@ -191,6 +196,72 @@ TEST(CudaEngine, Bf16StateTracksFp32AndRestoresBitwise) {
   const ds::ParamSpec& emb = again.params().front();
   EXPECT_EQ(wa[5], ds::round_bf16(wa[5]));
   EXPECT_THROW(b16.read(ds::GpuModel::Buffer::Weights, emb.numel - 1, 2, wa.data()), ds::Error);
+}
+
+// `bench step --profile` (core/cuda/profile.h): the timed scopes change no result (two training steps bitwise equal
+// with and without them, in the selective and the full recompute), every family of the model shows up, the
+// backward's rebuilds are labelled, the same scopes run every step (the event pool is reused), and their sum is
+// within the step's wall time.
+TEST(CudaEngine, ProfilerChangesNoResult) {
+  DS_SKIP_WITHOUT_GPU();
+  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  c.vocab_size = 4096;
+  ds::Qwen35Model host(c);
+  host.init_weights(11);
+  const ds::PackedBatch b = make_batch({100, 1, 155, 39}, c.vocab_size, 41);
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  for (ds::Recompute rc : {ds::Recompute::Selective, ds::Recompute::Full}) {
+    SCOPED_TRACE(ds::recompute_name(rc));
+    auto run = [&](bool profile, ds::ProfileTable& table) {
+      ds::GpuPlan plan;
+      plan.max_tokens = b.size();
+      plan.max_seqs = 4;
+      plan.recompute = rc;
+      ds::GpuModel gpu(host, plan);
+      ds::cuda::StepProfiler prof;
+      if (profile) gpu.set_profiler(&prof);
+      ds::ops::AdamWParams ap;
+      ap.lr = 3e-3;
+      ap.weight_decay = 0.1;
+      std::vector<double> out;
+      for (int64_t t = 1; t <= 2; ++t) {
+        const auto t0 = std::chrono::steady_clock::now();
+        gpu.zero_grads();
+        out.push_back(gpu.forward_backward(b, scale).loss_sum);
+        out.push_back(gpu.grad_sum_squares());
+        ap.step = t;
+        gpu.adamw_step(ap, ap.weight_decay);
+        const double wall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (profile) {
+          prof.collect(table);
+          table.end_step(wall);
+        }
+      }
+      std::vector<float> g;
+      gpu.download_grads(g);
+      gpu.set_profiler(nullptr);
+      return std::pair{out, g};
+    };
+    ds::ProfileTable off_table, table;
+    const auto off = run(false, off_table), on = run(true, table);
+    EXPECT_TRUE(off.first == on.first);
+    EXPECT_TRUE(off.second == on.second);
+    EXPECT_TRUE(off_table.rows().empty());
+    EXPECT_EQ(table.steps(), 2);
+    std::vector<std::string> families;
+    bool rebuilt = false;
+    for (const ds::ProfileTable::Row& r : table.rows()) {
+      if (families.empty() || families.back() != r.family) families.push_back(r.family);
+      rebuilt = rebuilt || r.role.find("(rebuild)") != std::string::npos;
+      EXPECT_GE(r.ms, 0) << r.family << " / " << r.role;
+      EXPECT_EQ(r.calls, std::round(r.calls)) << r.family << " / " << r.role;  // the same scopes in both steps
+    }
+    EXPECT_TRUE(families == ds::profile_families());
+    EXPECT_TRUE(rebuilt);
+    EXPECT_GT(table.scope_ms(), 0);
+    EXPECT_LE(table.scope_ms(), table.wall_ms());
+    std::printf("[ measured ] %s recompute:\n%s", ds::recompute_name(rc), table.format(699e12, 4.23e12).c_str());
+  }
 }
 
 }  // namespace

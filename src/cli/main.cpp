@@ -97,6 +97,11 @@ int main(int argc, char** argv) {
   bench_step->add_option("--seq-len", bench_seq, "Tokens per sequence")->capture_default_str();
   bench_step->add_option("--micro-batch", bench_mb, "Sequences per step")->capture_default_str();
   bench_step->add_option("--steps", bench_steps, "Timed steps (after one warm-up)")->capture_default_str();
+  bool bench_profile = false;
+  bench_step->add_flag("--profile", bench_profile,
+                       "Also ms per step by op family and role (GEMMs by role, gdn, attention, conv, norm, "
+                       "elementwise, loss, embedding, optimizer, copy) from CUDA events on the compute stream, their "
+                       "sum against the wall time (gaps = wall - sum), and each one's roofline fraction");
   // --memory, --optimizer-state, --recompute (as `train`'s; model/engine.h)
   auto add_memory_flags = [](CLI::App* cmd, ds::cli::MemoryFlags& m) {
     cmd->add_option("--memory", m.memory, "auto (choose the modes not given to fit) or fixed (fp32, selective)")
@@ -188,7 +193,8 @@ int main(int argc, char** argv) {
     if (*plan) return ds::cli::cmd_plan(plan_model, plan_seq, plan_mb, plan_docs, plan_mem, plan_attention, plan_memory);
     if (*bench_ops) return ds::cli::cmd_bench_ops();
     if (*bench_tok) return ds::cli::cmd_bench_tokenizer(bench_tokenizer, bench_text, bench_repeats);
-    if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps, bench_memory);
+    if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps, bench_memory,
+                                                    bench_profile);
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
     if (*plot) return ds::cli::cmd_plot(plot_runs, plot_out, overwrite);
     if (*exp) return ds::cli::cmd_export(exp_in, exp_out, exp_dtype, exp_shard_mb);

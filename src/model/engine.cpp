@@ -128,6 +128,7 @@ class CudaEngine final : public Engine {
   size_t planned_bytes() const override { return gpu_->planned_bytes(); }
   OptimizerState optimizer_state() const override { return gpu_->optimizer_state(); }
   Recompute recompute() const override { return gpu_->recompute(); }
+  void set_profiler(cuda::StepProfiler* prof) override { gpu_->set_profiler(prof); }
 
  private:
   // A parameter whose weights and moments the engine keeps in bf16 only (stored BF16 in checkpoints: lossless).

@@ -18,6 +18,9 @@
 #include "ops/adamw/adamw.h"
 
 namespace ds {
+namespace cuda {
+class StepProfiler;  // core/cuda/profile.h
+}
 
 // How the GPU engine keeps its weights and optimizer state (`--optimizer-state`; docs/memory.md):
 //   fp32: fp32 master weights + a bf16 compute copy, fp32 gradients, fp32 AdamW moments (18 bytes per parameter);
@@ -123,6 +126,9 @@ class Engine {
   // The memory modes in use (resolved: never Auto). The CPU engine: fp32 state, nothing recomputed.
   virtual OptimizerState optimizer_state() const { return OptimizerState::Fp32; }
   virtual Recompute recompute() const { return Recompute::None; }
+  // Timed scopes of the step's ops on the compute stream, collected by the caller after each step (`bench step
+  // --profile`; core/cuda/profile.h); null turns them off. The CUDA engine only; the CPU engine ignores it.
+  virtual void set_profiler(cuda::StepProfiler* /*prof*/) {}
 };
 
 // Builds the engine for `device` ("cpu" or "cuda"; "auto" = cuda when a device is present) from a host model whose

@@ -12,6 +12,7 @@
 
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
+#include "core/cuda/profile.h"
 #include "core/log.h"
 #include "model/dims.h"
 #include "model/gpu_activations.h"
@@ -40,6 +41,7 @@
 namespace ds {
 
 using ds::cuda::bf16;
+using ds::cuda::ProfScope;
 namespace K = ds::ops::cuda;
 
 // The decoder: the layer sequence of HF Qwen3_5ForCausalLM (docs/model.md §2) over the parameter store's views,
@@ -64,6 +66,18 @@ struct GpuModel::Impl {
   std::unique_ptr<K::LinearCrossEntropyPlan> ce;
   // the current micro-batch
   int64_t N = 0, S = 0, num_uniq = 0;
+  double attn_pairs = 0;  // causal (query, key) pairs per head: sum over documents of len (len + 1) / 2
+  // `bench step --profile` (core/cuda/profile.h): timed scopes around the ops, by family and role, with their
+  // FLOPs (GEMMs, gated delta rule, attention, loss) or bytes moved (reads + writes; the memory-bound ops). Null:
+  // profiling off, each scope one pointer test.
+  cuda::StepProfiler* prof = nullptr;
+  // Scopes opened while on are the backward's recompute of forward activations (" (rebuild)" after the role).
+  void mark_rebuild(bool on) {
+    if (prof) prof->set_rebuild(on);
+  }
+  ProfScope scope(const char* family, const char* role, double flops = 0, double bytes = 0) {
+    return ProfScope(prof, stream, family, role, flops, bytes);
+  }
 
   // Also runs when the constructor throws after the stream or the allocation exist.
   ~Impl() {
@@ -111,22 +125,30 @@ struct GpuModel::Impl {
     }
     starts.push_back(static_cast<int32_t>(N));
     num_uniq = static_cast<int64_t>(uniq.size());
+    attn_pairs = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const double len = b.cu_seqlens[s + 1] - b.cu_seqlens[s];
+      attn_pairs += len * (len + 1) / 2;
+    }
     std::vector<float> ct(static_cast<size_t>(N * c.rotary_dim() / 2)), st(ct.size());
     ops::rope_tables(b.positions.data(), N, c.rotary_dim(), c.rope_theta, ct.data(), st.data());
     auto up = [&](void* dst, const void* src, size_t bytes) {
       if (bytes) DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
     };
-    up(d.ids, b.input_ids.data(), N * 4);
-    up(d.targets, b.targets.data(), N * 4);
-    up(d.cu, b.cu_seqlens.data(), (S + 1) * 4);
-    up(d.seq_start, ss.data(), N * 4);
-    up(d.emb_uniq, uniq.data(), uniq.size() * 4);
-    up(d.emb_starts, starts.data(), starts.size() * 4);
-    up(d.emb_pos, pos.data(), N * 4);
-    up(d.cos_t, ct.data(), ct.size() * 4);
-    up(d.sin_t, st.data(), st.size() * 4);
-    if (gdn) gdn->prepare(d.cu, N, S, d.gdn_batch, stream);
-    if (attn) attn->prepare(b.cu_seqlens.data(), d.cu, N, S, d.attn_batch, stream);
+    {
+      ProfScope ps = scope("copy", "batch upload (H2D)");  // and the op plans' batch data (prepare)
+      up(d.ids, b.input_ids.data(), N * 4);
+      up(d.targets, b.targets.data(), N * 4);
+      up(d.cu, b.cu_seqlens.data(), (S + 1) * 4);
+      up(d.seq_start, ss.data(), N * 4);
+      up(d.emb_uniq, uniq.data(), uniq.size() * 4);
+      up(d.emb_starts, starts.data(), starts.size() * 4);
+      up(d.emb_pos, pos.data(), N * 4);
+      up(d.cos_t, ct.data(), ct.size() * 4);
+      up(d.sin_t, st.data(), st.size() * 4);
+      if (gdn) gdn->prepare(d.cu, N, S, d.gdn_batch, stream);
+      if (attn) attn->prepare(b.cu_seqlens.data(), d.cu, N, S, d.attn_batch, stream);
+    }
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // host vectors die at return
   }
 
@@ -135,20 +157,53 @@ struct GpuModel::Impl {
   void gdn_forward(const GpuParamStore::Layer& p, GpuLayerActs& A) {
     const GdnParams<const bf16*>& w = p.compute.gdn;
     const GdnParams<const float*>& m = p.master.gdn;
-    const int64_t H = c.hidden_size, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(),
-                  Hv = c.linear_num_value_heads, Hk = c.linear_num_key_heads, dk = c.linear_key_head_dim,
+    const int64_t H = c.hidden_size, CD = c.conv_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads,
                   dv = c.linear_value_head_dim;
-    const GpuBatchBufs& B = acts.batch;
-    K::linear_forward(A.xn1, w.in_proj_qkv, A.mixed, N, H, CD, false, stream);
-    K::linear_forward(A.xn1, w.in_proj_z, A.z, N, H, VD, false, stream);
-    K::linear_forward(A.xn1, w.in_proj_ba, A.ab, N, H, 2 * Hv, false, stream);  // [b | a] per token
-    conv->forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, stream);
+    const double n = static_cast<double>(N);
+    {
+      ProfScope ps = scope("gemm", "gdn in_proj", 2 * n * H * (CD + VD + 2 * Hv));
+      K::linear_forward(A.xn1, w.in_proj_qkv, A.mixed, N, H, CD, false, stream);
+      K::linear_forward(A.xn1, w.in_proj_z, A.z, N, H, VD, false, stream);
+      K::linear_forward(A.xn1, w.in_proj_ba, A.ab, N, H, 2 * Hv, false, stream);  // [b | a] per token
+    }
+    gdn_rebuildable(p, A);
+    {
+      ProfScope ps = scope("elementwise", "gdn gates", 0, 12 * n * Hv);  // ab bf16 -> g, beta fp32
+      K::gdn_gate_forward(A.ab, m.A_log, m.dt_bias, A.g, A.beta, N, Hv, stream);
+    }
+    {
+      ProfScope ps = scope("gdn", "gated delta rule", gdn_flops());
+      gdn->forward(gdn_io(A), A.gdn_saved, acts.op_scratch, stream);
+    }
+    {
+      ProfScope ps = scope("norm", "gated rmsnorm", 0, 6 * n * VD);  // core, z -> y
+      K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps),
+                               stream);
+    }
+    ProfScope ps = scope("gemm", "gdn out_proj", 2 * n * VD * H);
+    K::linear_forward(A.y, w.out_proj, acts.tmpH, N, VD, H, false, stream);
+  }
+
+  // conv_out, qn, kn from mixed: the forward's ops, again in the backward when rebuilding.
+  void gdn_rebuildable(const GpuParamStore::Layer& p, GpuLayerActs& A) {
+    const GdnParams<const float*>& m = p.master.gdn;
+    const int64_t CD = c.conv_dim(), KD = c.key_dim(), Hk = c.linear_num_key_heads, dk = c.linear_key_head_dim;
+    const double n = static_cast<double>(N);
+    {
+      ProfScope ps = scope("conv", "conv1d+silu", 0, 4 * n * CD);  // mixed -> conv_out (bf16)
+      conv->forward(A.mixed, m.conv1d, acts.batch.seq_start, A.conv_out, N, stream);
+    }
+    ProfScope ps = scope("norm", "l2norm q/k", 0, 8 * n * KD);  // q, k -> qn, kn (bf16)
     K::l2norm_forward(A.conv_out, CD, A.qn, A.rq, N, Hk, dk, 1e-6f, stream);
     K::l2norm_forward(A.conv_out + KD, CD, A.kn, A.rk, N, Hk, dk, 1e-6f, stream);
-    K::gdn_gate_forward(A.ab, m.A_log, m.dt_bias, A.g, A.beta, N, Hv, stream);
-    gdn->forward(gdn_io(A), A.gdn_saved, acts.op_scratch, stream);
-    K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps), stream);
-    K::linear_forward(A.y, w.out_proj, acts.tmpH, N, VD, H, false, stream);
+  }
+
+  // Chunked gated delta rule forward FLOPs (as `bench ops`): per token and value head 4 dk dv (state update and
+  // readout) + intra-chunk 2 x 64 (dk + dv); the backward about twice that.
+  double gdn_flops() const {
+    return static_cast<double>(N) * c.linear_num_value_heads *
+           (4.0 * c.linear_key_head_dim * c.linear_value_head_dim +
+            2.0 * 64 * (c.linear_key_head_dim + c.linear_value_head_dim));
   }
 
   K::GdnForwardIO gdn_io(const GpuLayerActs& A) const {
@@ -174,16 +229,27 @@ struct GpuModel::Impl {
                   Hv = c.linear_num_value_heads, Hk = c.linear_num_key_heads, dk = c.linear_key_head_dim,
                   dv = c.linear_value_head_dim;
     void* scratch = acts.op_scratch;
+    const double n = static_cast<double>(N);
     if (rebuild()) {  // y, conv_out, qn, kn (shared buffers) exactly as gdn_forward made them
-      K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps),
-                               stream);
-      conv->forward(A.mixed, m.conv1d, B.seq_start, A.conv_out, N, stream);
-      K::l2norm_forward(A.conv_out, CD, A.qn, A.rq, N, Hk, dk, 1e-6f, stream);
-      K::l2norm_forward(A.conv_out + KD, CD, A.kn, A.rk, N, Hk, dk, 1e-6f, stream);
+      mark_rebuild(true);
+      {
+        ProfScope ps = scope("norm", "gated rmsnorm", 0, 6 * n * VD);
+        K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps),
+                                 stream);
+      }
+      gdn_rebuildable(p, A);
+      mark_rebuild(false);
     }
-    K::linear_backward_data(d.dh, w.out_proj, d.dy, N, VD, H, false, stream);
-    K::linear_backward_weight(d.dh, A.y, gw.out_proj, N, VD, H, stream);
-    K::gated_rmsnorm_backward(A.core, A.z, m.norm, A.rstd_g, d.dy, d.dcore, d.dz, gw.norm, N * Hv, dv, scratch, stream);
+    {
+      ProfScope ps = scope("gemm", "gdn out_proj (bwd)", 4 * n * VD * H);
+      K::linear_backward_data(d.dh, w.out_proj, d.dy, N, VD, H, false, stream);
+      K::linear_backward_weight(d.dh, A.y, gw.out_proj, N, VD, H, stream);
+    }
+    {
+      ProfScope ps = scope("norm", "gated rmsnorm (bwd)", 0, 10 * n * VD);  // core, z, dy -> dcore, dz
+      K::gated_rmsnorm_backward(A.core, A.z, m.norm, A.rstd_g, d.dy, d.dcore, d.dz, gw.norm, N * Hv, dv, scratch,
+                                stream);
+    }
     K::GdnBackwardIO gr;
     gr.dout = d.dcore;
     gr.dq = d.dqn;
@@ -192,11 +258,25 @@ struct GpuModel::Impl {
     gr.dv_stride = CD;
     gr.dg = d.dg;
     gr.dbeta = d.dbeta;
-    gdn->backward(gdn_io(A), gr, A.gdn_saved, scratch, stream);
-    K::l2norm_backward(A.qn, A.rq, d.dqn, d.dconv, CD, N, Hk, dk, stream);
-    K::l2norm_backward(A.kn, A.rk, d.dkn, d.dconv + KD, CD, N, Hk, dk, stream);
-    K::gdn_gate_backward(A.ab, m.A_log, m.dt_bias, d.dg, d.dbeta, d.dab, gw.A_log, gw.dt_bias, N, Hv, scratch, stream);
-    conv->backward(A.mixed, m.conv1d, d.dconv, B.seq_start, d.dmixed, gw.conv1d, N, scratch, stream);
+    {
+      ProfScope ps = scope("gdn", "gated delta rule (bwd)", 2 * gdn_flops());
+      gdn->backward(gdn_io(A), gr, A.gdn_saved, scratch, stream);
+    }
+    {
+      ProfScope ps = scope("norm", "l2norm q/k (bwd)", 0, 12 * n * KD);  // qn, kn, dqn, dkn -> dconv's q, k
+      K::l2norm_backward(A.qn, A.rq, d.dqn, d.dconv, CD, N, Hk, dk, stream);
+      K::l2norm_backward(A.kn, A.rk, d.dkn, d.dconv + KD, CD, N, Hk, dk, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "gdn gates (bwd)", 0, 16 * n * Hv);  // ab, dg, dbeta -> dab
+      K::gdn_gate_backward(A.ab, m.A_log, m.dt_bias, d.dg, d.dbeta, d.dab, gw.A_log, gw.dt_bias, N, Hv, scratch,
+                           stream);
+    }
+    {
+      ProfScope ps = scope("conv", "conv1d+silu (bwd)", 0, 6 * n * CD);  // mixed, dconv -> dmixed
+      conv->backward(A.mixed, m.conv1d, d.dconv, B.seq_start, d.dmixed, gw.conv1d, N, scratch, stream);
+    }
+    ProfScope ps = scope("gemm", "gdn in_proj (bwd)", 4 * n * H * (CD + VD + 2 * Hv));
     K::linear_backward_data(d.dmixed, w.in_proj_qkv, d.dxn, N, H, CD, false, stream);
     K::linear_backward_data(d.dz, w.in_proj_z, d.dxn, N, H, VD, true, stream);
     K::linear_backward_data(d.dab, w.in_proj_ba, d.dxn, N, H, 2 * Hv, true, stream);
@@ -211,21 +291,48 @@ struct GpuModel::Impl {
     const AttnParams<const float*>& m = p.master.attn;
     const GpuBatchBufs& B = acts.batch;
     const int64_t H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
-    K::linear_forward(A.xn1, w.q_proj, acts.qg, N, H, Hq * 2 * hd, false, stream);
-    // per head: [query (hd) | gate (hd)]
-    K::copy_rows(acts.qg, 2 * hd, A.qraw, hd, N * Hq, hd, stream);
-    K::copy_rows(acts.qg + hd, 2 * hd, A.graw, hd, N * Hq, hd, stream);
-    K::linear_forward(A.xn1, w.k_proj, A.kraw, N, H, Hkv * hd, false, stream);
-    K::linear_forward(A.xn1, w.v_proj, A.vraw, N, H, Hkv * hd, false, stream);
+    const double n = static_cast<double>(N);
+    {
+      ProfScope ps = scope("gemm", "attn qkv", 2 * n * H * Hq * 2 * hd);
+      K::linear_forward(A.xn1, w.q_proj, acts.qg, N, H, Hq * 2 * hd, false, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "copy_rows q/gate", 0, 8 * n * Hq * hd);  // qg -> qraw, graw (bf16)
+      // per head: [query (hd) | gate (hd)]
+      K::copy_rows(acts.qg, 2 * hd, A.qraw, hd, N * Hq, hd, stream);
+      K::copy_rows(acts.qg + hd, 2 * hd, A.graw, hd, N * Hq, hd, stream);
+    }
+    {
+      ProfScope ps = scope("gemm", "attn qkv", 4 * n * H * Hkv * hd);
+      K::linear_forward(A.xn1, w.k_proj, A.kraw, N, H, Hkv * hd, false, stream);
+      K::linear_forward(A.xn1, w.v_proj, A.vraw, N, H, Hkv * hd, false, stream);
+    }
     const float eps = static_cast<float>(c.rms_norm_eps);
-    K::rmsnorm_forward(A.qraw, m.q_norm, A.qr, A.rstd_q, N * Hq, hd, eps, true, stream);
-    K::rmsnorm_forward(A.kraw, m.k_norm, A.kr, A.rstd_k, N * Hkv, hd, eps, true, stream);
-    K::rope_apply(A.qr, N, Hq, hd, c.rotary_dim(), B.cos_t, B.sin_t, false, stream);
-    K::rope_apply(A.kr, N, Hkv, hd, c.rotary_dim(), B.cos_t, B.sin_t, false, stream);
-    attn->forward(A.qr, A.kr, A.vraw, A.ao, A.lse, acts.op_scratch, stream);
-    K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);
+    {
+      ProfScope ps = scope("norm", "q/k rmsnorm", 0, 4 * n * (Hq + Hkv) * hd);
+      K::rmsnorm_forward(A.qraw, m.q_norm, A.qr, A.rstd_q, N * Hq, hd, eps, true, stream);
+      K::rmsnorm_forward(A.kraw, m.k_norm, A.kr, A.rstd_k, N * Hkv, hd, eps, true, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "rope", 0, 4 * n * (Hq + Hkv) * c.rotary_dim());  // in place
+      K::rope_apply(A.qr, N, Hq, hd, c.rotary_dim(), B.cos_t, B.sin_t, false, stream);
+      K::rope_apply(A.kr, N, Hkv, hd, c.rotary_dim(), B.cos_t, B.sin_t, false, stream);
+    }
+    {
+      ProfScope ps = scope("attention", "sdpa", attn_flops());
+      attn->forward(A.qr, A.kr, A.vraw, A.ao, A.lse, acts.op_scratch, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "output gate", 0, 6 * n * Hq * hd);  // ao, graw -> og
+      K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);
+    }
+    ProfScope ps = scope("gemm", "attn o_proj", 2 * n * Hq * hd * H);
     K::linear_forward(A.og, w.o_proj, acts.tmpH, N, Hq * hd, H, false, stream);
   }
+
+  // Causal attention forward FLOPs: QK^T and PV, 2 x 2 x hd per (query, key) pair and query head; the backward
+  // about 2.5 times that.
+  double attn_flops() const { return 4.0 * c.num_attention_heads * c.head_dim * attn_pairs; }
 
   void attn_backward(const GpuParamStore::Layer& p, GpuLayerActs& A) {
     const AttnParams<const bf16*>& w = p.compute.attn;
@@ -235,17 +342,42 @@ struct GpuModel::Impl {
     const GpuBatchBufs& B = acts.batch;
     const int64_t H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
     void* scratch = acts.op_scratch;
-    if (rebuild()) K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);  // og (shared buffer)
-    K::linear_backward_data(d.dh, w.o_proj, d.dog, N, Hq * hd, H, false, stream);
-    K::linear_backward_weight(d.dh, A.og, gw.o_proj, N, Hq * hd, H, stream);
-    K::output_gate_backward(A.ao, A.graw, d.dog, d.dao, d.dgate, N * Hq * hd, stream);
-    attn->backward(A.qr, A.kr, A.vraw, A.ao, A.lse, d.dao, d.dqr, d.dkr, d.dvv, scratch, stream);
-    K::rope_apply(d.dqr, N, Hq, hd, c.rotary_dim(), B.cos_t, B.sin_t, true, stream);
-    K::rope_apply(d.dkr, N, Hkv, hd, c.rotary_dim(), B.cos_t, B.sin_t, true, stream);
-    K::rmsnorm_backward(A.qraw, m.q_norm, A.rstd_q, d.dqr, d.dqr, gw.q_norm, N * Hq, hd, true, scratch, stream);
-    K::rmsnorm_backward(A.kraw, m.k_norm, A.rstd_k, d.dkr, d.dkr, gw.k_norm, N * Hkv, hd, true, scratch, stream);
-    K::copy_rows(d.dqr, hd, d.dqg, 2 * hd, N * Hq, hd, stream);
-    K::copy_rows(d.dgate, hd, d.dqg + hd, 2 * hd, N * Hq, hd, stream);
+    const double n = static_cast<double>(N);
+    if (rebuild()) {  // og (shared buffer)
+      mark_rebuild(true);
+      ProfScope ps = scope("elementwise", "output gate", 0, 6 * n * Hq * hd);
+      K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);
+      mark_rebuild(false);
+    }
+    {
+      ProfScope ps = scope("gemm", "attn o_proj (bwd)", 4 * n * Hq * hd * H);
+      K::linear_backward_data(d.dh, w.o_proj, d.dog, N, Hq * hd, H, false, stream);
+      K::linear_backward_weight(d.dh, A.og, gw.o_proj, N, Hq * hd, H, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "output gate (bwd)", 0, 10 * n * Hq * hd);  // ao, graw, dog -> dao, dgate
+      K::output_gate_backward(A.ao, A.graw, d.dog, d.dao, d.dgate, N * Hq * hd, stream);
+    }
+    {
+      ProfScope ps = scope("attention", "sdpa (bwd)", 2.5 * attn_flops());
+      attn->backward(A.qr, A.kr, A.vraw, A.ao, A.lse, d.dao, d.dqr, d.dkr, d.dvv, scratch, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "rope (bwd)", 0, 4 * n * (Hq + Hkv) * c.rotary_dim());
+      K::rope_apply(d.dqr, N, Hq, hd, c.rotary_dim(), B.cos_t, B.sin_t, true, stream);
+      K::rope_apply(d.dkr, N, Hkv, hd, c.rotary_dim(), B.cos_t, B.sin_t, true, stream);
+    }
+    {
+      ProfScope ps = scope("norm", "q/k rmsnorm (bwd)", 0, 6 * n * (Hq + Hkv) * hd);  // x, dy -> dx
+      K::rmsnorm_backward(A.qraw, m.q_norm, A.rstd_q, d.dqr, d.dqr, gw.q_norm, N * Hq, hd, true, scratch, stream);
+      K::rmsnorm_backward(A.kraw, m.k_norm, A.rstd_k, d.dkr, d.dkr, gw.k_norm, N * Hkv, hd, true, scratch, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "copy_rows q/gate (bwd)", 0, 8 * n * Hq * hd);  // dqr, dgate -> dqg
+      K::copy_rows(d.dqr, hd, d.dqg, 2 * hd, N * Hq, hd, stream);
+      K::copy_rows(d.dgate, hd, d.dqg + hd, 2 * hd, N * Hq, hd, stream);
+    }
+    ProfScope ps = scope("gemm", "attn qkv (bwd)", 4 * n * H * (2 * Hq + 2 * Hkv) * hd);
     K::linear_backward_data(d.dqg, w.q_proj, d.dxn, N, H, Hq * 2 * hd, false, stream);
     K::linear_backward_data(d.dkr, w.k_proj, d.dxn, N, H, Hkv * hd, true, stream);
     K::linear_backward_data(d.dvv, w.v_proj, d.dxn, N, H, Hkv * hd, true, stream);
@@ -261,14 +393,34 @@ struct GpuModel::Impl {
     GpuLayerActs& A = acts.layers[static_cast<size_t>(i)];
     bf16 *h_in = acts.hs[i], *h_out = acts.hs[i + 1], *tmpH = acts.tmpH;
     const float eps = static_cast<float>(c.rms_norm_eps);
-    K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream);
+    const double n = static_cast<double>(N);
+    {
+      ProfScope ps = scope("norm", "rmsnorm", 0, 4 * n * H);
+      K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream);
+    }
     if (p.compute.full_attention) attn_forward(p, A);
     else gdn_forward(p, A);
-    K::add(h_in, tmpH, A.h_mid, N * H, stream);
-    K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
-    K::linear_forward(A.xn2, p.compute.mlp.gate_up, A.gu, N, H, 2 * I, false, stream);  // [gate | up] per token
-    K::swiglu_forward(A.gu, A.act, N, I, stream);
-    K::linear_forward(A.act, p.compute.mlp.down, tmpH, N, I, H, false, stream);
+    {
+      ProfScope ps = scope("elementwise", "residual add", 0, 6 * n * H);
+      K::add(h_in, tmpH, A.h_mid, N * H, stream);
+    }
+    {
+      ProfScope ps = scope("norm", "rmsnorm", 0, 4 * n * H);
+      K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
+    }
+    {
+      ProfScope ps = scope("gemm", "mlp gate_up", 2 * n * H * 2 * I);
+      K::linear_forward(A.xn2, p.compute.mlp.gate_up, A.gu, N, H, 2 * I, false, stream);  // [gate | up] per token
+    }
+    {
+      ProfScope ps = scope("elementwise", "swiglu", 0, 6 * n * I);  // gu -> act
+      K::swiglu_forward(A.gu, A.act, N, I, stream);
+    }
+    {
+      ProfScope ps = scope("gemm", "mlp down", 2 * n * I * H);
+      K::linear_forward(A.act, p.compute.mlp.down, tmpH, N, I, H, false, stream);
+    }
+    ProfScope ps = scope("elementwise", "residual add", 0, 6 * n * H);
     K::add(A.h_mid, tmpH, h_out, N * H, stream);
   }
 
@@ -281,24 +433,59 @@ struct GpuModel::Impl {
     bf16* h_in = acts.hs[i];
     void* scratch = acts.op_scratch;
     const float eps = static_cast<float>(c.rms_norm_eps);
+    const double n = static_cast<double>(N);
     if (rebuild()) {  // act and xn2 (shared buffers) exactly as layer_forward made them
-      K::swiglu_forward(A.gu, A.act, N, I, stream);
-      K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
+      mark_rebuild(true);
+      {
+        ProfScope ps = scope("elementwise", "swiglu", 0, 6 * n * I);
+        K::swiglu_forward(A.gu, A.act, N, I, stream);
+      }
+      {
+        ProfScope ps = scope("norm", "rmsnorm", 0, 4 * n * H);
+        K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
+      }
+      mark_rebuild(false);
     }
-    K::linear_backward_data(d.dh, p.compute.mlp.down, d.dact, N, I, H, false, stream);
-    K::linear_backward_weight(d.dh, A.act, p.grad.mlp.down, N, I, H, stream);
-    K::swiglu_backward(A.gu, d.dact, d.dgu, N, I, stream);
-    K::linear_backward_data(d.dgu, p.compute.mlp.gate_up, d.dxn, N, H, 2 * I, false, stream);
-    K::linear_backward_weight(d.dgu, A.xn2, p.grad.mlp.gate_up, N, H, 2 * I, stream);
-    K::rmsnorm_backward(A.h_mid, p.master.post_attention_layernorm, A.rstd2, d.dxn, d.dtmp,
-                        p.grad.post_attention_layernorm, N, H, true, scratch, stream);
-    K::add(d.dh, d.dtmp, d.dh, N * H, stream);
-    if (rebuild()) K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream);
+    {
+      ProfScope ps = scope("gemm", "mlp down (bwd)", 4 * n * I * H);
+      K::linear_backward_data(d.dh, p.compute.mlp.down, d.dact, N, I, H, false, stream);
+      K::linear_backward_weight(d.dh, A.act, p.grad.mlp.down, N, I, H, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "swiglu (bwd)", 0, 10 * n * I);  // gu, dact -> dgu
+      K::swiglu_backward(A.gu, d.dact, d.dgu, N, I, stream);
+    }
+    {
+      ProfScope ps = scope("gemm", "mlp gate_up (bwd)", 4 * n * H * 2 * I);
+      K::linear_backward_data(d.dgu, p.compute.mlp.gate_up, d.dxn, N, H, 2 * I, false, stream);
+      K::linear_backward_weight(d.dgu, A.xn2, p.grad.mlp.gate_up, N, H, 2 * I, stream);
+    }
+    {
+      ProfScope ps = scope("norm", "rmsnorm (bwd)", 0, 6 * n * H);  // x, dy -> dx
+      K::rmsnorm_backward(A.h_mid, p.master.post_attention_layernorm, A.rstd2, d.dxn, d.dtmp,
+                          p.grad.post_attention_layernorm, N, H, true, scratch, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "residual add (bwd)", 0, 6 * n * H);
+      K::add(d.dh, d.dtmp, d.dh, N * H, stream);
+    }
+    if (rebuild()) {
+      mark_rebuild(true);
+      ProfScope ps = scope("norm", "rmsnorm", 0, 4 * n * H);
+      K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream);
+      mark_rebuild(false);
+    }
     if (p.compute.full_attention) attn_backward(p, A);
     else gdn_backward(p, A);
-    K::rmsnorm_backward(h_in, p.master.input_layernorm, A.rstd1, d.dxn, d.dtmp, p.grad.input_layernorm, N, H, true,
-                        scratch, stream);
-    K::add(d.dh, d.dtmp, d.dh, N * H, stream);
+    {
+      ProfScope ps = scope("norm", "rmsnorm (bwd)", 0, 6 * n * H);
+      K::rmsnorm_backward(h_in, p.master.input_layernorm, A.rstd1, d.dxn, d.dtmp, p.grad.input_layernorm, N, H, true,
+                          scratch, stream);
+    }
+    {
+      ProfScope ps = scope("elementwise", "residual add (bwd)", 0, 6 * n * H);
+      K::add(d.dh, d.dtmp, d.dh, N * H, stream);
+    }
     store->after_layer_backward(i, stream);
   }
 
@@ -310,29 +497,53 @@ struct GpuModel::Impl {
     const GpuParamStore::Model mp = store->model_params();
     const GpuBatchBufs& B = acts.batch;
     const GpuGradBufs& d = acts.grad;
-    K::embedding_forward(B.ids, mp.compute.embed_tokens, acts.hs[0], N, H, stream);
+    const double n = static_cast<double>(N);
+    {
+      ProfScope ps = scope("embedding", "embedding", 0, n * (4 * H + 4));  // ids, bf16 rows -> hs[0]
+      K::embedding_forward(B.ids, mp.compute.embed_tokens, acts.hs[0], N, H, stream);
+    }
     for (int64_t i = 0; i < L; ++i) layer_forward(i);
-    K::rmsnorm_forward(acts.hs[L], mp.master.norm, acts.hf, acts.rstd_f, N, H, static_cast<float>(c.rms_norm_eps),
-                       true, stream);
+    {
+      ProfScope ps = scope("norm", "final rmsnorm", 0, 4 * n * H);
+      K::rmsnorm_forward(acts.hs[L], mp.master.norm, acts.hf, acts.rstd_f, N, H, static_cast<float>(c.rms_norm_eps),
+                         true, stream);
+    }
     const bool backward = grad_scale != 0.0;
     ops::LinearCeOptions opt;
     opt.z_loss = z_loss;
     opt.grad_scale = grad_scale;
     if (cap) capture(cap, mp);
-    ce->run(acts.hf, mp.compute.lm_head, B.targets, N, opt, B.loss, backward ? d.dhf : nullptr,
-            backward ? mp.grad.lm_head : nullptr, acts.ce_scratch, stream);
+    {
+      // logits, and for the backward dh and dW: one GEMM of 2 N H V FLOPs each
+      ProfScope ps = scope("loss", backward ? "lm head + cross-entropy (fwd+bwd)" : "lm head + cross-entropy",
+                           (backward ? 6.0 : 2.0) * n * H * c.vocab_size);
+      ce->run(acts.hf, mp.compute.lm_head, B.targets, N, opt, B.loss, backward ? d.dhf : nullptr,
+              backward ? mp.grad.lm_head : nullptr, acts.ce_scratch, stream);
+    }
     double loss[2];
-    DS_CUDA_CHECK(cudaMemcpyAsync(loss, B.loss, sizeof(loss), cudaMemcpyDeviceToHost, stream));
+    {
+      ProfScope ps = scope("copy", "loss download (D2H)");
+      DS_CUDA_CHECK(cudaMemcpyAsync(loss, B.loss, sizeof(loss), cudaMemcpyDeviceToHost, stream));
+    }
     LossResult r;
     r.num_valid = b.num_targets();
     if (backward) {
-      K::rmsnorm_backward(acts.hs[L], mp.master.norm, acts.rstd_f, d.dhf, d.dh, mp.grad.norm, N, H, true,
-                          acts.op_scratch, stream);
+      {
+        ProfScope ps = scope("norm", "final rmsnorm (bwd)", 0, 6 * n * H);
+        K::rmsnorm_backward(acts.hs[L], mp.master.norm, acts.rstd_f, d.dhf, d.dh, mp.grad.norm, N, H, true,
+                            acts.op_scratch, stream);
+      }
       for (int64_t i = L - 1; i >= 0; --i) {
         // full recompute: the layer's activations again (the last layer's are still there from the forward)
-        if (plan.recompute == Recompute::Full && i != L - 1) layer_forward(i);
+        if (plan.recompute == Recompute::Full && i != L - 1) {
+          mark_rebuild(true);
+          layer_forward(i);
+          mark_rebuild(false);
+        }
         layer_backward(i);
       }
+      // dh bf16 in, the fp32 gradient rows of the distinct ids read and written, ids / positions
+      ProfScope ps = scope("embedding", "embedding (bwd)", 0, n * (2 * H + 12) + 8.0 * num_uniq * H);
       K::embedding_backward(B.emb_uniq, B.emb_starts, B.emb_pos, num_uniq, d.dh, mp.grad.embed_tokens, H, stream);
     }
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -452,15 +663,33 @@ LossResult GpuModel::forward_backward(const PackedBatch& batch, double grad_scal
   return impl_->run(batch, grad_scale, z_loss, capture);
 }
 
-void GpuModel::zero_grads() { impl_->store->zero_grads(impl_->stream); }
+void GpuModel::zero_grads() {
+  ProfScope ps = impl_->scope("optimizer", "zero grads", 0, 4.0 * impl_->P);
+  impl_->store->zero_grads(impl_->stream);
+}
 
-double GpuModel::grad_sum_squares() { return impl_->store->grad_sum_squares(impl_->stream); }
+// The two scopes below end after the synchronisation their calls finish with (a few microseconds late).
+double GpuModel::grad_sum_squares() {
+  ProfScope ps = impl_->scope("optimizer", "grad sum of squares", 0, 4.0 * impl_->P);
+  return impl_->store->grad_sum_squares(impl_->stream);
+}
 
 void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
   ops::AdamWParams q = p;
   q.weight_decay = weight_decay;
+  // Bytes per element: fp32 state reads master, grad, m, v and writes master, m, v (4 B each) and the bf16 copy
+  // (2 B): 30; bf16 state reads the bf16 weight, m, v (2 B) and the fp32 grad, writes weight, m, v: 16.
+  double bytes = 0;
+  if (impl_->prof) {
+    const std::vector<ParamSpec>& specs = impl_->store->params();
+    for (size_t k = 0; k < specs.size(); ++k)
+      bytes += (impl_->store->fp32_offset(k) >= 0 ? 30.0 : 16.0) * static_cast<double>(specs[k].numel);
+  }
+  ProfScope ps = impl_->scope("optimizer", "adamw", 0, bytes);
   impl_->optimizer->step(*impl_->store, q, impl_->stream);
 }
+
+void GpuModel::set_profiler(cuda::StepProfiler* prof) { impl_->prof = prof; }
 
 void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) const {
   DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: read of [{}, {}) outside the {} parameters",
@@ -507,6 +736,7 @@ LossResult GpuModel::forward_backward(const PackedBatch&, double, double, Forwar
 void GpuModel::zero_grads() {}
 double GpuModel::grad_sum_squares() { return 0; }
 void GpuModel::adamw_step(const ops::AdamWParams&, double) {}
+void GpuModel::set_profiler(cuda::StepProfiler*) {}
 void GpuModel::read(Buffer, int64_t, int64_t, float*) const {}
 int GpuModel::optimizer_state_count() const { return 0; }
 std::string GpuModel::optimizer_state_name(int, const ParamSpec&) const { return {}; }

@@ -20,6 +20,9 @@
 #include "ops/adamw/adamw.h"
 
 namespace ds {
+namespace cuda {
+class StepProfiler;
+}
 
 class GpuModel {
  public:
@@ -38,6 +41,9 @@ class GpuModel {
   double grad_sum_squares();  // deterministic
   // One AdamW update of every parameter (decay per ParamSpec::weight_decay), refreshing the bf16 copy.
   void adamw_step(const ops::AdamWParams& p, double weight_decay);
+  // Timed scopes around every op of the step, zero_grads, grad_sum_squares and adamw_step, by family and role
+  // (core/cuda/profile.h; `bench step --profile`); null (the default) turns them off. Results are unchanged.
+  void set_profiler(cuda::StepProfiler* prof);
 
   // Device -> host copy of elements [first, first + count) of the fp32 weights or gradients (offsets as
   // ParamSpec's), for checkpoints (streamed in slabs) and tests. ds::Error when the range is outside the buffer.

@@ -23,6 +23,8 @@
 #ifdef DELTASTACK_CUDA
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
+#include "core/cuda/profile.h"
+#include "core/profile.h"
 #include "model/engine.h"
 #include "ops/attention/cuda.h"
 #include "ops/attention/cudnn.h"
@@ -314,7 +316,7 @@ int cmd_bench_ops() {
 }
 
 int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps,
-                   const MemoryFlags& memory) {
+                   const MemoryFlags& memory, bool profile) {
   // The flags first: a typo is an error at once, not after the model's weights are made (a minute at 9B).
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
@@ -348,14 +350,31 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
     gpu->optimizer_step(ap);
     return std::pair<double, double>{r.loss_sum * scale, gn};
   };
+  // --profile: every step runs with timed scopes (the warm-up too, so that it creates the event pool); after each
+  // timed step, outside its wall time, the scopes' event pairs are read into the table (the warm-up's dropped).
+  std::unique_ptr<cuda::StepProfiler> prof;
+  ProfileTable table;
+  if (profile) {
+    prof = std::make_unique<cuda::StepProfiler>();
+    gpu->set_profiler(prof.get());
+  }
   step(0);  // warm-up (cuBLASLt heuristics, first-touch)
+  if (prof) {
+    ProfileTable warm;
+    prof->collect(warm);
+  }
   std::vector<double> times;
   double loss = 0, gn = 0;
   for (int64_t i = 1; i <= steps; ++i) {
     auto t0 = std::chrono::steady_clock::now();
     std::tie(loss, gn) = step(i);
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (prof) {
+      prof->collect(table);
+      table.end_step(1e3 * times.back());
+    }
   }
+  if (prof) gpu->set_profiler(nullptr);
   std::sort(times.begin(), times.end());
   double t = times[times.size() / 2];
   const double tokens = static_cast<double>(seq_len * micro_batch);
@@ -373,13 +392,19 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
              "peak {:.1f} GiB (plan {:.1f} GiB) | loss {:.4f} grad_norm {:.3f}\n",
              1e3 * t, tokens / t, 100 * flops / t / 989e12, 100 * flops / t / 699e12, gpu->peak_bytes() / 1073741824.0,
              gpu->planned_bytes() / 1073741824.0, loss, gn);
+  if (profile) {
+    fmt::print("profile: ms per step by op family and role (mean of {} timed steps; CUDA events on the compute "
+               "stream); roofline: GEMM-like work against {:.0f} TFLOP/s, memory-bound work (bytes read + written) "
+               "against {:.2f} TB/s\n", steps, kGemmRate / 1e12, kCopyBw / 1e12);
+    fmt::print("{}", table.format(kGemmRate, kCopyBw, 1e3 * t));
+  }
   return 0;
 }
 
 #else
 
 int cmd_bench_ops() { fail("bench ops: this build has no CUDA support"); }
-int cmd_bench_step(const std::string&, int64_t, int64_t, int64_t, const MemoryFlags&) {
+int cmd_bench_step(const std::string&, int64_t, int64_t, int64_t, const MemoryFlags&, bool) {
   fail("bench step: this build has no CUDA support");
 }
 

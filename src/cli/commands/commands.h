@@ -66,9 +66,11 @@ struct MemoryFlags {
 
 // `deltastack bench ops`: per op and shape, forward and forward+backward ms, rate and roofline fraction (GPU).
 int cmd_bench_ops();
-// `deltastack bench step`: tokens/s, MFU and peak memory of full training steps of a preset (GPU).
+// `deltastack bench step`: tokens/s, MFU and peak memory of full training steps of a preset (GPU). profile: also
+// ms per step by op family and role from CUDA events, their sum against the wall time, and each one's roofline
+// fraction (core/profile.h).
 int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps,
-                   const MemoryFlags& memory);
+                   const MemoryFlags& memory, bool profile = false);
 
 // `deltastack bench tokenizer`: encode speed of a tokenizer.json on a text file, one core (MB/s).
 int cmd_bench_tokenizer(const std::string& tokenizer_path, const std::string& text_path, int repeats);
