@@ -259,9 +259,12 @@ ModelConfig ModelConfig::preset(const std::string& name) {
   else if (name == "9b") sz(4096, 32, 12288, 16, 4, 32, false);
   else if (name == "27b") sz(5120, 64, 17408, 24, 4, 48, false);
   else if (name == "tiny") {
-    // The embedded default: the Qwen3.5 architecture (3 GDN layers + 1 gated attention layer, the real 248,320
-    // vocabulary, tied embeddings) at a width that trains on a 2-core CPU in minutes.
+    // The embedded default: the Qwen3.5 architecture (3 GDN layers + 1 gated attention layer, tied embeddings) at a
+    // width that trains on a 2-core CPU in minutes. Its vocabulary is the one Qwen3 models use with the bundled
+    // Qwen3 tokenizer (151,669 ids, padded to 151,936), not Qwen3.5's 248,320: at hidden 64 the head is nearly all
+    // of the compute, and 96k rows no token can reach would only cost time.
     sz(64, 4, 192, 4, 2, 4, true);
+    c.vocab_size = 151936;
     c.head_dim = 32;
     c.linear_num_key_heads = 2;
     c.linear_key_head_dim = c.linear_value_head_dim = 16;
