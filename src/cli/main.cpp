@@ -2,18 +2,21 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <functional>
 #include <new>
+#include <thread>
 
 #include "cli/commands/commands.h"
 #include "core/cpu_blas.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/parallel.h"
+#include "dist/communicator.h"
 #include "train/options_cli.h"
 #include "train/trainer.h"
 
@@ -164,10 +167,31 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
-  // The error line; a failed write (a closed stderr) changes nothing: the exit code is 1 either way.
-  auto error = [](const std::string& what) { ds::detail::log_line("error: " + what + "\n"); };
+  // The error line; a failed write (a closed stderr) changes nothing: the exit code is 1 either way. With several
+  // ranks it names the rank, and the run stops on every rank (no rank is left waiting in a collective).
+  auto error = [](const std::string& what) {
+    ds::dist::Communicator& w = ds::dist::world();
+    if (w.world() == 1) {
+      ds::detail::log_line("error: " + what + "\n");
+      return;
+    }
+    ds::detail::log_line(fmt::format("error on rank {} of {}: {}\n", w.rank(), w.world(), what));
+    std::fflush(stderr);
+    w.abort(1);
+  };
   try {
     ds::train_option("threads").check(to);
+    // Several ranks (mpirun): only `train` runs on them; the communicator is opened first, and the default thread
+    // count is this host's cores shared among its ranks.
+    const ds::dist::LaunchInfo launch = ds::dist::detect_launch();
+    if (launch.world > 1) {
+      DS_CHECK(*train, "{} started {} ranks, but only `deltastack train` runs on several ranks; start other commands "
+               "as one process", launch.launcher, launch.world);
+      ds::dist::install(ds::dist::open_communicator(launch));
+      if (!ds::dist::world().is_root()) ds::set_log_muted(true);
+      if (to.threads == 0)
+        to.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / launch.local_world);
+    }
     ds::set_num_threads(to.threads);
     if (*forward) {
       DS_CHECK(forward_device == "cpu" || forward_device == "cuda", "--device must be cpu or cuda, got \"{}\"",
@@ -200,7 +224,9 @@ int main(int argc, char** argv) {
     if (*exp) return ds::cli::cmd_export(exp_in, exp_out, exp_dtype, exp_shard_mb);
     if (*train) {
       ds::record_given_flags(app, *train, to);
-      return ds::train(to);
+      const int rc = ds::train(to);
+      ds::dist::uninstall();
+      return rc;
     }
     fmt::print("{}", app.help());
     return 0;

@@ -31,6 +31,9 @@ static LogLevel parse_log_level() {
 static LogLevel g_level = parse_log_level();
 LogLevel log_level() { return g_level; }
 void set_log_level(LogLevel level) { g_level = level; }
+static bool g_muted = false;
+bool log_muted() { return g_muted; }
+void set_log_muted(bool muted) { g_muted = muted; }
 
 static int g_threads = 0;
 // OpenBLAS never threads itself (it would change results with the thread count): pinned at load, before any op

@@ -6,6 +6,7 @@
 
 #include "core/cuda/device.h"
 #include "core/error.h"
+#include "dist/communicator.h"
 #include "model/gpu_model.h"
 
 namespace ds {
@@ -36,6 +37,11 @@ class CpuEngine final : public Engine {
   void zero_grads() override { model_.zero_grads(); }
   double grad_sum_squares() override {
     return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
+  }
+  void all_reduce_grads(dist::Communicator& comm) override {
+    if (comm.world() == 1) return;
+    if (model_.grads().size() != model_.weights().size()) model_.zero_grads();  // a rank without a micro-batch
+    comm.all_reduce_sum(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
   }
   void optimizer_step(const ops::AdamWParams& p) override {
     moments();
@@ -95,6 +101,10 @@ class CudaEngine final : public Engine {
   }
   void zero_grads() override { gpu_->zero_grads(); }
   double grad_sum_squares() override { return gpu_->grad_sum_squares(); }
+  void all_reduce_grads(dist::Communicator& comm) override {
+    DS_CHECK(comm.world() == 1, "{}: the GPU engine runs one rank for now (its NCCL communicator is not built "
+             "yet); several ranks train on the CPU engine (--device cpu) under mpirun", describe(comm.launch()));
+  }
   void optimizer_step(const ops::AdamWParams& p) override { gpu_->adamw_step(p, p.weight_decay); }
   std::vector<SaveTensor> weight_tensors(DType dtype) override { return buffer_tensors(GpuModel::Buffer::Weights, dtype); }
   std::vector<SaveTensor> checkpoint_weight_tensors() override {

@@ -21,6 +21,9 @@ namespace ds {
 namespace cuda {
 class StepProfiler;  // core/cuda/profile.h
 }
+namespace dist {
+class Communicator;  // dist/communicator.h
+}
 
 // How the GPU engine keeps its weights and optimizer state (`--optimizer-state`; docs/memory.md):
 //   fp32: fp32 master weights + a bf16 compute copy, fp32 gradients, fp32 AdamW moments (18 bytes per parameter);
@@ -102,6 +105,11 @@ class Engine {
   virtual void zero_grads() = 0;
   // Sum of squares of every gradient element, in double, in a fixed order (bitwise reproducible).
   virtual double grad_sum_squares() = 0;
+  // Data parallel: every rank's gradients become their sum over the ranks (each rank ran its own micro-batches
+  // with the global 1 / target-count scale, so the sum is the global gradient), the same bits on every rank.
+  // A no-op at world size 1. The CPU engine over the communicator (MPI); the GPU engine: ds::Error at world size
+  // above 1 (its NCCL path is not built yet).
+  virtual void all_reduce_grads(dist::Communicator& comm) = 0;
   // One AdamW update of every parameter (p.weight_decay applied to the parameters whose ParamSpec says so;
   // p.grad_scale multiplies the gradients first: the clip factor). GPU: also refreshes the bf16 compute copy.
   virtual void optimizer_step(const ops::AdamWParams& p) = 0;

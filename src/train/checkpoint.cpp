@@ -84,6 +84,8 @@ SavedCheckpoint read_checkpoint_state(const std::string& dir) {
   c.state.optimizer_steps = st.value("optimizer_steps", c.state.step);
   c.state.tokens_seen = st.value("tokens_seen", int64_t{0});
   c.state.elapsed_s = st.value("elapsed_s", 0.0);
+  c.state.world_size = st.value("world_size", int64_t{1});
+  DS_CHECK(c.state.world_size >= 1, "{}: \"world_size\" must be at least 1", c.path);
   if (st.contains("run_id") && st["run_id"].is_string()) c.run_id = st["run_id"].get<std::string>();
   c.options = st["options"];
   if (st.contains("data")) c.data = st["data"];
@@ -175,6 +177,7 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state,
                 {"optimizer_steps", state.optimizer_steps},
                 {"tokens_seen", state.tokens_seen},
                 {"elapsed_s", state.elapsed_s},
+                {"world_size", state.world_size},
                 {"options", options_to_json(opt_)},
                 {"data", data_},
                 {"deltastack_version", DELTASTACK_VERSION},

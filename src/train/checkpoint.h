@@ -19,6 +19,7 @@ struct TrainerState {
   int64_t optimizer_steps = 0;  // AdamW updates taken (its bias correction step)
   int64_t tokens_seen = 0;
   double elapsed_s = 0;
+  int64_t world_size = 1;       // ranks of the run that saved it (each ran grad_accum micro-batches per step)
 };
 
 // A fresh run's id: 64 random bits in hex (only used to tell runs apart in one --out).

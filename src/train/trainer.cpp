@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -28,6 +29,7 @@
 #include "data/dataset.h"
 #include "data/token_dataset.h"
 #include "data/tokenizer.h"
+#include "dist/communicator.h"
 #include "model/engine.h"
 #include "model/model.h"
 #include "ops/adamw/adamw.h"
@@ -330,44 +332,62 @@ class WindowSampler {
   std::vector<int64_t> perm_;
 };
 
-// One step's grad_accum micro-batches of micro_batch windows each, built one at a time (a large --grad-accum never
-// holds them all): the loss is normalised by the step's target count, so a first pass counts targets and tokens
-// and the step builds each micro-batch again as it runs it (packing is cheap next to a forward).
+// One step's micro-batches of this rank, grad_accum of micro_batch windows each, built one at a time (a large
+// --grad-accum never holds them all). The step's batch is world x grad_accum micro-batches, in the order one rank
+// with world x grad_accum would take them (rank r takes the r-th run of grad_accum), so N ranks see the same
+// windows as one. The loss is normalised by the target count of the whole step (over every rank), so a first pass
+// counts this rank's targets and tokens, the ranks sum them, and the step builds each micro-batch again as it runs
+// it (packing is cheap next to a forward).
 class StepBatches {
  public:
-  StepBatches(WindowSampler& sampler, const PackedDataset& set, const TrainOptions& opt, int64_t step)
-      : sampler_(sampler), set_(set), opt_(opt), step_(step) {
+  StepBatches(WindowSampler& sampler, const PackedDataset& set, const TrainOptions& opt, int64_t step,
+              dist::Communicator& comm)
+      : sampler_(sampler), set_(set), opt_(opt), step_(step), rank_(comm.rank()), world_(comm.world()) {
+    int64_t counts[2] = {0, 0};
     for (int64_t a = 0; a < opt.grad_accum; ++a) {
       const PackedBatch b = micro(a);
-      targets += b.num_targets();
-      tokens += b.size();
+      counts[0] += b.num_targets();
+      counts[1] += b.size();
     }
+    comm.all_reduce_sum(counts, 2);
+    targets = counts[0];
+    tokens = counts[1];
   }
   PackedBatch micro(int64_t a) const {
+    const int64_t first = ((step_ - 1) * world_ + rank_) * opt_.grad_accum;  // this rank's first micro-batch
     std::vector<int64_t> ws;
-    for (int64_t b = 0; b < opt_.micro_batch; ++b)
-      ws.push_back(sampler_.at(((step_ - 1) * opt_.grad_accum + a) * opt_.micro_batch + b));
+    for (int64_t b = 0; b < opt_.micro_batch; ++b) ws.push_back(sampler_.at((first + a) * opt_.micro_batch + b));
     return set_.batch(ws);
   }
-  int64_t targets = 0, tokens = 0;
+  int64_t targets = 0, tokens = 0;  // of the whole step, over every rank
 
  private:
   WindowSampler& sampler_;
   const PackedDataset& set_;
   const TrainOptions& opt_;
-  int64_t step_;
+  int64_t step_, rank_, world_;
 };
 
-// Mean loss per target over the evaluation batches (forward only); NaN without targets.
-double evaluate(Engine& engine, const std::vector<PackedBatch>& batches) {
+// Mean loss per target over the evaluation batches (forward only); NaN without targets. With several ranks, rank r
+// evaluates batches r, r + world, ... and the ranks sum the losses and counts.
+double evaluate(Engine& engine, const std::vector<PackedBatch>& batches, dist::Communicator& comm) {
   double sum = 0;
   int64_t n = 0;
-  for (const PackedBatch& b : batches) {
-    const LossResult r = engine.forward_backward(b, 0.0, 0.0);
+  for (size_t i = static_cast<size_t>(comm.rank()); i < batches.size(); i += static_cast<size_t>(comm.world())) {
+    const LossResult r = engine.forward_backward(batches[i], 0.0, 0.0);
     sum += r.loss_sum;
     n += r.num_valid;
   }
+  comm.all_reduce_sum(&sum, 1);
+  comm.all_reduce_sum(&n, 1);
   return n > 0 ? sum / static_cast<double>(n) : NAN;
+}
+
+// Rank 0's value of a flag on every rank (decisions only rank 0 can make: what its files say).
+bool from_root(dist::Communicator& comm, bool v) {
+  int64_t x = comm.is_root() && v ? 1 : 0;
+  comm.all_reduce_max(&x, 1);
+  return x != 0;
 }
 
 ops::AdamWParams adamw_params(const TrainOptions& opt, double lr, int64_t step, double grad_scale) {
@@ -386,10 +406,24 @@ ops::AdamWParams adamw_params(const TrainOptions& opt, double lr, int64_t step, 
 
 int train(TrainOptions cli) {
   const auto t_start = std::chrono::steady_clock::now();
+  // Several ranks (mpirun; dist/communicator.h): every rank trains the same model on its share of each step's
+  // micro-batches; rank 0 alone owns --out (lock, metrics, checkpoints, progress lines).
+  dist::Communicator& comm = dist::world();
+  const bool root = comm.is_root();
   // ---- set-up: options, model, data, engine, resumed state, --out
   std::optional<SavedCheckpoint> resumed;
   if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
   TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
+  // A resume at another world size keeps the step's batch (ranks x grad_accum micro-batches) and so its windows.
+  if (resumed && resumed->state.world_size != comm.world()) {
+    const int64_t per_step = resumed->state.world_size * opt.grad_accum;
+    DS_CHECK(per_step % comm.world() == 0, "{} was saved by {} ranks with --grad-accum {} ({} micro-batches per "
+             "step), which {} ranks cannot share evenly; resume it on a number of ranks that divides {}", opt.resume,
+             resumed->state.world_size, opt.grad_accum, per_step, comm.world(), per_step);
+    log_info("resuming {} ranks' run on {}: --grad-accum {} -> {} per rank (the same {} micro-batches per step)",
+             resumed->state.world_size, comm.world(), opt.grad_accum, per_step / comm.world(), per_step);
+    opt.grad_accum = per_step / comm.world();
+  }
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   if (resolve_device(opt.device) != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
@@ -404,16 +438,25 @@ int train(TrainOptions cli) {
   // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
   // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
   check_out_is_no_checkpoint(opt.out);
-  const RunDirectory run_dir(opt.out);
-  run_dir.remove_stale_temps(opt.resume);
-  // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
-  // run id (earlier versions) are this run's in the checkpoint's own directory.
-  const std::string run_id = resumed ? resumed->run_id : new_run_id();
-  std::error_code ec;
-  run_dir.claim(run_id, resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec),
-                opt.move_aside);
-  // The abandoned history's later checkpoints are kept, out of the way of this run's saves of the same steps.
-  if (resumed) run_dir.set_aside_later_checkpoints(run_id, resumed->state.step);
+  std::optional<RunDirectory> run_dir;
+  // The run id: rank 0's (a fresh run draws one), the same on every rank.
+  std::string run_id = resumed ? resumed->run_id : new_run_id();
+  if (comm.world() > 1 && !resumed) {
+    run_id.resize(16, '0');
+    comm.broadcast(run_id.data(), 16, 0);
+  }
+  if (root) {
+    run_dir.emplace(opt.out);
+    run_dir->remove_stale_temps(opt.resume);
+    // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
+    // run id (earlier versions) are this run's in the checkpoint's own directory.
+    std::error_code ec;
+    run_dir->claim(run_id, resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec),
+                   opt.move_aside);
+    // The abandoned history's later checkpoints are kept, out of the way of this run's saves of the same steps.
+    if (resumed) run_dir->set_aside_later_checkpoints(run_id, resumed->state.step);
+  }
+  comm.barrier();  // --out exists and is rank 0's before any rank reads it
   set_num_threads(opt.threads);
   Qwen35Model model = build_model(opt);
   const std::string tokenizer_file = tokenizer_path(opt), tokenizer_json = read_file(tokenizer_file);
@@ -426,17 +469,21 @@ int train(TrainOptions cli) {
   opt.device = engine->device();  // saved in checkpoints: a resume continues on the same engine
   // The optimizer state in use, saved too: a resume keeps the numerics unless --optimizer-state changes them.
   opt.optimizer_state = optimizer_state_name(engine->optimizer_state());
-  log_info("device: {}", opt.device);
+  log_info("device: {}{}", opt.device, comm.world() > 1 ? fmt::format(", {} ranks ({})", comm.world(),
+                                                                       comm.launch().launcher) : std::string());
   TrainerState progress;
   if (resumed) {
     load_optimizer_state(*engine, opt.resume);
     progress = resumed->state;
     log_info("resuming from {} at step {}", opt.resume, progress.step);
   }
+  progress.world_size = comm.world();
   DS_CHECK(opt.steps >= progress.step, "--steps {} is below the checkpoint's step {}", opt.steps, progress.step);
   const int64_t start_step = progress.step;
   Checkpoints checkpoints(opt, start_step, run_id, tokenizer_json, data.fingerprint);
-  MetricsLog metrics(opt.out, start_step, run_id);
+  // Rank 0 writes the metrics; the other ranks' MetricsLog is never made (a null one would be no simpler).
+  std::optional<MetricsLog> metrics;
+  if (root) metrics.emplace(opt.out, start_step, run_id);
   const double elapsed_before = progress.elapsed_s;
   auto elapsed = [&] {
     return elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
@@ -452,32 +499,53 @@ int train(TrainOptions cli) {
   if (resumed) interrupt.set_last_checkpoint(saved_dir);
   auto save = [&] {
     progress.elapsed_s = elapsed();
-    checkpoints.save(*engine, progress, [&](const std::string& dir) {  // before --keep-last prunes the older ones
-      saved_dir = dir;
+    if (root)  // every rank holds the same weights and optimizer state: rank 0's copy is the checkpoint
+      checkpoints.save(*engine, progress, [&](const std::string& dir) {  // before --keep-last prunes the older ones
+        saved_dir = dir;
+        saved_step = progress.step;
+        interrupt.set_last_checkpoint(saved_dir);
+      });
+    else
       saved_step = progress.step;
-      interrupt.set_last_checkpoint(saved_dir);
-    });
+    comm.barrier();  // a rank 0 that fails to save stops every rank (main.cpp) instead of leaving them training
   };
 
   // The evaluation at the start step: step 0 of a new run, or one that an interrupted run skipped at the step it
   // was due (a signal goes straight to the save), unless the kept history already has it.
-  if (!data.eval_batches.empty() && (start_step == 0 || eval_due(start_step)) && !metrics.has_eval(start_step)) {
-    const double el = evaluate(*engine, data.eval_batches);
+  if (!data.eval_batches.empty() && (start_step == 0 || eval_due(start_step)) &&
+      !from_root(comm, root && metrics->has_eval(start_step))) {
+    const double el = evaluate(*engine, data.eval_batches, comm);
     log_info("step {} | eval_loss {:.4f}", start_step, el);
-    metrics.write({{"step", start_step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
+    if (root) metrics->write({{"step", start_step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
   }
 
   // ---- the steps
   WindowSampler sampler(data.train->num_windows(), opt.seed);
   const auto t_loop = std::chrono::steady_clock::now();  // the ETA: this session's mean time per step, evals included
-  for (int64_t step = start_step + 1; step <= opt.steps && !interrupt.signal(); ++step) {
+  // A signal on any rank stops every rank at the same point: the ranks agree before each step, before each
+  // evaluation and at the end (one tiny all-reduce each; with one rank just the signal flag).
+  int stop_signal = 0;
+  auto signalled = [&] {
+    int64_t sig = interrupt.signal();
+    comm.all_reduce_max(&sig, 1);
+    stop_signal = static_cast<int>(sig);
+    return stop_signal != 0;
+  };
+  // Fault-injection hook for the multi-rank tests: "R:S" makes rank R fail at step S (unset in normal use).
+  int64_t fail_rank = -1, fail_step = -1;
+  if (const char* f = std::getenv("DELTASTACK_TEST_FAIL_RANK")) std::sscanf(f, "%ld:%ld", &fail_rank, &fail_step);
+  for (int64_t step = start_step + 1; step <= opt.steps && !signalled(); ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    const StepBatches batches(sampler, *data.train, opt, step);
+    DS_CHECK(!(comm.rank() == fail_rank && step == fail_step), "step {}: failure injected by "
+             "DELTASTACK_TEST_FAIL_RANK={}:{}", step, fail_rank, fail_step);
+    const StepBatches batches(sampler, *data.train, opt, step, comm);
     const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
     engine->zero_grads();
     double loss_sum = 0;
     for (int64_t a = 0; a < opt.grad_accum; ++a)
       loss_sum += engine->forward_backward(batches.micro(a), per_target, opt.z_loss).loss_sum;
+    comm.all_reduce_sum(&loss_sum, 1);
+    engine->all_reduce_grads(comm);
     const double loss = batches.targets > 0 ? loss_sum / static_cast<double>(batches.targets) : 0.0;
     const double gnorm = std::sqrt(engine->grad_sum_squares());
     const double lr = lr_at(opt, step);
@@ -492,7 +560,7 @@ int train(TrainOptions cli) {
              saved_step < 0 ? std::string("No checkpoint was saved by this run")
                             : fmt::format("The last checkpoint, {} (step {}), is intact", saved_dir, saved_step));
       log_warn("step {}: {}; skipping the update (--nan-policy skip)", step, reason);
-      metrics.write({{"step", step}, {"skipped", true}, {"reason", reason}, {"lr", lr}, {"tokens", batches.tokens},
+      if (root) metrics->write({{"step", step}, {"skipped", true}, {"reason", reason}, {"lr", lr}, {"tokens", batches.tokens},
                      {"elapsed_s", elapsed()}});
     } else {
       const double clip_scale = (opt.clip > 0 && gnorm > opt.clip) ? opt.clip / (gnorm + 1e-6) : 1.0;
@@ -502,29 +570,33 @@ int train(TrainOptions cli) {
       json line{{"step", step}, {"loss", loss}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", batches.tokens},
                 {"tokens_per_s", batches.tokens / dt}, {"elapsed_s", el}};
       if (engine->device() == "cuda") line["peak_gib"] = engine->peak_bytes() / 1073741824.0;
-      metrics.write(line);
+      if (root) metrics->write(line);
       const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_loop).count() /
                               static_cast<double>(step - start_step);
-      print_progress(fmt::format("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | "
+      if (root) print_progress(fmt::format("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | "
                                  "{:.1f} s | ETA {}\n", step, opt.steps, loss, gnorm, lr, batches.tokens,
                                  batches.tokens / dt, el, short_duration(per_step * static_cast<double>(opt.steps - step))));
     }
 
-    if (eval_due(step) && !interrupt.signal()) {  // interrupted: straight to the save
-      const double el = evaluate(*engine, data.eval_batches);
-      print_progress(fmt::format("step {:>5}/{} | eval_loss {:.4f}\n", step, opt.steps, el));
-      metrics.write({{"step", step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
+    if (eval_due(step) && !signalled()) {  // interrupted: straight to the save
+      const double el = evaluate(*engine, data.eval_batches, comm);
+      if (root) {
+        print_progress(fmt::format("step {:>5}/{} | eval_loss {:.4f}\n", step, opt.steps, el));
+        metrics->write({{"step", step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
+      }
     }
     if (checkpoints.due(step)) save();
   }
-  if (const int sig = interrupt.signal()) {
+  if (signalled()) {
+    const int sig = stop_signal;
     if (progress.step > saved_step && progress.step > 0) save();
     const std::string where =
         saved_step < 0 ? "no step was taken, so there is nothing to save (a new run starts over)"
                        : fmt::format("the last checkpoint is {} (step {}); resume with: deltastack train --resume {}",
                                      saved_dir, saved_step, saved_dir);
-    detail::log_line(fmt::format("[deltastack] stopped by {} after step {} of {}: {}\n", signal_name(sig),
-                                 progress.step, opt.steps, where));
+    if (root)
+      detail::log_line(fmt::format("[deltastack] stopped by {} after step {} of {}: {}\n", signal_name(sig),
+                                   progress.step, opt.steps, where));
     return 128 + sig;
   }
   if (opt.steps == 0 && start_step == 0) save();  // --steps 0: the initial weights as checkpoint-0
@@ -534,7 +606,7 @@ int train(TrainOptions cli) {
            "skipped (--nan-policy skip): the weights are unchanged{}; try a lower --lr", start_step + 1, opt.steps,
            saved_step < 0 ? std::string() : fmt::format(" in {}", saved_dir));
   log_info("done: {} steps, {} tokens, {:.1f} s; metrics in {}", opt.steps, progress.tokens_seen, elapsed(),
-           metrics.path());
+           root ? metrics->path() : std::string());
   return 0;
 }
 

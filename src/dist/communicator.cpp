@@ -1,0 +1,121 @@
+#include "dist/communicator.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+
+#ifdef DELTASTACK_MPI
+#include <mpi.h>
+#endif
+
+namespace ds::dist {
+
+namespace {
+
+class SingleProcess final : public Communicator {
+ public:
+  explicit SingleProcess(LaunchInfo l) : Communicator(std::move(l)) {}
+  std::string backend() const override { return "single"; }
+  void all_reduce_sum(float*, int64_t) override {}
+  void all_reduce_sum(double*, int64_t) override {}
+  void all_reduce_sum(int64_t*, int64_t) override {}
+  void all_reduce_max(int64_t*, int64_t) override {}
+  void broadcast(void*, int64_t, int) override {}
+  void barrier() override {}
+  [[noreturn]] void abort(int code) override { std::_Exit(code); }
+};
+
+#ifdef DELTASTACK_MPI
+class Mpi final : public Communicator {
+ public:
+  explicit Mpi(LaunchInfo l) : Communicator(std::move(l)) {
+    int provided = 0;
+    // Only the main thread calls MPI (the OpenMP workers never do).
+    DS_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided) == MPI_SUCCESS,
+             "MPI_Init_thread failed ({})", describe(launch()));
+    int r = -1, n = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    DS_CHECK(r == rank() && n == world(), "MPI says rank {} of {}, the environment {}", r, n, describe(launch()));
+  }
+  ~Mpi() override { MPI_Finalize(); }
+  std::string backend() const override { return "mpi"; }
+  void all_reduce_sum(float* x, int64_t n) override { reduce(x, n, MPI_FLOAT, MPI_SUM); }
+  void all_reduce_sum(double* x, int64_t n) override { reduce(x, n, MPI_DOUBLE, MPI_SUM); }
+  void all_reduce_sum(int64_t* x, int64_t n) override { reduce(x, n, MPI_INT64_T, MPI_SUM); }
+  void all_reduce_max(int64_t* x, int64_t n) override { reduce(x, n, MPI_INT64_T, MPI_MAX); }
+  void broadcast(void* p, int64_t bytes, int root) override {
+    auto* b = static_cast<char*>(p);
+    for (int64_t off = 0; off < bytes; off += kPiece) {
+      const int c = static_cast<int>(std::min<int64_t>(kPiece, bytes - off));
+      check(MPI_Bcast(b + off, c, MPI_BYTE, root, MPI_COMM_WORLD), "MPI_Bcast");
+    }
+  }
+  void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
+  [[noreturn]] void abort(int code) override {
+    MPI_Abort(MPI_COMM_WORLD, code);
+    std::_Exit(code);
+  }
+
+ private:
+  static constexpr int64_t kPiece = INT_MAX / 8;  // elements per call (MPI counts are int)
+  template <typename T>
+  void reduce(T* x, int64_t n, MPI_Datatype t, MPI_Op op) {
+    for (int64_t off = 0; off < n; off += kPiece) {
+      const int c = static_cast<int>(std::min<int64_t>(kPiece, n - off));
+      check(MPI_Allreduce(MPI_IN_PLACE, x + off, c, t, op, MPI_COMM_WORLD), "MPI_Allreduce");
+    }
+  }
+  void check(int rc, const char* what) {
+    if (rc == MPI_SUCCESS) return;
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    fail("{} failed on {}: {}", what, describe(launch()), std::string(msg, static_cast<size_t>(len)));
+  }
+};
+#endif
+
+std::unique_ptr<Communicator>& installed() {
+  static std::unique_ptr<Communicator> c;
+  return c;
+}
+
+}  // namespace
+
+bool have_mpi() {
+#ifdef DELTASTACK_MPI
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<Communicator> open_communicator(const LaunchInfo& l) {
+  if (l.world == 1) return std::make_unique<SingleProcess>(l);
+  if (l.launcher == "torchrun")
+    fail("torchrun started {} ranks (WORLD_SIZE={}): the CPU engine's ranks talk over MPI, so start them with "
+         "`mpirun -np {} deltastack train ...`; torchrun launches are for the GPU engine's NCCL path, which is not "
+         "built yet (docs/distributed.md)", l.world, l.world, l.world);
+#ifdef DELTASTACK_MPI
+  return std::make_unique<Mpi>(l);
+#else
+  fail("mpirun started {} ranks, but this deltastack was built without MPI (install libopenmpi-dev, which "
+       "scripts/setup.sh does, and rebuild)", l.world);
+#endif
+}
+
+Communicator& world() {
+  std::unique_ptr<Communicator>& c = installed();
+  if (!c) c = std::make_unique<SingleProcess>(LaunchInfo{});
+  return *c;
+}
+
+void install(std::unique_ptr<Communicator> c) { installed() = std::move(c); }
+
+void uninstall() { installed().reset(); }
+
+}  // namespace ds::dist

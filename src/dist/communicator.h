@@ -1,0 +1,59 @@
+// Collectives between the ranks of one training run: Open MPI for the CPU engine (Debian's libopenmpi; no
+// home-made collectives), a single-process stand-in for world size 1. The NCCL communicator of the GPU engine is
+// to come (docs/distributed.md). Every rank calls every collective in the same order with the same sizes.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "dist/launch.h"
+
+namespace ds::dist {
+
+class Communicator {
+ public:
+  explicit Communicator(LaunchInfo l) : launch_(std::move(l)) {}
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  const LaunchInfo& launch() const { return launch_; }
+  int rank() const { return launch_.rank; }
+  int world() const { return launch_.world; }
+  bool is_root() const { return launch_.rank == 0; }
+  virtual std::string backend() const = 0;  // "single" | "mpi"
+
+  // In place: x[i] = the sum (max) of x[i] over the ranks, the same bits on every rank. n elements, any n >= 0
+  // (larger than INT_MAX is sent in pieces). The order of the additions is the library's (fixed for a given
+  // world size and n), so a sum over ranks may differ in its last bits from a sequential sum.
+  virtual void all_reduce_sum(float* x, int64_t n) = 0;
+  virtual void all_reduce_sum(double* x, int64_t n) = 0;
+  virtual void all_reduce_sum(int64_t* x, int64_t n) = 0;
+  virtual void all_reduce_max(int64_t* x, int64_t n) = 0;
+  // `bytes` bytes at p from rank `root` to every rank.
+  virtual void broadcast(void* p, int64_t bytes, int root) = 0;
+  virtual void barrier() = 0;
+  // Ends every rank of the run with exit code `code` (no rank is left waiting in a collective).
+  [[noreturn]] virtual void abort(int code) = 0;
+
+ private:
+  LaunchInfo launch_;
+};
+
+// The communicator for how this process was launched: world size 1 (any launcher) -> single process; mpirun ->
+// Open MPI (MPI_Init_thread; MPI_Finalize when it is destroyed). ds::Error when the binary was built without MPI
+// and mpirun started several ranks, and for torchrun with several ranks (the CPU engine's ranks run under mpirun;
+// torchrun's rendezvous belongs to the NCCL communicator, not built yet).
+std::unique_ptr<Communicator> open_communicator(const LaunchInfo& launch);
+
+// Whether this build has the Open MPI communicator.
+bool have_mpi();
+
+// The process's communicator: the one `install` was given, else a single-process one. `install` is called once,
+// by the `train` command, before anything else runs.
+Communicator& world();
+void install(std::unique_ptr<Communicator> c);
+// Releases the installed communicator (MPI_Finalize) at a normal exit.
+void uninstall();
+
+}  // namespace ds::dist

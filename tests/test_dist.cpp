@@ -1,0 +1,270 @@
+// Several ranks (src/dist, docs/distributed.md):
+//   * the launch variables of mpirun and torchrun, and the errors for bad ones (no MPI needed);
+//   * with Open MPI (DELTASTACK_MPI builds, mpirun on the PATH): `mpirun -np 2 deltastack train` on the CPU engine
+//     against one rank with twice the --grad-accum: the same windows in the same order, so every loss, eval loss and
+//     grad norm agrees to 1e-6 (only the order of the gradient sum over ranks differs); a resume 2 -> 1 -> 2 ranks
+//     continues the same run; a failing rank stops every rank with that rank named, never a hang.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "dist/launch.h"
+#include "train_test_util.h"
+
+namespace fs = std::filesystem;
+using ds::dist::detect_launch;
+using ds::dist::LaunchInfo;
+
+namespace {
+
+ds::dist::GetEnv env_of(std::map<std::string, std::string> m) {
+  return [m](const std::string& k) -> std::optional<std::string> {
+    auto it = m.find(k);
+    if (it == m.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+std::string error_of(const std::map<std::string, std::string>& m) {
+  try {
+    detect_launch(env_of(m));
+  } catch (const ds::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(DistLaunch, SingleMpirunAndTorchrun) {
+  LaunchInfo l = detect_launch(env_of({}));
+  EXPECT_EQ(l.launcher, "single");
+  EXPECT_EQ(l.world, 1);
+  EXPECT_EQ(ds::dist::describe(l), "single process");
+
+  l = detect_launch(env_of({{"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_RANK", "3"},
+                            {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}));
+  EXPECT_EQ(l.launcher, "mpirun");
+  EXPECT_EQ(l.world, 4);
+  EXPECT_EQ(l.rank, 3);
+  EXPECT_EQ(l.local_rank, 1);
+  EXPECT_EQ(l.local_world, 2);
+  EXPECT_EQ(ds::dist::describe(l), "rank 3 of 4 (mpirun, local rank 1 of 2)");
+
+  l = detect_launch(env_of({{"WORLD_SIZE", "8"}, {"RANK", "5"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"},
+                            {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"}}));
+  EXPECT_EQ(l.launcher, "torchrun");
+  EXPECT_EQ(l.world, 8);
+  EXPECT_EQ(l.rank, 5);
+  EXPECT_EQ(l.local_rank, 1);
+  EXPECT_EQ(l.local_world, 4);
+  EXPECT_EQ(l.master_addr, "10.0.0.1");
+  EXPECT_EQ(l.master_port, 29500);
+
+  // Open MPI's variables win over torchrun's (the processes are MPI's).
+  l = detect_launch(env_of({{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"WORLD_SIZE", "8"},
+                            {"RANK", "7"}}));
+  EXPECT_EQ(l.launcher, "mpirun");
+  EXPECT_EQ(l.rank, 1);
+  EXPECT_EQ(l.world, 2);
+  EXPECT_EQ(l.local_world, 2);  // unset: the whole world on one host
+}
+
+TEST(DistLaunch, BadVariablesNameTheVariable) {
+  EXPECT_NE(error_of({{"OMPI_COMM_WORLD_SIZE", "two"}}).find("OMPI_COMM_WORLD_SIZE=\"two\" is not"), std::string::npos)
+      << error_of({{"OMPI_COMM_WORLD_SIZE", "two"}});
+  EXPECT_NE(error_of({{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "2"}})
+                .find("OMPI_COMM_WORLD_RANK=2 is not below OMPI_COMM_WORLD_SIZE=2"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"WORLD_SIZE", "2"}}).find("WORLD_SIZE is set but RANK is not"), std::string::npos);
+  EXPECT_NE(error_of({{"RANK", "0"}}).find("RANK is set but WORLD_SIZE is not"), std::string::npos);
+  EXPECT_NE(error_of({{"WORLD_SIZE", "0"}, {"RANK", "0"}}).find("WORLD_SIZE=0 must be at least 1"), std::string::npos);
+  EXPECT_NE(error_of({{"WORLD_SIZE", "4"}, {"RANK", "1"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}})
+                .find("LOCAL_RANK=3 is not below LOCAL_WORLD_SIZE=2"),
+            std::string::npos);
+  EXPECT_NE(error_of({{"WORLD_SIZE", "-1"}, {"RANK", "0"}}).find("WORLD_SIZE=\"-1\""), std::string::npos);
+}
+
+// Every command but train refuses several ranks (one process writes its outputs).
+TEST(DistLaunch, OnlyTrainRunsOnSeveralRanks) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_only_train");
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("RANK", "1", 1);
+  std::string out;
+  const int rc = ds::test::run("plan --model tiny --seq-len 64 --micro-batch 1", &out);
+  const int rc_train = ds::test::run("train " + ds::test::small_setup(dir) + " --steps 1 --out " + dir + "/o", &out);
+  ::unsetenv("WORLD_SIZE");
+  ::unsetenv("RANK");
+  EXPECT_EQ(rc, 1);
+  EXPECT_EQ(rc_train, 1);
+  EXPECT_NE(out.find("torchrun started 2 ranks"), std::string::npos) << out;
+  EXPECT_NE(out.find("mpirun -np 2"), std::string::npos) << out;
+  fs::remove_all(dir);
+}
+
+#ifdef DELTASTACK_MPIEXEC
+
+namespace {
+
+// `mpirun -np N deltastack <args>` (shared-memory transport, no binding; as root where the tests run as root),
+// output in *log; the exit code, or -1 when it had to be killed after `timeout_s` (a hang).
+int run_mpi(int np, const std::string& args, std::string* log, int timeout_s = 120) {
+  const std::string path = ds::test::fresh_tmpdir("dist_mpi_log") + "/log";
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    FILE* f = std::fopen(path.c_str(), "w");
+    if (f) {
+      ::dup2(::fileno(f), 1);
+      ::dup2(::fileno(f), 2);
+    }
+    std::vector<std::string> a = {DELTASTACK_MPIEXEC, "-np", std::to_string(np), "--oversubscribe", "--bind-to",
+                                  "none", "--mca", "btl", "self,vader", "--mca", "btl_vader_single_copy_mechanism",
+                                  "none"};
+    if (::geteuid() == 0) a.push_back("--allow-run-as-root");
+    a.push_back(DELTASTACK_BIN);
+    for (auto& w : ds::test::split_args(args)) a.push_back(w);
+    std::vector<char*> argv;
+    for (auto& s : a) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    ::setpgid(0, 0);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  int st = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (::waitpid(pid, &st, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(timeout_s)) {
+      ::kill(-pid, SIGKILL);
+      ::waitpid(pid, &st, 0);
+      *log = ds::read_file(path);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  *log = ds::read_file(path);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+struct Rec {
+  std::map<int64_t, double> loss, gnorm, eval;
+};
+Rec records(const std::string& metrics) {
+  Rec r;
+  for (const auto& j : ds::test::metrics(metrics)) {
+    const int64_t s = j.at("step").get<int64_t>();
+    if (j.contains("loss")) r.loss[s] = j["loss"].get<double>(), r.gnorm[s] = j["grad_norm"].get<double>();
+    if (j.contains("eval_loss")) r.eval[s] = j["eval_loss"].get<double>();
+  }
+  return r;
+}
+void expect_close(const std::map<int64_t, double>& a, const std::map<int64_t, double>& b, const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (const auto& [s, x] : a) {
+    ASSERT_TRUE(b.count(s)) << what << " step " << s;
+    EXPECT_LE(std::abs(x - b.at(s)), 1e-6 * std::abs(x)) << what << " step " << s << ": " << x << " vs " << b.at(s);
+  }
+}
+
+}  // namespace
+
+// 2 ranks x grad-accum 2 = 1 rank x grad-accum 4: the same windows per step, so the same run up to the order of
+// the gradient sum over ranks.
+TEST(DistMpi, TwoRanksEqualOneRankWithTheirGradAccum) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_equal");
+  const std::string common = ds::test::small_setup(dir) + " --steps 6 --eval-interval 3 --eval-batches 3 --threads 1";
+  std::string log1, log2;
+  ASSERT_EQ(ds::test::run("train " + common + " --grad-accum 4 --out " + dir + "/one", &log1), 0) << log1;
+  ASSERT_EQ(run_mpi(2, "train " + common + " --grad-accum 2 --out " + dir + "/two", &log2), 0) << log2;
+  const Rec a = records(dir + "/one/metrics.jsonl"), b = records(dir + "/two/metrics.jsonl");
+  EXPECT_EQ(a.loss.size(), 6u);
+  expect_close(a.loss, b.loss, "loss");
+  expect_close(a.gnorm, b.gnorm, "grad_norm");
+  expect_close(a.eval, b.eval, "eval_loss");
+  // Rank 0 alone writes: one metrics line per record, one progress line per step, no second rank's log.
+  EXPECT_EQ(ds::test::metrics(dir + "/two/metrics.jsonl").size(), ds::test::metrics(dir + "/one/metrics.jsonl").size());
+  EXPECT_NE(log2.find("2 ranks (mpirun)"), std::string::npos) << log2;
+  size_t n = 0;
+  for (size_t p = log2.find("step     6/6 | loss"); p != std::string::npos; p = log2.find("step     6/6 | loss", p + 1))
+    ++n;
+  EXPECT_EQ(n, 1u) << log2;
+  fs::remove_all(dir);
+}
+
+// A run saved by 2 ranks resumes on 1 (grad-accum doubled: the same micro-batches per step) and its checkpoint on
+// 2 again; every step's loss stays within 1e-6 of the uninterrupted 2-rank run.
+TEST(DistMpi, ResumeTwoToOneToTwoRanks) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_resume");
+  const std::string common = ds::test::small_setup(dir) + " --threads 1";
+  std::string log;
+  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 6 --grad-accum 1 --save-interval 2 --out " + dir + "/ref", &log),
+            0) << log;
+  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 2 --grad-accum 1 --out " + dir + "/a", &log), 0) << log;
+  ASSERT_EQ(ds::test::run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/b", &log),
+            0) << log;
+  EXPECT_NE(log.find("--grad-accum 1 -> 2 per rank"), std::string::npos) << log;
+  ASSERT_EQ(run_mpi(2, "train --resume " + dir + "/b/checkpoint-4 --steps 6 --threads 1 --out " + dir + "/c", &log), 0)
+      << log;
+  EXPECT_NE(log.find("--grad-accum 2 -> 1 per rank"), std::string::npos) << log;
+  const Rec ref = records(dir + "/ref/metrics.jsonl");
+  Rec got = records(dir + "/a/metrics.jsonl");
+  for (const char* d : {"/b/metrics.jsonl", "/c/metrics.jsonl"})
+    for (const auto& [s, l] : records(dir + d).loss) got.loss[s] = l;
+  expect_close(ref.loss, got.loss, "loss");
+  // An odd world size cannot share 2 micro-batches per step: a clear error before anything runs.
+  EXPECT_EQ(run_mpi(3, "train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/d", &log), 1);
+  EXPECT_NE(log.find("which 3 ranks cannot share evenly"), std::string::npos) << log;
+  fs::remove_all(dir);
+}
+
+// Chat data in which many windows hold only user text (no label token): a rank whose micro-batch has none adds 0
+// to the step's sums (never NaN), and the run still equals one rank's.
+TEST(DistMpi, RanksWithoutLabelsAddZero) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_nolabel");
+  std::string args = ds::test::small_setup(dir);
+  args.replace(args.find(dir + "/corpus.txt"), dir.size() + 11, dir + "/chat.jsonl");
+  std::string lines;
+  for (int i = 0; i < 24; ++i) {
+    const std::string user(i % 3 == 0 ? 400 : 20, static_cast<char>('a' + i % 26));
+    lines += "{\"messages\": [{\"role\": \"user\", \"content\": \"" + user +
+             "\"}, {\"role\": \"assistant\", \"content\": \"answer " + std::to_string(i) + "\"}]}\n";
+  }
+  ds::write_file_atomic(dir + "/chat.jsonl", lines);
+  std::string log1, log2;
+  ASSERT_EQ(ds::test::run("train " + args + " --threads 1 --steps 6 --micro-batch 1 --grad-accum 2 --out " + dir +
+                              "/one", &log1), 0) << log1;
+  ASSERT_EQ(run_mpi(2, "train " + args + " --threads 1 --steps 6 --micro-batch 1 --out " + dir + "/two", &log2), 0)
+      << log2;
+  const Rec a = records(dir + "/one/metrics.jsonl"), b = records(dir + "/two/metrics.jsonl");
+  for (const auto& [s, l] : b.loss) EXPECT_TRUE(std::isfinite(l) && l >= 0) << s << " " << l;
+  expect_close(a.loss, b.loss, "loss");
+  expect_close(a.gnorm, b.gnorm, "grad_norm");
+  fs::remove_all(dir);
+}
+
+// A rank that fails stops the whole run promptly, the error naming the rank; rank 0's checkpoint of step 2 is intact.
+TEST(DistMpi, AFailingRankStopsEveryRank) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_fail");
+  ::setenv("DELTASTACK_TEST_FAIL_RANK", "1:3", 1);
+  std::string log;
+  const int rc = run_mpi(2, "train " + ds::test::small_setup(dir) + " --threads 1 --steps 6 --save-interval 2 --out " +
+                                dir + "/o", &log, 60);
+  ::unsetenv("DELTASTACK_TEST_FAIL_RANK");
+  EXPECT_NE(rc, 0) << log;
+  EXPECT_NE(rc, -1) << "mpirun hung and was killed\n" << log;
+  EXPECT_NE(log.find("error on rank 1 of 2: step 3: failure injected"), std::string::npos) << log;
+  EXPECT_TRUE(fs::exists(dir + "/o/checkpoint-2/trainer_state.json"));
+  EXPECT_FALSE(fs::exists(dir + "/o/checkpoint-4"));
+  fs::remove_all(dir);
+}
+
+#endif  // DELTASTACK_MPIEXEC
