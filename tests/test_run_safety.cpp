@@ -12,11 +12,15 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <initializer_list>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "core/cpu_blas.h"
 #include "core/files.h"
 #include "train/run_dir.h"
 #include "train_test_util.h"
@@ -52,6 +56,31 @@ int wait_exit(pid_t pid) {
 std::string read_or_empty(const std::string& path) { return ds::file_exists(path) ? ds::read_file(path) : ""; }
 
 bool contains(const std::string& hay, const std::string& needle) { return hay.find(needle) != std::string::npos; }
+
+// Sets (a value) or unsets (nullptr) environment variables for the life of the object, for the children it
+// spawns; restores them after.
+class ScopedEnv {
+ public:
+  ScopedEnv(std::initializer_list<std::pair<const char*, const char*>> vars) {
+    for (const auto& [k, v] : vars) {
+      const char* old = std::getenv(k);
+      saved_.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+      if (v) ::setenv(k, v, 1);
+      else ::unsetenv(k);
+    }
+  }
+  ~ScopedEnv() {
+    for (const auto& [k, v] : saved_) {
+      if (v) ::setenv(k.c_str(), v->c_str(), 1);
+      else ::unsetenv(k.c_str());
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
 
 }  // namespace
 
@@ -262,13 +291,16 @@ TEST(RunSafety, MetricsAreNeverDeletedOrSpliced) {
   EXPECT_EQ(ds::test::train_losses(a + "/metrics-abandoned.jsonl"), std::vector<double>(redone.begin() + 2, redone.end()))
       << "the same steps again (bitwise resume)";
 
-  // --move-aside: b's run goes whole into b/previous-1/, the new run starts clean.
+  // --move-aside: b's run goes whole into b/previous-1/, the new run starts clean (a branch of a's run: its own id).
   ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --out " + b + " --move-aside --threads 1", &log), 0) << log;
   EXPECT_EQ(ds::read_file(b + "/previous-1/metrics.jsonl"), b_metrics);
   EXPECT_TRUE(fs::exists(b + "/previous-1/checkpoint-2/model.safetensors"));
+  const json b_state = json::parse(ds::read_file(b + "/checkpoint-4/trainer_state.json"));
+  EXPECT_NE(b_state["run_id"], run_id);
+  EXPECT_EQ(b_state["resumed_from"]["run_id"], run_id);
   steps.clear();
   for (const json& j : ds::test::metrics(b + "/metrics.jsonl")) {
-    EXPECT_EQ(j["run_id"], run_id) << j;
+    EXPECT_EQ(j["run_id"], b_state["run_id"]) << j;
     if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
   }
   EXPECT_EQ(steps, (std::vector<int64_t>{3, 4}));
@@ -299,6 +331,126 @@ TEST(RunSafety, ATornLastMetricsLineIsNotSplicedOnResume) {
   EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3}));
   const std::string last_torn = torn.substr(torn.rfind('\n') + 1);
   EXPECT_TRUE(contains(read_or_empty(a + "/metrics-abandoned.jsonl"), last_torn)) << "the torn line is kept";
+  fs::remove_all(dir);
+}
+
+// A resume into another directory starts a branch: its own run_id, and "resumed_from" (the run, step and checkpoint
+// it continues) in its checkpoints and its first metrics line, so two continuations of one checkpoint never share an
+// id and neither directory takes the other's lines (steps 5-6 of b after a's own 3-4 in a's metrics.jsonl, or a's
+// step 5 after b's 3-4 in b's). The same resume again (a retry after a kill) continues the same branch; a resume in
+// the branch's own directory, also after the directory moved, keeps its id and origin, and so does a resume of a copy
+// of one of the directory's own checkpoints into it.
+TEST(RunSafety, AResumeIntoAnotherDirectoryStartsABranch) {
+  const std::string dir = tmpdir("branch");
+  const std::string args = small_setup(dir) + " --threads 1 --warmup 1", a = dir + "/a", b = dir + "/b";
+  ASSERT_EQ(run("train " + args + " --steps 4 --save-interval 2 --out " + a), 0);
+  const std::string a_metrics = ds::read_file(a + "/metrics.jsonl");
+  auto state = [](const std::string& ck) { return json::parse(ds::read_file(ck + "/trainer_state.json")); };
+  const std::string r = state(a + "/checkpoint-4")["run_id"];
+  EXPECT_FALSE(state(a + "/checkpoint-4").contains("resumed_from"));  // a fresh run
+  std::string log;
+  ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --steps 6 --threads 1 --out " + b, &log), 0) << log;
+  const json st = state(b + "/checkpoint-6");
+  const std::string rb = st["run_id"];
+  EXPECT_NE(rb, r);
+  EXPECT_EQ(st["resumed_from"],
+            (json{{"run_id", r}, {"step", 2}, {"path", fs::canonical(a + "/checkpoint-2").string()}}));
+  EXPECT_EQ(state(b + "/checkpoint-4")["resumed_from"], st["resumed_from"]);
+  const std::vector<json> mb = ds::test::metrics(b + "/metrics.jsonl");
+  ASSERT_FALSE(mb.empty());
+  EXPECT_EQ(mb[0]["resumed_from"], st["resumed_from"]) << mb[0];
+  std::vector<int64_t> steps;
+  for (size_t i = 0; i < mb.size(); ++i) {
+    EXPECT_EQ(mb[i]["run_id"], rb) << mb[i];
+    EXPECT_EQ(mb[i].contains("resumed_from"), i == 0) << mb[i];
+    if (mb[i].contains("loss")) steps.push_back(mb[i]["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{3, 4, 5, 6}));
+  const std::string b_metrics = ds::read_file(b + "/metrics.jsonl");
+
+  // b's continuation into a, a's step 4 into b: refused, nothing changed.
+  EXPECT_EQ(run("train --resume " + b + "/checkpoint-6 --steps 8 --threads 1 --out " + a, &log), 1) << log;
+  EXPECT_TRUE(contains(log, "--out " + a + " holds another run's files")) << log;
+  EXPECT_EQ(run("train --resume " + a + "/checkpoint-4 --steps 8 --threads 1 --out " + b, &log), 1) << log;
+  EXPECT_TRUE(contains(log, "--out " + b + " holds another run's files")) << log;
+  EXPECT_EQ(ds::read_file(a + "/metrics.jsonl"), a_metrics);
+  EXPECT_EQ(ds::read_file(b + "/metrics.jsonl"), b_metrics);
+  EXPECT_FALSE(fs::exists(a + "/checkpoint-8"));
+  EXPECT_FALSE(fs::exists(b + "/checkpoint-8"));
+
+  // The same resume again: the same branch; the earlier attempt's lines and later checkpoints are moved aside whole,
+  // and the steps come out the same (bitwise resume).
+  ASSERT_EQ(run("train --resume " + a + "/checkpoint-2 --steps 6 --threads 1 --out " + b, &log), 0) << log;
+  EXPECT_EQ(state(b + "/checkpoint-6")["run_id"], rb);
+  EXPECT_EQ(read_or_empty(b + "/metrics-abandoned.jsonl"), b_metrics);
+  EXPECT_TRUE(fs::exists(b + "/abandoned-1/checkpoint-4/model.safetensors"));
+  EXPECT_TRUE(fs::exists(b + "/abandoned-1/checkpoint-6/model.safetensors"));
+  EXPECT_EQ(ds::test::train_losses(b + "/metrics.jsonl"), ds::test::train_losses(b + "/metrics-abandoned.jsonl"));
+  EXPECT_EQ(ds::test::metrics(b + "/metrics.jsonl")[0]["resumed_from"], st["resumed_from"]);
+
+  // b moved: a resume in its own directory (the default --out) keeps the branch's id and origin.
+  const std::string c = dir + "/c";
+  fs::rename(b, c);
+  ASSERT_EQ(run("train --resume " + c + "/checkpoint-4 --steps 6 --threads 1", &log), 0) << log;
+  EXPECT_EQ(state(c + "/checkpoint-6")["run_id"], rb);
+  EXPECT_EQ(state(c + "/checkpoint-6")["resumed_from"], st["resumed_from"]);
+  steps.clear();
+  const std::vector<json> mc = ds::test::metrics(c + "/metrics.jsonl");
+  for (size_t i = 0; i < mc.size(); ++i) {
+    EXPECT_EQ(mc[i]["run_id"], rb) << mc[i];
+    EXPECT_EQ(mc[i].contains("resumed_from"), i == 0) << mc[i];
+    if (mc[i].contains("loss")) steps.push_back(mc[i]["step"].get<int64_t>());
+  }
+  EXPECT_EQ(steps, (std::vector<int64_t>{3, 4, 5, 6}));
+
+  // A copy of one of a's own checkpoints (same step, run and writing process) resumed into a continues a's run.
+  fs::copy(a + "/checkpoint-2", dir + "/copy-2", fs::copy_options::recursive);
+  ASSERT_EQ(run("train --resume " + dir + "/copy-2 --threads 1 --out " + a, &log), 0) << log;
+  EXPECT_EQ(state(a + "/checkpoint-4")["run_id"], r);
+  EXPECT_FALSE(state(a + "/checkpoint-4").contains("resumed_from"));
+  for (const json& j : ds::test::metrics(a + "/metrics.jsonl")) EXPECT_EQ(j["run_id"], r) << j;
+  fs::remove_all(dir);
+}
+
+// OpenBLAS's kernels through an explicit dynamic loader (`/lib64/ld-linux-x86-64.so.2 deltastack ...`, as a sysroot
+// or a launcher starts it): /proc/self/exe is then the loader, and the re-exec with main's argv ran the loader on the
+// program's arguments (`--version` printed ld.so's version, `train` exited 127: "train: cannot open shared object
+// file"). It re-executes the whole command line, loader included, and --version names the kernels in use
+// (docs/cpu_engine.md): the CPU's best set when the library picked an older one (forced here by the test hook), the
+// user's OPENBLAS_CORETYPE when set, the library's own with DELTASTACK_BLAS_CORETYPE=keep.
+TEST(CpuBlas, ReexecWorksThroughAnExplicitLoader) {
+  const std::string loader = "/lib64/ld-linux-x86-64.so.2";  // the binary's PT_INTERP (x86-64 glibc)
+  if (!fs::exists(loader)) GTEST_SKIP() << "no " << loader;
+  const std::string want = ds::blas_coretype_for_cpu();
+  if (want.empty()) GTEST_SKIP() << "no AVX: there is no kernel set to re-execute for";
+  const std::string dir = tmpdir("loader");
+  const std::string args = small_setup(dir) + " --threads 1 --steps 1";
+  std::string log;
+  {
+    ScopedEnv env({{"OPENBLAS_CORETYPE", nullptr}, {"DELTASTACK_BLAS_CORETYPE", nullptr},
+                   {"DELTASTACK_BLAS_REEXEC", nullptr}, {"DELTASTACK_TEST_BLAS_CORENAME", "Prescott"}});
+    for (const std::string& launcher : {std::string(), loader}) {
+      ASSERT_EQ(run("--version", &log, launcher), 0) << launcher << ": " << log;
+      EXPECT_EQ(log.rfind(std::string(DELTASTACK_VERSION) + "\n", 0), 0u) << launcher << ": " << log;
+      EXPECT_TRUE(contains(log, "OpenBLAS kernels: " + want + " (OPENBLAS_CORETYPE " + want + ", set by deltastack)"))
+          << launcher << ": " << log;
+      const std::string out = dir + "/out" + std::to_string(launcher.size());
+      ASSERT_EQ(run("train " + args + " --out " + out, &log, launcher), 0) << launcher << ": " << log;
+      EXPECT_EQ(ds::test::train_losses(out + "/metrics.jsonl").size(), 1u) << launcher;
+    }
+  }
+  {  // the user's choice wins: no re-exec
+    ScopedEnv env({{"OPENBLAS_CORETYPE", "Haswell"}, {"DELTASTACK_BLAS_CORETYPE", nullptr},
+                   {"DELTASTACK_BLAS_REEXEC", nullptr}, {"DELTASTACK_TEST_BLAS_CORENAME", "Prescott"}});
+    ASSERT_EQ(run("--version", &log, loader), 0) << log;
+    EXPECT_TRUE(contains(log, "OpenBLAS kernels: Haswell (OPENBLAS_CORETYPE Haswell)\n")) << log;
+  }
+  {  // DELTASTACK_BLAS_CORETYPE=keep: the library's own pick, no re-exec
+    ScopedEnv env({{"OPENBLAS_CORETYPE", nullptr}, {"DELTASTACK_BLAS_CORETYPE", "keep"},
+                   {"DELTASTACK_BLAS_REEXEC", nullptr}, {"DELTASTACK_TEST_BLAS_CORENAME", "Prescott"}});
+    ASSERT_EQ(run("--version", &log, loader), 0) << log;
+    EXPECT_TRUE(contains(log, "(OPENBLAS_CORETYPE unset)\n")) << log;
+  }
   fs::remove_all(dir);
 }
 

@@ -55,20 +55,23 @@ inline std::vector<std::string> split_args(const std::string& s) {
   return v;
 }
 
-// In a forked child: replaces the process with `deltastack <args>` (exit 127 if that fails).
-[[noreturn]] inline void exec_deltastack(const std::string& args) {
+// In a forked child: replaces the process with `deltastack <args>`, or with `<launcher> deltastack <args>` (e.g. the
+// dynamic loader) when a launcher is given (exit 127 if that fails).
+[[noreturn]] inline void exec_deltastack(const std::string& args, const std::string& launcher = "") {
   std::vector<std::string> a = split_args(args);
   std::vector<char*> argv;
-  std::string bin = DELTASTACK_BIN;
-  argv.push_back(bin.data());
+  std::string bin = DELTASTACK_BIN, first = launcher.empty() ? bin : launcher;
+  argv.push_back(first.data());
+  if (!launcher.empty()) argv.push_back(bin.data());
   for (auto& s : a) argv.push_back(s.data());
   argv.push_back(nullptr);
-  ::execv(bin.c_str(), argv.data());
+  ::execv(first.c_str(), argv.data());
   ::_exit(127);
 }
 
-// Starts `deltastack <args>` with stdout/stderr appended to `log`; returns the child's pid.
-inline pid_t spawn(const std::string& args, const std::string& log) {
+// Starts `deltastack <args>` (through `launcher` when given) with stdout/stderr appended to `log`; returns the
+// child's pid.
+inline pid_t spawn(const std::string& args, const std::string& log, const std::string& launcher = "") {
   pid_t pid = ::fork();
   if (pid == 0) {
     FILE* f = std::fopen(log.c_str(), "a");
@@ -76,20 +79,20 @@ inline pid_t spawn(const std::string& args, const std::string& log) {
       ::dup2(::fileno(f), 1);
       ::dup2(::fileno(f), 2);
     }
-    exec_deltastack(args);
+    exec_deltastack(args, launcher);
   }
   return pid;
 }
 
-// Runs `deltastack <args>` to completion; returns the exit code (-1 if killed) and, when output is given, the
-// combined stdout/stderr.
-inline int run(const std::string& args, std::string* output = nullptr) {
+// Runs `deltastack <args>` (through `launcher` when given) to completion; returns the exit code (-1 if killed) and,
+// when output is given, the combined stdout/stderr.
+inline int run(const std::string& args, std::string* output = nullptr, const std::string& launcher = "") {
   namespace fs = std::filesystem;
   static int n = 0;
   std::string log =
       (fs::temp_directory_path() / ("deltastack_run_log_" + std::to_string(::getpid()) + "_" + std::to_string(n++)))
           .string();
-  pid_t pid = spawn(args, log);
+  pid_t pid = spawn(args, log, launcher);
   int st = 0;
   ::waitpid(pid, &st, 0);
   if (output) *output = ds::file_exists(log) ? ds::read_file(log) : "";

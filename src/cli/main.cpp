@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <functional>
@@ -26,7 +27,12 @@ int main(int argc, char** argv) {
   CLI::App app{"deltastack: a native training engine for Qwen3.5-class hybrid (Gated DeltaNet + attention) models"};
   app.require_subcommand(0, 1);
   app.fallthrough();  // --threads may come after the subcommand
-  app.set_version_flag("--version", DELTASTACK_VERSION);
+  // The version, and the OpenBLAS kernel set this process runs (core/cpu_blas.h: what the re-exec chose).
+  app.set_version_flag("--version", [] {
+    const char* env = std::getenv("OPENBLAS_CORETYPE");
+    return fmt::format("{}\nOpenBLAS kernels: {} (OPENBLAS_CORETYPE {}{})", DELTASTACK_VERSION, ds::blas_corename(),
+                       env ? env : "unset", std::getenv("DELTASTACK_BLAS_REEXEC") ? ", set by deltastack" : "");
+  });
   ds::TrainOptions to;
   auto* train = app.add_subcommand("train", "Train a model (no arguments: the tiny preset on bundled tiny Shakespeare)");
   ds::add_train_flags(app, *train, to);  // and --threads, on the app: it applies to every subcommand

@@ -4,6 +4,10 @@
 
 #include <cstdlib>
 #include <map>
+#include <vector>
+
+#include "core/files.h"
+#include "core/log.h"
 
 extern "C" char* openblas_get_corename(void);
 
@@ -42,15 +46,54 @@ std::string blas_override(const char* user_coretype, bool keep, const std::strin
   return wanted;
 }
 
+std::vector<std::string> start_command_line(char** argv) {
+  std::string text;
+  try {
+    text = read_file("/proc/self/cmdline");
+  } catch (const std::exception&) {
+    return {};
+  }
+  std::vector<std::string> cmd;
+  for (size_t i = 0; i < text.size();) {  // NUL-terminated arguments (an empty one is "\0")
+    const size_t end = text.find('\0', i);
+    cmd.push_back(text.substr(i, end == std::string::npos ? std::string::npos : end - i));
+    if (end == std::string::npos) break;
+    i = end + 1;
+  }
+  size_t argc = 0;
+  while (argv[argc]) ++argc;
+  if (argc == 0 || cmd.size() < argc) return {};
+  for (size_t i = 1; i < argc; ++i)
+    if (cmd[cmd.size() - argc + i] != argv[i]) return {};
+  return cmd;
+}
+
 void reexec_with_cpu_blas_kernels(char** argv) {
   if (std::getenv("DELTASTACK_BLAS_REEXEC")) return;
   const char* keep = std::getenv("DELTASTACK_BLAS_CORETYPE");
+  // Test hook: the library's pick as this decision sees it (so that the re-exec runs on any CPU). Unset in normal use.
+  const char* fake = std::getenv("DELTASTACK_TEST_BLAS_CORENAME");
+  const std::string current = fake ? fake : blas_corename();
   const std::string want = blas_override(std::getenv("OPENBLAS_CORETYPE"), keep && std::string(keep) == "keep",
-                                         blas_corename(), blas_coretype_for_cpu());
+                                         current, blas_coretype_for_cpu());
   if (want.empty()) return;
+  // /proc/self/exe is the file the kernel started: this program, or the dynamic loader when the program was started
+  // through it (`/lib64/ld-linux-x86-64.so.2 ./deltastack train`). Exec'ing it with main's argv would run the
+  // loader on the program's own arguments (`--version` printed ld.so's version, `train` failed to load "train"), so
+  // it gets the command line the process was started with, the loader's arguments included.
+  std::vector<std::string> cmd = start_command_line(argv);
+  if (cmd.empty()) {
+    log_warn("OpenBLAS uses its {} kernels: could not read this process's command line (/proc/self/cmdline) to "
+             "re-execute with OPENBLAS_CORETYPE={}; set OPENBLAS_CORETYPE={} before starting to use them", current,
+             want, want);
+    return;
+  }
+  std::vector<char*> args;
+  for (std::string& a : cmd) args.push_back(a.data());
+  args.push_back(nullptr);
   setenv("OPENBLAS_CORETYPE", want.c_str(), 1);
   setenv("DELTASTACK_BLAS_REEXEC", "1", 1);  // once
-  execv("/proc/self/exe", argv);
+  execv("/proc/self/exe", args.data());
   unsetenv("OPENBLAS_CORETYPE");  // exec failed: the library's choice stays, and the environment says so
 }
 

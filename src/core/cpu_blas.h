@@ -5,6 +5,7 @@
 // `deltastack` binary re-executes itself once with it set (src/cli/main.cpp). A user's own OPENBLAS_CORETYPE wins.
 #pragma once
 #include <string>
+#include <vector>
 
 namespace ds {
 
@@ -20,10 +21,17 @@ bool blas_core_older(const std::string& current, const std::string& wanted);
 // (user_coretype null), did not ask to keep the library's choice (keep), and `current` is older than it.
 std::string blas_override(const char* user_coretype, bool keep, const std::string& current, const std::string& wanted);
 
-// Re-executes this program (/proc/self/exe, argv, OPENBLAS_CORETYPE set) when blas_override says so, once
-// (DELTASTACK_BLAS_REEXEC marks the second run); returns when there is nothing to do or the exec fails (the
-// library's own choice stays). DELTASTACK_BLAS_CORETYPE=keep turns it off. Call first thing in main: the
-// deltastack binary and the test binary do, so both run the same kernels.
+// The command line this process was started with (/proc/self/cmdline), which /proc/self/exe runs again: main's
+// argv, or, for a program started through the dynamic loader (`/lib64/ld-linux-x86-64.so.2 [its options] PROGRAM
+// args`), the loader's arguments and then the program's. Empty when it cannot be read or does not end with
+// argv[1..] (`argv`: main's, null-terminated).
+std::vector<std::string> start_command_line(char** argv);
+
+// Re-executes this program (/proc/self/exe with start_command_line, so also through an explicit loader;
+// OPENBLAS_CORETYPE set) when blas_override says so, once (DELTASTACK_BLAS_REEXEC marks the second run); returns
+// when there is nothing to do or the exec fails (the library's own choice stays; a command line it cannot read is
+// one warning). DELTASTACK_BLAS_CORETYPE=keep turns it off. Call first thing in main: the deltastack binary and the
+// test binary do, so both run the same kernels.
 void reexec_with_cpu_blas_kernels(char** argv);
 
 }  // namespace ds

@@ -66,6 +66,15 @@ std::string new_run_id() {
   return fmt::format("{:016x}", x);
 }
 
+std::string branch_run_id(const std::string& run_id, int64_t step, const std::string& out) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a 64
+  for (const char c : fmt::format("{}\n{}\n{}", run_id, step, out)) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  return fmt::format("{:016x}", h);
+}
+
 SavedCheckpoint read_checkpoint_state(const std::string& dir) {
   SavedCheckpoint c;
   c.path = (fs::path(dir) / "trainer_state.json").string();
@@ -87,6 +96,7 @@ SavedCheckpoint read_checkpoint_state(const std::string& dir) {
   c.state.world_size = st.value("world_size", int64_t{1});
   DS_CHECK(c.state.world_size >= 1, "{}: \"world_size\" must be at least 1", c.path);
   if (st.contains("run_id") && st["run_id"].is_string()) c.run_id = st["run_id"].get<std::string>();
+  if (st.contains("resumed_from") && st["resumed_from"].is_object()) c.resumed_from = st["resumed_from"];
   c.options = st["options"];
   if (st.contains("data")) c.data = st["data"];
   return c;
@@ -111,13 +121,14 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
 }
 
 Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id, std::string tokenizer_json,
-                         nlohmann::json data)
+                         nlohmann::json data, nlohmann::json resumed_from)
     : opt_(opt),
       start_step_(start_step),
       run_id_(std::move(run_id)),
       session_id_(new_run_id()),
       tokenizer_json_(std::move(tokenizer_json)),
-      data_(std::move(data)) {
+      data_(std::move(data)),
+      resumed_from_(std::move(resumed_from)) {
   // A file (not a directory) named like a checkpoint this run will write stops the run now, not after the training.
   // (Other runs' checkpoint directories are not here: RunDirectory::claim refused or moved them.)
   for (const auto& e : fs::directory_iterator(opt_.out)) {
@@ -173,16 +184,17 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state,
   // streamed from the engine, sharded like the weights.
   write_safetensors_sharded(tmp_dir, "optimizer", optimizer, shard_bytes);
   write_file_atomic((fs::path(tmp_dir) / "tokenizer.json").string(), tokenizer_json_);
-  const json st{{"step", state.step},
-                {"optimizer_steps", state.optimizer_steps},
-                {"tokens_seen", state.tokens_seen},
-                {"elapsed_s", state.elapsed_s},
-                {"world_size", state.world_size},
-                {"options", options_to_json(opt_)},
-                {"data", data_},
-                {"deltastack_version", DELTASTACK_VERSION},
-                {"run_id", run_id_},
-                {"session_id", session_id_}};
+  json st{{"step", state.step},
+          {"optimizer_steps", state.optimizer_steps},
+          {"tokens_seen", state.tokens_seen},
+          {"elapsed_s", state.elapsed_s},
+          {"world_size", state.world_size},
+          {"options", options_to_json(opt_)},
+          {"data", data_},
+          {"deltastack_version", DELTASTACK_VERSION},
+          {"run_id", run_id_},
+          {"session_id", session_id_}};
+  if (!resumed_from_.is_null()) st["resumed_from"] = resumed_from_;
   write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
   fsync_dir(tmp_dir);
   cleanup.done = true;  // complete: kept if the rename fails (its error names it)

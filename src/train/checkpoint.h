@@ -25,12 +25,20 @@ struct TrainerState {
 // A fresh run's id: 64 random bits in hex (only used to tell runs apart in one --out).
 std::string new_run_id();
 
+// The id of the branch that a resume of run `run_id` from step `step` into another run directory `out` (its
+// canonical path) starts: 16 hex digits of an FNV-1a hash of the three, so the same resume into the same directory
+// (a retry after a kill) continues the same branch, and any other resume there is another run's.
+std::string branch_run_id(const std::string& run_id, int64_t step, const std::string& out);
+
 // A checkpoint's trainer_state.json: its state and saved options. ds::Error naming the file when it is missing,
 // not JSON, or without a non-negative "step" and "options".
 struct SavedCheckpoint {
   TrainerState state;
   // The run, kept across resumes; empty in checkpoints written before run ids existed (those count as this run's).
   std::string run_id;
+  // Where the run's branch starts (trainer_state.json "resumed_from": {"run_id", "step", "path"} of the checkpoint
+  // it was resumed from into another directory); null for a run that started fresh.
+  nlohmann::json resumed_from;
   nlohmann::json options;
   nlohmann::json data;  // the data's fingerprint (Checkpoints' `data`); null in checkpoints of earlier versions
   std::string path;     // of trainer_state.json
@@ -45,9 +53,10 @@ class Checkpoints {
  public:
   // For a run directory claimed by the run (RunDirectory::claim): a file named like a checkpoint this run will save
   // is a ds::Error now. Every checkpoint gets a copy of `tokenizer_json` (the tokenizer the run reads) and, in
-  // trainer_state.json, `data` (what identifies the training and validation documents).
+  // trainer_state.json, `data` (what identifies the training and validation documents) and, when not null,
+  // `resumed_from` (where the run's branch starts).
   Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id, std::string tokenizer_json,
-              nlohmann::json data);
+              nlohmann::json data, nlohmann::json resumed_from = nullptr);
 
   // Whether the run saves a checkpoint after `step`: every --save-interval steps and at the last one.
   bool due(int64_t step) const;
@@ -66,6 +75,7 @@ class Checkpoints {
   std::string session_id_;  // this process: --keep-last prunes its saves, and the run's up to the resumed step
   std::string tokenizer_json_;
   nlohmann::json data_;
+  nlohmann::json resumed_from_;
 };
 
 }  // namespace ds

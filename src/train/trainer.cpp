@@ -20,6 +20,7 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <utility>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -219,6 +220,14 @@ void check_out_is_no_checkpoint(const std::string& out) {
   }
 }
 
+// Whether checkpoint `ckpt` (of step `step`) is a copy of --out's own checkpoint-`step`: both name the same run and
+// the same writing process (session_id) in trainer_state.json. Checkpoints without ids are never copies.
+bool is_copy_of_own_checkpoint(const std::string& ckpt, const std::string& out, int64_t step) {
+  const CheckpointOwner a = checkpoint_owner(ckpt);
+  const CheckpointOwner b = checkpoint_owner(fs::path(out) / fmt::format("checkpoint-{}", step));
+  return !a.run_id.empty() && !a.session_id.empty() && a.run_id == b.run_id && a.session_id == b.session_id;
+}
+
 // Appends `text` to `path` and fsyncs it (created when missing). ds::Error naming the path on failure.
 void append_durably(const std::string& path, const std::string& text) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
@@ -232,11 +241,13 @@ void append_durably(const std::string& path, const std::string& text) {
 // metrics.jsonl in --out, one JSON object a line, each naming the run (RunDirectory::claim keeps other runs' files
 // out). On resume, the lines past the resumed step (an earlier attempt's, which this run does again) are moved to
 // metrics-abandoned.jsonl first: appended there and fsync'ed before metrics.jsonl is replaced, so a kill in between
-// loses no line.
+// loses no line. `resumed_from` (not null: a branch starts here) goes into the first line this run writes.
 class MetricsLog {
  public:
-  MetricsLog(const std::string& out, int64_t start_step, std::string run_id)
-      : path_((fs::path(out) / RunDirectory::kMetricsName).string()), run_id_(std::move(run_id)) {
+  MetricsLog(const std::string& out, int64_t start_step, std::string run_id, json resumed_from = nullptr)
+      : path_((fs::path(out) / RunDirectory::kMetricsName).string()),
+        run_id_(std::move(run_id)),
+        resumed_from_(std::move(resumed_from)) {
     if (file_exists(path_)) {
       std::string kept, later;
       const std::string text = read_file(path_);
@@ -272,6 +283,7 @@ class MetricsLog {
   bool has_eval(int64_t step) const { return evals_.count(step) > 0; }
   void write(json j) {
     if (!run_id_.empty()) j["run_id"] = run_id_;
+    if (!resumed_from_.is_null()) j["resumed_from"] = std::exchange(resumed_from_, nullptr);
     file_ << j.dump() << "\n";
     file_.flush();
   }
@@ -279,6 +291,7 @@ class MetricsLog {
 
  private:
   std::string path_, run_id_;
+  json resumed_from_;
   std::ofstream file_;
   std::set<int64_t> evals_;
 };
@@ -438,21 +451,36 @@ int train(TrainOptions cli) {
   // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
   // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
   check_out_is_no_checkpoint(opt.out);
-  std::optional<RunDirectory> run_dir;
-  // The run id: rank 0's (a fresh run draws one), the same on every rank.
+  // The run's id. A resume in the checkpoint's own directory (also one that was moved, or entered as `.`), or of a
+  // copy of one of --out's own checkpoints (the same step, run and writing process), continues its run; a resume
+  // into another directory starts a branch with its own id (branch_run_id) and "resumed_from" in its checkpoints and
+  // first metrics line, so two continuations of one checkpoint never share an id: the directory of either refuses
+  // the other's lines (claim below) instead of splicing the two histories. Every rank computes the same id (a
+  // fresh run's random one is rank 0's).
+  std::error_code ec;
+  const bool own_dir = resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec);
   std::string run_id = resumed ? resumed->run_id : new_run_id();
   if (comm.world() > 1 && !resumed) {
     run_id.resize(16, '0');
     comm.broadcast(run_id.data(), 16, 0);
   }
+  json resumed_from = resumed ? resumed->resumed_from : json();
+  const bool branch = resumed && !own_dir && !is_copy_of_own_checkpoint(opt.resume, opt.out, resumed->state.step);
+  if (branch) {
+    resumed_from = {{"run_id", resumed->run_id}, {"step", resumed->state.step},
+                    {"path", fs::canonical(opt.resume).string()}};
+    run_id = branch_run_id(resumed->run_id, resumed->state.step, fs::weakly_canonical(opt.out).string());
+    log_info("--out {} is not the checkpoint's directory: a new branch (run_id {}) of run {} from step {}", opt.out,
+             run_id, resumed->run_id.empty() ? std::string("(no id)") : resumed->run_id, resumed->state.step);
+  }
+  // Rank 0 alone owns --out: the lock, stale temps, the claim.
+  std::optional<RunDirectory> run_dir;
   if (root) {
     run_dir.emplace(opt.out);
     run_dir->remove_stale_temps(opt.resume);
     // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
     // run id (earlier versions) are this run's in the checkpoint's own directory.
-    std::error_code ec;
-    run_dir->claim(run_id, resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec),
-                   opt.move_aside);
+    run_dir->claim(run_id, own_dir, opt.move_aside);
     // The abandoned history's later checkpoints are kept, out of the way of this run's saves of the same steps.
     if (resumed) run_dir->set_aside_later_checkpoints(run_id, resumed->state.step);
   }
@@ -480,10 +508,10 @@ int train(TrainOptions cli) {
   progress.world_size = comm.world();
   DS_CHECK(opt.steps >= progress.step, "--steps {} is below the checkpoint's step {}", opt.steps, progress.step);
   const int64_t start_step = progress.step;
-  Checkpoints checkpoints(opt, start_step, run_id, tokenizer_json, data.fingerprint);
-  // Rank 0 writes the metrics; the other ranks' MetricsLog is never made (a null one would be no simpler).
+  Checkpoints checkpoints(opt, start_step, run_id, tokenizer_json, data.fingerprint, resumed_from);
+  // Rank 0 writes the metrics; the other ranks' MetricsLog is never made.
   std::optional<MetricsLog> metrics;
-  if (root) metrics.emplace(opt.out, start_step, run_id);
+  if (root) metrics.emplace(opt.out, start_step, run_id, branch ? resumed_from : json());
   const double elapsed_before = progress.elapsed_s;
   auto elapsed = [&] {
     return elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
