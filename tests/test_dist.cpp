@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "dist/launch.h"
+#include "model/safetensors.h"
 #include "train_test_util.h"
 
 namespace fs = std::filesystem;
@@ -185,11 +186,33 @@ TEST(DistMpi, TwoRanksEqualOneRankWithTheirGradAccum) {
   std::string log1, log2;
   ASSERT_EQ(ds::test::run("train " + common + " --grad-accum 4 --out " + dir + "/one", &log1), 0) << log1;
   ASSERT_EQ(run_mpi(2, "train " + common + " --grad-accum 2 --out " + dir + "/two", &log2), 0) << log2;
-  const Rec a = records(dir + "/one/metrics.jsonl"), b = records(dir + "/two/metrics.jsonl");
+  std::string log3;
+  ASSERT_EQ(run_mpi(2, "train " + common + " --grad-accum 2 --shard optimizer --out " + dir + "/sharded", &log3), 0)
+      << log3;
+  EXPECT_NE(log3.find("2 ranks (mpirun), --shard optimizer"), std::string::npos) << log3;
+  const Rec a = records(dir + "/one/metrics.jsonl"), b = records(dir + "/two/metrics.jsonl"),
+            c = records(dir + "/sharded/metrics.jsonl");
   EXPECT_EQ(a.loss.size(), 6u);
   expect_close(a.loss, b.loss, "loss");
   expect_close(a.gnorm, b.gnorm, "grad_norm");
   expect_close(a.eval, b.eval, "eval_loss");
+  // The sharded optimizer state: the same run (each rank updates its share of the parameters, then gathers).
+  expect_close(a.loss, c.loss, "loss, --shard optimizer");
+  expect_close(a.gnorm, c.gnorm, "grad_norm, --shard optimizer");
+  expect_close(a.eval, c.eval, "eval_loss, --shard optimizer");
+  // Its checkpoint holds the whole moments (gathered), so it is the same file content up to the rounding above.
+  {
+    ds::SafetensorsReader m1(dir + "/one/checkpoint-6/optimizer.safetensors"),
+        m3(dir + "/sharded/checkpoint-6/optimizer.safetensors");
+    ASSERT_EQ(m1.tensors().size(), m3.tensors().size());
+    double num = 0, den = 0;
+    for (const auto& t : m1.tensors()) {
+      const std::vector<float> x = m1.read_f32(t.name), y = m3.read_f32(t.name);
+      ASSERT_EQ(x.size(), y.size()) << t.name;
+      for (size_t i = 0; i < x.size(); ++i) num += (double(x[i]) - y[i]) * (double(x[i]) - y[i]), den += double(x[i]) * x[i];
+    }
+    EXPECT_LE(std::sqrt(num / den), 1e-5);
+  }
   // Rank 0 alone writes: one metrics line per record, one progress line per step, no second rank's log.
   EXPECT_EQ(ds::test::metrics(dir + "/two/metrics.jsonl").size(), ds::test::metrics(dir + "/one/metrics.jsonl").size());
   EXPECT_NE(log2.find("2 ranks (mpirun)"), std::string::npos) << log2;
@@ -201,7 +224,8 @@ TEST(DistMpi, TwoRanksEqualOneRankWithTheirGradAccum) {
 }
 
 // A run saved by 2 ranks resumes on 1 (grad-accum doubled: the same micro-batches per step) and its checkpoint on
-// 2 again; every step's loss stays within 1e-6 of the uninterrupted 2-rank run.
+// 2 again, this time with the optimizer state sharded; every step's loss stays within 1e-6 of the uninterrupted
+// 2-rank run.
 TEST(DistMpi, ResumeTwoToOneToTwoRanks) {
   const std::string dir = ds::test::fresh_tmpdir("dist_resume");
   const std::string common = ds::test::small_setup(dir) + " --threads 1";
@@ -212,7 +236,8 @@ TEST(DistMpi, ResumeTwoToOneToTwoRanks) {
   ASSERT_EQ(ds::test::run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/b", &log),
             0) << log;
   EXPECT_NE(log.find("--grad-accum 1 -> 2 per rank"), std::string::npos) << log;
-  ASSERT_EQ(run_mpi(2, "train --resume " + dir + "/b/checkpoint-4 --steps 6 --threads 1 --out " + dir + "/c", &log), 0)
+  ASSERT_EQ(run_mpi(2, "train --resume " + dir + "/b/checkpoint-4 --steps 6 --threads 1 --shard optimizer --out " + dir +
+                            "/c", &log), 0)
       << log;
   EXPECT_NE(log.find("--grad-accum 2 -> 1 per rank"), std::string::npos) << log;
   const Rec ref = records(dir + "/ref/metrics.jsonl");

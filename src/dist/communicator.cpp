@@ -23,6 +23,10 @@ class SingleProcess final : public Communicator {
   void all_reduce_sum(double*, int64_t) override {}
   void all_reduce_sum(int64_t*, int64_t) override {}
   void all_reduce_max(int64_t*, int64_t) override {}
+  void reduce_scatter_sum(const float* send, float* recv, const std::vector<int64_t>& counts) override {
+    if (send != recv) std::memcpy(recv, send, static_cast<size_t>(counts.at(0)) * sizeof(float));
+  }
+  void all_gather(float*, const std::vector<int64_t>&) override {}
   void broadcast(void*, int64_t, int) override {}
   void barrier() override {}
   [[noreturn]] void abort(int code) override { std::_Exit(code); }
@@ -47,6 +51,17 @@ class Mpi final : public Communicator {
   void all_reduce_sum(double* x, int64_t n) override { reduce(x, n, MPI_DOUBLE, MPI_SUM); }
   void all_reduce_sum(int64_t* x, int64_t n) override { reduce(x, n, MPI_INT64_T, MPI_SUM); }
   void all_reduce_max(int64_t* x, int64_t n) override { reduce(x, n, MPI_INT64_T, MPI_MAX); }
+  void reduce_scatter_sum(const float* send, float* recv, const std::vector<int64_t>& counts) override {
+    const std::vector<int> c = int_counts(counts, "reduce_scatter");
+    check(MPI_Reduce_scatter(send, recv, c.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD), "MPI_Reduce_scatter");
+  }
+  void all_gather(float* x, const std::vector<int64_t>& counts) override {
+    const std::vector<int> c = int_counts(counts, "all_gather");
+    std::vector<int> displs(c.size(), 0);
+    for (size_t i = 1; i < c.size(); ++i) displs[i] = displs[i - 1] + c[i - 1];
+    check(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x, c.data(), displs.data(), MPI_FLOAT, MPI_COMM_WORLD),
+          "MPI_Allgatherv");
+  }
   void broadcast(void* p, int64_t bytes, int root) override {
     auto* b = static_cast<char*>(p);
     for (int64_t off = 0; off < bytes; off += kPiece) {
@@ -69,6 +84,17 @@ class Mpi final : public Communicator {
       check(MPI_Allreduce(MPI_IN_PLACE, x + off, c, t, op, MPI_COMM_WORLD), "MPI_Allreduce");
     }
   }
+  std::vector<int> int_counts(const std::vector<int64_t>& counts, const char* what) {
+    DS_CHECK(static_cast<int>(counts.size()) == world(), "{}: {} counts for {} ranks", what, counts.size(), world());
+    int64_t total = 0;
+    std::vector<int> c;
+    for (int64_t n : counts) {
+      total += n;
+      c.push_back(static_cast<int>(n));
+    }
+    DS_CHECK(total < INT_MAX, "{}: {} elements; the MPI communicator takes buffers below 2^31 elements", what, total);
+    return c;
+  }
   void check(int rc, const char* what) {
     if (rc == MPI_SUCCESS) return;
     char msg[MPI_MAX_ERROR_STRING];
@@ -85,6 +111,12 @@ std::unique_ptr<Communicator>& installed() {
 }
 
 }  // namespace
+
+std::vector<int64_t> even_counts(int64_t n, int world) {
+  std::vector<int64_t> c(static_cast<size_t>(world), n / world);
+  for (int64_t r = 0; r < n % world; ++r) ++c[static_cast<size_t>(r)];
+  return c;
+}
 
 bool have_mpi() {
 #ifdef DELTASTACK_MPI

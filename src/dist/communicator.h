@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "dist/launch.h"
 
@@ -30,6 +31,12 @@ class Communicator {
   virtual void all_reduce_sum(double* x, int64_t n) = 0;
   virtual void all_reduce_sum(int64_t* x, int64_t n) = 0;
   virtual void all_reduce_max(int64_t* x, int64_t n) = 0;
+  // Rank r's part of a buffer of sum(counts) elements: [offset(r), offset(r) + counts[r]) with offset(r) the sum of
+  // the counts before r. reduce_scatter_sum: recv (counts[rank] elements) = the sum over ranks of each rank's
+  // `send` part for this rank (send: the whole buffer). all_gather: x (the whole buffer) gets every rank's part from
+  // that rank, in place. Each count and their sum must be below 2^31 (ds::Error otherwise).
+  virtual void reduce_scatter_sum(const float* send, float* recv, const std::vector<int64_t>& counts) = 0;
+  virtual void all_gather(float* x, const std::vector<int64_t>& counts) = 0;
   // `bytes` bytes at p from rank `root` to every rank.
   virtual void broadcast(void* p, int64_t bytes, int root) = 0;
   virtual void barrier() = 0;
@@ -45,6 +52,10 @@ class Communicator {
 // and mpirun started several ranks, and for torchrun with several ranks (the CPU engine's ranks run under mpirun;
 // torchrun's rendezvous belongs to the NCCL communicator, not built yet).
 std::unique_ptr<Communicator> open_communicator(const LaunchInfo& launch);
+
+// The split of n elements into `world` contiguous parts whose sizes differ by at most 1 (the first n % world are
+// one larger): rank r's share of a flat buffer.
+std::vector<int64_t> even_counts(int64_t n, int world);
 
 // Whether this build has the Open MPI communicator.
 bool have_mpi();

@@ -2,6 +2,7 @@
 // (GpuModel: everything on the device, checkpoints streamed from it in slabs).
 #include "model/engine.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "core/cuda/device.h"
@@ -26,7 +27,10 @@ ops::AdamWParams for_param(const ops::AdamWParams& p, const ParamSpec& s) {
 
 class CpuEngine final : public Engine {
  public:
-  explicit CpuEngine(Qwen35Model model) : model_(std::move(model)) { model_.materialize(); }
+  explicit CpuEngine(Qwen35Model model) : model_(std::move(model)) {
+    model_.materialize();
+    hi_ = model_.num_parameters();
+  }
 
   std::string device() const override { return "cpu"; }
   const ModelConfig& config() const override { return model_.config(); }
@@ -36,39 +40,84 @@ class CpuEngine final : public Engine {
   }
   void zero_grads() override { model_.zero_grads(); }
   double grad_sum_squares() override {
-    return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
+    if (!sharded()) return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
+    double s = ops::sum_squares(model_.grads().data() + lo_, hi_ - lo_);  // this rank's share, then every rank's
+    comm_->all_reduce_sum(&s, 1);
+    return s;
   }
-  void all_reduce_grads(dist::Communicator& comm) override {
-    if (comm.world() == 1) return;
+  void distribute(dist::Communicator& comm, ShardMode mode) override {
+    DS_CHECK(m_.empty(), "distribute() after the optimizer state exists");
+    comm_ = &comm;
+    mode_ = mode;
+    if (!sharded()) return;
+    counts_ = dist::even_counts(model_.num_parameters(), comm.world());
+    lo_ = 0;
+    for (int r = 0; r < comm.rank(); ++r) lo_ += counts_[static_cast<size_t>(r)];
+    hi_ = lo_ + counts_[static_cast<size_t>(comm.rank())];
+  }
+  void reduce_grads() override {
+    if (!comm_ || comm_->world() == 1) return;
     if (model_.grads().size() != model_.weights().size()) model_.zero_grads();  // a rank without a micro-batch
-    comm.all_reduce_sum(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
+    float* g = model_.grads().data();
+    if (!sharded()) {
+      comm_->all_reduce_sum(g, static_cast<int64_t>(model_.grads().size()));
+      return;
+    }
+    std::vector<float> mine(static_cast<size_t>(hi_ - lo_));
+    comm_->reduce_scatter_sum(g, mine.data(), counts_);
+    std::copy(mine.begin(), mine.end(), g + lo_);  // the rest of g is not this rank's (never read)
   }
+  // AdamW on [lo_, hi_) of the flat parameters (all of them unless sharded), parameter by parameter as each one's
+  // decay flag says; sharded, every rank's updated share is then gathered.
   void optimizer_step(const ops::AdamWParams& p) override {
     moments();
     DS_CHECK(model_.grads().size() == model_.weights().size(), "optimizer step before any gradient");
     float *w = model_.weights().data(), *g = model_.grads().data();
-    for (const ParamSpec& s : model_.params())
-      ops::adamw_update(w + s.offset, g + s.offset, m_.data() + s.offset, v_.data() + s.offset, s.numel,
-                        for_param(p, s));
+    for (const ParamSpec& s : model_.params()) {
+      const int64_t a = std::max(s.offset, lo_), b = std::min(s.offset + s.numel, hi_);
+      if (a < b) ops::adamw_update(w + a, g + a, m_.data() + (a - lo_), v_.data() + (a - lo_), b - a, for_param(p, s));
+    }
+    if (sharded()) comm_->all_gather(w, counts_);
   }
   std::vector<SaveTensor> weight_tensors(DType dtype) override { return model_.to_tensors(model_.weights(), dtype); }
   std::vector<SaveTensor> optimizer_tensors() override {
     moments();
+    DS_CHECK(!sharded() || !m_full_.empty(), "optimizer_tensors() of a sharded state without gather_for_save()");
+    const float* m = sharded() ? m_full_.data() : m_.data();
+    const float* v = sharded() ? v_full_.data() : v_.data();
     std::vector<SaveTensor> out;
     for (const ParamSpec& p : model_.params()) {
-      out.push_back(make_tensor_f32_view(exp_avg_name(p), p.shape, m_.data() + p.offset));
-      out.push_back(make_tensor_f32_view(exp_avg_sq_name(p), p.shape, v_.data() + p.offset));
+      out.push_back(make_tensor_f32_view(exp_avg_name(p), p.shape, m + p.offset));
+      out.push_back(make_tensor_f32_view(exp_avg_sq_name(p), p.shape, v + p.offset));
     }
     return out;
   }
+  void gather_for_save() override {
+    if (!sharded()) return;
+    moments();
+    const size_t n = static_cast<size_t>(model_.num_parameters());
+    m_full_.assign(n, 0.0f);
+    v_full_.assign(n, 0.0f);
+    std::copy(m_.begin(), m_.end(), m_full_.begin() + lo_);
+    std::copy(v_.begin(), v_.end(), v_full_.begin() + lo_);
+    comm_->all_gather(m_full_.data(), counts_);
+    comm_->all_gather(v_full_.data(), counts_);
+  }
+  void release_after_save() override {
+    std::vector<float>().swap(m_full_);
+    std::vector<float>().swap(v_full_);
+  }
+  // Whole moments from the checkpoint (any world size wrote them); this rank keeps its share.
   void load_optimizer(const TensorSource& read) override {
     moments();
     for (const ParamSpec& p : model_.params()) {
       const std::vector<float> em = read(exp_avg_name(p), p.numel), ev = read(exp_avg_sq_name(p), p.numel);
       DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
                "optimizer state for {} has the wrong size", p.name);
-      std::copy(em.begin(), em.end(), m_.begin() + p.offset);
-      std::copy(ev.begin(), ev.end(), v_.begin() + p.offset);
+      const int64_t a = std::max(p.offset, lo_), b = std::min(p.offset + p.numel, hi_);
+      if (a >= b) continue;
+      std::copy(em.begin() + (a - p.offset), em.begin() + (b - p.offset), m_.begin() + (a - lo_));
+      std::copy(ev.begin() + (a - p.offset), ev.begin() + (b - p.offset), v_.begin() + (a - lo_));
     }
   }
   std::vector<SaveTensor> grad_tensors() override {
@@ -77,13 +126,19 @@ class CpuEngine final : public Engine {
   }
 
  private:
-  // The AdamW moments exist from the first use of the optimizer on (evaluation never allocates them).
+  bool sharded() const { return comm_ && comm_->world() > 1 && mode_ == ShardMode::Optimizer; }
+  // The AdamW moments of [lo_, hi_) exist from the first use of the optimizer on (evaluation never allocates them).
   void moments() {
-    if (m_.empty()) m_.assign(static_cast<size_t>(model_.num_parameters()), 0.0f);
-    if (v_.empty()) v_.assign(static_cast<size_t>(model_.num_parameters()), 0.0f);
+    if (m_.empty()) m_.assign(static_cast<size_t>(hi_ - lo_), 0.0f);
+    if (v_.empty()) v_.assign(static_cast<size_t>(hi_ - lo_), 0.0f);
   }
   Qwen35Model model_;
-  std::vector<float> m_, v_;  // AdamW moments, flat like the weights
+  std::vector<float> m_, v_;  // AdamW moments of the flat parameters [lo_, hi_)
+  dist::Communicator* comm_ = nullptr;
+  ShardMode mode_ = ShardMode::None;
+  std::vector<int64_t> counts_;  // every rank's share (sharded)
+  int64_t lo_ = 0, hi_ = 0;
+  std::vector<float> m_full_, v_full_;  // the whole moments, only between gather_for_save and release_after_save
 };
 
 class CudaEngine final : public Engine {
@@ -101,9 +156,9 @@ class CudaEngine final : public Engine {
   }
   void zero_grads() override { gpu_->zero_grads(); }
   double grad_sum_squares() override { return gpu_->grad_sum_squares(); }
-  void all_reduce_grads(dist::Communicator& comm) override {
+  void distribute(dist::Communicator& comm, ShardMode) override {
     DS_CHECK(comm.world() == 1, "{}: the GPU engine runs one rank for now (its NCCL communicator is not built "
-             "yet); several ranks train on the CPU engine (--device cpu) under mpirun", describe(comm.launch()));
+             "yet); several ranks train on the CPU engine (--device cpu) under mpirun", dist::describe(comm.launch()));
   }
   void optimizer_step(const ops::AdamWParams& p) override { gpu_->adamw_step(p, p.weight_decay); }
   std::vector<SaveTensor> weight_tensors(DType dtype) override { return buffer_tensors(GpuModel::Buffer::Weights, dtype); }

@@ -105,11 +105,21 @@ class Engine {
   virtual void zero_grads() = 0;
   // Sum of squares of every gradient element, in double, in a fixed order (bitwise reproducible).
   virtual double grad_sum_squares() = 0;
-  // Data parallel: every rank's gradients become their sum over the ranks (each rank ran its own micro-batches
-  // with the global 1 / target-count scale, so the sum is the global gradient), the same bits on every rank.
-  // A no-op at world size 1. The CPU engine over the communicator (MPI); the GPU engine: ds::Error at world size
-  // above 1 (its NCCL path is not built yet).
-  virtual void all_reduce_grads(dist::Communicator& comm) = 0;
+  // Data parallel over `comm`'s ranks (docs/distributed.md), set once after the engine is built and before a
+  // resume loads the optimizer state. ShardMode::None: every rank keeps the whole AdamW state; Optimizer: rank r
+  // keeps and updates only its even share of the flat parameter vector (dist::even_counts), the weights are
+  // all-gathered after each update. At world size 1 both are the plain engine. The GPU engine: ds::Error at world
+  // size above 1 (its NCCL communicator is not built yet).
+  enum class ShardMode { None, Optimizer };
+  virtual void distribute(dist::Communicator& comm, ShardMode mode) = 0;
+  // After a step's micro-batches (each rank ran its own with the global 1 / target-count scale): every rank's
+  // gradients become their sum over the ranks (None: all of them, the same bits on every rank; Optimizer: the
+  // rank's share, reduce-scattered). grad_sum_squares() and optimizer_step() then act on the global gradient.
+  virtual void reduce_grads() {}
+  // Around a checkpoint save (every rank calls both; rank 0 writes between them): a sharded optimizer state is
+  // gathered whole for optimizer_tensors(), then released.
+  virtual void gather_for_save() {}
+  virtual void release_after_save() {}
   // One AdamW update of every parameter (p.weight_decay applied to the parameters whose ParamSpec says so;
   // p.grad_scale multiplies the gradients first: the clip factor). GPU: also refreshes the bf16 compute copy.
   virtual void optimizer_step(const ops::AdamWParams& p) = 0;

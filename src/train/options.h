@@ -33,6 +33,7 @@ struct TrainOptions {
   std::string resume;
   std::string device;
   std::string optimizer_state, recompute, memory;
+  std::string shard;  // none | optimizer (several ranks; docs/distributed.md)
   bool move_aside;
   std::string data_changed;
   std::vector<std::string> given;  // long names of the flags on the command line (without "--")

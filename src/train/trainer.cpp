@@ -497,8 +497,10 @@ int train(TrainOptions cli) {
   opt.device = engine->device();  // saved in checkpoints: a resume continues on the same engine
   // The optimizer state in use, saved too: a resume keeps the numerics unless --optimizer-state changes them.
   opt.optimizer_state = optimizer_state_name(engine->optimizer_state());
-  log_info("device: {}{}", opt.device, comm.world() > 1 ? fmt::format(", {} ranks ({})", comm.world(),
-                                                                       comm.launch().launcher) : std::string());
+  engine->distribute(comm, opt.shard == "optimizer" ? Engine::ShardMode::Optimizer : Engine::ShardMode::None);
+  log_info("device: {}{}", opt.device, comm.world() > 1 ? fmt::format(", {} ranks ({}), --shard {}", comm.world(),
+                                                                       comm.launch().launcher, opt.shard)
+                                                          : std::string());
   TrainerState progress;
   if (resumed) {
     load_optimizer_state(*engine, opt.resume);
@@ -527,7 +529,8 @@ int train(TrainOptions cli) {
   if (resumed) interrupt.set_last_checkpoint(saved_dir);
   auto save = [&] {
     progress.elapsed_s = elapsed();
-    if (root)  // every rank holds the same weights and optimizer state: rank 0's copy is the checkpoint
+    engine->gather_for_save();  // a sharded optimizer state, whole on every rank until the save is written
+    if (root)  // every rank holds the same weights and (gathered) optimizer state: rank 0's copy is the checkpoint
       checkpoints.save(*engine, progress, [&](const std::string& dir) {  // before --keep-last prunes the older ones
         saved_dir = dir;
         saved_step = progress.step;
@@ -535,6 +538,7 @@ int train(TrainOptions cli) {
       });
     else
       saved_step = progress.step;
+    engine->release_after_save();
     comm.barrier();  // a rank 0 that fails to save stops every rank (main.cpp) instead of leaving them training
   };
 
@@ -573,7 +577,7 @@ int train(TrainOptions cli) {
     for (int64_t a = 0; a < opt.grad_accum; ++a)
       loss_sum += engine->forward_backward(batches.micro(a), per_target, opt.z_loss).loss_sum;
     comm.all_reduce_sum(&loss_sum, 1);
-    engine->all_reduce_grads(comm);
+    engine->reduce_grads();
     const double loss = batches.targets > 0 ? loss_sum / static_cast<double>(batches.targets) : 0.0;
     const double gnorm = std::sqrt(engine->grad_sum_squares());
     const double lr = lr_at(opt, step);
