@@ -2,7 +2,7 @@
 # Installs the Debian 12 packages deltastack builds against, when any is missing. Idempotent.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config nlohmann-json3-dev libpcre2-dev libutf8proc-dev libcli11-dev
-      libfmt-dev libopenblas-dev libgtest-dev libgmock-dev libopenmpi-dev openmpi-bin)
+      libfmt-dev libopenblas-dev libgtest-dev libgmock-dev libopenmpi-dev openmpi-bin libhwloc-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

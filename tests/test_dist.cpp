@@ -293,3 +293,40 @@ TEST(DistMpi, AFailingRankStopsEveryRank) {
 }
 
 #endif  // DELTASTACK_MPIEXEC
+
+// ---- CPU binding (src/dist/cpu_bind.h) on hwloc synthetic topologies: two packages of four cores.
+#ifdef DELTASTACK_HWLOC
+#include "dist/cpu_bind.h"
+
+namespace {
+LaunchInfo ranks_on_host(int local_rank, int local_world) {
+  LaunchInfo l;
+  l.launcher = "mpirun";
+  l.world = l.local_world = local_world;
+  l.rank = l.local_rank = local_rank;
+  return l;
+}
+constexpr const char* kTwoPackages = "pack:2 numa:1 core:4 pu:1";
+}  // namespace
+
+TEST(DistCpuBind, RanksShareTheHostByPackageAndGpusGetTheirNumaNode) {
+  using ds::dist::plan_cpu_binding;
+  EXPECT_EQ(plan_cpu_binding(ranks_on_host(0, 2), "", {}, kTwoPackages).cpus, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(plan_cpu_binding(ranks_on_host(1, 2), "", {}, kTwoPackages).cpus, (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_EQ(plan_cpu_binding(ranks_on_host(3, 4), "", {}, kTwoPackages).cpus, (std::vector<int>{6, 7}));
+  const ds::dist::CpuBinding b = plan_cpu_binding(ranks_on_host(1, 2), "", {}, kTwoPackages);
+  EXPECT_EQ(b.why, "cores 4-7 (local rank 1's share of 2 on this host)");
+  // A GPU: its NUMA node's cores, whatever the rank's place (the synthetic topology's node 1 stands in for the
+  // GPU's; on a real machine it is the PCI device's nearest non-I/O ancestor).
+  const ds::dist::CpuBinding g = plan_cpu_binding(ranks_on_host(0, 1), "0000:18:00.0", {}, kTwoPackages, 1);
+  EXPECT_EQ(g.cpus, (std::vector<int>{4, 5, 6, 7}));
+  EXPECT_NE(g.why.find("cores 4-7"), std::string::npos) << g.why;
+  EXPECT_NE(g.why.find("nearest GPU 0000:18:00.0"), std::string::npos) << g.why;
+  // One rank and no GPU: the machine is its own; a launcher's narrower binding is kept.
+  EXPECT_TRUE(plan_cpu_binding(ranks_on_host(0, 1), "", {}, kTwoPackages).cpus.empty());
+  const ds::dist::CpuBinding kept = plan_cpu_binding(ranks_on_host(0, 2), "", {2, 3}, kTwoPackages);
+  EXPECT_TRUE(kept.cpus.empty());
+  EXPECT_EQ(kept.why, "kept the launcher's binding: cores 2-3");
+  EXPECT_EQ(ds::dist::cpu_list({0, 1, 2, 5, 7, 8}), "0-2,5,7-8");
+}
+#endif  // DELTASTACK_HWLOC

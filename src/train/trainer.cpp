@@ -31,6 +31,8 @@
 #include "data/token_dataset.h"
 #include "data/tokenizer.h"
 #include "dist/communicator.h"
+#include "dist/cpu_bind.h"
+#include "core/cuda/device.h"
 #include "model/engine.h"
 #include "model/model.h"
 #include "ops/adamw/adamw.h"
@@ -485,6 +487,25 @@ int train(TrainOptions cli) {
     if (resumed) run_dir->set_aside_later_checkpoints(run_id, resumed->state.step);
   }
   comm.barrier();  // --out exists and is rank 0's before any rank reads it
+  // Each rank's cores (before any thread starts: OpenMP's workers inherit them): near its GPU, or its share of the
+  // host; rank 0 logs every rank's.
+  {
+    const std::string dev = resolve_device(opt.device);
+    std::string bound = dist::bind_cpus(comm.launch(), dev == "cuda" ? cuda_pci_bus_id(0) : std::string());
+    if (comm.world() == 1) {
+      log_info("CPU binding: {}", bound);
+    } else {
+      std::string all;
+      for (int r = 0; r < comm.world(); ++r) {
+        std::string b = bound;
+        b.resize(200, ' ');
+        comm.broadcast(b.data(), 200, r);
+        b.erase(b.find_last_not_of(' ') + 1);
+        all += fmt::format("{}rank {}: {}", r ? "; " : "", r, b);
+      }
+      log_info("CPU binding: {}", all);
+    }
+  }
   set_num_threads(opt.threads);
   Qwen35Model model = build_model(opt);
   const std::string tokenizer_file = tokenizer_path(opt), tokenizer_json = read_file(tokenizer_file);

@@ -6,5 +6,6 @@ namespace ds {
 bool cuda_compiled() { return false; }
 int cuda_device_count() { return 0; }
 std::string cuda_device_name() { return ""; }
+std::string cuda_pci_bus_id(int) { return ""; }
 }  // namespace ds
 #endif
