@@ -207,6 +207,11 @@ TEST(Dataset, PiecesOfAnyBlockSizeReadTheWholeFilesDocuments) {
           << n << " block " << block;
   const ds::MappedTokenStore store(dir + "/ds0");
   EXPECT_EQ(store.num_documents(), 9);  // 5 paragraphs, 4 samples
+  // The text's label shards are written once the first masked sample comes: all ones, shard by shard.
+  ASSERT_TRUE(store.masked(6) && !store.masked(4));
+  EXPECT_EQ(ds::read_file(dir + "/ds0/labels-00000.bin"), std::string(11, '\1'));
+  store.release_pages();
+  EXPECT_EQ(store.token(store.doc_starts()[5] - 1), tok().token_to_id("<|endoftext|>"));
   EXPECT_EQ(ds::documents_fingerprint(store, 0, 9),
             ds::documents_fingerprint(ds::tokenize_documents(tok(), ds::read_documents(files, ds::TxtSplit::Paragraph),
                                                              tok().token_to_id("<|endoftext|>"))));
