@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -125,6 +126,114 @@ TEST(Dataset, RoundTripBatchesEqualTheInMemoryPath) {
   EXPECT_FALSE(fs::exists(dir + "/text/labels-00000.bin"));
   EXPECT_FALSE(fs::exists(dir + "/text/masked.bin"));
   fs::remove_all(dir);
+}
+
+// A .txt with CRLF lines, blank lines of spaces / tabs / "\r", runs of blank lines, multi-byte UTF-8 and no final
+// newline, and a .jsonl with a long line: every block size from 1 byte (a piece boundary at every byte: inside a
+// document, right after a blank line, between "\r" and "\n", inside a UTF-8 sequence, inside a .jsonl line) gives
+// read_documents' documents, and the dataset files are byte-identical to those of the default block size.
+std::vector<std::string> write_piece_corpus(const std::string& dir) {
+  ds::write_file_atomic(dir + "/p.txt",
+                        "First paragraph, a few words.\r\nIts second line.\r\n\r\nSecond one \xe2\x80\x94 with "
+                        "\xe2\x80\x9cquotes\xe2\x80\x9d.\n \t\n\n\nThird paragraph\nspans three\nlines.\n\r\n"
+                        "\xe6\x97\xa5\xe6\x9c\xac\xe8\xaa\x9e line\n\n\nLast, no newline at the end");
+  ds::write_file_atomic(dir + "/q.jsonl",
+                        "{\"text\": \"short\"}\n{\"prompt\": \"2+2=\", \"completion\": \"4\"}\n{\"text\": \"a longer "
+                        "line, long enough to straddle several small blocks of the reader \xc3\xa9\xc3\xa8\"}\r\n"
+                        "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, {\"role\": \"assistant\", "
+                        "\"content\": \"Hello!\"}]}\n");
+  return {dir + "/p.txt", dir + "/q.jsonl"};
+}
+
+std::vector<ds::LabelledText> read_in_pieces(const std::string& file, ds::TxtSplit split, size_t block,
+                                             int64_t* pieces) {
+  ds::DocumentReader r(file, split, block);
+  std::vector<ds::LabelledText> all, part;
+  *pieces = 0;
+  while (r.next(part)) {
+    EXPECT_FALSE(part.empty());
+    ++*pieces;
+    all.insert(all.end(), part.begin(), part.end());
+  }
+  EXPECT_EQ(r.bytes_done(), r.file_bytes());
+  return all;
+}
+
+TEST(Dataset, PiecesOfAnyBlockSizeReadTheWholeFilesDocuments) {
+  const std::string dir = ds::test::fresh_tmpdir("dataset_pieces");
+  const std::vector<std::string> files = write_piece_corpus(dir);
+  const std::vector<ds::LabelledText> para = ds::read_documents({files[0]}, ds::TxtSplit::Paragraph);
+  ASSERT_EQ(para.size(), 5u);
+  EXPECT_EQ(para[0].text, "First paragraph, a few words.\r\nIts second line.\r\n");
+  EXPECT_EQ(para[2].text, "Third paragraph\nspans three\nlines.\n");
+  EXPECT_EQ(para[4].text, "Last, no newline at the end");
+  for (ds::TxtSplit split : {ds::TxtSplit::Paragraph, ds::TxtSplit::Line, ds::TxtSplit::File}) {
+    for (const std::string& f : files) {
+      const std::vector<ds::LabelledText> whole = ds::read_documents({f}, split);
+      for (size_t block = 1; block <= 48; ++block) {
+        int64_t pieces = 0;
+        const std::vector<ds::LabelledText> got = read_in_pieces(f, split, block, &pieces);
+        ASSERT_EQ(got.size(), whole.size()) << f << " block " << block;
+        for (size_t i = 0; i < got.size(); ++i) {
+          EXPECT_EQ(got[i].text, whole[i].text) << f << " block " << block << " document " << i;
+          EXPECT_EQ(got[i].masked, whole[i].masked);
+          ASSERT_EQ(got[i].labels.size(), whole[i].labels.size());
+          for (size_t k = 0; k < got[i].labels.size(); ++k) {
+            EXPECT_EQ(got[i].labels[k].begin, whole[i].labels[k].begin);
+            EXPECT_EQ(got[i].labels[k].end, whole[i].labels[k].end);
+          }
+          EXPECT_EQ(got[i].split_at_labels, whole[i].split_at_labels);
+        }
+        // Small blocks cut the file into several pieces (one per document at 1 byte), except a .txt read whole.
+        const bool one_doc = split == ds::TxtSplit::File && f.ends_with(".txt");
+        if (block <= 8) {
+          EXPECT_EQ(pieces, one_doc ? 1 : static_cast<int64_t>(whole.size())) << f << " " << block;
+        }
+      }
+    }
+  }
+  for (int64_t block : {1, 5, 29, 1000}) {
+    const std::string out = dir + "/ds" + std::to_string(block);
+    ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), files, out, "paragraph", 11, false, block), 0);
+    if (block != 1) continue;
+    ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), files, dir + "/ds0", "paragraph", 11), 0);
+  }
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir + "/ds0")) names.push_back(e.path().filename().string());
+  EXPECT_GE(names.size(), 6u);  // index.json, documents.bin, masked.bin, tokens / labels shards
+  for (int64_t block : {1, 5, 29, 1000})
+    for (const std::string& n : names)
+      EXPECT_EQ(ds::read_file(dir + "/ds" + std::to_string(block) + "/" + n), ds::read_file(dir + "/ds0/" + n))
+          << n << " block " << block;
+  const ds::MappedTokenStore store(dir + "/ds0");
+  EXPECT_EQ(store.num_documents(), 9);  // 5 paragraphs, 4 samples
+  // The text's label shards are written once the first masked sample comes: all ones, shard by shard.
+  ASSERT_TRUE(store.masked(6) && !store.masked(4));
+  EXPECT_EQ(ds::read_file(dir + "/ds0/labels-00000.bin"), std::string(11, '\1'));
+  store.release_pages();
+  EXPECT_EQ(store.token(store.doc_starts()[5] - 1), tok().token_to_id("<|endoftext|>"));
+  EXPECT_EQ(ds::documents_fingerprint(store, 0, 9),
+            ds::documents_fingerprint(ds::tokenize_documents(tok(), ds::read_documents(files, ds::TxtSplit::Paragraph),
+                                                             tok().token_to_id("<|endoftext|>"))));
+}
+
+TEST(Dataset, ErrorsInALaterPieceNameTheWholeFilesLineAndOffset) {
+  const std::string dir = ds::test::fresh_tmpdir("dataset_piece_errors");
+  ds::write_file_atomic(dir + "/bad.txt", "one\n\ntwo\n\nthree \xff here\n");
+  ds::write_file_atomic(dir + "/bad.jsonl", "{\"text\": \"a\"}\n{\"text\": \"b\"}\n{\"text\": \n");
+  ds::write_file_atomic(dir + "/blank.txt", " \n\r\n\t\n");
+  for (size_t block : {size_t{2}, size_t{7}, std::numeric_limits<size_t>::max()}) {
+    auto err = [&](const std::string& f) {
+      return error_of([&] {
+        std::vector<ds::LabelledText> part;
+        ds::DocumentReader r(dir + "/" + f, ds::TxtSplit::Paragraph, block);
+        while (r.next(part)) {}
+      });
+    };
+    EXPECT_NE(err("bad.txt").find("bad.txt:5: invalid UTF-8 at byte offset 16"), std::string::npos) << block;
+    EXPECT_NE(err("bad.jsonl").find("bad.jsonl:3: invalid JSON"), std::string::npos) << err("bad.jsonl");
+    EXPECT_NE(err("blank.txt").find("blank.txt: no text in this file"), std::string::npos) << err("blank.txt");
+  }
 }
 
 TEST(Dataset, CorruptOrMissingFilesAndOutputsAreNamed) {

@@ -95,6 +95,9 @@ int main(int argc, char** argv) {
   tokenize->add_option("--shard-tokens", shard_tokens, "dataset: token ids per shard file (4 bytes each)")
       ->capture_default_str();
   tokenize->add_flag("--overwrite", overwrite, overwrite_help);
+  int64_t tok_block_bytes = 0;
+  tokenize->add_option("--block-bytes", tok_block_bytes, "dataset: bytes read per piece of an input (tests)")
+      ->group("");  // hidden
 
   auto* bench = app.add_subcommand("bench", "Benchmarks: `bench ops`, `bench step --preset 2b` (GPU), `bench tokenizer` (CPU)");
   bench->require_subcommand(1);
@@ -211,7 +214,8 @@ int main(int argc, char** argv) {
       const bool to_file = output.ends_with(".jsonl") || std::filesystem::is_regular_file(output, ec);
       if (tok_format == "auto") tok_format = to_file ? "jsonl" : "dataset";
       if (tok_format == "dataset")
-        return ds::cli::cmd_tokenize_dataset(tokenizer, tok_inputs, output, txt_split, shard_tokens, overwrite);
+        return ds::cli::cmd_tokenize_dataset(tokenizer, tok_inputs, output, txt_split, shard_tokens, overwrite,
+                                             tok_block_bytes);
       if (tok_format != "jsonl")
         throw ds::Error(fmt::format("--format: unknown value \"{}\" (auto, jsonl or dataset)", tok_format));
       if (tok_inputs.size() != 1)

@@ -3,8 +3,11 @@
 // predicts across one.
 #pragma once
 #include <cstdint>
+#include <cstdio>
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "data/chat.h"
@@ -25,6 +28,38 @@ TxtSplit parse_txt_split(const std::string& s);  // "paragraph" | "line" | "file
 // (and line): missing file, a file with no text, invalid UTF-8 (with the byte offset), invalid JSON, a sample
 // parse_sample rejects (naming the field), an unknown extension.
 std::vector<LabelledText> read_documents(const std::vector<std::string>& files, TxtSplit split);
+
+// The documents of one .txt / .jsonl file, read_documents' rule, in pieces of about `block_bytes` bytes so that a
+// file larger than memory streams: a piece ends after a blank line (TxtSplit::Paragraph), after a newline (Line, and
+// every .jsonl), or at the end of the file (File: the file is one document), and is read on until such a point, so
+// a piece holds whole documents and the concatenation of the pieces' documents is exactly read_documents({file}).
+// Memory: about 2 * block_bytes plus the largest document. Errors as read_documents, naming the file and the line
+// (counted over the whole file) and the byte offset; "no text in this file" is raised at the end.
+class DocumentReader {
+ public:
+  static constexpr size_t kDefaultBlockBytes = size_t{32} << 20;
+  DocumentReader(std::string file, TxtSplit split, size_t block_bytes = kDefaultBlockBytes);
+  ~DocumentReader();
+  DocumentReader(const DocumentReader&) = delete;
+  DocumentReader& operator=(const DocumentReader&) = delete;
+  // Replaces `out` with the documents of the next piece (never empty); false (and `out` empty) at the end of the file.
+  bool next(std::vector<LabelledText>& out);
+  int64_t file_bytes() const { return file_bytes_; }
+  int64_t bytes_done() const { return done_; }  // bytes of the file in the pieces returned so far
+
+ private:
+  std::string file_;
+  TxtSplit split_;
+  bool jsonl_ = false;
+  size_t block_;
+  std::FILE* f_ = nullptr;
+  bool eof_ = false;
+  std::string buf_;         // bytes read and not yet returned; starts at a line start
+  size_t no_cut_below_ = 0;  // buf_ has no cut point ending before here (a long document read on)
+  int64_t file_bytes_ = 0, done_ = 0, lines_done_ = 0, docs_ = 0;
+  size_t find_cut() const;
+  void parse(std::string_view piece, std::vector<LabelledText>& out);
+};
 
 // Tokenizes every document (tokenize_sample; errors name the document index; read_documents has already
 // rejected invalid UTF-8 naming the file) and appends `eos` (when >= 0) to each, so the model learns where
@@ -47,20 +82,27 @@ class TokenStore {
  public:
   virtual ~TokenStore() = default;
   int64_t num_tokens() const { return num_tokens_; }
-  int64_t num_documents() const { return static_cast<int64_t>(doc_starts_.size()) - 1; }
-  const std::vector<int64_t>& doc_starts() const { return doc_starts_; }
+  int64_t num_documents() const { return num_docs_; }
+  std::span<const int64_t> doc_starts() const { return {doc_starts_, static_cast<size_t>(num_docs_ + 1)}; }
   bool has_labels() const { return !label_shards_.empty(); }
   int32_t token(int64_t t) const { return token_shards_[t / shard_][t % shard_]; }
   uint8_t label(int64_t t) const { return label_shards_[t / shard_][t % shard_]; }
   // Whether document d carried a loss mask (it hashes with it: documents_fingerprint).
-  bool masked(int64_t d) const { return !doc_masked_.empty() && doc_masked_[d]; }
+  bool masked(int64_t d) const { return doc_masked_ && doc_masked_[d]; }
+  // Drops the pages a scan of the whole store made resident from this process (a mapped store: they stay in the
+  // page cache, but no longer count as its memory); a no-op in memory.
+  virtual void release_pages() const {}
+  // Says that `windows` more windows were read (PackedDataset::batch): a mapped store releases its pages every 16
+  // (about 2 MB each: the binary search of the document offsets and the ids, with the kernel's fault-around), so
+  // that a long run's resident pages stay bounded instead of growing towards the dataset's size. Thread-safe.
+  virtual void windows_read(int64_t windows) const { (void)windows; }
 
  protected:
-  int64_t num_tokens_ = 0, shard_ = 1;
-  std::vector<int64_t> doc_starts_{0};
+  int64_t num_tokens_ = 0, shard_ = 1, num_docs_ = 0;
+  const int64_t* doc_starts_ = nullptr;  // num_docs_ + 1 values
   std::vector<const int32_t*> token_shards_;
   std::vector<const uint8_t*> label_shards_;  // empty: every position labelled
-  std::vector<uint8_t> doc_masked_;           // empty: no document masked
+  const uint8_t* doc_masked_ = nullptr;       // null: no document masked
 };
 
 // The documents concatenated in memory (labels kept only when some document is masked; an unmasked document in a
@@ -71,7 +113,8 @@ class MemoryTokenStore : public TokenStore {
 
  private:
   std::vector<int32_t> ids_;
-  std::vector<uint8_t> labels_;
+  std::vector<uint8_t> labels_, masked_;
+  std::vector<int64_t> starts_;
 };
 
 // documents_fingerprint of documents [doc_begin, doc_end) of a store: equal to the vector overload's on the same
@@ -102,7 +145,7 @@ class PackedDataset {
   int64_t seq_len_, num_windows_ = 0, max_docs_ = 1;
   std::shared_ptr<const TokenStore> store_;
   int64_t base_ = 0, end_ = 0;  // stream positions [base_, end_) of the store
-  std::vector<int64_t> starts_;  // document starts inside [base_, end_), relative to base_, then num_tokens()
+  std::span<const int64_t> starts_;  // the store's starts of documents [doc_begin, doc_end], then end_ (absolute)
   void index_windows(int64_t doc_begin, int64_t doc_end);
 };
 

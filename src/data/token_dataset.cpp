@@ -39,6 +39,8 @@ bool is_dataset_dir(const std::string& path) {
 
 namespace {
 
+constexpr size_t kBuffer = size_t{4} << 20;
+
 std::string shard_name(const char* kind, size_t i) { return fmt::format("{}-{:05d}.bin", kind, i); }
 
 int open_new(const std::string& path) {
@@ -80,50 +82,91 @@ void write_synced(const std::string& path, const void* data, size_t n) {
 
 }  // namespace
 
-DatasetWriter::DatasetWriter(std::string dir, int64_t shard_tokens) : dir_(std::move(dir)), shard_tokens_(shard_tokens) {
-  DS_CHECK(shard_tokens >= 1, "--shard-tokens must be at least 1, got {}", shard_tokens);
+void DatasetWriter::Out::open(std::string p) {
+  path = std::move(p);
+  fd = open_new(path);
+  buf.reserve(kBuffer);
 }
 
-DatasetWriter::~DatasetWriter() {
-  if (tok_fd_ >= 0) ::close(tok_fd_);
-  if (lab_fd_ >= 0) ::close(lab_fd_);
+void DatasetWriter::Out::write(const void* data, size_t n) {
+  if (buf.size() + n > kBuffer) flush();
+  if (n >= kBuffer) {
+    write_all(fd, data, n, path);
+    return;
+  }
+  const char* p = static_cast<const char*>(data);
+  buf.insert(buf.end(), p, p + n);
 }
+
+void DatasetWriter::Out::flush() {
+  if (!buf.empty()) write_all(fd, buf.data(), buf.size(), path);
+  buf.clear();
+}
+
+void DatasetWriter::Out::sync_close() {
+  if (fd < 0) return;
+  flush();
+  ds::sync_close(fd, path);
+}
+
+DatasetWriter::Out::~Out() {
+  if (fd >= 0) ::close(fd);
+}
+
+DatasetWriter::DatasetWriter(std::string dir, int64_t shard_tokens) : dir_(std::move(dir)), shard_tokens_(shard_tokens) {
+  DS_CHECK(shard_tokens >= 1, "--shard-tokens must be at least 1, got {}", shard_tokens);
+  docs_.open(dir_ + "/documents.bin");
+  masked_.open(dir_ + "/masked.bin");  // removed in finish() when nothing is masked
+}
+
+DatasetWriter::~DatasetWriter() = default;
 
 void DatasetWriter::open_shard() {
   const size_t i = shard_sizes_.size();
-  tok_fd_ = open_new(dir_ + "/" + shard_name("tokens", i));
-  lab_fd_ = open_new(dir_ + "/" + shard_name("labels", i));  // removed in finish() when nothing is masked
+  tok_.open(dir_ + "/" + shard_name("tokens", i));
+  if (any_masked_) lab_.open(dir_ + "/" + shard_name("labels", i));  // else written once a masked document comes
   shard_sizes_.push_back(0);
   in_shard_ = 0;
 }
 
 void DatasetWriter::close_shard() {
-  const size_t i = shard_sizes_.size() - 1;
-  sync_close(tok_fd_, dir_ + "/" + shard_name("tokens", i));
-  sync_close(lab_fd_, dir_ + "/" + shard_name("labels", i));
+  tok_.sync_close();
+  lab_.sync_close();
 }
 
 void DatasetWriter::add(const TokenizedSample& doc) {
   DS_CHECK(doc.loss_mask.empty() || doc.loss_mask.size() == doc.ids.size(), "document {}: {} ids but {} loss_mask "
-           "values", starts_.size(), doc.ids.size(), doc.loss_mask.size());
-  starts_.push_back(num_tokens_);
-  masked_.push_back(!doc.loss_mask.empty());
-  std::vector<uint8_t> ones;
+           "values", num_docs_, doc.ids.size(), doc.loss_mask.size());
+  docs_.write(&num_tokens_, sizeof(int64_t));
+  const uint8_t m = doc.loss_mask.empty() ? 0 : 1;
+  masked_.write(&m, 1);
+  ++num_docs_;
+  static const std::vector<uint8_t> ones(4096, 1);
+  if (m && !any_masked_) {  // the first masked document: every token so far is labelled
+    any_masked_ = true;
+    for (size_t i = 0; i < shard_sizes_.size(); ++i) {
+      const bool open = i + 1 == shard_sizes_.size() && tok_.fd >= 0;
+      Out lab;
+      Out& o = open ? lab_ : lab;
+      o.open(dir_ + "/" + shard_name("labels", i));
+      for (int64_t k = 0; k < shard_sizes_[i]; k += static_cast<int64_t>(ones.size()))
+        o.write(ones.data(), std::min<size_t>(ones.size(), static_cast<size_t>(shard_sizes_[i] - k)));
+      if (!open) o.sync_close();
+    }
+  }
   size_t done = 0;
   while (done < doc.ids.size()) {
-    if (tok_fd_ < 0 || in_shard_ == shard_tokens_) {
-      if (tok_fd_ >= 0) close_shard();
+    if (tok_.fd < 0 || in_shard_ == shard_tokens_) {
+      if (tok_.fd >= 0) close_shard();
       open_shard();
     }
     const size_t n = std::min<size_t>(doc.ids.size() - done, static_cast<size_t>(shard_tokens_ - in_shard_));
-    const size_t i = shard_sizes_.size() - 1;
-    write_all(tok_fd_, doc.ids.data() + done, n * sizeof(int32_t), dir_ + "/" + shard_name("tokens", i));
-    const uint8_t* lab = doc.loss_mask.data() + done;
-    if (doc.loss_mask.empty()) {
-      ones.assign(n, 1);
-      lab = ones.data();
+    tok_.write(doc.ids.data() + done, n * sizeof(int32_t));
+    if (any_masked_ && doc.loss_mask.empty()) {
+      for (size_t k = 0; k < n; k += ones.size()) lab_.write(ones.data(), std::min(ones.size(), n - k));
+    } else if (any_masked_) {
+      lab_.write(doc.loss_mask.data() + done, n);
     }
-    write_all(lab_fd_, lab, n, dir_ + "/" + shard_name("labels", i));
     done += n;
     in_shard_ += static_cast<int64_t>(n);
     shard_sizes_.back() += static_cast<int64_t>(n);
@@ -132,23 +175,22 @@ void DatasetWriter::add(const TokenizedSample& doc) {
 }
 
 void DatasetWriter::finish(json meta) {
-  if (tok_fd_ >= 0) close_shard();
-  const bool masked = std::find(masked_.begin(), masked_.end(), 1) != masked_.end();
-  std::vector<int64_t> offsets = starts_;
-  offsets.push_back(num_tokens_);
-  write_synced(dir_ + "/documents.bin", offsets.data(), offsets.size() * sizeof(int64_t));
-  if (masked) write_synced(dir_ + "/masked.bin", masked_.data(), masked_.size());
+  if (tok_.fd >= 0) close_shard();
+  const bool masked = any_masked_;
+  docs_.write(&num_tokens_, sizeof(int64_t));
+  docs_.sync_close();
+  masked_.sync_close();
+  if (!masked) fs::remove(dir_ + "/masked.bin");
   json shards = json::array();
   for (size_t i = 0; i < shard_sizes_.size(); ++i) {
     json s = {{"tokens", shard_name("tokens", i)}, {"num_tokens", shard_sizes_[i]}};
     if (masked) s["labels"] = shard_name("labels", i);
-    else fs::remove(dir_ + "/" + shard_name("labels", i));
     shards.push_back(s);
   }
   meta["format"] = kDatasetFormat;
   meta["version"] = kDatasetVersion;
   meta["num_tokens"] = num_tokens_;
-  meta["num_documents"] = starts_.size();
+  meta["num_documents"] = num_docs_;
   meta["shard_tokens"] = shard_tokens_;
   meta["masked"] = masked;
   meta["documents"] = "documents.bin";
@@ -248,17 +290,32 @@ MappedTokenStore::MappedTokenStore(const std::string& dir) : dir_(dir) {
   }
   const std::string df = name(index_, "documents", ix);
   const auto* offs = static_cast<const int64_t*>(map(df, static_cast<size_t>(ndocs + 1) * sizeof(int64_t), "documents"));
-  doc_starts_.assign(offs, offs + ndocs + 1);
-  DS_CHECK(doc_starts_.front() == 0 && doc_starts_.back() == num_tokens_, "{}/{}: the offsets must start at 0 and end "
-           "at num_tokens {} (they run from {} to {})", dir, df, num_tokens_, doc_starts_.front(), doc_starts_.back());
-  for (int64_t d = 0; d < ndocs; ++d)
+  num_docs_ = ndocs;
+  doc_starts_ = offs;  // read in place: no copy of a corpus' worth of offsets
+  DS_CHECK(doc_starts_[0] == 0 && doc_starts_[ndocs] == num_tokens_, "{}/{}: the offsets must start at 0 and end "
+           "at num_tokens {} (they run from {} to {})", dir, df, num_tokens_, doc_starts_[0], doc_starts_[ndocs]);
+  for (int64_t d = 0; d < ndocs; ++d) {
     DS_CHECK(doc_starts_[d] <= doc_starts_[d + 1], "{}/{}: offset {} ({}) is below offset {} ({}): offsets must not "
              "decrease", dir, df, d + 1, doc_starts_[d + 1], d, doc_starts_[d]);
+    if (d % (int64_t{1} << 23) == 0) release_pages();  // 64 MB of offsets
+  }
   if (masked) {
     const std::string mf = name(index_, "masked_documents", ix);
-    const auto* m = static_cast<const uint8_t*>(map(mf, static_cast<size_t>(ndocs), "masked_documents"));
-    doc_masked_.assign(m, m + ndocs);
+    doc_masked_ = static_cast<const uint8_t*>(map(mf, static_cast<size_t>(ndocs), "masked_documents"));
   }
+  release_pages();
+}
+
+void MappedTokenStore::windows_read(int64_t windows) const {
+  if (windows_read_.fetch_add(windows) + windows < 16) return;
+  windows_read_ = 0;
+  release_pages();
+}
+
+void MappedTokenStore::release_pages() const {
+  // MADV_DONTNEED on a read-only shared file mapping only unmaps the pages from this process (the next read faults
+  // them in again from the page cache): the bytes never change.
+  for (const Map& m : maps_) ::madvise(m.p, m.n, MADV_DONTNEED);
 }
 
 MappedTokenStore::~MappedTokenStore() {
@@ -274,6 +331,7 @@ void MappedTokenStore::check_ids(int64_t vocab_size) const {
       if (p[i] < 0 || p[i] >= vocab_size) bad = i;
     DS_CHECK(bad < 0, "{}: token {} is id {}, outside the model's vocabulary [0, {})", token_files_[s], bad, p[bad],
              vocab_size);
+    release_pages();
   }
 }
 

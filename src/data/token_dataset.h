@@ -13,6 +13,7 @@
 //   documents.bin      little-endian int64: each document's first stream position, then num_tokens
 //   masked.bin         uint8 per document: 1 where it had a loss mask (for documents_fingerprint), when masked
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -32,8 +33,10 @@ std::string tokenizer_fingerprint(const std::string& tokenizer_json);
 // Whether `path` is a directory holding an index.json.
 bool is_dataset_dir(const std::string& path);
 
-// Writes shards into an existing (empty, temporary) directory, document by document; finish() writes
-// documents.bin, masked.bin and index.json, every file fsync'ed. ds::Error naming the file on a failed write.
+// Writes shards into an existing (empty, temporary) directory, document by document, through buffers of a few MB
+// (documents.bin and masked.bin too, so memory does not grow with the corpus); label shards only from the first
+// masked document on (then the earlier tokens' labels, all 1, are written first). finish() writes index.json, every
+// file fsync'ed. ds::Error naming the file on a failed write.
 class DatasetWriter {
  public:
   DatasetWriter(std::string dir, int64_t shard_tokens);
@@ -44,14 +47,26 @@ class DatasetWriter {
   // `meta`: the caller's index.json fields (tokenizer, tokenizer_fingerprint, eos_id, sources); the rest is added.
   void finish(nlohmann::json meta);
   int64_t num_tokens() const { return num_tokens_; }
-  int64_t num_documents() const { return static_cast<int64_t>(starts_.size()); }
+  int64_t num_documents() const { return num_docs_; }
+
+  // An output file written through a buffer.
+  struct Out {
+    int fd = -1;
+    std::string path;
+    std::vector<char> buf;
+    void open(std::string p);
+    void write(const void* data, size_t n);
+    void flush();
+    void sync_close();  // flush, fsync, close
+    ~Out();
+  };
 
  private:
   std::string dir_;
-  int64_t shard_tokens_, num_tokens_ = 0, in_shard_ = 0;
-  int tok_fd_ = -1, lab_fd_ = -1;
-  std::vector<int64_t> starts_, shard_sizes_;
-  std::vector<uint8_t> masked_;
+  int64_t shard_tokens_, num_tokens_ = 0, in_shard_ = 0, num_docs_ = 0;
+  bool any_masked_ = false;
+  Out tok_, lab_, docs_, masked_;
+  std::vector<int64_t> shard_sizes_;
   void open_shard();
   void close_shard();
 };
@@ -68,6 +83,8 @@ class MappedTokenStore : public TokenStore {
   const nlohmann::json& index() const { return index_; }
   // ds::Error naming the shard and position of the first id outside [0, vocab_size).
   void check_ids(int64_t vocab_size) const;
+  void release_pages() const override;
+  void windows_read(int64_t windows) const override;
 
  private:
   std::string dir_;
@@ -77,6 +94,7 @@ class MappedTokenStore : public TokenStore {
     size_t n = 0;
   };
   std::vector<Map> maps_;
+  mutable std::atomic<int64_t> windows_read_{0};
   std::vector<std::string> token_files_;
   const void* map(const std::string& file, size_t expect_bytes, const std::string& field);
 };

@@ -12,10 +12,12 @@ namespace ds::cli {
 int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl,
                  bool overwrite = false);
 // `deltastack tokenize --format dataset`: data files (.txt / .jsonl, as `train --data` reads them) -> a
-// pre-tokenized dataset directory (data/token_dataset.h), written atomically; shards of `shard_tokens` ids.
+// pre-tokenized dataset directory (data/token_dataset.h), written atomically; shards of `shard_tokens` ids. Each
+// input is read in pieces of about `block_bytes` bytes (0: DocumentReader's default, 32 MiB; the hidden option
+// --block-bytes, for tests) whatever its size; the output is the same for any piece size.
 int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<std::string>& inputs,
                          const std::string& output_dir, const std::string& txt_split = "paragraph",
-                         int64_t shard_tokens = 16 << 20, bool overwrite = false);
+                         int64_t shard_tokens = 16 << 20, bool overwrite = false, int64_t block_bytes = 0);
 
 // `deltastack forward`: HF-parity forward (and backward) on a safetensors input file. IN holds input_ids
 // (int [B, T]) and optionally labels (int [B, T], HF convention: shifted inside, -100 ignored) and cu_seqlens

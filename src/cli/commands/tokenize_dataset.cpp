@@ -2,8 +2,10 @@
 // (data/token_dataset.h) that `train --data DIR` maps instead of tokenizing into memory.
 //
 // Documents are those training reads (read_documents with --txt-split, tokenize_documents with the <|endoftext|>
-// separator and the chat / completion loss masks), one input file at a time, so memory holds one file's documents,
-// not the corpus. The directory is written as "<DIR>.tmp.<pid>" (every file fsync'ed), then renamed to DIR and the
+// separator and the chat / completion loss masks), read by DocumentReader in pieces of about `block_bytes` (32 MiB;
+// whole documents each) and tokenized piece by piece on all cores, so memory holds one piece's documents, not a file
+// (a file larger than memory streams) nor the corpus; the output does not depend on the piece size. Progress (% of
+// the input bytes, MB/s) goes to stderr every 5 s and after each file. The directory is written as "<DIR>.tmp.<pid>" (every file fsync'ed), then renamed to DIR and the
 // parent fsync'ed: a failed or killed run leaves no DIR (or the previous one). An existing DIR is replaced only with
 // --overwrite and only when it is a dataset directory (an index.json) or empty; never one holding an input.
 #include <unistd.h>
@@ -62,7 +64,7 @@ void check_dataset_output(const std::string& out, const std::vector<std::string>
 
 int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<std::string>& inputs,
                          const std::string& output_dir, const std::string& txt_split, int64_t shard_tokens,
-                         bool overwrite) {
+                         bool overwrite, int64_t block_bytes) {
   DS_CHECK(!inputs.empty(), "--input: no input files given");
   DS_CHECK(shard_tokens >= 1, "--shard-tokens must be at least 1, got {}", shard_tokens);
   const TxtSplit split = parse_txt_split(txt_split);
@@ -79,15 +81,33 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
   try {
     DatasetWriter w(tmp, shard_tokens);
     const auto t0 = std::chrono::steady_clock::now();
-    double bytes = 0;
+    auto last = t0;
+    int64_t total_bytes = 0, bytes = 0;
+    for (const std::string& f : inputs) total_bytes += static_cast<int64_t>(fs::file_size(f, ec));
+    std::vector<LabelledText> part;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      const std::vector<TokenizedSample> docs = tokenize_documents(tok, read_documents({inputs[i]}, split), eos);
-      for (const TokenizedSample& d : docs) w.add(d);
-      bytes += static_cast<double>(fs::file_size(inputs[i], ec));
+      DocumentReader r(inputs[i], split, block_bytes > 0 ? static_cast<size_t>(block_bytes)
+                                                         : DocumentReader::kDefaultBlockBytes);
+      int64_t file_docs = 0;
+      while (r.next(part)) {
+        const std::vector<TokenizedSample> docs = tokenize_documents(tok, part, eos);
+        for (const TokenizedSample& d : docs) w.add(d);
+        file_docs += static_cast<int64_t>(docs.size());
+        const auto now = std::chrono::steady_clock::now();
+        if (now - last < std::chrono::seconds(5)) continue;
+        last = now;
+        const double s = std::chrono::duration<double>(now - t0).count(), done = double(bytes + r.bytes_done());
+        log_info("tokenize: [{}/{}] {}: {:.1f} % of {:.1f} MB; {:.1f} of {:.1f} MB in all ({:.1f} %), {} tokens, "
+                 "{:.1f} s, {:.2f} MB/s", i + 1, inputs.size(), inputs[i],
+                 r.file_bytes() > 0 ? 100.0 * double(r.bytes_done()) / double(r.file_bytes()) : 100.0,
+                 double(r.file_bytes()) / 1e6, done / 1e6, double(total_bytes) / 1e6,
+                 total_bytes > 0 ? 100.0 * done / double(total_bytes) : 100.0, w.num_tokens(), s, done / 1e6 / s);
+      }
+      bytes += r.bytes_done();
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       log_info("tokenize: [{}/{}] {}: {} documents; {} documents, {} tokens, {:.1f} MB in {:.1f} s ({:.2f} MB/s)",
-               i + 1, inputs.size(), inputs[i], docs.size(), w.num_documents(), w.num_tokens(), bytes / 1e6, s,
-               s > 0 ? bytes / 1e6 / s : 0.0);
+               i + 1, inputs.size(), inputs[i], file_docs, w.num_documents(), w.num_tokens(), double(bytes) / 1e6, s,
+               s > 0 ? double(bytes) / 1e6 / s : 0.0);
     }
     std::vector<std::string> sources;
     for (const std::string& f : inputs) sources.push_back(fs::absolute(f).lexically_normal().string());
