@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <functional>
 #include <initializer_list>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -743,5 +745,62 @@ TEST(RunSafety, SaveRefusedWhenTheDiskIsTooSmall) {
   EXPECT_FALSE(fs::exists(out + "/checkpoint-1"));
   const std::string metrics = read_or_empty(out + "/metrics.jsonl");
   EXPECT_TRUE(contains(metrics, "\"step\":1,")) << metrics;
+  fs::remove_all(dir);
+}
+
+// 9. A metrics line that cannot be written (the disk fills while the run trains; here a file-size limit, EFBIG,
+// reached by metrics.jsonl alone) stops the run with an error naming the file and the checkpoint to resume: it
+// neither trains on without its metrics (an ofstream in a failed state silently dropped every later line, and the
+// run ended "done" with exit 0) nor leaves a torn line. A resume once there is room writes every step's line again.
+TEST(RunSafety, AMetricsLineThatCannotBeWrittenStopsTheRun) {
+  const std::string dir = tmpdir("metricsfull");
+  const std::string out = dir + "/o";
+  const std::string args = small_setup(dir) + " --threads 1";
+  std::string log;
+  ASSERT_EQ(run("train " + args + " --steps 2 --out " + out, &log), 0) << log;
+  const std::string run_id =
+      json::parse(ds::read_file(out + "/checkpoint-2/trainer_state.json"))["run_id"].get<std::string>();
+  // A large line of the run's own (kept by a resume in its directory) puts metrics.jsonl far above every checkpoint
+  // file, so that a size limit just above it fails only the metrics appends.
+  {
+    const json pad{{"step", 2}, {"run_id", run_id}, {"pad", std::string(25000000, 'x')}};
+    std::FILE* f = std::fopen((out + "/metrics.jsonl").c_str(), "a");
+    ASSERT_NE(f, nullptr);
+    const std::string line = pad.dump() + "\n";
+    std::fwrite(line.data(), 1, line.size(), f);
+    std::fclose(f);
+  }
+  const auto size = static_cast<rlim_t>(fs::file_size(out + "/metrics.jsonl"));
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    FILE* f = std::fopen((dir + "/log").c_str(), "a");
+    if (f) {
+      ::dup2(::fileno(f), 1);
+      ::dup2(::fileno(f), 2);
+    }
+    ::signal(SIGXFSZ, SIG_IGN);  // writes past the limit fail with EFBIG instead of killing the process
+    const struct rlimit lim{size + 300, size + 300};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    ds::test::exec_deltastack("train --resume " + out + "/checkpoint-2 --steps 12 --threads 1");
+  }
+  EXPECT_EQ(wait_exit(pid), 1) << read_or_empty(dir + "/log");
+  log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "metrics.jsonl: cannot append the metrics line of step")) << log;
+  EXPECT_TRUE(contains(log, "resume with: deltastack train --resume " + out + "/checkpoint-2")) << log;
+  EXPECT_FALSE(contains(log, "done: 12 steps")) << log;
+  const std::string text = ds::read_file(out + "/metrics.jsonl");
+  ASSERT_FALSE(text.empty());
+  EXPECT_EQ(text.back(), '\n') << "a torn last line";
+  EXPECT_LE(fs::file_size(out + "/metrics.jsonl"), size + 300);
+  std::vector<json> lines;
+  ASSERT_NO_THROW(lines = ds::test::metrics(out + "/metrics.jsonl"));
+  // With room again the same resume continues: every step 1..12 has its line, in order, none twice.
+  ASSERT_EQ(run("train --resume " + out + "/checkpoint-2 --steps 12 --threads 1", &log), 0) << log;
+  std::vector<int64_t> steps;
+  for (const json& j : ds::test::metrics(out + "/metrics.jsonl"))
+    if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
+  std::vector<int64_t> want(12);
+  std::iota(want.begin(), want.end(), int64_t{1});
+  EXPECT_EQ(steps, want);
   fs::remove_all(dir);
 }
