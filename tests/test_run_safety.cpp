@@ -804,3 +804,27 @@ TEST(RunSafety, AMetricsLineThatCannotBeWrittenStopsTheRun) {
   EXPECT_EQ(steps, want);
   fs::remove_all(dir);
 }
+
+// 10. A run directory renamed while its run trains (`mv runs/a runs/b`): the lock and metrics.jsonl are open files
+// and go with it, so the later checkpoints must too. Before, each save recreated the old path and wrote the
+// checkpoints there, apart from the metrics and with no lock held (a second run could take that directory).
+TEST(RunSafety, ARunDirectoryMovedWhileTrainingKeepsItsCheckpointsWithItsMetrics) {
+  const std::string dir = tmpdir("movedout");
+  const std::string out = dir + "/o", moved = dir + "/moved";
+  const pid_t pid = spawn("train " + small_setup(dir) + " --threads 1 --steps 60 --save-interval 30 --out " + out,
+                          dir + "/log");
+  ASSERT_TRUE(wait_for([&] { return contains(read_or_empty(out + "/metrics.jsonl"), "\"step\":3,"); }))
+      << read_or_empty(dir + "/log");
+  fs::rename(out, moved);
+  EXPECT_EQ(wait_exit(pid), 0) << read_or_empty(dir + "/log");
+  EXPECT_FALSE(fs::exists(out)) << "the old path was recreated";
+  EXPECT_TRUE(fs::exists(moved + "/checkpoint-30/trainer_state.json"));
+  EXPECT_TRUE(fs::exists(moved + "/checkpoint-60/trainer_state.json"));
+  EXPECT_EQ(last_step(moved + "/metrics.jsonl"), 60);
+  EXPECT_TRUE(contains(read_or_empty(dir + "/log"), "was moved to " + moved)) << read_or_empty(dir + "/log");
+  // It resumes in its new place as its own run.
+  std::string log;
+  EXPECT_EQ(run("train --resume " + moved + "/checkpoint-60 --steps 62 --threads 1", &log), 0) << log;
+  EXPECT_EQ(last_step(moved + "/metrics.jsonl"), 62);
+  fs::remove_all(dir);
+}

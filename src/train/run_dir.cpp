@@ -58,6 +58,16 @@ RunDirectory::~RunDirectory() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
+std::string RunDirectory::current_path() const {
+  char buf[4096];
+  const std::string link = "/proc/self/fd/" + std::to_string(fd_);
+  const ssize_t n = ::readlink(link.c_str(), buf, sizeof(buf) - 1);
+  if (n <= 0) return "";
+  const std::string p(buf, static_cast<size_t>(n));
+  if (p.size() >= 10 && p.compare(p.size() - 10, 10, " (deleted)") == 0) return "";
+  return fs::path(p).parent_path().string();
+}
+
 void RunDirectory::remove_stale_temps(const std::string& keep) const {
   std::vector<fs::path> stale;
   for (const auto& e : fs::directory_iterator(path_)) {

@@ -600,6 +600,19 @@ int train(TrainOptions cli) {
     progress.elapsed_s = elapsed();
     engine->gather_for_save();  // a sharded optimizer state, whole on every rank until the save is written
     if (root) {  // every rank holds the same weights and (gathered) optimizer state: rank 0's copy is the checkpoint
+      // A run directory renamed while the run trained: the lock and metrics.jsonl (open files) went with it, so the
+      // checkpoints follow them there instead of recreating --out's old path, unlocked and without its metrics.
+      const std::string now = run_dir->current_path();
+      DS_CHECK(!now.empty(), "--out {}: the run directory was deleted while the run trained; not saving "
+               "checkpoint-{}{}", opt.out, progress.step,
+               saved_dir.empty() ? std::string() : fmt::format(" (the last checkpoint was {})", saved_dir));
+      std::error_code ec;
+      if (!fs::equivalent(now, opt.out, ec)) {
+        log_warn("--out {} was moved to {} while the run trained: saving there, beside its lock and metrics",
+                 opt.out, now);
+        opt.out = now;
+        checkpoints.move_to(now);
+      }
       metrics->sync();  // the lines up to this step are durable before the checkpoint is
       checkpoints.save(*engine, progress, [&](const std::string& dir) {  // before --keep-last prunes the older ones
         saved_dir = dir;
