@@ -828,3 +828,20 @@ TEST(RunSafety, ARunDirectoryMovedWhileTrainingKeepsItsCheckpointsWithItsMetrics
   EXPECT_EQ(last_step(moved + "/metrics.jsonl"), 62);
   fs::remove_all(dir);
 }
+
+// 11. A metrics.jsonl in --out that is a link (here to the run's own corpus) is refused: the run appended its JSON
+// lines to whatever it pointed at (lines that do not parse counted as no other run's), changing an input.
+TEST(RunSafety, AMetricsFileThatIsALinkIsRefused) {
+  const std::string dir = tmpdir("metricslink");
+  const std::string out = dir + "/o";
+  const std::string args = small_setup(dir) + " --threads 1 --steps 2 --out " + out;
+  ds::write_file_atomic(dir + "/corpus.txt", ds::read_file(dir + "/corpus.txt") + "\n");
+  const std::string before = ds::read_file(dir + "/corpus.txt");
+  fs::create_directories(out);
+  fs::create_symlink(dir + "/corpus.txt", out + "/metrics.jsonl");
+  std::string log;
+  EXPECT_EQ(run("train " + args, &log), 1) << log;
+  EXPECT_TRUE(contains(log, "metrics.jsonl is a symbolic link, not a regular file")) << log;
+  EXPECT_EQ(ds::read_file(dir + "/corpus.txt"), before) << "the input was written to";
+  fs::remove_all(dir);
+}

@@ -152,7 +152,11 @@ void RunDirectory::claim(const std::string& run_id, bool legacy_lines_are_ours, 
   for (const auto& e : fs::directory_iterator(path_)) {
     const std::string n = e.path().filename().string();
     if (n == kMetricsName || n == kAbandonedMetricsName) {
-      if (e.is_regular_file() && metrics_of_another_run(e.path().string(), run_id, legacy_lines_are_ours))
+      // The run appends to these: a link (to the corpus, another run's file) or a device would receive its lines.
+      DS_CHECK(e.is_regular_file() && !e.is_symlink(), "--out {}: {} is {}, not a regular file; the run appends its "
+               "metrics there and would write into what it points at. Move it away", path_, e.path().string(),
+               e.is_symlink() ? "a symbolic link" : "no regular file");
+      if (metrics_of_another_run(e.path().string(), run_id, legacy_lines_are_ours))
         foreign.push_back(n);
     } else if (checkpoint_step(n) >= 0 && e.is_directory() && checkpoint_owner(e.path()).run_id != run_id) {
       foreign.push_back(n);
