@@ -5,6 +5,7 @@
 //     grad norm agrees to 1e-6 (only the order of the gradient sum over ranks differs); a resume 2 -> 1 -> 2 ranks
 //     continues the same run; a failing rank stops every rank with that rank named, never a hang.
 #include <gtest/gtest.h>
+#include <functional>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -119,7 +120,9 @@ namespace {
 
 // `mpirun -np N deltastack <args>` (shared-memory transport, no binding; as root where the tests run as root),
 // output in *log; the exit code, or -1 when it had to be killed after `timeout_s` (a hang).
-int run_mpi(int np, const std::string& args, std::string* log, int timeout_s = 120) {
+// `during(mpirun's pid)`, when given, runs while the job does (e.g. to signal it).
+int run_mpi(int np, const std::string& args, std::string* log, int timeout_s = 120,
+            const std::function<void(pid_t)>& during = nullptr) {
   const std::string path = ds::test::fresh_tmpdir("dist_mpi_log") + "/log";
   pid_t pid = ::fork();
   if (pid == 0) {
@@ -143,6 +146,7 @@ int run_mpi(int np, const std::string& args, std::string* log, int timeout_s = 1
   }
   int st = 0;
   const auto t0 = std::chrono::steady_clock::now();
+  if (during) during(pid);
   while (::waitpid(pid, &st, WNOHANG) == 0) {
     if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(timeout_s)) {
       ::kill(-pid, SIGKILL);
@@ -289,6 +293,40 @@ TEST(DistMpi, AFailingRankStopsEveryRank) {
   EXPECT_NE(log.find("error on rank 1 of 2: step 3: failure injected"), std::string::npos) << log;
   EXPECT_TRUE(fs::exists(dir + "/o/checkpoint-2/trainer_state.json"));
   EXPECT_FALSE(fs::exists(dir + "/o/checkpoint-4"));
+  fs::remove_all(dir);
+}
+
+// Stopping a run under mpirun with a checkpoint: mpirun turns SIGINT / SIGTERM into SIGTERM to every rank and
+// SIGKILL a second later (Open MPI's odls_base_sigkill_timeout), before a step and a save of any real size end, so
+// the run was killed with nothing saved (its temp dir left). mpirun forwards SIGUSR1 as it is: every rank finishes
+// the step, rank 0 saves (here a save longer than that second), and all exit 128 + 10.
+TEST(DistMpi, SigusrToMpirunSavesACheckpoint) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_usr1");
+  const std::string out = dir + "/o";
+  ::setenv("DELTASTACK_TEST_SAVE_PAUSE_MS", "2500", 1);
+  std::string log;
+  const int rc = run_mpi(2, "train " + ds::test::small_setup(dir) + " --threads 1 --steps 100000 --out " + out, &log,
+                         120, [&](pid_t mpirun) {
+                           const auto t0 = std::chrono::steady_clock::now();
+                           while (std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) {
+                             const std::string m = out + "/metrics.jsonl";
+                             if (ds::file_exists(m) && ds::read_file(m).find("\"step\":3,") != std::string::npos) break;
+                             std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                           }
+                           ::kill(mpirun, SIGUSR1);
+                         });
+  ::unsetenv("DELTASTACK_TEST_SAVE_PAUSE_MS");
+  EXPECT_EQ(rc, 138) << log;
+  EXPECT_NE(log.find("stopped by SIGUSR1 after step"), std::string::npos) << log;
+  int64_t saved = -1;
+  for (const auto& e : fs::directory_iterator(out)) {
+    const std::string n = e.path().filename().string();
+    EXPECT_EQ(n.find(".tmp"), std::string::npos) << "left behind: " << n;
+    if (n.rfind("checkpoint-", 0) == 0) saved = std::max<int64_t>(saved, std::stoll(n.substr(11)));
+  }
+  ASSERT_GE(saved, 3) << log;
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-" + std::to_string(saved) + "/optimizer.safetensors"));
+  EXPECT_EQ(records(out + "/metrics.jsonl").loss.rbegin()->first, saved);
   fs::remove_all(dir);
 }
 

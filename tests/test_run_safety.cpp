@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include <filesystem>
 #include <functional>
 #include <initializer_list>
+#include <numeric>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -743,5 +745,103 @@ TEST(RunSafety, SaveRefusedWhenTheDiskIsTooSmall) {
   EXPECT_FALSE(fs::exists(out + "/checkpoint-1"));
   const std::string metrics = read_or_empty(out + "/metrics.jsonl");
   EXPECT_TRUE(contains(metrics, "\"step\":1,")) << metrics;
+  fs::remove_all(dir);
+}
+
+// 9. A metrics line that cannot be written (the disk fills while the run trains; here a file-size limit, EFBIG,
+// reached by metrics.jsonl alone) stops the run with an error naming the file and the checkpoint to resume: it
+// neither trains on without its metrics (an ofstream in a failed state silently dropped every later line, and the
+// run ended "done" with exit 0) nor leaves a torn line. A resume once there is room writes every step's line again.
+TEST(RunSafety, AMetricsLineThatCannotBeWrittenStopsTheRun) {
+  const std::string dir = tmpdir("metricsfull");
+  const std::string out = dir + "/o";
+  const std::string args = small_setup(dir) + " --threads 1";
+  std::string log;
+  ASSERT_EQ(run("train " + args + " --steps 2 --out " + out, &log), 0) << log;
+  const std::string run_id =
+      json::parse(ds::read_file(out + "/checkpoint-2/trainer_state.json"))["run_id"].get<std::string>();
+  // A large line of the run's own (kept by a resume in its directory) puts metrics.jsonl far above every checkpoint
+  // file, so that a size limit just above it fails only the metrics appends.
+  {
+    const json pad{{"step", 2}, {"run_id", run_id}, {"pad", std::string(25000000, 'x')}};
+    std::FILE* f = std::fopen((out + "/metrics.jsonl").c_str(), "a");
+    ASSERT_NE(f, nullptr);
+    const std::string line = pad.dump() + "\n";
+    std::fwrite(line.data(), 1, line.size(), f);
+    std::fclose(f);
+  }
+  const auto size = static_cast<rlim_t>(fs::file_size(out + "/metrics.jsonl"));
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    FILE* f = std::fopen((dir + "/log").c_str(), "a");
+    if (f) {
+      ::dup2(::fileno(f), 1);
+      ::dup2(::fileno(f), 2);
+    }
+    ::signal(SIGXFSZ, SIG_IGN);  // writes past the limit fail with EFBIG instead of killing the process
+    const struct rlimit lim{size + 300, size + 300};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    ds::test::exec_deltastack("train --resume " + out + "/checkpoint-2 --steps 12 --threads 1");
+  }
+  EXPECT_EQ(wait_exit(pid), 1) << read_or_empty(dir + "/log");
+  log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "metrics.jsonl: cannot append the metrics line of step")) << log;
+  EXPECT_TRUE(contains(log, "resume with: deltastack train --resume " + out + "/checkpoint-2")) << log;
+  EXPECT_FALSE(contains(log, "done: 12 steps")) << log;
+  const std::string text = ds::read_file(out + "/metrics.jsonl");
+  ASSERT_FALSE(text.empty());
+  EXPECT_EQ(text.back(), '\n') << "a torn last line";
+  EXPECT_LE(fs::file_size(out + "/metrics.jsonl"), size + 300);
+  std::vector<json> lines;
+  ASSERT_NO_THROW(lines = ds::test::metrics(out + "/metrics.jsonl"));
+  // With room again the same resume continues: every step 1..12 has its line, in order, none twice.
+  ASSERT_EQ(run("train --resume " + out + "/checkpoint-2 --steps 12 --threads 1", &log), 0) << log;
+  std::vector<int64_t> steps;
+  for (const json& j : ds::test::metrics(out + "/metrics.jsonl"))
+    if (j.contains("loss")) steps.push_back(j["step"].get<int64_t>());
+  std::vector<int64_t> want(12);
+  std::iota(want.begin(), want.end(), int64_t{1});
+  EXPECT_EQ(steps, want);
+  fs::remove_all(dir);
+}
+
+// 10. A run directory renamed while its run trains (`mv runs/a runs/b`): the lock and metrics.jsonl are open files
+// and go with it, so the later checkpoints must too. Before, each save recreated the old path and wrote the
+// checkpoints there, apart from the metrics and with no lock held (a second run could take that directory).
+TEST(RunSafety, ARunDirectoryMovedWhileTrainingKeepsItsCheckpointsWithItsMetrics) {
+  const std::string dir = tmpdir("movedout");
+  const std::string out = dir + "/o", moved = dir + "/moved";
+  const pid_t pid = spawn("train " + small_setup(dir) + " --threads 1 --steps 60 --save-interval 30 --out " + out,
+                          dir + "/log");
+  ASSERT_TRUE(wait_for([&] { return contains(read_or_empty(out + "/metrics.jsonl"), "\"step\":3,"); }))
+      << read_or_empty(dir + "/log");
+  fs::rename(out, moved);
+  EXPECT_EQ(wait_exit(pid), 0) << read_or_empty(dir + "/log");
+  EXPECT_FALSE(fs::exists(out)) << "the old path was recreated";
+  EXPECT_TRUE(fs::exists(moved + "/checkpoint-30/trainer_state.json"));
+  EXPECT_TRUE(fs::exists(moved + "/checkpoint-60/trainer_state.json"));
+  EXPECT_EQ(last_step(moved + "/metrics.jsonl"), 60);
+  EXPECT_TRUE(contains(read_or_empty(dir + "/log"), "was moved to " + moved)) << read_or_empty(dir + "/log");
+  // It resumes in its new place as its own run.
+  std::string log;
+  EXPECT_EQ(run("train --resume " + moved + "/checkpoint-60 --steps 62 --threads 1", &log), 0) << log;
+  EXPECT_EQ(last_step(moved + "/metrics.jsonl"), 62);
+  fs::remove_all(dir);
+}
+
+// 11. A metrics.jsonl in --out that is a link (here to the run's own corpus) is refused: the run appended its JSON
+// lines to whatever it pointed at (lines that do not parse counted as no other run's), changing an input.
+TEST(RunSafety, AMetricsFileThatIsALinkIsRefused) {
+  const std::string dir = tmpdir("metricslink");
+  const std::string out = dir + "/o";
+  const std::string args = small_setup(dir) + " --threads 1 --steps 2 --out " + out;
+  ds::write_file_atomic(dir + "/corpus.txt", ds::read_file(dir + "/corpus.txt") + "\n");
+  const std::string before = ds::read_file(dir + "/corpus.txt");
+  fs::create_directories(out);
+  fs::create_symlink(dir + "/corpus.txt", out + "/metrics.jsonl");
+  std::string log;
+  EXPECT_EQ(run("train " + args, &log), 1) << log;
+  EXPECT_TRUE(contains(log, "metrics.jsonl is a symbolic link, not a regular file")) << log;
+  EXPECT_EQ(ds::read_file(dir + "/corpus.txt"), before) << "the input was written to";
   fs::remove_all(dir);
 }

@@ -70,6 +70,12 @@ class Checkpoints {
   void prune(int64_t step);
 
   TrainOptions opt_;
+
+ public:
+  // The run directory moved (renamed while the run trained): later saves go to `out`.
+  void move_to(const std::string& out) { opt_.out = out; }
+
+ private:
   int64_t start_step_;
   std::string run_id_;
   std::string session_id_;  // this process: --keep-last prunes its saves, and the run's up to the resumed step

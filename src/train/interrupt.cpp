@@ -18,7 +18,7 @@ volatile sig_atomic_t g_signal = 0;
 constexpr size_t kMessageBytes = 4096;
 char g_messages[2][kMessageBytes];
 std::atomic<int> g_message{-1};
-struct sigaction g_old_int, g_old_term;
+struct sigaction g_old_int, g_old_term, g_old_usr1;
 
 void write_all(const char* s, size_t n) {
   while (n > 0) {
@@ -33,10 +33,12 @@ void write_all(const char* s, size_t n) {
 void on_signal(int sig) {
   if (g_signal == 0) {
     g_signal = sig;
-    const char* m = sig == SIGINT ? "\n[deltastack] SIGINT: finishing the current step, then saving a checkpoint "
-                                    "(a second signal stops at once)\n"
-                                  : "\n[deltastack] SIGTERM: finishing the current step, then saving a checkpoint "
-                                    "(a second signal stops at once)\n";
+    const char* m = sig == SIGINT    ? "\n[deltastack] SIGINT: finishing the current step, then saving a checkpoint "
+                                       "(a second signal stops at once)\n"
+                    : sig == SIGUSR1 ? "\n[deltastack] SIGUSR1: finishing the current step, then saving a checkpoint "
+                                       "(a second signal stops at once)\n"
+                                     : "\n[deltastack] SIGTERM: finishing the current step, then saving a checkpoint "
+                                       "(a second signal stops at once)\n";
     write_all(m, std::strlen(m));
     return;
   }
@@ -56,13 +58,17 @@ InterruptGuard::InterruptGuard() {
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
   sa.sa_flags = SA_RESTART;
-  DS_CHECK(::sigaction(SIGINT, &sa, &g_old_int) == 0 && ::sigaction(SIGTERM, &sa, &g_old_term) == 0,
-           "cannot install the SIGINT / SIGTERM handlers");
+  // SIGUSR1 too: Open MPI's mpirun turns a SIGINT / SIGTERM into SIGTERM to every rank and SIGKILL one second
+  // later (odls_base_sigkill_timeout), too soon for a step and a save, but forwards SIGUSR1 as it is.
+  DS_CHECK(::sigaction(SIGINT, &sa, &g_old_int) == 0 && ::sigaction(SIGTERM, &sa, &g_old_term) == 0 &&
+               ::sigaction(SIGUSR1, &sa, &g_old_usr1) == 0,
+           "cannot install the SIGINT / SIGTERM / SIGUSR1 handlers");
 }
 
 InterruptGuard::~InterruptGuard() {
   ::sigaction(SIGINT, &g_old_int, nullptr);
   ::sigaction(SIGTERM, &g_old_term, nullptr);
+  ::sigaction(SIGUSR1, &g_old_usr1, nullptr);
 }
 
 int InterruptGuard::signal() const { return g_signal; }
@@ -79,6 +85,7 @@ void InterruptGuard::set_last_checkpoint(const std::string& path) {
 std::string signal_name(int sig) {
   if (sig == SIGINT) return "SIGINT";
   if (sig == SIGTERM) return "SIGTERM";
+  if (sig == SIGUSR1) return "SIGUSR1";
   return "signal " + std::to_string(sig);
 }
 

@@ -1,4 +1,4 @@
-// SIGINT / SIGTERM during training (docs/checkpoints.md, "Signals"): the first signal asks the loop to stop after
+// SIGINT / SIGTERM / SIGUSR1 during training (docs/checkpoints.md, "Signals"): the first signal asks the loop to stop after
 // the step in progress (the trainer then saves a checkpoint and says how to resume); a second one stops the process
 // at once, naming the last complete checkpoint. SIGPIPE is ignored by the CLI (src/cli/main.cpp), so a closed
 // stdout never kills a run.
@@ -15,13 +15,14 @@ class InterruptGuard {
   InterruptGuard(const InterruptGuard&) = delete;
   InterruptGuard& operator=(const InterruptGuard&) = delete;
 
-  // 0, or the first signal received (SIGINT or SIGTERM).
+  // 0, or the first signal received (SIGINT, SIGTERM, or SIGUSR1: what Open MPI's mpirun forwards to the ranks
+  // without killing them a second later, as it does after the SIGTERM it sends for a SIGINT / SIGTERM).
   int signal() const;
   // The checkpoint a second signal names (the newest complete one); empty: none yet.
   void set_last_checkpoint(const std::string& path);
 };
 
-// "SIGINT" / "SIGTERM" / "signal N".
+// "SIGINT" / "SIGTERM" / "SIGUSR1" / "signal N".
 std::string signal_name(int sig);
 
 }  // namespace ds

@@ -58,6 +58,16 @@ RunDirectory::~RunDirectory() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
+std::string RunDirectory::current_path() const {
+  char buf[4096];
+  const std::string link = "/proc/self/fd/" + std::to_string(fd_);
+  const ssize_t n = ::readlink(link.c_str(), buf, sizeof(buf) - 1);
+  if (n <= 0) return "";
+  const std::string p(buf, static_cast<size_t>(n));
+  if (p.size() >= 10 && p.compare(p.size() - 10, 10, " (deleted)") == 0) return "";
+  return fs::path(p).parent_path().string();
+}
+
 void RunDirectory::remove_stale_temps(const std::string& keep) const {
   std::vector<fs::path> stale;
   for (const auto& e : fs::directory_iterator(path_)) {
@@ -142,7 +152,11 @@ void RunDirectory::claim(const std::string& run_id, bool legacy_lines_are_ours, 
   for (const auto& e : fs::directory_iterator(path_)) {
     const std::string n = e.path().filename().string();
     if (n == kMetricsName || n == kAbandonedMetricsName) {
-      if (e.is_regular_file() && metrics_of_another_run(e.path().string(), run_id, legacy_lines_are_ours))
+      // The run appends to these: a link (to the corpus, another run's file) or a device would receive its lines.
+      DS_CHECK(e.is_regular_file() && !e.is_symlink(), "--out {}: {} is {}, not a regular file; the run appends its "
+               "metrics there and would write into what it points at. Move it away", path_, e.path().string(),
+               e.is_symlink() ? "a symbolic link" : "no regular file");
+      if (metrics_of_another_run(e.path().string(), run_id, legacy_lines_are_ours))
         foreign.push_back(n);
     } else if (checkpoint_step(n) >= 0 && e.is_directory() && checkpoint_owner(e.path()).run_id != run_id) {
       foreign.push_back(n);

@@ -20,6 +20,10 @@ class RunDirectory {
   RunDirectory& operator=(const RunDirectory&) = delete;
 
   const std::string& path() const { return path_; }
+  // Where the locked directory is now (a run directory renamed while the run trains keeps its lock and metrics
+  // file with it, but `path()` would name the old place): the lock file's current path's parent, from
+  // /proc/self/fd. "" when it was deleted or cannot be told.
+  std::string current_path() const;
   // The lock file's name inside the run directory.
   static constexpr const char* kLockName = ".deltastack.lock";
 

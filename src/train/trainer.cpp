@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -279,23 +280,60 @@ class MetricsLog {
         write_file_atomic(path_, kept);
       }
     }
-    file_.open(path_, std::ios::app);
-    DS_CHECK(file_.good(), "{}: cannot open for appending", path_);
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    DS_CHECK(fd_ >= 0, "{}: cannot open for appending ({})", path_, std::strerror(errno));
   }
+  ~MetricsLog() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
   // Whether the kept history holds an evaluation at `step` (a resume in its own directory).
   bool has_eval(int64_t step) const { return evals_.count(step) > 0; }
+  // Appends one line. A line that cannot be written whole (a full disk, a quota, an I/O error) stops the run with
+  // an error instead of training on without its metrics: the file is cut back to its last complete line, so no
+  // torn line is left and every later line would be missing (an ofstream in a failed state drops them all).
   void write(json j) {
     if (!run_id_.empty()) j["run_id"] = run_id_;
-    if (!resumed_from_.is_null()) j["resumed_from"] = std::exchange(resumed_from_, nullptr);
-    file_ << j.dump() << "\n";
-    file_.flush();
+    if (!resumed_from_.is_null()) j["resumed_from"] = resumed_from_;
+    const std::string line = j.dump() + "\n";
+    struct stat st {};
+    const bool sized = ::fstat(fd_, &st) == 0;
+    size_t done = 0;
+    int err = 0;
+    while (done < line.size()) {
+      const ssize_t w = ::write(fd_, line.data() + done, line.size() - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        err = w < 0 ? errno : ENOSPC;
+        break;
+      }
+      done += static_cast<size_t>(w);
+    }
+    if (done == line.size()) {
+      resumed_from_ = nullptr;  // written: only the branch's first line carries it
+      return;
+    }
+    if (sized && ::ftruncate(fd_, st.st_size) != 0)
+      log_warn("{}: could not cut the partial line off ({})", path_, std::strerror(errno));
+    fail("{}: cannot append the metrics line of step {} ({}); stopping rather than training on without its metrics. "
+         "{}", path_, j.value("step", int64_t{-1}), std::strerror(err),
+         last_checkpoint_.empty() ? std::string("This run has saved no checkpoint yet")
+                                  : fmt::format("Free space, then resume with: deltastack train --resume {}",
+                                                last_checkpoint_));
   }
+  // Makes the lines written so far durable (before a checkpoint of their step is: a crash of the machine must not
+  // keep the checkpoint and lose the metrics lines up to it, which the resume would never write again).
+  void sync() {
+    if (::fsync(fd_) != 0) fail("{}: fsync failed ({})", path_, std::strerror(errno));
+  }
+  void set_last_checkpoint(const std::string& dir) { last_checkpoint_ = dir; }
   const std::string& path() const { return path_; }
 
  private:
-  std::string path_, run_id_;
+  std::string path_, run_id_, last_checkpoint_;
   json resumed_from_;
-  std::ofstream file_;
+  int fd_ = -1;
   std::set<int64_t> evals_;
 };
 
@@ -544,6 +582,7 @@ int train(TrainOptions cli) {
   // Rank 0 writes the metrics; the other ranks' MetricsLog is never made.
   std::optional<MetricsLog> metrics;
   if (root) metrics.emplace(opt.out, start_step, run_id, branch ? resumed_from : json());
+  if (root && resumed) metrics->set_last_checkpoint(opt.resume);
   const double elapsed_before = progress.elapsed_s;
   auto elapsed = [&] {
     return elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
@@ -560,12 +599,28 @@ int train(TrainOptions cli) {
   auto save = [&] {
     progress.elapsed_s = elapsed();
     engine->gather_for_save();  // a sharded optimizer state, whole on every rank until the save is written
-    if (root)  // every rank holds the same weights and (gathered) optimizer state: rank 0's copy is the checkpoint
+    if (root) {  // every rank holds the same weights and (gathered) optimizer state: rank 0's copy is the checkpoint
+      // A run directory renamed while the run trained: the lock and metrics.jsonl (open files) went with it, so the
+      // checkpoints follow them there instead of recreating --out's old path, unlocked and without its metrics.
+      const std::string now = run_dir->current_path();
+      DS_CHECK(!now.empty(), "--out {}: the run directory was deleted while the run trained; not saving "
+               "checkpoint-{}{}", opt.out, progress.step,
+               saved_dir.empty() ? std::string() : fmt::format(" (the last checkpoint was {})", saved_dir));
+      std::error_code ec;
+      if (!fs::equivalent(now, opt.out, ec)) {
+        log_warn("--out {} was moved to {} while the run trained: saving there, beside its lock and metrics",
+                 opt.out, now);
+        opt.out = now;
+        checkpoints.move_to(now);
+      }
+      metrics->sync();  // the lines up to this step are durable before the checkpoint is
       checkpoints.save(*engine, progress, [&](const std::string& dir) {  // before --keep-last prunes the older ones
         saved_dir = dir;
         saved_step = progress.step;
         interrupt.set_last_checkpoint(saved_dir);
+        metrics->set_last_checkpoint(saved_dir);
       });
+    }
     else
       saved_step = progress.step;
     engine->release_after_save();
