@@ -241,6 +241,13 @@ TEST(Dataset, CorruptOrMissingFilesAndOutputsAreNamed) {
   const std::vector<std::string> files = write_corpus(dir);
   ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), files, dir + "/ds", "paragraph", 7), 0);
   const std::string index = ds::read_file(dir + "/ds/index.json");
+  // A trailing slash names the same directory (README's `--output corpus/`): made fresh, then replaced.
+  ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), files, dir + "/slash/", "paragraph", 7), 0);
+  EXPECT_EQ(ds::read_file(dir + "/slash/index.json"), index);
+  ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), files, dir + "/slash//", "paragraph", 7, true), 0);
+  EXPECT_EQ(ds::read_file(dir + "/slash/index.json"), index);
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
 
   // An existing dataset is replaced only with --overwrite; a directory that is no dataset never; nor one that
   // holds an input.

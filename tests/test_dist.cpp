@@ -111,6 +111,14 @@ TEST(DistLaunch, OnlyTrainRunsOnSeveralRanks) {
   EXPECT_EQ(rc_train, 1);
   EXPECT_NE(out.find("torchrun started 2 ranks"), std::string::npos) << out;
   EXPECT_NE(out.find("mpirun -np 2"), std::string::npos) << out;
+  // A stray RANK (set by some other tool) is no launch: other commands ignore it, train names it.
+  ::setenv("RANK", "3", 1);
+  const int rc_plan = ds::test::run("plan --model tiny --seq-len 64 --micro-batch 1", &out);
+  const int rc_stray = ds::test::run("train " + ds::test::small_setup(dir) + " --steps 1 --out " + dir + "/o2", &out);
+  ::unsetenv("RANK");
+  EXPECT_EQ(rc_plan, 0);
+  EXPECT_EQ(rc_stray, 1);
+  EXPECT_NE(out.find("RANK is set but WORLD_SIZE is not"), std::string::npos) << out;
   fs::remove_all(dir);
 }
 
@@ -280,6 +288,23 @@ TEST(DistMpi, RanksWithoutLabelsAddZero) {
   fs::remove_all(dir);
 }
 
+// Ranks started with different options or data stop at once, the differing rank named (their replicas would
+// drift apart silently).
+TEST(DistMpi, RanksWithOtherOptionsOrDataAreRefused) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_differ");
+  const std::string args = "train " + ds::test::small_setup(dir) + " --threads 1 --steps 2 --out " + dir + "/o";
+  std::string log;
+  EXPECT_EQ(run_mpi(1, args + " : -np 1 " + std::string(DELTASTACK_BIN) + " " + args + " --lr 1", &log, 60), 1) << log;
+  EXPECT_NE(log.find("rank 1 has other options than rank 0"), std::string::npos) << log;
+  ds::write_file_atomic(dir + "/corpus2.txt", ds::read_file(dir + "/corpus.txt").substr(0, 15000));
+  std::string other = args;
+  other.replace(other.find(dir + "/corpus.txt"), dir.size() + 11, dir + "/corpus2.txt");
+  EXPECT_EQ(run_mpi(1, args + " : -np 1 " + std::string(DELTASTACK_BIN) + " " + other, &log, 60), 1) << log;
+  EXPECT_NE(log.find("rank 1 has other options than rank 0"), std::string::npos) << log;  // --data is an option
+  EXPECT_FALSE(fs::exists(dir + "/o/checkpoint-2"));
+  fs::remove_all(dir);
+}
+
 // A rank that fails stops the whole run promptly, the error naming the rank; rank 0's checkpoint of step 2 is intact.
 TEST(DistMpi, AFailingRankStopsEveryRank) {
   const std::string dir = ds::test::fresh_tmpdir("dist_fail");
@@ -366,5 +391,10 @@ TEST(DistCpuBind, RanksShareTheHostByPackageAndGpusGetTheirNumaNode) {
   EXPECT_TRUE(kept.cpus.empty());
   EXPECT_EQ(kept.why, "kept the launcher's binding: cores 2-3");
   EXPECT_EQ(ds::dist::cpu_list({0, 1, 2, 5, 7, 8}), "0-2,5,7-8");
+  // More ranks than cores: no shares that overlap.
+  const ds::dist::CpuBinding over = plan_cpu_binding(ranks_on_host(2, 9), "", {}, kTwoPackages);
+  EXPECT_TRUE(over.cpus.empty());
+  EXPECT_EQ(over.why, "not bound: 9 ranks on this host's 8 cores");
+  EXPECT_EQ(plan_cpu_binding(ranks_on_host(7, 8), "", {}, kTwoPackages).cpus, (std::vector<int>{7}));
 }
 #endif  // DELTASTACK_HWLOC

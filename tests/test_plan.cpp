@@ -110,6 +110,14 @@ TEST(Plan, HfConfigWritesThePresetAsTransformersLoadsIt) {
   EXPECT_EQ(nlohmann::json::parse(ds::read_file(out)).at("hidden_size"), 4096);
   // Never over the config it reads.
   EXPECT_EQ(ds::test::run("plan --model " + out + " --hf-config " + out + " --overwrite", &log), 1);
+  // Nor over a file of a pre-tokenized dataset, --overwrite or not.
+  ds::write_file_atomic(dir + "/c.txt", "Some text.\n\nMore text.\n");
+  ASSERT_EQ(ds::test::run("tokenize --tokenizer " + ds::test::data_path("qwen3_tokenizer/tokenizer.json") + " --input " +
+                              dir + "/c.txt --output " + dir + "/ds --format dataset", &log), 0) << log;
+  const std::string index = ds::read_file(dir + "/ds/index.json");
+  EXPECT_EQ(ds::test::run("plan --model 2b --hf-config " + dir + "/ds/index.json --overwrite", &log), 1);
+  EXPECT_NE(log.find("would replace a file of the pre-tokenized dataset"), std::string::npos) << log;
+  EXPECT_EQ(ds::read_file(dir + "/ds/index.json"), index);
   std::filesystem::remove_all(dir);
 }
 

@@ -192,7 +192,13 @@ int main(int argc, char** argv) {
     ds::train_option("threads").check(to);
     // Several ranks (mpirun): only `train` runs on them; the communicator is opened first, and the default thread
     // count is this host's cores shared among its ranks.
-    const ds::dist::LaunchInfo launch = ds::dist::detect_launch();
+    // Launcher variables that make no launch (a stray RANK from another tool) only matter to `train`.
+    ds::dist::LaunchInfo launch;
+    try {
+      launch = ds::dist::detect_launch();
+    } catch (const ds::Error&) {
+      if (*train) throw;
+    }
     if (launch.world > 1) {
       DS_CHECK(*train, "{} started {} ranks, but only `deltastack train` runs on several ranks; start other commands "
                "as one process", launch.launcher, launch.world);

@@ -108,7 +108,12 @@ CpuBinding plan_cpu_binding(const LaunchInfo& l, const std::string& gpu, const s
     b.why = fmt::format("cores {} ({}, nearest GPU {})", cpu_list(b.cpus), where, gpu);
     return b;
   }
-  // Several ranks, no GPU: local rank r's share of the machine.
+  // Several ranks, no GPU: local rank r's share of the machine (not when there are more ranks than cores: shares
+  // would overlap, and a rank pinned to a shared core waits for its neighbour every step).
+  if (static_cast<size_t>(l.local_world) > all.size()) {
+    b.why = fmt::format("not bound: {} ranks on this host's {} cores", l.local_world, all.size());
+    return b;
+  }
   hwloc_obj_t root = hwloc_get_root_obj(topo.t);
   std::vector<hwloc_bitmap_t> sets(static_cast<size_t>(l.local_world));
   for (auto& s : sets) s = hwloc_bitmap_alloc();
@@ -127,7 +132,12 @@ CpuBinding plan_cpu_binding(const LaunchInfo& l, const std::string& gpu, const s
 std::string bind_cpus(const LaunchInfo& l, const std::string& gpu) {
   try {
     const char* v = std::getenv("DELTASTACK_CPU_BIND");
-    if (v && std::strcmp(v, "0") == 0) return "not bound: DELTASTACK_CPU_BIND=0";
+    if (v) {
+      const std::string s(v);
+      if (s == "0" || s == "off" || s == "false" || s == "no") return "not bound: DELTASTACK_CPU_BIND=" + s;
+      if (s != "1" && s != "on" && s != "true" && s != "yes")
+        return "not bound: DELTASTACK_CPU_BIND=" + s + " is not 0 or 1 (nor off / on)";
+    }
     const CpuBinding b = plan_cpu_binding(l, gpu, current_cpus());
     if (b.cpus.empty()) return b.why;
     cpu_set_t set;

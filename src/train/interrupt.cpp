@@ -1,5 +1,7 @@
 #include "train/interrupt.h"
 
+#include "core/log.h"
+
 #include <signal.h>
 #include <unistd.h>
 
@@ -13,6 +15,7 @@ namespace ds {
 namespace {
 
 volatile sig_atomic_t g_signal = 0;
+volatile sig_atomic_t g_quiet = 0;  // the first signal's line is not printed (log_muted() at construction)
 // The message a second signal prints, in two buffers: the trainer fills the one not in use, then publishes it
 // (g_message), so the handler never reads a half-written one.
 constexpr size_t kMessageBytes = 4096;
@@ -39,7 +42,7 @@ void on_signal(int sig) {
                                        "(a second signal stops at once)\n"
                                      : "\n[deltastack] SIGTERM: finishing the current step, then saving a checkpoint "
                                        "(a second signal stops at once)\n";
-    write_all(m, std::strlen(m));
+    if (!g_quiet) write_all(m, std::strlen(m));  // ranks other than 0 of a multi-rank run say nothing
     return;
   }
   const int i = g_message.load();
@@ -53,6 +56,7 @@ void on_signal(int sig) {
 
 InterruptGuard::InterruptGuard() {
   g_signal = 0;
+  g_quiet = log_muted() ? 1 : 0;
   g_message = -1;
   struct sigaction sa {};
   sa.sa_handler = on_signal;

@@ -141,8 +141,8 @@ const std::vector<TrainOption>& train_options() {
           one_of({"auto", "fixed"}), kResumable | kNewerKey | kNotSaved),
       opt("shard", &O::shard, "none",
           "With several ranks: none (every rank holds the AdamW state) or optimizer (each rank holds and updates "
-          "1/ranks of it; gradients reduce-scattered, weights all-gathered)",
-          one_of({"none", "optimizer"}), kResumable | kNewerKey | kNotSaved),
+          "1/ranks of it; gradients reduce-scattered, weights all-gathered); full (parameters too) is not built yet",
+          one_of({"none", "optimizer", "full"}), kResumable | kNewerKey | kNotSaved),
       opt("move-aside", &O::move_aside, false, "When --out holds another run's files (metrics, checkpoints): move "
           "them into OUT/previous-N/ instead of refusing to start", {}, kResumable | kNotSaved),
       opt("data-changed", &O::data_changed, "warn", "On --resume, when the data's fingerprint differs from the "

@@ -445,6 +445,17 @@ double evaluate(Engine& engine, const std::vector<PackedBatch>& batches, dist::C
   return n > 0 ? sum / static_cast<double>(n) : NAN;
 }
 
+// Several ranks must run the same command on the same data, or their replicas drift apart (or a collective
+// hangs): rank 0's text (its options, its data's fingerprint) is compared on every rank; a rank that differs stops
+// the run, naming itself and what differs.
+void check_same_on_every_rank(dist::Communicator& comm, const std::string& what, const std::string& text) {
+  if (comm.world() == 1) return;
+  uint64_t mine = std::hash<std::string>{}(text), root = mine;
+  comm.broadcast(&root, sizeof root, 0);
+  DS_CHECK(mine == root, "rank {} has other {} than rank 0 (every rank must run the same `deltastack train` command "
+           "on the same files)", comm.rank(), what);
+}
+
 // Rank 0's value of a flag on every rank (decisions only rank 0 can make: what its files say).
 bool from_root(dist::Communicator& comm, bool v) {
   int64_t x = comm.is_root() && v ? 1 : 0;
@@ -486,6 +497,12 @@ int train(TrainOptions cli) {
              resumed->state.world_size, comm.world(), opt.grad_accum, per_step / comm.world(), per_step);
     opt.grad_accum = per_step / comm.world();
   }
+  check_same_on_every_rank(comm, "options", options_to_json(opt).dump() + "\n" + opt.resume + "\n" + opt.out +
+                                                "\n" + opt.shard);
+  DS_CHECK(opt.shard != "full", "--shard full (parameters sharded too, gathered per layer: ZeRO-3) is not built yet; "
+           "--shard optimizer shards the AdamW state and the gradients (docs/distributed.md)");
+  if (opt.shard == "optimizer" && comm.world() == 1)
+    log_info("--shard optimizer with one rank: nothing to shard, the whole state stays here");
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   if (resolve_device(opt.device) != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
@@ -557,6 +574,7 @@ int train(TrainOptions cli) {
   Qwen35Model model = build_model(opt);
   const std::string tokenizer_file = tokenizer_path(opt), tokenizer_json = read_file(tokenizer_file);
   const TrainData data = load_data(opt, model.config(), tokenizer_json, tokenizer_file);
+  check_same_on_every_rank(comm, "data (its fingerprint)", data.fingerprint.dump());
   if (resumed) check_data_fingerprint(opt, resumed->data, data.fingerprint);
   // The GPU when there is one (auto), else the CPU reference engine.
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "data/token_dataset.h"
 #include "train/run_dir.h"
 
 namespace fs = std::filesystem;
@@ -55,6 +56,8 @@ void check_outputs(const std::vector<OutputFile>& outputs, const std::vector<std
     DS_CHECK(!fs::exists(parent / "trainer_state.json", ec) && !fs::exists(parent / "config.json", ec),
              "{} {}: would replace a file of the checkpoint / model directory {}; write it elsewhere", o.flag, o.path,
              parent.string());
+    DS_CHECK(o.replaces_dataset || !is_dataset_dir(parent.string()), "{} {}: would replace a file of the pre-tokenized dataset {}; write it "
+             "elsewhere", o.flag, o.path, parent.string());
     // A training run's directory (its lock file): its metrics are never replaced, --overwrite or not.
     const std::string name = p.filename().string();
     DS_CHECK(!fs::exists(parent / RunDirectory::kLockName, ec) ||

@@ -30,10 +30,14 @@ namespace ds::cli {
 
 namespace {
 
+// The absolute, normalised path, without a trailing separator ("corpus/" names the directory corpus: its temp and
+// set-aside siblings must sit beside it, not inside it).
 fs::path real_path(const std::string& p) {
   std::error_code ec;
-  const fs::path r = fs::weakly_canonical(fs::absolute(p), ec);
-  return ec ? fs::absolute(p).lexically_normal() : r;
+  fs::path r = fs::weakly_canonical(fs::absolute(p), ec);
+  if (ec) r = fs::absolute(p).lexically_normal();
+  while (r.has_relative_path() && !r.has_filename()) r = r.parent_path();
+  return r;
 }
 
 void check_dataset_output(const std::string& out, const std::vector<std::string>& inputs,
@@ -56,7 +60,7 @@ void check_dataset_output(const std::string& out, const std::vector<std::string>
            "index.json); refusing to replace it, --overwrite or not", out);
   // The rest as for any output (checkpoint / model directories, --overwrite), on the file that names a dataset.
   if (empty) return;
-  check_outputs({{"--output", (o / "index.json").string()}}, all, /*overwrite=*/true);
+  check_outputs({{"--output", (o / "index.json").string(), /*replaces_dataset=*/true}}, all, /*overwrite=*/true);
   DS_CHECK(overwrite, "--output {}: a dataset directory exists; pass --overwrite to replace it", out);
 }
 
