@@ -845,3 +845,38 @@ TEST(RunSafety, AMetricsFileThatIsALinkIsRefused) {
   EXPECT_EQ(ds::read_file(dir + "/corpus.txt"), before) << "the input was written to";
   fs::remove_all(dir);
 }
+
+// 9. A hard-linked copy of a run directory (`cp -al`, `rsync --link-dest` snapshots) shares metrics.jsonl with the
+// original: a resume in the copy is refused instead of appending its lines into both.
+TEST(RunSafety, AHardLinkedMetricsFileIsRefused) {
+  const std::string dir = tmpdir("hardlink");
+  const std::string args = small_setup(dir) + " --threads 1";
+  std::string log;
+  ASSERT_EQ(run("train " + args + " --steps 2 --save-interval 1 --out " + dir + "/a", &log), 0) << log;
+  ASSERT_EQ(std::system(("cp -al " + dir + "/a " + dir + "/snap").c_str()), 0);
+  const std::string before = ds::read_file(dir + "/a/metrics.jsonl");
+  EXPECT_EQ(run("train --resume " + dir + "/snap/checkpoint-2 --steps 3 --threads 1", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "hard links")) << log;
+  EXPECT_EQ(ds::read_file(dir + "/a/metrics.jsonl"), before);
+  EXPECT_FALSE(fs::exists(dir + "/snap/checkpoint-3"));
+  fs::remove_all(dir);
+}
+
+// 10. A resume that fails its checks (here --steps below the checkpoint's) leaves the run directory as it was: the
+// later checkpoints are not set aside into abandoned-K/ before every check has passed.
+TEST(RunSafety, AFailedResumeMovesNoCheckpoint) {
+  const std::string dir = tmpdir("failedresume");
+  std::string log;
+  ASSERT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 4 --save-interval 1 --out " + dir + "/l", &log), 0)
+      << log;
+  const std::string metrics = ds::read_file(dir + "/l/metrics.jsonl");
+  EXPECT_EQ(run("train --resume " + dir + "/l/checkpoint-2 --steps 1 --threads 1", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "below the checkpoint's step 2")) << log;
+  EXPECT_EQ(run("train --resume " + dir + "/l/checkpoint-2 --data " + dir + "/missing.txt --threads 1", &log), 1)
+      << log;
+  EXPECT_TRUE(fs::exists(dir + "/l/checkpoint-3/trainer_state.json"));
+  EXPECT_TRUE(fs::exists(dir + "/l/checkpoint-4/trainer_state.json"));
+  EXPECT_FALSE(fs::exists(dir + "/l/abandoned-1"));
+  EXPECT_EQ(ds::read_file(dir + "/l/metrics.jsonl"), metrics);
+  fs::remove_all(dir);
+}

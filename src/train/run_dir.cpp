@@ -156,6 +156,13 @@ void RunDirectory::claim(const std::string& run_id, bool legacy_lines_are_ours, 
       DS_CHECK(e.is_regular_file() && !e.is_symlink(), "--out {}: {} is {}, not a regular file; the run appends its "
                "metrics there and would write into what it points at. Move it away", path_, e.path().string(),
                e.is_symlink() ? "a symbolic link" : "no regular file");
+      // A hard link (a `cp -al` / `rsync --link-dest` snapshot of the run directory) is the same file in another
+      // directory: appending here would write this run's lines into the snapshot too.
+      std::error_code ec;
+      const uintmax_t links = fs::hard_link_count(e.path(), ec);
+      DS_CHECK(ec || links <= 1, "--out {}: {} has {} hard links (a hard-linked copy of a run directory?); the run "
+               "appends its metrics there and would write into every copy. Replace it with a copy of its own "
+               "(cp --remove-destination, or cp F F.new && mv F.new F)", path_, e.path().string(), links);
       if (metrics_of_another_run(e.path().string(), run_id, legacy_lines_are_ours))
         foreign.push_back(n);
     } else if (checkpoint_step(n) >= 0 && e.is_directory() && checkpoint_owner(e.path()).run_id != run_id) {

@@ -233,11 +233,16 @@ bool is_copy_of_own_checkpoint(const std::string& ckpt, const std::string& out, 
 }
 
 // Appends `text` to `path` and fsyncs it (created when missing). ds::Error naming the path on failure.
+// A failed write is cut back to the file's earlier length, so a retry never glues a line onto a torn fragment.
 void append_durably(const std::string& path, const std::string& text) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   DS_CHECK(fd >= 0, "{}: cannot open for appending ({})", path, std::strerror(errno));
-  const bool ok = ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
-  const int err = errno;
+  const off_t before = ::lseek(fd, 0, SEEK_END);
+  errno = 0;
+  const ssize_t w = ::write(fd, text.data(), text.size());
+  const bool ok = w == static_cast<ssize_t>(text.size()) && ::fsync(fd) == 0;
+  const int err = errno ? errno : ENOSPC;  // a short write sets no errno: the disk is full
+  if (!ok && before >= 0 && ::ftruncate(fd, before) == 0) ::fsync(fd);
   ::close(fd);
   DS_CHECK(ok, "{}: write failed ({})", path, std::strerror(err));
 }
@@ -547,8 +552,6 @@ int train(TrainOptions cli) {
     // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
     // run id (earlier versions) are this run's in the checkpoint's own directory.
     run_dir->claim(run_id, own_dir, opt.move_aside);
-    // The abandoned history's later checkpoints are kept, out of the way of this run's saves of the same steps.
-    if (resumed) run_dir->set_aside_later_checkpoints(run_id, resumed->state.step);
   }
   comm.barrier();  // --out exists and is rank 0's before any rank reads it
   // Each rank's cores (before any thread starts: OpenMP's workers inherit them): near its GPU, or its share of the
@@ -596,6 +599,10 @@ int train(TrainOptions cli) {
   progress.world_size = comm.world();
   DS_CHECK(opt.steps >= progress.step, "--steps {} is below the checkpoint's step {}", opt.steps, progress.step);
   const int64_t start_step = progress.step;
+  // The abandoned history's later checkpoints are kept, out of the way of this run's saves of the same steps. Only
+  // now, after every check of the resume has passed (a resume that fails leaves the directory as it was).
+  if (resumed && root) run_dir->set_aside_later_checkpoints(run_id, resumed->state.step);
+  comm.barrier();  // the other ranks read --out next (Checkpoints)
   Checkpoints checkpoints(opt, start_step, run_id, tokenizer_json, data.fingerprint, resumed_from);
   // Rank 0 writes the metrics; the other ranks' MetricsLog is never made.
   std::optional<MetricsLog> metrics;
