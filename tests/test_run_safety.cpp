@@ -874,6 +874,11 @@ TEST(RunSafety, AFailedResumeMovesNoCheckpoint) {
   EXPECT_TRUE(contains(log, "below the checkpoint's step 2")) << log;
   EXPECT_EQ(run("train --resume " + dir + "/l/checkpoint-2 --data " + dir + "/missing.txt --threads 1", &log), 1)
       << log;
+  // A file named like a checkpoint this run would save: refused by the checks on --out, still before any move.
+  ds::write_file_atomic(dir + "/l/checkpoint-3x", "");
+  fs::rename(dir + "/l/checkpoint-3x", dir + "/l/checkpoint-5");
+  EXPECT_EQ(run("train --resume " + dir + "/l/checkpoint-2 --steps 6 --save-interval 1 --threads 1", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "exists and is not a directory")) << log;
   EXPECT_TRUE(fs::exists(dir + "/l/checkpoint-3/trainer_state.json"));
   EXPECT_TRUE(fs::exists(dir + "/l/checkpoint-4/trainer_state.json"));
   EXPECT_FALSE(fs::exists(dir + "/l/abandoned-1"));

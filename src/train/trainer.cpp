@@ -599,14 +599,19 @@ int train(TrainOptions cli) {
   progress.world_size = comm.world();
   DS_CHECK(opt.steps >= progress.step, "--steps {} is below the checkpoint's step {}", opt.steps, progress.step);
   const int64_t start_step = progress.step;
-  // The abandoned history's later checkpoints are kept, out of the way of this run's saves of the same steps. Only
-  // now, after every check of the resume has passed (a resume that fails leaves the directory as it was).
-  if (resumed && root) run_dir->set_aside_later_checkpoints(run_id, resumed->state.step);
-  comm.barrier();  // the other ranks read --out next (Checkpoints)
+  // Every rank got through its model, data, engine and optimizer state before rank 0 changes --out (a rank that
+  // failed has stopped the run; one that hangs keeps rank 0 waiting here, before any change).
+  comm.barrier();
+  // Then, in an order where whatever fails leaves the directory as it was: the checks on --out (Checkpoints), the
+  // metrics rewrite (MetricsLog: the lines past the resumed step appended to metrics-abandoned.jsonl first; a full
+  // disk stops it there), and last the abandoned history's later checkpoints set aside (renames, no new bytes), out
+  // of the way of this run's saves of the same steps.
   Checkpoints checkpoints(opt, start_step, run_id, tokenizer_json, data.fingerprint, resumed_from);
   // Rank 0 writes the metrics; the other ranks' MetricsLog is never made.
   std::optional<MetricsLog> metrics;
   if (root) metrics.emplace(opt.out, start_step, run_id, branch ? resumed_from : json());
+  if (resumed && root) run_dir->set_aside_later_checkpoints(run_id, resumed->state.step);
+  comm.barrier();  // the other ranks read --out later (saves, evaluation decisions) only after it is settled
   if (root && resumed) metrics->set_last_checkpoint(opt.resume);
   const double elapsed_before = progress.elapsed_s;
   auto elapsed = [&] {
