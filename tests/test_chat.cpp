@@ -291,8 +291,7 @@ TEST(Chat, MicroBatchWithoutLabelsAddsZero) {
 // step's loss is finite, and a step whose windows hold no label reports 0.
 TEST(Chat, TrainsOnChatData) {
   const std::string dir = ds::test::fresh_tmpdir("chat_train");
-  std::string args = ds::test::small_setup(dir);
-  args.replace(args.find(dir + "/corpus.txt"), dir.size() + 11, dir + "/chat.jsonl");
+  const std::string args = ds::test::small_setup_on(dir, dir + "/chat.jsonl");
   std::string lines;
   for (int i = 0; i < 24; ++i) {
     json m = json::array({{{"role", "user"}, {"content", std::string(i % 3 == 0 ? 400 : 20, 'a' + i % 26)}},
@@ -324,8 +323,7 @@ TEST(Chat, TrainsOnChatData) {
 // report loss 0 while the weights still move and an eval_loss of NaN.
 TEST(Chat, TrainingDataWithoutALabelIsAnError) {
   const std::string dir = ds::test::fresh_tmpdir("chat_nolabel");
-  std::string args = ds::test::small_setup(dir);
-  args.replace(args.find(dir + "/corpus.txt"), dir.size() + 11, dir + "/chat.jsonl");
+  const std::string args = ds::test::small_setup_on(dir, dir + "/chat.jsonl");
   std::string lines;
   for (int i = 0; i < 24; ++i) {
     lines += json{{"messages", json::array({{{"role", "user"}, {"content", "question " + std::to_string(i)}}})}}.dump() +

@@ -132,26 +132,10 @@ namespace {
 int run_mpi(int np, const std::string& args, std::string* log, int timeout_s = 120,
             const std::function<void(pid_t)>& during = nullptr) {
   const std::string path = ds::test::fresh_tmpdir("dist_mpi_log") + "/log";
-  pid_t pid = ::fork();
-  if (pid == 0) {
-    FILE* f = std::fopen(path.c_str(), "w");
-    if (f) {
-      ::dup2(::fileno(f), 1);
-      ::dup2(::fileno(f), 2);
-    }
-    std::vector<std::string> a = {DELTASTACK_MPIEXEC, "-np", std::to_string(np), "--oversubscribe", "--bind-to",
-                                  "none", "--mca", "btl", "self,vader", "--mca", "btl_vader_single_copy_mechanism",
-                                  "none"};
-    if (::geteuid() == 0) a.push_back("--allow-run-as-root");
-    a.push_back(DELTASTACK_BIN);
-    for (auto& w : ds::test::split_args(args)) a.push_back(w);
-    std::vector<char*> argv;
-    for (auto& s : a) argv.push_back(s.data());
-    argv.push_back(nullptr);
-    ::setpgid(0, 0);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
+  std::string mpirun = std::string(DELTASTACK_MPIEXEC) + " -np " + std::to_string(np) +
+                       " --oversubscribe --bind-to none --mca btl self,vader --mca btl_vader_single_copy_mechanism none";
+  if (::geteuid() == 0) mpirun += " --allow-run-as-root";
+  const pid_t pid = ds::test::spawn(args, path, mpirun, /*own_group=*/true);
   int st = 0;
   const auto t0 = std::chrono::steady_clock::now();
   if (during) during(pid);
@@ -267,8 +251,7 @@ TEST(DistMpi, ResumeTwoToOneToTwoRanks) {
 // to the step's sums (never NaN), and the run still equals one rank's.
 TEST(DistMpi, RanksWithoutLabelsAddZero) {
   const std::string dir = ds::test::fresh_tmpdir("dist_nolabel");
-  std::string args = ds::test::small_setup(dir);
-  args.replace(args.find(dir + "/corpus.txt"), dir.size() + 11, dir + "/chat.jsonl");
+  const std::string args = ds::test::small_setup_on(dir, dir + "/chat.jsonl");
   std::string lines;
   for (int i = 0; i < 24; ++i) {
     const std::string user(i % 3 == 0 ? 400 : 20, static_cast<char>('a' + i % 26));
@@ -297,8 +280,8 @@ TEST(DistMpi, RanksWithOtherOptionsOrDataAreRefused) {
   EXPECT_EQ(run_mpi(1, args + " : -np 1 " + std::string(DELTASTACK_BIN) + " " + args + " --lr 1", &log, 60), 1) << log;
   EXPECT_NE(log.find("rank 1 has other options than rank 0"), std::string::npos) << log;
   ds::write_file_atomic(dir + "/corpus2.txt", ds::read_file(dir + "/corpus.txt").substr(0, 15000));
-  std::string other = args;
-  other.replace(other.find(dir + "/corpus.txt"), dir.size() + 11, dir + "/corpus2.txt");
+  const std::string other =
+      "train " + ds::test::small_setup_on(dir, dir + "/corpus2.txt") + " --threads 1 --steps 2 --out " + dir + "/o";
   EXPECT_EQ(run_mpi(1, args + " : -np 1 " + std::string(DELTASTACK_BIN) + " " + other, &log, 60), 1) << log;
   EXPECT_NE(log.find("rank 1 has other options than rank 0"), std::string::npos) << log;  // --data is an option
   EXPECT_FALSE(fs::exists(dir + "/o/checkpoint-2"));

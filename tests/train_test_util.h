@@ -46,6 +46,13 @@ inline std::string small_setup(const std::string& dir) {
          "/corpus.txt --seq-len 32 --micro-batch 2 --eval-batches 1 --val-fraction 0.1 --eval-interval 0";
 }
 
+// small_setup's arguments with `data` (a path) as --data instead of its corpus.txt.
+inline std::string small_setup_on(const std::string& dir, const std::string& data) {
+  std::string args = small_setup(dir);
+  args.replace(args.find(dir + "/corpus.txt"), dir.size() + 11, data);
+  return args;
+}
+
 // Whitespace-separated words (CLI arguments; no quoting).
 inline std::vector<std::string> split_args(const std::string& s) {
   std::istringstream in(s);
@@ -55,25 +62,26 @@ inline std::vector<std::string> split_args(const std::string& s) {
   return v;
 }
 
-// In a forked child: replaces the process with `deltastack <args>`, or with `<launcher> deltastack <args>` (e.g. the
-// dynamic loader) when a launcher is given (exit 127 if that fails).
+// In a forked child: replaces the process with `deltastack <args>`, or with `<launcher words> deltastack <args>` when
+// a launcher is given (the dynamic loader; mpirun and its options) (exit 127 if that fails).
 [[noreturn]] inline void exec_deltastack(const std::string& args, const std::string& launcher = "") {
-  std::vector<std::string> a = split_args(args);
+  std::vector<std::string> a = split_args(launcher);
+  a.push_back(DELTASTACK_BIN);
+  for (auto& w : split_args(args)) a.push_back(w);
   std::vector<char*> argv;
-  std::string bin = DELTASTACK_BIN, first = launcher.empty() ? bin : launcher;
-  argv.push_back(first.data());
-  if (!launcher.empty()) argv.push_back(bin.data());
   for (auto& s : a) argv.push_back(s.data());
   argv.push_back(nullptr);
-  ::execv(first.c_str(), argv.data());
+  ::execv(argv[0], argv.data());
   ::_exit(127);
 }
 
 // Starts `deltastack <args>` (through `launcher` when given) with stdout/stderr appended to `log`; returns the
-// child's pid.
-inline pid_t spawn(const std::string& args, const std::string& log, const std::string& launcher = "") {
+// child's pid. own_group: the child leads a process group of its own (so kill(-pid) reaches what it starts).
+inline pid_t spawn(const std::string& args, const std::string& log, const std::string& launcher = "",
+                   bool own_group = false) {
   pid_t pid = ::fork();
   if (pid == 0) {
+    if (own_group) ::setpgid(0, 0);
     FILE* f = std::fopen(log.c_str(), "a");
     if (f) {
       ::dup2(::fileno(f), 1);

@@ -63,9 +63,9 @@ class CpuEngine final : public Engine {
       comm_->all_reduce_sum(g, static_cast<int64_t>(model_.grads().size()));
       return;
     }
-    std::vector<float> mine(static_cast<size_t>(hi_ - lo_));
-    comm_->reduce_scatter_sum(g, mine.data(), counts_);
-    std::copy(mine.begin(), mine.end(), g + lo_);  // the rest of g is not this rank's (never read)
+    mine_.resize(static_cast<size_t>(hi_ - lo_));  // kept: no allocation per step
+    comm_->reduce_scatter_sum(g, mine_.data(), counts_);
+    std::copy(mine_.begin(), mine_.end(), g + lo_);  // the rest of g is not this rank's (never read)
   }
   // AdamW on [lo_, hi_) of the flat parameters (all of them unless sharded), parameter by parameter as each one's
   // decay flag says; sharded, every rank's updated share is then gathered.
@@ -139,6 +139,7 @@ class CpuEngine final : public Engine {
   std::vector<int64_t> counts_;  // every rank's share (sharded)
   int64_t lo_ = 0, hi_ = 0;
   std::vector<float> m_full_, v_full_;  // the whole moments, only between gather_for_save and release_after_save
+  std::vector<float> mine_;             // this rank's reduce-scattered share of the gradients
 };
 
 class CudaEngine final : public Engine {

@@ -1227,6 +1227,21 @@ void set_smem(K kernel, int bytes) {
   DS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
+// The two scans' variants: (BV 32, NS 3) only as a timing knob, else NS 2 at the BV the plan picked.
+template <template <int, int> class Cfg, typename K32x3, typename K32x2, typename K64x2>
+void launch_scan(int bv, dim3 g, const Args& a, cudaStream_t s, K32x3 k323, K32x2 k322, K64x2 k642) {
+  if (bv == 32 && g_scan_stages == 3) {
+    set_smem(k323, Cfg<32, 3>::SMEM);
+    k323<<<g, 256, Cfg<32, 3>::SMEM, s>>>(a);
+  } else if (bv == 32) {
+    set_smem(k322, Cfg<32, 2>::SMEM);
+    k322<<<g, 256, Cfg<32, 2>::SMEM, s>>>(a);
+  } else {
+    set_smem(k642, Cfg<64, 2>::SMEM);
+    k642<<<g, 256, Cfg<64, 2>::SMEM, s>>>(a);
+  }
+}
+
 void check_dims(const GdnChunkedPlan& plan, const GdnDims& d, const char* who) {
   const std::string w = who;
   DS_CUDA_REQUIRE(d.dk == 128 && d.dv == 128, w + ": dk = dv = 128 only");
@@ -1272,16 +1287,7 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
       break;
     case GdnPhase::kFwdH: {
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
-      if (bv == 32 && g_scan_stages == 3) {
-        set_smem(k_fwd_h<32, 3>, ScanCfg<32, 3>::SMEM);
-        k_fwd_h<32, 3><<<g, 256, ScanCfg<32, 3>::SMEM, s>>>(a);
-      } else if (bv == 32) {
-        set_smem(k_fwd_h<32, 2>, ScanCfg<32, 2>::SMEM);
-        k_fwd_h<32, 2><<<g, 256, ScanCfg<32, 2>::SMEM, s>>>(a);
-      } else {
-        set_smem(k_fwd_h<64, 2>, ScanCfg<64, 2>::SMEM);
-        k_fwd_h<64, 2><<<g, 256, ScanCfg<64, 2>::SMEM, s>>>(a);
-      }
+      launch_scan<ScanCfg>(bv, g, a, s, k_fwd_h<32, 3>, k_fwd_h<32, 2>, k_fwd_h<64, 2>);
       break;
     }
     case GdnPhase::kFwdO:
@@ -1294,16 +1300,7 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
       break;
     case GdnPhase::kBwdDh: {
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
-      if (bv == 32 && g_scan_stages == 3) {
-        set_smem(k_bwd_dh<32, 3>, DhCfg<32, 3>::SMEM);
-        k_bwd_dh<32, 3><<<g, 256, DhCfg<32, 3>::SMEM, s>>>(a);
-      } else if (bv == 32) {
-        set_smem(k_bwd_dh<32, 2>, DhCfg<32, 2>::SMEM);
-        k_bwd_dh<32, 2><<<g, 256, DhCfg<32, 2>::SMEM, s>>>(a);
-      } else {
-        set_smem(k_bwd_dh<64, 2>, DhCfg<64, 2>::SMEM);
-        k_bwd_dh<64, 2><<<g, 256, DhCfg<64, 2>::SMEM, s>>>(a);
-      }
+      launch_scan<DhCfg>(bv, g, a, s, k_bwd_dh<32, 3>, k_bwd_dh<32, 2>, k_bwd_dh<64, 2>);
       break;
     }
     case GdnPhase::kBwdChunk: {
