@@ -328,14 +328,16 @@ if has nccl; then
   # and grad norms bitwise (the plain run: the train stage's /tmp/ds_g2, else one made here).
   D=$BUILD/deltastack
   [ -f /tmp/ds_g2/metrics.jsonl ] || $D train --device cuda --out /tmp/ds_g2 >/tmp/ds_train_gpu2.txt 2>&1 || status=1
-  rm -rf /tmp/ds_n1
-  python3 -m torch.distributed.run --standalone --nproc-per-node 1 --no-python $D train --device cuda --out /tmp/ds_n1 \
-    >/tmp/ds_train_nccl.txt 2>&1 || { tail -5 /tmp/ds_train_nccl.txt; status=1; }
-  grep -m1 "device:" /tmp/ds_train_nccl.txt
-  python3 -c "import json; L=lambda p: [(j['step'], j.get('loss'), j.get('eval_loss'), j.get('grad_norm')) for j in map(json.loads, open(p))]; \
-a, b = L('/tmp/ds_g2/metrics.jsonl'), L('/tmp/ds_n1/metrics.jsonl'); print(f'nccl world 1 (torchrun) vs plain: {len(a)} lines, ' + ('bitwise identical' if a == b else 'DIFFERENT')); \
-raise SystemExit(0 if a == b else 1)" || status=1
-  grep -E "done:" /tmp/ds_train_nccl.txt | tail -1
+  for shard in none optimizer; do
+    rm -rf /tmp/ds_n_$shard
+    python3 -m torch.distributed.run --standalone --nproc-per-node 1 --no-python $D train --device cuda --shard $shard \
+      --out /tmp/ds_n_$shard >/tmp/ds_train_nccl_$shard.txt 2>&1 || { tail -5 /tmp/ds_train_nccl_$shard.txt; status=1; }
+    grep -m1 "device:" /tmp/ds_train_nccl_$shard.txt
+    python3 -c "import json, sys; L=lambda p: [(j['step'], j.get('loss'), j.get('eval_loss'), j.get('grad_norm')) for j in map(json.loads, open(p))]; \
+a, b = L('/tmp/ds_g2/metrics.jsonl'), L(sys.argv[1]); print(f'nccl world 1 (torchrun, --shard {sys.argv[2]}) vs plain: {len(a)} lines, ' + ('bitwise identical' if a == b else 'DIFFERENT')); \
+raise SystemExit(0 if a == b else 1)" /tmp/ds_n_$shard/metrics.jsonl $shard || status=1
+    grep -E "done:" /tmp/ds_train_nccl_$shard.txt | tail -1
+  done
 fi
 if has train-bf16; then
   D=$BUILD/deltastack

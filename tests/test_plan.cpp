@@ -12,6 +12,7 @@
 #include "core/cuda/device.h"
 #include "core/files.h"
 #include "model/config.h"
+#include "model/gpu_params.h"
 #include "model/gpu_plan.h"
 #include "model/model.h"
 #include "model/params.h"
@@ -50,6 +51,70 @@ TEST(Plan, CategoriesAddUpAndScale) {
   EXPECT_EQ(q.by_use[static_cast<size_t>(ds::MemoryUse::Optimizer)], p.by_use[static_cast<size_t>(ds::MemoryUse::Optimizer)]);
   EXPECT_LT(q.by_use[static_cast<size_t>(ds::MemoryUse::Kept)], p.by_use[static_cast<size_t>(ds::MemoryUse::Kept)]);
 }
+
+// --shard optimizer on the GPU engine (model/gpu_params.h ParamShard): each of N ranks plans only its share of the
+// moments; the flat buffers grow by at most the padding to N · 128 elements.
+TEST(Plan, ShardedOptimizerStateIsEachRanksShare) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  const ds::ModelConfig c = ds::ModelConfig::preset("2b");
+  const double P = static_cast<double>(c.num_parameters());
+  const auto use = [](const ds::GpuMemoryPlan& p, ds::MemoryUse u) { return static_cast<double>(p.by_use[static_cast<size_t>(u)]); };
+  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16}) {
+    ds::GpuPlan plan = ds::GpuPlan::windows(2, 8192, 1);
+    plan.optimizer_state = st;
+    const ds::GpuMemoryPlan whole = ds::plan_gpu_memory(c, plan);
+    for (int world : {1, 3, 8}) {
+      double optimizer = 0;
+      for (int r = 0; r < world; ++r) {
+        plan.shard_rank = r;
+        plan.shard_world = world;
+        const ds::GpuMemoryPlan p = ds::plan_gpu_memory(c, plan);
+        optimizer += use(p, ds::MemoryUse::Optimizer);
+        EXPECT_NEAR(use(p, ds::MemoryUse::Gradients), 4 * P, 4.0 * 128 * world + 1e4);
+        EXPECT_NEAR(use(p, ds::MemoryUse::Parameters), use(whole, ds::MemoryUse::Parameters), 6.0 * 128 * world + 1e4);
+        // Rank r's moments: about 1/world of the whole (fp32: 8 B per element of the share; bf16: 4 B, plus the
+        // small parameters' fp32 moments of its range).
+        EXPECT_NEAR(use(p, ds::MemoryUse::Optimizer), use(whole, ds::MemoryUse::Optimizer) / world,
+                    0.02 * use(whole, ds::MemoryUse::Optimizer) / world + 1e4)
+            << "rank " << r << " of " << world;
+      }
+      EXPECT_NEAR(optimizer, use(whole, ds::MemoryUse::Optimizer), 2e4 * world) << world << " ranks";
+    }
+  }
+}
+
+#ifdef DELTASTACK_CUDA
+// The shares tile the flat parameters and, in the bf16 layout, the compacted master of the small parameters, in
+// rank order, with equal padded shares (what NCCL's in-place reduce-scatter and all-gather need).
+TEST(Plan, ShardsTileTheParameters) {
+  const ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  const std::vector<ds::ParamSpec> params = ds::qwen35_params(c);
+  const ds::ParamLayout layout(c, params);
+  const int64_t P = params.back().offset + params.back().numel;
+  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16})
+    for (int world : {1, 2, 3, 7}) {
+      int64_t next = 0, next32 = 0;
+      for (int r = 0; r < world; ++r) {
+        const ds::GpuParamStore s(layout, params, st, ds::ParamShard{r, world});
+        EXPECT_EQ(s.padded_size() % (128 * world), 0);
+        EXPECT_GE(s.padded_size(), P);
+        EXPECT_LT(s.padded_size(), P + 128 * world);
+        EXPECT_EQ(s.share_size() * world, s.padded_size());
+        EXPECT_EQ(s.share_lo(), next) << "rank " << r << " of " << world;
+        next = s.share_hi();
+        const auto [a, b] = s.fp32_range_of(r);
+        if (b > a) {
+          EXPECT_EQ(a, next32) << "rank " << r << " of " << world;
+          next32 = b;
+        }
+      }
+      EXPECT_EQ(next, P);
+      int64_t small = 0;
+      for (const ds::ParamSpec& p : params) small += ds::is_matrix(p) ? 0 : p.numel;
+      EXPECT_EQ(next32, st == ds::OptimizerState::Fp32 ? P : small);
+    }
+}
+#endif
 
 TEST(Plan, CommandEndsWithTheVerdictAndExitsZero) {
   if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";

@@ -131,6 +131,7 @@ void Communicator::device_all_reduce_sum(float*, int64_t, void*) {
 }
 void Communicator::device_reduce_scatter_sum(const float*, float*, int64_t, void*) { device_all_reduce_sum({}, 0, {}); }
 void Communicator::device_all_gather(const void*, void*, int64_t, void*) { device_all_reduce_sum({}, 0, {}); }
+void Communicator::device_broadcast(void*, int64_t, int, void*) { device_all_reduce_sum({}, 0, {}); }
 
 std::unique_ptr<Communicator> open_communicator(const LaunchInfo& l, const std::string& device) {
   if (device == "cuda" && l.launcher != "single") return open_nccl_communicator(l);

@@ -54,6 +54,11 @@ class Communicator {
   virtual void device_all_reduce_sum(float* x, int64_t n, void* stream);
   virtual void device_reduce_scatter_sum(const float* send, float* recv, int64_t per_rank, void* stream);
   virtual void device_all_gather(const void* send, void* recv, int64_t per_rank_bytes, void* stream);
+  // `bytes` bytes at p (device) from rank `root` to every rank. Between device_group_start and _end, the
+  // collectives are issued as one group (NCCL's ncclGroupStart / ncclGroupEnd).
+  virtual void device_broadcast(void* p, int64_t bytes, int root, void* stream);
+  virtual void device_group_start() {}
+  virtual void device_group_end() {}
 
  private:
   LaunchInfo launch_;

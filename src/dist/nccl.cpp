@@ -160,6 +160,12 @@ class Nccl final : public Communicator {
     check(nccl_api().all_gather(send, recv, static_cast<size_t>(per_rank_bytes), ncclInt8, comm_,
                                 static_cast<cudaStream_t>(stream)), "ncclAllGather");
   }
+  void device_broadcast(void* p, int64_t bytes, int root, void* stream) override {
+    check(nccl_api().broadcast(p, p, static_cast<size_t>(bytes), ncclInt8, root, comm_, static_cast<cudaStream_t>(stream)),
+          "ncclBroadcast");
+  }
+  void device_group_start() override { check(nccl_api().group_start(), "ncclGroupStart"); }
+  void device_group_end() override { check(nccl_api().group_end(), "ncclGroupEnd"); }
 
  private:
   static constexpr int64_t kScratch = 1 << 20;  // bytes of the host-value staging buffers

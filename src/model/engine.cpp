@@ -158,23 +158,63 @@ class CudaEngine final : public Engine {
     return gpu_->forward_backward(b, grad_scale, z_loss, cap);
   }
   void zero_grads() override { gpu_->zero_grads(); }
-  double grad_sum_squares() override { return gpu_->grad_sum_squares(); }
-  // Data parallel over NCCL: every rank keeps the whole state and all-reduces the fp32 gradients on the step's
-  // stream (at world size 1 under a launcher too: the same path, an in-place sum over one rank, so the losses are
-  // the plain run's bits). --shard optimizer is not built for the GPU engine yet.
+  // Data parallel over NCCL (at world size 1 under a launcher too: the same path, sums over one rank, so the
+  // losses are the plain run's bits). --shard none: every rank keeps the whole state and all-reduces the fp32
+  // gradients on the step's stream. --shard optimizer (ZeRO-1; the plan was built with this rank's share,
+  // GpuPlan::shard_world): the gradients are reduce-scattered in place, each rank updates only its share of the flat
+  // parameters with only its share of the moments, and the updated weights are all-gathered in place (the bf16
+  // copy, and the fp32 master: flat in the fp32 layout, by each rank's range of the small parameters' compacted
+  // master in the bf16 layout).
   void distribute(dist::Communicator& comm, ShardMode mode) override {
     DS_CHECK(comm.world() == 1 || comm.on_device(), "{}: the GPU engine's ranks need the NCCL communicator, not {} "
              "(start them with torchrun or mpirun and --device cuda)", dist::describe(comm.launch()), comm.backend());
-    DS_CHECK(mode == ShardMode::None || comm.world() == 1, "{}: --shard optimizer is not built for the GPU engine yet "
-             "(every GPU rank keeps the whole AdamW state); use --shard none", dist::describe(comm.launch()));
     if (comm.on_device()) comm_ = &comm;
+    const GpuModel::ShardBuffers b = gpu_->shard_buffers();
+    sharded_ = mode == ShardMode::Optimizer && comm_;
+    DS_CHECK(!sharded_ || static_cast<int>(b.master_ranges.size()) == comm.world(), "{}: --shard optimizer needs an "
+             "engine planned for {} ranks' shares (GpuPlan::shard_world)", dist::describe(comm.launch()), comm.world());
   }
   void reduce_grads() override {
     if (!comm_) return;
-    const GpuModel::DeviceGrads g = gpu_->device_grads();
-    comm_->device_all_reduce_sum(g.data, g.count, g.stream);
+    if (!sharded_) {
+      const GpuModel::DeviceGrads g = gpu_->device_grads();
+      comm_->device_all_reduce_sum(g.data, g.count, g.stream);
+      return;
+    }
+    const GpuModel::ShardBuffers b = gpu_->shard_buffers();
+    comm_->device_reduce_scatter_sum(b.grads, b.grads + comm_->rank() * b.share, b.share, b.stream);
   }
-  void optimizer_step(const ops::AdamWParams& p) override { gpu_->adamw_step(p, p.weight_decay); }
+  double grad_sum_squares() override {
+    if (!sharded_) return gpu_->grad_sum_squares();
+    double s = gpu_->share_grad_sum_squares();  // this rank's share, then every rank's
+    comm_->all_reduce_sum(&s, 1);
+    return s;
+  }
+  void optimizer_step(const ops::AdamWParams& p) override {
+    gpu_->adamw_step(p, p.weight_decay);
+    if (!sharded_) return;
+    const GpuModel::ShardBuffers b = gpu_->shard_buffers();
+    const int r = comm_->rank();
+    comm_->device_all_gather(static_cast<char*>(b.compute) + r * b.share * 2, b.compute, b.share * 2, b.stream);
+    if (b.master_flat) {
+      comm_->device_all_gather(b.master + r * b.share, b.master, b.share * 4, b.stream);
+      return;
+    }
+    comm_->device_group_start();
+    for (int q = 0; q < comm_->world(); ++q) {
+      const auto [x, y] = b.master_ranges[static_cast<size_t>(q)];
+      if (y > x) comm_->device_broadcast(b.master + x, (y - x) * 4, q, b.stream);
+    }
+    comm_->device_group_end();
+  }
+  // Sharded: the moments are made whole on rank 0's host for the save (8 bytes per parameter there), released after.
+  void gather_for_save() override {
+    if (!sharded_) return;
+    gpu_->gather_optimizer_state([this](void* p, int64_t bytes, int root) {
+      comm_->device_broadcast(p, bytes, root, gpu_->shard_buffers().stream);
+    }, comm_->rank(), &full_state_);
+  }
+  void release_after_save() override { std::vector<std::vector<float>>().swap(full_state_); }
   std::vector<SaveTensor> weight_tensors(DType dtype) override { return buffer_tensors(GpuModel::Buffer::Weights, dtype); }
   std::vector<SaveTensor> checkpoint_weight_tensors() override {
     return buffer_tensors(GpuModel::Buffer::Weights, DType::F32, /*lossless=*/true);
@@ -184,6 +224,15 @@ class CudaEngine final : public Engine {
   std::vector<SaveTensor> optimizer_tensors() override {
     std::vector<SaveTensor> out;
     GpuModel* gpu = gpu_.get();
+    if (sharded_) {
+      DS_CHECK(!full_state_.empty(), "optimizer_tensors() of a sharded state without gather_for_save() on rank 0");
+      for (const ParamSpec& p : params_)
+        for (int k = 0; k < gpu->optimizer_state_count(); ++k)
+          out.push_back(make_tensor_f32_view(gpu->optimizer_state_name(k, p), p.shape,
+                                             full_state_[static_cast<size_t>(k)].data() + p.offset,
+                                             bf16_only(p) ? DType::BF16 : DType::F32));
+      return out;
+    }
     for (const ParamSpec& p : params_)
       for (int k = 0; k < gpu->optimizer_state_count(); ++k) {
         const int64_t base = p.offset;
@@ -232,6 +281,8 @@ class CudaEngine final : public Engine {
   std::vector<ParamSpec> params_;
   std::unique_ptr<GpuModel> gpu_;
   dist::Communicator* comm_ = nullptr;  // NCCL (distribute), else null: nothing to reduce
+  bool sharded_ = false;                // --shard optimizer over comm_
+  std::vector<std::vector<float>> full_state_;  // rank 0, between gather_for_save and release_after_save
 };
 
 }  // namespace

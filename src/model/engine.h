@@ -61,6 +61,10 @@ struct GpuPlan {
   int64_t ce_chunk_tokens = 2048;  // fused-loss chunk
   OptimizerState optimizer_state = OptimizerState::Fp32;
   Recompute recompute = Recompute::Selective;
+  // --shard optimizer on the GPU engine (ZeRO-1; docs/distributed.md): this rank of shard_world keeps and
+  // updates only its even share of the flat parameters' AdamW state (model/gpu_params.h ParamShard);
+  // shard_world 0: the whole state (no sharding).
+  int shard_rank = 0, shard_world = 0;
 
   // Batches of `micro_batch` packed windows of seq_len tokens, each holding at most docs_per_window documents
   // (a document never spans windows): the trainer's, eval's and bench's batches.

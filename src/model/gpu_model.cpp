@@ -614,7 +614,8 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h).
     m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + (512u << 20) < free_b; });
   }
-  m.store = std::make_unique<GpuParamStore>(*m.layout, m.params, m.plan.optimizer_state);
+  m.store = std::make_unique<GpuParamStore>(*m.layout, m.params, m.plan.optimizer_state,
+                                            ParamShard{m.plan.shard_rank, m.plan.shard_world});
   m.optimizer = std::make_unique<GpuAdamW>(*m.store);
   bool has_attention = false, has_gdn = false;
   for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) (m.c.is_full_attention(i) ? has_attention : has_gdn) = true;
@@ -693,6 +694,72 @@ void GpuModel::set_profiler(cuda::StepProfiler* prof) { impl_->prof = prof; }
 
 GpuModel::DeviceGrads GpuModel::device_grads() { return {impl_->store->grads(), impl_->P, impl_->stream}; }
 
+GpuModel::ShardBuffers GpuModel::shard_buffers() {
+  const GpuParamStore& st = *impl_->store;
+  ShardBuffers b;
+  b.grads = st.grads();
+  b.compute = st.compute_base();
+  b.master = st.master_base();
+  b.master_flat = st.state() == OptimizerState::Fp32;
+  b.padded = st.padded_size();
+  b.share = st.share_size();
+  b.lo = st.share_lo();
+  b.hi = st.share_hi();
+  for (int r = 0; r < std::max(1, st.shard().world); ++r) b.master_ranges.push_back(st.fp32_range_of(r));
+  b.stream = impl_->stream;
+  return b;
+}
+
+double GpuModel::share_grad_sum_squares() {
+  ProfScope ps = impl_->scope("optimizer", "grad sum of squares", 0, 4.0 * impl_->P);
+  return impl_->store->share_grad_sum_squares(impl_->stream);
+}
+
+void GpuModel::gather_optimizer_state(const std::function<void(void*, int64_t, int)>& broadcast, int rank,
+                                      std::vector<std::vector<float>>* out) {
+  const GpuParamStore& st = *impl_->store;
+  const int world = std::max(1, st.shard().world), n_state = optimizer_state_count();
+  const int64_t P = impl_->P, S = st.share_size();
+  if (rank == 0) out->assign(static_cast<size_t>(n_state), std::vector<float>(static_cast<size_t>(P)));
+  constexpr int64_t kPiece = int64_t{1} << 22;  // fp32 values per broadcast (16 MiB)
+  float* dev = nullptr;
+  std::vector<float> host;
+  if (world > 1) {
+    DS_CUDA_CHECK(cudaMalloc(&dev, kPiece * sizeof(float)));
+    host.resize(static_cast<size_t>(kPiece));
+  }
+  cudaStream_t stream = impl_->stream;
+  try {
+    for (const ParamSpec& p : st.params())
+      for (int r = 0; r < world; ++r) {
+        const int64_t lo = std::min(P, S * r), hi = std::min(P, lo + S);
+        const int64_t a = std::max(p.offset, lo), b = std::min(p.offset + p.numel, hi);
+        for (int64_t x = a; x < b; x += kPiece) {
+          const int64_t n = std::min(kPiece, b - x);
+          for (int which = 0; which < n_state; ++which) {
+            if (r == 0) {  // rank 0's own share: straight into its copy
+              if (rank == 0) read_optimizer_state(which, x, n, (*out)[static_cast<size_t>(which)].data() + x);
+              continue;
+            }
+            if (rank == r) {
+              read_optimizer_state(which, x, n, host.data());
+              DS_CUDA_CHECK(cudaMemcpyAsync(dev, host.data(), n * sizeof(float), cudaMemcpyHostToDevice, stream));
+            }
+            broadcast(dev, n * static_cast<int64_t>(sizeof(float)), r);
+            if (rank == 0)
+              DS_CUDA_CHECK(cudaMemcpyAsync((*out)[static_cast<size_t>(which)].data() + x, dev, n * sizeof(float),
+                                            cudaMemcpyDeviceToHost, stream));
+            DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+          }
+        }
+      }
+  } catch (...) {
+    if (dev) cudaFree(dev);
+    throw;
+  }
+  if (dev) DS_CUDA_CHECK(cudaFree(dev));
+}
+
 void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) const {
   DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: read of [{}, {}) outside the {} parameters",
            first, first + count, impl_->P);
@@ -746,6 +813,10 @@ void GpuModel::read_optimizer_state(int, int64_t, int64_t, float*) const {}
 void GpuModel::write_optimizer_state(int, int64_t, int64_t, const float*) {}
 void GpuModel::download_grads(std::vector<float>&) const {}
 GpuModel::DeviceGrads GpuModel::device_grads() { return {nullptr, 0, nullptr}; }
+GpuModel::ShardBuffers GpuModel::shard_buffers() { return {}; }
+void GpuModel::gather_optimizer_state(const std::function<void(void*, int64_t, int)>&, int,
+                                      std::vector<std::vector<float>>*) {}
+double GpuModel::share_grad_sum_squares() { return 0; }
 size_t GpuModel::planned_bytes() const { return 0; }
 OptimizerState GpuModel::optimizer_state() const { return OptimizerState::Fp32; }
 Recompute GpuModel::recompute() const { return Recompute::Selective; }

@@ -11,8 +11,10 @@
 // allocated in the step loop. Parameter layout and names are the host Qwen35Model's, so checkpoints move both ways.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/engine.h"
@@ -58,6 +60,29 @@ class GpuModel {
     void* stream;
   };
   DeviceGrads device_grads();
+  // --shard optimizer (GpuPlan::shard_world > 0; model/gpu_params.h ParamShard): the flat device buffers that the
+  // engine reduce-scatters and all-gathers over the ranks, and this rank's share of them. grads fp32 [padded];
+  // compute bf16 [padded]; master fp32 (master_flat: [padded], flat like the others; else the bf16 layout's
+  // compacted small parameters, rank r's part at master_ranges[r]); share = padded / world; [lo, hi) this rank's
+  // flat range.
+  struct ShardBuffers {
+    float* grads = nullptr;
+    void* compute = nullptr;
+    float* master = nullptr;
+    bool master_flat = true;
+    int64_t padded = 0, share = 0, lo = 0, hi = 0;
+    std::vector<std::pair<int64_t, int64_t>> master_ranges;
+    void* stream = nullptr;
+  };
+  ShardBuffers shard_buffers();
+  // The sum of squares of the gradients of this rank's share [lo, hi) (the whole buffer unsharded), in double.
+  double share_grad_sum_squares();
+  // A sharded optimizer state made whole on rank 0's host, for a checkpoint: every rank calls this with the same
+  // `broadcast` (bytes at a device pointer from rank root to every rank, enqueued on the step's stream: the
+  // communicator's); rank 0 gets (*out)[which] = state tensor `which` over all P flat elements (fp32), the others
+  // nothing. Each rank's part travels through a 16 MiB device buffer allocated for the call (not in the step).
+  void gather_optimizer_state(const std::function<void(void* p, int64_t bytes, int root)>& broadcast, int rank,
+                              std::vector<std::vector<float>>* out);
 
   // The optimizer's state as checkpoint tensors (model/gpu_optimizer.h): `count` state tensors per parameter,
   // their names, and slab copies (fp32, offsets as ParamSpec's).

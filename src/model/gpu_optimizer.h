@@ -23,8 +23,9 @@ class GpuOptimizer {
   virtual ~GpuOptimizer() = default;
   virtual void reserve(Arena& a) = 0;
   virtual void zero_state(cudaStream_t stream) = 0;
-  // One update of every parameter: p.weight_decay where the ParamSpec decays, p.grad_scale (the clip factor)
-  // multiplies the gradients first; keeps the store's bf16 compute copy current.
+  // One update of every parameter in the store's share (all of them unsharded; model/gpu_params.h ParamShard):
+  // p.weight_decay where the ParamSpec decays, p.grad_scale (the clip factor) multiplies the gradients first;
+  // keeps the store's bf16 compute copy of those elements current.
   virtual void step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_t stream) = 0;
   // The state as checkpoint tensors: names (one per state tensor and parameter) and fp32 slab access; a slab
   // [first, first + count) of flat offsets lies inside one parameter.
@@ -50,8 +51,9 @@ class GpuAdamW final : public GpuOptimizer {
  private:
   using bf16 = ds::cuda::bf16;
   const GpuParamStore& store_;
-  float *m_ = nullptr, *v_ = nullptr;  // fp32 moments [store.fp32_size()]
-  bf16 *mb_ = nullptr, *vb_ = nullptr;  // bf16 moments [P] (bf16 layout only)
+  float *m_ = nullptr, *v_ = nullptr;   // fp32 moments [n32_] of the master offsets [f0_, f0_ + n32_)
+  bf16 *mb_ = nullptr, *vb_ = nullptr;  // bf16 moments [nb_] of the share's flat elements (bf16 layout only)
+  int64_t f0_ = 0, n32_ = 0, nb_ = 0;
 };
 
 }  // namespace ds

@@ -28,18 +28,28 @@ std::vector<int64_t> fp32_offsets(const std::vector<ParamSpec>& params, Optimize
 
 }  // namespace
 
-GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state)
+GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
+                             ParamShard shard)
     : layout_(layout),
       params_(params),
       state_(state),
+      shard_(shard),
       fp32_offset_(fp32_offsets(params, state)),
       master_layout_(layout) {
   DS_CHECK(state == OptimizerState::Fp32 || state == OptimizerState::Bf16,
            "gpu: the optimizer state must be resolved to fp32 or bf16 before the store is built");
   DS_CHECK(!params.empty(), "gpu: no parameters");
+  DS_CHECK(shard.world >= 0 && (shard.world == 0 || (shard.rank >= 0 && shard.rank < shard.world)),
+           "gpu: shard rank {} of {}", shard.rank, shard.world);
   P_ = params.back().offset + params.back().numel;
+  const int64_t unit = int64_t{128} * std::max(1, shard.world);
+  Ppad_ = shard.world == 0 ? P_ : (P_ + unit - 1) / unit * unit;
+  S_ = shard.world == 0 ? P_ : Ppad_ / shard.world;
+  lo_ = std::min(P_, S_ * shard.rank);
+  hi_ = std::min(P_, lo_ + S_);
   for (size_t k = 0; k < params.size(); ++k)
     if (fp32_offset_[k] >= 0) P32_ = std::max(P32_, fp32_offset_[k] + params[k].numel);
+  if (state == OptimizerState::Fp32) P32_ = Ppad_;  // flat, padded like the other flat buffers
   if (state == OptimizerState::Bf16)
     master_layout_ = layout.remapped([this](int64_t off) -> int64_t {
       const size_t k = param_at(off, 0);
@@ -58,13 +68,29 @@ size_t GpuParamStore::param_at(int64_t first, int64_t count) const {
   return k;
 }
 
+std::pair<int64_t, int64_t> GpuParamStore::fp32_range_of(int rank) const {
+  const int64_t lo = std::min(P_, S_ * rank), hi = std::min(P_, lo + S_);
+  if (state_ == OptimizerState::Fp32) return {lo, hi};
+  // The compacted master keeps ParamSpec order: the small parameters' elements inside [lo, hi) are one range.
+  int64_t a = -1, b = -1;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    if (fp32_offset_[k] < 0) continue;
+    const ParamSpec& p = params_[k];
+    const int64_t x = std::max(p.offset, lo), y = std::min(p.offset + p.numel, hi);
+    if (x >= y) continue;
+    if (a < 0) a = fp32_offset_[k] + (x - p.offset);
+    b = fp32_offset_[k] + (y - p.offset);
+  }
+  return a < 0 ? std::pair<int64_t, int64_t>{0, 0} : std::pair<int64_t, int64_t>{a, b};
+}
+
 void GpuParamStore::reserve(Arena& a) {
   a.use = MemoryUse::Parameters;
   w_ = a.take<float>(P32_);
   a.use = MemoryUse::Gradients;
-  g_ = a.take<float>(P_);
+  g_ = a.take<float>(Ppad_);
   a.use = MemoryUse::Parameters;
-  wb_ = a.take<bf16>(P_);
+  wb_ = a.take<bf16>(Ppad_);
   a.use = MemoryUse::Workspace;
   sumsq_ = a.take<double>(1);
   sumsq_scratch_ = a.bytes(K::sum_squares_scratch_bytes(P_));
@@ -99,7 +125,11 @@ void GpuParamStore::upload(const std::function<void(size_t k, float* dst)>& valu
     }
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is refilled next
   }
-  DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, P_ * sizeof(float), stream));
+  DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, Ppad_ * sizeof(float), stream));
+  if (Ppad_ > P_) {  // the padding of the flat buffers: zeros, summed and gathered like the rest
+    DS_CUDA_CHECK(cudaMemsetAsync(wb_ + P_, 0, (Ppad_ - P_) * sizeof(bf16), stream));
+    if (state_ == OptimizerState::Fp32) DS_CUDA_CHECK(cudaMemsetAsync(w_ + P_, 0, (Ppad_ - P_) * sizeof(float), stream));
+  }
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
@@ -116,7 +146,15 @@ void GpuParamStore::read_weights(int64_t first, int64_t count, float* dst, cudaS
 }
 
 void GpuParamStore::zero_grads(cudaStream_t stream) {
-  DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, P_ * sizeof(float), stream));
+  DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, Ppad_ * sizeof(float), stream));
+}
+
+double GpuParamStore::share_grad_sum_squares(cudaStream_t stream) {
+  K::sum_squares(g_ + lo_, hi_ - lo_, sumsq_, sumsq_scratch_, stream);
+  double s = 0;
+  DS_CUDA_CHECK(cudaMemcpyAsync(&s, sumsq_, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return s;
 }
 
 double GpuParamStore::grad_sum_squares(cudaStream_t stream) {

@@ -24,11 +24,21 @@
 
 namespace ds {
 
+// This rank's share of the flat parameters under --shard optimizer (ZeRO-1; docs/distributed.md). The flat
+// buffers (fp32 gradients, bf16 weights, the fp32 layout's master) are padded to P_pad, a multiple of world · 128
+// elements, so every rank's share is S = P_pad / world elements, 256-byte aligned, and NCCL's equal-count
+// reduce-scatter and all-gather work in place on them. Rank r owns the flat range [lo, hi) = [r·S, min((r+1)·S, P))
+// (a share may cut through a tensor). world 0 (not sharded) and world 1 own everything, P_pad = P for world 0.
+struct ParamShard {
+  int rank = 0, world = 0;
+};
+
 class GpuParamStore {
  public:
   using bf16 = ds::cuda::bf16;
   // state: Fp32 or Bf16 (resolved). params: the ParamSpec table (outlives the store).
-  GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state);
+  GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
+                ParamShard shard = {});
 
   // The buffers above and the grad-norm reduction scratch.
   void reserve(Arena& a);
@@ -56,6 +66,20 @@ class GpuParamStore {
   int64_t fp32_offset(size_t k) const { return fp32_offset_[k]; }  // -1: bf16 only
   bf16* compute(size_t k) const { return wb_ + params_[k].offset; }
   float* grads() const { return g_; }
+  bf16* compute_base() const { return wb_; }  // the bf16 weights [P_pad], flat
+  float* master_base() const { return w_; }   // the fp32 master [fp32_size()] (fp32 layout: flat, [P_pad])
+
+  // The share (ParamShard): whether sharded, P_pad, S, this rank's flat range [share_lo, share_hi), and the range
+  // of the compacted fp32 master (bf16 layout; the fp32 layout's is the flat one) that rank r's flat range holds.
+  bool sharded() const { return shard_.world > 0; }
+  const ParamShard& shard() const { return shard_; }
+  int64_t padded_size() const { return Ppad_; }
+  int64_t share_size() const { return S_; }
+  int64_t share_lo() const { return lo_; }
+  int64_t share_hi() const { return hi_; }
+  std::pair<int64_t, int64_t> fp32_range_of(int rank) const;
+  // Sum of squares of the gradients of [share_lo, share_hi) (the whole buffer unsharded), as grad_sum_squares.
+  double share_grad_sum_squares(cudaStream_t stream);
   // The parameter holding flat element `first` and its count; ds::Error unless [first, first + count) lies
   // inside one parameter.
   size_t param_at(int64_t first, int64_t count) const;
@@ -73,7 +97,8 @@ class GpuParamStore {
   const ParamLayout& layout_;
   const std::vector<ParamSpec>& params_;
   OptimizerState state_;
-  int64_t P_ = 0, P32_ = 0;
+  ParamShard shard_;
+  int64_t P_ = 0, P32_ = 0, Ppad_ = 0, S_ = 0, lo_ = 0, hi_ = 0;
   std::vector<int64_t> fp32_offset_;  // per parameter: offset into w_, or -1
   ParamLayout master_layout_;         // layout_ with the offsets of w_
   float *w_ = nullptr, *g_ = nullptr;

@@ -83,9 +83,8 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   const GpuPlan plan = resolved(plan_in);
   c.validate();
   const std::vector<ParamSpec> params = qwen35_params(c);  // the table only: no memory for the values
-  const int64_t P = params.back().offset + params.back().numel;
   ParamLayout layout(c, params);
-  GpuParamStore store(layout, params, plan.optimizer_state);
+  GpuParamStore store(layout, params, plan.optimizer_state, ParamShard{plan.shard_rank, plan.shard_world});
   GpuAdamW optimizer(store);
   GpuActivations acts;
   GpuMemoryPlan out;

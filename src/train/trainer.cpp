@@ -515,7 +515,9 @@ int train(TrainOptions cli) {
   DS_CHECK(opt.shard != "full", "--shard full (parameters sharded too, gathered per layer: ZeRO-3) is not built yet; "
            "--shard optimizer shards the AdamW state and the gradients (docs/distributed.md)");
   if (opt.shard == "optimizer" && comm.world() == 1)
-    log_info("--shard optimizer with one rank: nothing to shard, the whole state stays here");
+    log_info("{}", comm.on_device() ? "--shard optimizer with one rank: the sharded path over one share (the whole "
+                                      "state)"
+                                    : "--shard optimizer with one rank: nothing to shard, the whole state stays here");
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   if (resolve_device(opt.device) != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
@@ -590,6 +592,10 @@ int train(TrainOptions cli) {
   // The GPU when there is one (auto), else the CPU reference engine.
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
   apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
+  if (opt.shard == "optimizer" && comm.on_device()) {  // the GPU engine plans its memory for this rank's share
+    plan.shard_rank = comm.rank();
+    plan.shard_world = comm.world();
+  }
   std::unique_ptr<Engine> engine = make_engine(opt.device, std::move(model), plan);
   opt.device = engine->device();  // saved in checkpoints: a resume continues on the same engine
   // The optimizer state in use, saved too: a resume keeps the numerics unless --optimizer-state changes them.
