@@ -171,7 +171,7 @@ class CudaEngine final : public Engine {
     if (comm.on_device()) comm_ = &comm;
     const GpuModel::ShardBuffers b = gpu_->shard_buffers();
     sharded_ = mode == ShardMode::Optimizer && comm_;
-    DS_CHECK(!sharded_ || static_cast<int>(b.master_ranges.size()) == comm.world(), "{}: --shard optimizer needs an "
+    DS_CHECK(!sharded_ || b.world == comm.world(), "{}: --shard optimizer needs an "
              "engine planned for {} ranks' shares (GpuPlan::shard_world)", dist::describe(comm.launch()), comm.world());
   }
   void reduce_grads() override {

@@ -701,6 +701,7 @@ GpuModel::ShardBuffers GpuModel::shard_buffers() {
   b.compute = st.compute_base();
   b.master = st.master_base();
   b.master_flat = st.state() == OptimizerState::Fp32;
+  b.world = st.shard().world;
   b.padded = st.padded_size();
   b.share = st.share_size();
   b.lo = st.share_lo();

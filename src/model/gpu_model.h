@@ -70,6 +70,7 @@ class GpuModel {
     void* compute = nullptr;
     float* master = nullptr;
     bool master_flat = true;
+    int world = 0;  // the plan's shard_world (0: planned unsharded)
     int64_t padded = 0, share = 0, lo = 0, hi = 0;
     std::vector<std::pair<int64_t, int64_t>> master_ranges;
     void* stream = nullptr;
