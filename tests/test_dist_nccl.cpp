@@ -140,6 +140,10 @@ TEST(DistNccl, OneRankTorchrunTrainsThePlainRunsLosses) {
   const std::string dir = ds::test::fresh_tmpdir("nccl_train");
   std::string base = ds::test::small_setup(dir);
   base.replace(base.find("--device cpu"), 12, "--device cuda");
+  // Head dims the GPU kernels take (small_setup's 8 are the CPU engine's).
+  nlohmann::json c = nlohmann::json::parse(ds::read_file(dir + "/config.json"));
+  c["head_dim"] = c["linear_key_head_dim"] = c["linear_value_head_dim"] = 16;
+  ds::write_file_atomic(dir + "/config.json", c.dump());
   base += " --steps 6 --grad-accum 2 --save-interval 3 --clip 0.05";
   for (const std::string state : {"fp32", "bf16"}) {
     const std::string args = base + " --optimizer-state " + state, d = dir + "/" + state;
