@@ -26,9 +26,10 @@ struct SamplingOptions {
 void check_sampling(const SamplingOptions& o);
 
 // The next id from logits[0, usable) (fp32; 1 <= usable <= logits.size(): the ids the tokenizer knows). Greedy
-// when temperature is 0 (the lowest id of the largest logit); else softmax(logits / temperature) over the top_k most
-// likely ids, cut to the shortest most-likely prefix whose mass reaches top_p (at least one id; Holtzman et al. 2020, "The
-// Curious Case of Neural Text Degeneration"), renormalised, one draw of rng.uniform().
+// when temperature is 0 (the lowest id of the largest logit); else softmax(logits / temperature) over the top_k
+// most likely ids, cut to the shortest most-likely prefix whose mass reaches top_p (at least one id; Holtzman et
+// al. 2020, "The Curious Case of Neural Text Degeneration"), renormalised, one draw of rng.uniform(). ds::Error
+// for usable outside [1, logits.size()].
 int32_t sample_token(const std::vector<float>& logits, int64_t usable, const SamplingOptions& o, Rng& rng);
 
 // The logits [vocab_size] after the last of `ids` (the whole sequence so far: prompt + generated; each call's ids
