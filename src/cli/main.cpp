@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
   gen->add_option("--model", model_dir, "Checkpoint dir")->required();
   gen->add_option("--prompt", prompt, "Prompt text")->required();
   gen->add_option("--tokenizer", tokenizer, "tokenizer.json (default: the checkpoint's)");
-  gen->add_option("--max-new-tokens", max_new, "Tokens to sample")->capture_default_str();
+  gen->add_option("--max-new-tokens", max_new, "Tokens to sample (with the prompt's: at most the model's "
+                  "max_position_embeddings)")->capture_default_str();
   gen->add_option("--temperature", temperature, "Sampling temperature (0 = greedy)")->capture_default_str();
   gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0 = all)")->capture_default_str();
   gen->add_option("--seed", seed, "Sampling seed")->capture_default_str();
