@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/cpu_blas.h"
+#include "core/cuda/device.h"
 #include "core/files.h"
 #include "train/run_dir.h"
 #include "train_test_util.h"
@@ -614,8 +615,8 @@ TEST(RunSafety, EvalOfANonFiniteLossIsValidJson) {
   fs::remove_all(dir);
 }
 
-// 6. generate streams: the prompt and the first tokens are on stdout while it is still generating (100000 tokens,
-// stopped by the test once it has seen them).
+// 6. generate streams: the prompt and the first tokens are on stdout while it is still generating (4000 tokens, the
+// most the tiny preset's 4096 positions leave after the prompt; stopped by the test once it has seen them).
 TEST(RunSafety, GenerateStreamsTokens) {
   const std::string dir = tmpdir("stream");
   ASSERT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 0 --out " + dir + "/a"), 0);
@@ -626,7 +627,7 @@ TEST(RunSafety, GenerateStreamsTokens) {
     ::dup2(fds[1], 1);
     ::close(fds[0]);
     ::close(fds[1]);
-    ds::test::exec_deltastack("generate --threads 1 --max-new-tokens 100000 --temperature 1 --top-k 0 --prompt ROMEO: "
+    ds::test::exec_deltastack("generate --threads 1 --max-new-tokens 4000 --temperature 1 --top-k 0 --prompt ROMEO: "
                               "--model " + dir + "/a/checkpoint-0");
   }
   ::close(fds[1]);
@@ -650,22 +651,45 @@ TEST(RunSafety, GenerateStreamsTokens) {
 
 // generate's sampling flags: a vanishing --top-p keeps only the most likely id (the greedy text), a bad one is an
 // error naming it; --chat renders the prompt as a user turn (the reply is different text from the plain prompt's).
+// --device cpu is the carried-state decode; auto gives the same text here (no GPU, or a GPU engine that does not
+// take head_dim 8: the CPU, with a warning); a bad --device, or the prompt + --max-new-tokens past the model's
+// 4096 positions, is an error naming the flag before anything is generated.
 TEST(RunSafety, GenerateTopPAndChat) {
   const std::string dir = tmpdir("topp");
   ASSERT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 2 --out " + dir + "/a"), 0);
   const std::string g = "generate --threads 1 --max-new-tokens 12 --prompt ROMEO: --model " + dir + "/a/checkpoint-2";
-  std::string greedy, nucleus, sampled, chat, log;
-  ASSERT_EQ(run(g + " --temperature 0", &greedy), 0) << greedy;
-  ASSERT_EQ(run(g + " --temperature 1 --top-k 0 --top-p 1e-9 --seed 5", &nucleus), 0) << nucleus;
+  std::string greedy, nucleus, sampled, chat, automatic, log;
+  ASSERT_EQ(run(g + " --device cpu --temperature 0", &greedy), 0) << greedy;
+  ASSERT_EQ(run(g + " --device cpu --temperature 1 --top-k 0 --top-p 1e-9 --seed 5", &nucleus), 0) << nucleus;
   EXPECT_EQ(nucleus, greedy);
-  ASSERT_EQ(run(g + " --temperature 1 --top-k 0 --seed 5", &sampled), 0);
+  EXPECT_GT(greedy.size(), std::string("ROMEO:\n").size()) << greedy;
+  ASSERT_EQ(run(g + " --device cpu --temperature 1 --top-k 0 --seed 5", &sampled), 0);
   EXPECT_NE(sampled, greedy);  // without the nucleus, 12 draws from 151k ids of a 2-step model differ
-  ASSERT_EQ(run(g + " --temperature 0 --chat", &chat), 0) << chat;
+  ASSERT_EQ(run(g + " --device cpu --temperature 0 --chat", &chat), 0) << chat;
   EXPECT_EQ(chat.rfind("ROMEO:", 0), 0u) << chat;
   EXPECT_NE(chat, greedy);
+  ASSERT_EQ(run(g + " --temperature 0", &automatic), 0) << automatic;
+  EXPECT_EQ(automatic.substr(automatic.find("ROMEO:")), greedy);
   EXPECT_EQ(run(g + " --top-p 0", &log), 1);
   EXPECT_NE(log.find("--top-p must be in (0, 1]"), std::string::npos) << log;
+  EXPECT_EQ(run(g + " --device gpu", &log), 1);
+  EXPECT_NE(log.find("--device must be auto, cpu or cuda, got \"gpu\""), std::string::npos) << log;
+  EXPECT_EQ(run(g + " --device cpu --max-new-tokens 4094", &log), 1);
+  EXPECT_NE(log.find("--max-new-tokens 4094: the prompt's 3 tokens + 4094 new ones exceed the model's "
+                     "max_position_embeddings = 4096"), std::string::npos) << log;
+  EXPECT_EQ(log.find("ROMEO"), std::string::npos) << "nothing generated: " << log;
+  ASSERT_EQ(run(g + " --device cpu --temperature 0 --max-new-tokens 4093", &log), 0) << "3 + 4093 = 4096 fits";
   fs::remove_all(dir);
+}
+
+// generate --device cuda on a machine without a GPU: an error saying so (exit 1), before the checkpoint is read.
+TEST(RunSafety, GenerateOnCudaWithoutAGpuIsAnError) {
+  if (ds::cuda_device_count() > 0) GTEST_SKIP() << "a GPU is present (CudaGenerate.* runs generate on it)";
+  std::string log;
+  EXPECT_EQ(run("generate --threads 1 --device cuda --prompt N5 --model " + ds::test::fixture("hf_qwen35_tiny_a") +
+                " --tokenizer " + ds::test::data_path("qwen3_tokenizer/tokenizer.json"), &log), 1);
+  EXPECT_NE(log.find("error: --device cuda: no CUDA device is available"), std::string::npos) << log;
+  EXPECT_EQ(log.find("N5"), std::string::npos) << "no output: " << log;
 }
 
 // 7. The NaN guard: --nan-policy stop names the last checkpoint, or says there is none; --nan-policy skip that

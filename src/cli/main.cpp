@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
   gen->add_option("--model", model_dir, "Checkpoint dir")->required();
   gen->add_option("--prompt", prompt, "Prompt text")->required();
   gen->add_option("--tokenizer", tokenizer, "tokenizer.json (default: the checkpoint's)");
-  gen->add_option("--max-new-tokens", max_new, "Tokens to sample")->capture_default_str();
+  gen->add_option("--max-new-tokens", max_new, "Tokens to sample (with the prompt's: at most the model's "
+                  "max_position_embeddings)")->capture_default_str();
   gen->add_option("--temperature", temperature, "Sampling temperature (0 = greedy)")->capture_default_str();
   gen->add_option("--top-k", top_k, "Sample among the k most likely tokens (0 = all)")->capture_default_str();
   gen->add_option("--seed", seed, "Sampling seed")->capture_default_str();
@@ -68,6 +69,10 @@ int main(int argc, char** argv) {
   gen->add_option("--top-p", top_p, "Sample from the most likely ids whose probability reaches p (1 = off)")
       ->capture_default_str();
   gen->add_flag("--chat", chat, "The prompt is a user turn of the chat template; the reply stops at <|im_end|>");
+  std::string gen_device = "auto";
+  gen->add_option("--device", gen_device, "auto (GPU when present), cpu (fp32; carried decode state: O(1) work per "
+                  "token) or cuda (bf16; the forward over the whole prefix again for every token: O(n) per token)")
+      ->capture_default_str();
 
   auto* eval = app.add_subcommand("eval", "Mean loss of a checkpoint on data files");
   eval->add_option("--model", model_dir, "Checkpoint dir")->required();
@@ -215,7 +220,8 @@ int main(int argc, char** argv) {
                forward_device);
       return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device, overwrite);
     }
-    if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed, top_p, chat);
+    if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed, top_p, chat,
+                                           gen_device);
     if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
     if (*tokenize) {
       std::error_code ec;

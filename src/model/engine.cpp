@@ -38,6 +38,7 @@ class CpuEngine final : public Engine {
   LossResult forward_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) override {
     return model_.forward_backward(b, grad_scale, z_loss, cap);
   }
+  std::vector<float> last_logits(const PackedBatch& b) override { return model_.last_logits(b); }
   void zero_grads() override { model_.zero_grads(); }
   double grad_sum_squares() override {
     if (!sharded()) return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
@@ -157,6 +158,7 @@ class CudaEngine final : public Engine {
   LossResult forward_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) override {
     return gpu_->forward_backward(b, grad_scale, z_loss, cap);
   }
+  std::vector<float> last_logits(const PackedBatch& b) override { return gpu_->last_logits(b); }
   void zero_grads() override { gpu_->zero_grads(); }
   // Data parallel over NCCL (at world size 1 under a launcher too: the same path, sums over one rank, so the
   // losses are the plain run's bits). --shard none: every rank keeps the whole state and all-reduces the fp32

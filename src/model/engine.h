@@ -1,5 +1,6 @@
-// The engine interface: what the trainer, `eval`, `forward` and `bench step` need from an engine that runs the
-// Qwen3.5 model (docs/architecture.md; `generate` runs the CPU model directly). Two engines implement it:
+// The engine interface: what the trainer, `eval`, `forward`, `generate` (on the GPU; on the CPU it decodes with
+// the model's carried state, model/generate.h) and `bench step` need from an engine that runs the Qwen3.5 model
+// (docs/architecture.md). Two engines implement it:
 //   - "cpu": the fp32 reference (model/model.h: Qwen35Model, ops' CPU references), AdamW state on the host;
 //   - "cuda": the GPU engine (model/gpu_model.h), every buffer on the device, no host copy of the weights,
 //     gradients or optimizer state; checkpoints stream from the device in bounded slabs.
@@ -106,6 +107,12 @@ class Engine {
   // ds::Error for a batch the model or the engine's plan cannot take (naming the position or the limit).
   virtual LossResult forward_backward(const PackedBatch& batch, double grad_scale, double z_loss = 0.0,
                                       ForwardCapture* capture = nullptr) = 0;
+  // The forward alone (no loss, no backward, the gradients untouched) and the fp32 logits [vocab_size] of the
+  // batch's last position (its last document's last token): one row of the lm_head GEMM, not the N x V logits.
+  // GPU: bf16 compute, within the 1e-2 logits band of the CPU engine's fp32 (docs/cuda_backend.md); the plan's
+  // buffers only (nothing allocated per call). ds::Error as forward_backward for a batch the model or the plan
+  // cannot take; an empty batch is an error. Generation's next-token logits (model/generate.h).
+  virtual std::vector<float> last_logits(const PackedBatch& batch) = 0;
   virtual void zero_grads() = 0;
   // Sum of squares of every gradient element, in double, in a fixed order (bitwise reproducible).
   virtual double grad_sum_squares() = 0;

@@ -491,6 +491,20 @@ struct GpuModel::Impl {
 
   // The step: embedding, layers, final norm, fused linear + cross-entropy (its backward in the same call), then
   // the layers in reverse and the embedding backward.
+  // The forward of the prepared batch up to the final norm: embedding, layers, final rmsnorm -> acts.hf.
+  void trunk_forward(const GpuParamStore::Model& mp) {
+    const int64_t H = c.hidden_size, L = c.num_hidden_layers;
+    const double n = static_cast<double>(N);
+    {
+      ProfScope ps = scope("embedding", "embedding", 0, n * (4 * H + 4));  // ids, bf16 rows -> hs[0]
+      K::embedding_forward(acts.batch.ids, mp.compute.embed_tokens, acts.hs[0], N, H, stream);
+    }
+    for (int64_t i = 0; i < L; ++i) layer_forward(i);
+    ProfScope ps = scope("norm", "final rmsnorm", 0, 4 * n * H);
+    K::rmsnorm_forward(acts.hs[L], mp.master.norm, acts.hf, acts.rstd_f, N, H, static_cast<float>(c.rms_norm_eps),
+                       true, stream);
+  }
+
   LossResult run(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) {
     prepare_batch(b);
     const int64_t H = c.hidden_size, L = c.num_hidden_layers;
@@ -498,16 +512,7 @@ struct GpuModel::Impl {
     const GpuBatchBufs& B = acts.batch;
     const GpuGradBufs& d = acts.grad;
     const double n = static_cast<double>(N);
-    {
-      ProfScope ps = scope("embedding", "embedding", 0, n * (4 * H + 4));  // ids, bf16 rows -> hs[0]
-      K::embedding_forward(B.ids, mp.compute.embed_tokens, acts.hs[0], N, H, stream);
-    }
-    for (int64_t i = 0; i < L; ++i) layer_forward(i);
-    {
-      ProfScope ps = scope("norm", "final rmsnorm", 0, 4 * n * H);
-      K::rmsnorm_forward(acts.hs[L], mp.master.norm, acts.hf, acts.rstd_f, N, H, static_cast<float>(c.rms_norm_eps),
-                         true, stream);
-    }
+    trunk_forward(mp);
     const bool backward = grad_scale != 0.0;
     ops::LinearCeOptions opt;
     opt.z_loss = z_loss;
@@ -551,6 +556,31 @@ struct GpuModel::Impl {
     r.loss_sum = loss[0];
     r.z_loss_sum = loss[1];
     return r;
+  }
+
+  // GpuModel::last_logits: the trunk, then logits[1, V] = hf[N-1, :] lm_head^T (fp32 out) in the loss scratch.
+  std::vector<float> last_logits(const PackedBatch& b) {
+    DS_CHECK(b.size() > 0, "last_logits: an empty batch has no last position");
+    prepare_batch(b);
+    const int64_t H = c.hidden_size, V = c.vocab_size;
+    const GpuParamStore::Model mp = store->model_params();
+    trunk_forward(mp);
+    DS_CHECK(ce->workspace_bytes() >= static_cast<size_t>(V) * sizeof(float),
+             "gpu: the loss scratch ({} bytes) cannot hold a row of {} logits", ce->workspace_bytes(), V);
+    float* row = static_cast<float*>(acts.ce_scratch);
+    std::vector<float> out(static_cast<size_t>(V));
+    {
+      ProfScope ps = scope("loss", "lm head (last position)", 2.0 * H * V);
+      K::gemm(false, true, 1, V, H, 1.0f, acts.hf + (N - 1) * H, H, mp.compute.lm_head, H, 0.0f, row, true, V, stream);
+    }
+    {
+      ProfScope ps = scope("copy", "logits download (D2H)");
+      DS_CUDA_CHECK(cudaMemcpyAsync(out.data(), row, static_cast<size_t>(V) * sizeof(float), cudaMemcpyDeviceToHost,
+                                    stream));
+    }
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    note_peak();
+    return out;
   }
 
   // Hidden states (bf16 -> fp32) and full fp32 logits, for `deltastack forward --device cuda` on small inputs.
@@ -663,6 +693,8 @@ LossResult GpuModel::forward_backward(const PackedBatch& batch, double grad_scal
                                       ForwardCapture* capture) {
   return impl_->run(batch, grad_scale, z_loss, capture);
 }
+
+std::vector<float> GpuModel::last_logits(const PackedBatch& batch) { return impl_->last_logits(batch); }
 
 void GpuModel::zero_grads() {
   ProfScope ps = impl_->scope("optimizer", "zero grads", 0, 4.0 * impl_->P);
@@ -803,6 +835,7 @@ GpuModel::GpuModel(const Qwen35Model&, const GpuPlan&) {
 }
 GpuModel::~GpuModel() = default;
 LossResult GpuModel::forward_backward(const PackedBatch&, double, double, ForwardCapture*) { return {}; }
+std::vector<float> GpuModel::last_logits(const PackedBatch&) { return {}; }
 void GpuModel::zero_grads() {}
 double GpuModel::grad_sum_squares() { return 0; }
 void GpuModel::adamw_step(const ops::AdamWParams&, double) {}

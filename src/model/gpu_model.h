@@ -39,6 +39,12 @@ class GpuModel {
   // As Qwen35Model::forward_backward: gradients of grad_scale * loss_sum are ADDED to the device gradients.
   LossResult forward_backward(const PackedBatch& batch, double grad_scale, double z_loss = 0.0,
                               ForwardCapture* capture = nullptr);
+  // Engine::last_logits: the forward alone (embedding, layers, final norm; no loss, no backward, the gradients
+  // untouched) and one row of the lm_head GEMM (bf16 inputs, fp32 accumulate and output) for the batch's last
+  // position, written into the fused loss's scratch (it holds at least one chunk row of V fp32 logits), then
+  // copied to the host: fp32 [vocab_size]. Nothing is allocated. ds::Error as forward_backward for a batch
+  // outside the plan or the model; an empty batch is an error.
+  std::vector<float> last_logits(const PackedBatch& batch);
   void zero_grads();
   double grad_sum_squares();  // deterministic
   // One AdamW update of every parameter (decay per ParamSpec::weight_decay), refreshing the bf16 copy.

@@ -667,6 +667,8 @@ std::vector<float> Qwen35Model::decode(DecodeState& st, const std::vector<int32_
 }
 
 std::vector<float> Qwen35Model::last_logits(const PackedBatch& batch) {
+  DS_CHECK(weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
+  DS_CHECK(batch.size() > 0, "last_logits: an empty batch has no last position");
   Impl impl(*this, batch);
   std::vector<LayerCache> caches;
   Buf h, hf, rstd_f;

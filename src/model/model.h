@@ -135,7 +135,9 @@ class Qwen35Model {
   // and batches longer than max_position_embeddings per document (ds::Error).
   LossResult forward_backward(const PackedBatch& batch, double grad_scale, double z_loss = 0.0,
                               ForwardCapture* capture = nullptr);
-  // Logits of the last token only [V] (generation).
+  // The forward alone and the fp32 logits [vocab_size] of the batch's last position (one row of the lm_head
+  // GEMM; generation's next-token logits, the CPU engine's Engine::last_logits). ds::Error for an empty batch,
+  // released weights, or a batch the model cannot take (PackedBatch::check).
   std::vector<float> last_logits(const PackedBatch& batch);
 
   // What generation keeps between tokens (one sequence): per Gated DeltaNet layer the conv input's last K-1 rows

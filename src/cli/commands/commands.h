@@ -32,11 +32,16 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
 // `deltastack generate`: samples a continuation of `prompt` from a checkpoint (tokenizer.json from the
 // checkpoint dir unless given), printed as it comes (the prompt first, then each token's text). temperature 0 =
 // greedy; otherwise among the top_k most likely ids (0: all), then the smallest set of them whose probability
-// reaches top_p (nucleus sampling, Holtzman et al. 2020; 1: off). chat: the prompt is a user turn rendered by the
-// bundled chat template with the generation prompt (data/chat.h), and the reply stops at <|im_end|>.
+// reaches top_p (nucleus sampling, Holtzman et al. 2020; 1: off): sample_token, model/generate.h. chat: the prompt
+// is a user turn rendered by the bundled chat template with the generation prompt (data/chat.h), and the reply
+// stops at <|im_end|>. device "auto" (the GPU engine when a GPU is present and takes the model, else the CPU),
+// "cpu" (fp32, the carried decode state: O(1) per token in the GDN layers) or "cuda" (bf16, the forward over the
+// whole prefix again for every token: O(n) per token; its plan sized once for the prompt + max_new_tokens).
+// ds::Error naming the flag for a bad value, for a prompt + max_new_tokens past max_position_embeddings, and for
+// --device cuda without a usable device.
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
                  int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed, double top_p = 1.0,
-                 bool chat = false);
+                 bool chat = false, const std::string& device = "auto");
 
 // `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows, as one
 // JSON object; a non-finite value is null, and a non-finite loss adds "error" and returns 1. device

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
-#include <numeric>
 #include <optional>
 
 #include "cli/commands/commands.h"
@@ -17,11 +16,11 @@
 #include "core/cuda/device.h"
 #include "core/files.h"
 #include "core/log.h"
-#include "core/rng.h"
 #include "data/chat.h"
 #include "data/dataset.h"
 #include "data/tokenizer.h"
 #include "model/engine.h"
+#include "model/generate.h"
 #include "model/model.h"
 
 namespace ds::cli {
@@ -33,25 +32,77 @@ std::string tokenizer_for(const std::string& model_dir, const std::string& token
   DS_CHECK(file_exists(p), "{}: no tokenizer.json in the checkpoint; pass --tokenizer", model_dir);
   return p;
 }
+
+// eval's and generate's --device: auto, cpu or cuda (ds::Error naming --device otherwise, and for cuda without a
+// usable device, before anything is read), resolved as every command resolves it (resolve_device, model/engine.h).
+std::string chosen_device(const std::string& device) {
+  DS_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device must be auto, cpu or cuda, got \"{}\"",
+           device);
+  DS_CHECK(device != "cuda" || cuda_device_count() > 0, "--device cuda: no CUDA device is available");
+  return resolve_device(device);
+}
+
+// The checkpoint's model, its weights read per parameter by the engine that takes it (Qwen35Model::Deferred).
+Qwen35Model deferred_model(const std::string& model_dir) {
+  Qwen35Model model(ModelConfig::from_file(model_dir), Qwen35Model::Deferred{});
+  model.defer_load(model_dir);
+  return model;
+}
+
+// The GPU engine for `plan`, or null when the device resolved to cpu. With --device auto a model the GPU engine
+// cannot take (a shape its kernels lack, a plan larger than the free memory) is left to the CPU with a warning
+// naming the reason (null); with --device cuda that is the error.
+std::unique_ptr<Engine> gpu_engine(const std::string& device, const std::string& model_dir, const GpuPlan& plan,
+                                   const char* command) {
+  if (chosen_device(device) != "cuda") return nullptr;
+  try {
+    return make_engine("cuda", deferred_model(model_dir), plan);
+  } catch (const Error& e) {
+    if (device == "cuda") throw;
+    log_warn("{}: the GPU engine cannot take this model ({}); running on the CPU", command, e.what());
+    return nullptr;
+  }
+}
 }  // namespace
 
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
-                 int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed, double top_p, bool chat) {
-  DS_CHECK(std::isfinite(top_p) && top_p > 0 && top_p <= 1, "--top-p must be in (0, 1], got {}", top_p);
+                 int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed, double top_p, bool chat,
+                 const std::string& device) {
+  GenerateOptions opt;
+  opt.sampling = {temperature, top_k, top_p};
+  check_sampling(opt.sampling);
   DS_CHECK(max_new_tokens >= 0, "--max-new-tokens must be >= 0, got {}", max_new_tokens);
-  DS_CHECK(std::isfinite(temperature) && temperature >= 0, "--temperature must be finite and >= 0, got {}", temperature);
-  DS_CHECK(top_k >= 0, "--top-k must be >= 0, got {}", top_k);
-  Qwen35Model model(ModelConfig::from_file(model_dir));
-  model.load(model_dir);
+  opt.max_new_tokens = max_new_tokens;
+  opt.seed = seed;
+  chosen_device(device);  // a bad --device, or cuda without a GPU: an error before the checkpoint is read
+  const ModelConfig cfg = ModelConfig::from_file(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
   DS_CHECK(!prompt.empty(), "--prompt must not be empty");
   ChatTemplateOptions chat_opt;
   chat_opt.add_generation_prompt = true;
-  std::vector<int32_t> ids = tok.encode(chat ? render_qwen3_chat({{"user", prompt, std::nullopt}}, chat_opt).text : prompt);
-  const int32_t eos = tok.token_to_id("<|endoftext|>"), im_end = chat ? tok.token_to_id("<|im_end|>") : -1;
-  const int64_t V = model.config().vocab_size, tok_v = tok.vocab_size();
-  Rng rng(seed);
-  std::vector<int32_t> generated;
+  const std::vector<int32_t> ids =
+      tok.encode(chat ? render_qwen3_chat({{"user", prompt, std::nullopt}}, chat_opt).text : prompt);
+  const int64_t total = static_cast<int64_t>(ids.size()) + max_new_tokens;
+  DS_CHECK(total <= cfg.max_position_embeddings, "--max-new-tokens {}: the prompt's {} tokens + {} new ones exceed the "
+           "model's max_position_embeddings = {}", max_new_tokens, ids.size(), max_new_tokens,
+           cfg.max_position_embeddings);
+  opt.stop_ids = {tok.token_to_id("<|endoftext|>")};
+  if (chat) opt.stop_ids.push_back(tok.token_to_id("<|im_end|>"));
+  opt.usable = std::min(cfg.vocab_size, tok.vocab_size());  // only ids the tokenizer knows can be sampled
+  // The GPU: one document of the prompt and every new token, its plan sized once for all of them (forward only,
+  // so the memory modes are left to the engine: the leanest that fits), the forward over the whole prefix again
+  // per token. The CPU: the prompt once, then one token per step on the carried state (Qwen35Model::decode: O(1)
+  // per token in the GDN layers, one row of scores in the attention layers).
+  std::unique_ptr<Engine> engine = gpu_engine(device, model_dir, GpuPlan::forward_windows(1, total, 1), "generate");
+  std::optional<Qwen35Model> cpu;
+  NextLogits next;
+  if (engine) {
+    next = prefix_logits(*engine);
+  } else {
+    cpu.emplace(cfg);
+    cpu->load(model_dir);
+    next = decode_logits(*cpu);
+  }
   // Streamed: the prompt at once, then each token's text as it comes. A token may end inside a UTF-8 character
   // (decoded as a trailing U+FFFD until the next token completes it): that part waits for the next token.
   size_t printed = 0;
@@ -60,54 +111,14 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
              "generate: cannot write to stdout ({})", std::strerror(errno));
   };
   emit(prompt);
-  // The prompt once, then one token per step on the carried state (Qwen35Model::decode: O(1) per token in the
-  // GDN layers, one row of scores in the attention layers).
-  Qwen35Model::DecodeState state;
-  std::vector<int32_t> feed = ids;
-  for (int64_t n = 0; n < max_new_tokens; ++n) {
-    std::vector<float> logits = model.decode(state, feed);
-    // Only ids the tokenizer knows can be sampled.
-    int64_t usable = std::min(V, tok_v);
-    int32_t next = 0;
-    if (temperature <= 0) {
-      next = static_cast<int32_t>(std::max_element(logits.begin(), logits.begin() + usable) - logits.begin());
-    } else {
-      std::vector<int32_t> order(static_cast<size_t>(usable));
-      std::iota(order.begin(), order.end(), 0);
-      int64_t k = top_k > 0 ? std::min(top_k, usable) : usable;
-      std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                        [&](int32_t a, int32_t c) { return logits[a] > logits[c]; });
-      double mx = logits[order[0]], total = 0;
-      std::vector<double> p(static_cast<size_t>(k));
-      for (int64_t i = 0; i < k; ++i) total += p[i] = std::exp((logits[order[i]] - mx) / temperature);
-      if (top_p < 1) {  // the most likely ids (sorted) until their probability reaches top_p
-        double kept = 0;
-        int64_t n = 0;
-        while (n < k && kept < top_p * total) kept += p[static_cast<size_t>(n++)];
-        k = std::max<int64_t>(n, 1);
-        total = kept > 0 ? kept : p[0];
-      }
-      double u = rng.uniform() * total;
-      next = order[static_cast<size_t>(k - 1)];
-      for (int64_t i = 0; i < k; ++i) {
-        if ((u -= p[i]) <= 0) {
-          next = order[static_cast<size_t>(i)];
-          break;
-        }
-      }
-    }
-    if (next == eos || next == im_end) break;
-    ids.push_back(next);
-    feed = {next};
-    generated.push_back(next);
-    std::string text = tok.decode(generated);
+  const std::vector<int32_t> generated = generate_tokens(next, ids, opt, [&](const std::vector<int32_t>& so_far) {
+    std::string text = tok.decode(so_far);
     while (text.size() >= 3 && text.compare(text.size() - 3, 3, "\xEF\xBF\xBD") == 0) text.resize(text.size() - 3);
     if (text.size() > printed) {
       emit(text.substr(printed));
       printed = text.size();
     }
-    if (static_cast<int64_t>(ids.size()) >= model.config().max_position_embeddings) break;
-  }
+  });
   const std::string text = tok.decode(generated);
   emit(text.substr(std::min(printed, text.size())) + "\n");
   return 0;
@@ -115,35 +126,19 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
 
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
              int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device) {
-  DS_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device must be auto, cpu or cuda, got \"{}\"",
-           device);
-  DS_CHECK(device != "cuda" || cuda_device_count() > 0, "--device cuda: no CUDA device is available");
-  Qwen35Model model(ModelConfig::from_file(model_dir), Qwen35Model::Deferred{});  // read per parameter by the engine
-  model.defer_load(model_dir);
+  chosen_device(device);
+  const ModelConfig cfg = ModelConfig::from_file(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
-  DS_CHECK(seq_len >= 2 && seq_len <= model.config().max_position_embeddings,
-           "--seq-len {} must be in [2, max_position_embeddings = {}]", seq_len, model.config().max_position_embeddings);
+  DS_CHECK(seq_len >= 2 && seq_len <= cfg.max_position_embeddings,
+           "--seq-len {} must be in [2, max_position_embeddings = {}]", seq_len, cfg.max_position_embeddings);
   DS_CHECK(micro_batch >= 1, "--micro-batch must be >= 1");
   auto docs = tokenize_documents(tok, read_documents(data, parse_txt_split(txt_split)), tok.token_to_id("<|endoftext|>"));
   PackedDataset set(docs, seq_len);
-  // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present; with
-  // auto, a model the GPU engine cannot take is evaluated on the CPU (read again: the first reader went to the GPU
-  // engine).
+  // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present and takes
+  // the model; else the CPU engine.
   const GpuPlan plan = GpuPlan::forward_windows(micro_batch, seq_len, set.max_docs_per_window());
-  std::unique_ptr<Engine> engine;
-  if (resolve_device(device) == "cuda") {
-    try {
-      engine = make_engine("cuda", std::move(model), plan);
-    } catch (const Error& e) {
-      if (device == "cuda") throw;
-      log_warn("eval: the GPU engine cannot take this model ({}); evaluating on the CPU", e.what());
-      Qwen35Model again(ModelConfig::from_file(model_dir), Qwen35Model::Deferred{});
-      again.defer_load(model_dir);
-      engine = make_engine("cpu", std::move(again), plan);
-    }
-  } else {
-    engine = make_engine("cpu", std::move(model), plan);
-  }
+  std::unique_ptr<Engine> engine = gpu_engine(device, model_dir, plan, "eval");
+  if (!engine) engine = make_engine("cpu", deferred_model(model_dir), plan);
   double sum = 0;
   int64_t n = 0;
   for (int64_t w = 0; w < set.num_windows(); w += micro_batch) {
