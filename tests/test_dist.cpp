@@ -104,7 +104,7 @@ TEST(DistLaunch, OnlyTrainRunsOnSeveralRanks) {
   ::setenv("WORLD_SIZE", "2", 1);
   ::setenv("RANK", "1", 1);
   std::string out;
-  const int rc = ds::test::run("plan --model tiny --seq-len 64 --micro-batch 1", &out);
+  const int rc = ds::test::run("probe", &out);
   const int rc_train = ds::test::run("train " + ds::test::small_setup(dir) + " --steps 1 --out " + dir + "/o", &out);
   ::unsetenv("WORLD_SIZE");
   ::unsetenv("RANK");
@@ -114,10 +114,10 @@ TEST(DistLaunch, OnlyTrainRunsOnSeveralRanks) {
   EXPECT_NE(out.find("mpirun -np 2"), std::string::npos) << out;
   // A stray RANK (set by some other tool) is no launch: other commands ignore it, train names it.
   ::setenv("RANK", "3", 1);
-  const int rc_plan = ds::test::run("plan --model tiny --seq-len 64 --micro-batch 1", &out);
+  const int rc_probe = ds::test::run("probe", &out);
   const int rc_stray = ds::test::run("train " + ds::test::small_setup(dir) + " --steps 1 --out " + dir + "/o2", &out);
   ::unsetenv("RANK");
-  EXPECT_EQ(rc_plan, 0);
+  EXPECT_EQ(rc_probe, 0);
   EXPECT_EQ(rc_stray, 1);
   EXPECT_NE(out.find("RANK is set but WORLD_SIZE is not"), std::string::npos) << out;
   fs::remove_all(dir);
