@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train real-shapes bench-ops peer peer-step bench-step memory curves
+# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step bench-step memory curves
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs transformers + fla (+ Liger): scripts/peer_step.py, PEER_PRESETS;
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
@@ -38,6 +38,13 @@ if [ -n "$CUDNN_DIR" ]; then
   export CUDNN_INCLUDE_DIR=$CUDNN_DIR/include
   export LD_LIBRARY_PATH=$CUDNN_DIR/lib:$LD_LIBRARY_PATH
 fi
+# NCCL too (the GPU engine's communicator): nccl.h for the build, libnccl.so.2 for dlopen at run time.
+NCCL_DIR=$(python3 -c "import nvidia.nccl as c; print(list(c.__path__)[0])" 2>/dev/null || true)
+if [ -n "$NCCL_DIR" ]; then
+  export NCCL_INCLUDE_DIR=$NCCL_DIR/include
+  export LD_LIBRARY_PATH=$NCCL_DIR/lib:$LD_LIBRARY_PATH
+fi
+export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device tool's KINDS.md)
 [ -f third_party/cudnn_frontend/include/cudnn_frontend.h ] || echo "warning: third_party/cudnn_frontend not carried"
 export PATH=/usr/local/cuda/bin:$PATH
 BUILD=build-device
@@ -67,7 +74,7 @@ if has build; then
   [ -n "${BASE_PID:-}" ] && wait "$BASE_PID"
 fi
 if has test-gpu; then
-  ( cd $BUILD && timeout 300 ./deltastack_tests --gtest_filter='Cuda*:Cudnn*:-CudaRealShapes*' >"$OUT/tests_gpu.log" 2>&1 ) || status=1
+  ( cd $BUILD && timeout 300 ./deltastack_tests --gtest_filter='Cuda*:Cudnn*:DistNccl*:-CudaRealShapes*' >"$OUT/tests_gpu.log" 2>&1 ) || status=1
   grep -E "^\[  (PASSED|FAILED|SKIPPED)|^\[==========\]" "$OUT/tests_gpu.log" | tail -20
 fi
 if has test; then
@@ -315,6 +322,20 @@ PY
   done
   python3 -c "import json; g, c = (json.load(open(f'/tmp/ds_eval_{d}.json'))['eval_loss'] for d in ('cuda', 'cpu')); \
 print(f'eval cuda {g:.5f} cpu {c:.5f} rel {abs(g - c) / c:.2e}'); raise SystemExit(0 if abs(g - c) / c < 1e-2 else 1)" || status=1
+fi
+if has nccl; then
+  # The NCCL data-parallel path at world size 1 (torchrun, one rank): the default GPU run's losses, eval losses
+  # and grad norms bitwise (the plain run: the train stage's /tmp/ds_g2, else one made here).
+  D=$BUILD/deltastack
+  [ -f /tmp/ds_g2/metrics.jsonl ] || $D train --device cuda --out /tmp/ds_g2 >/tmp/ds_train_gpu2.txt 2>&1 || status=1
+  rm -rf /tmp/ds_n1
+  python3 -m torch.distributed.run --standalone --nproc-per-node 1 --no-python $D train --device cuda --out /tmp/ds_n1 \
+    >/tmp/ds_train_nccl.txt 2>&1 || { tail -5 /tmp/ds_train_nccl.txt; status=1; }
+  grep -m1 "device:" /tmp/ds_train_nccl.txt
+  python3 -c "import json; L=lambda p: [(j['step'], j.get('loss'), j.get('eval_loss'), j.get('grad_norm')) for j in map(json.loads, open(p))]; \
+a, b = L('/tmp/ds_g2/metrics.jsonl'), L('/tmp/ds_n1/metrics.jsonl'); print(f'nccl world 1 (torchrun) vs plain: {len(a)} lines, ' + ('bitwise identical' if a == b else 'DIFFERENT')); \
+raise SystemExit(0 if a == b else 1)" || status=1
+  grep -E "done:" /tmp/ds_train_nccl.txt | tail -1
 fi
 if has train-bf16; then
   D=$BUILD/deltastack

@@ -178,22 +178,24 @@ int main(int argc, char** argv) {
   }
   // The error line; a failed write (a closed stderr) changes nothing: the exit code is 1 either way. With several
   // ranks it names the rank, and the run stops on every rank (no rank is left waiting in a collective).
-  auto error = [](const std::string& what) {
+  // Before train() opened the communicator, a failing rank just exits 1 and its launcher ends the others.
+  ds::dist::LaunchInfo launch;
+  auto error = [&launch](const std::string& what) {
     ds::dist::Communicator& w = ds::dist::world();
-    if (w.world() == 1) {
+    if (w.world() == 1 && launch.world == 1 && w.backend() == "single") {
       ds::detail::log_line("error: " + what + "\n");
       return;
     }
-    ds::detail::log_line(fmt::format("error on rank {} of {}: {}\n", w.rank(), w.world(), what));
+    const int rank = w.world() > 1 ? w.rank() : launch.rank, world = w.world() > 1 ? w.world() : launch.world;
+    ds::detail::log_line(fmt::format("error on rank {} of {}: {}\n", rank, world, what));
     std::fflush(stderr);
-    w.abort(1);
+    if (w.world() > 1 || w.backend() != "single") w.abort(1);  // also NCCL at world size 1: no teardown at exit
   };
   try {
     ds::train_option("threads").check(to);
-    // Several ranks (mpirun): only `train` runs on them; the communicator is opened first, and the default thread
-    // count is this host's cores shared among its ranks.
-    // Launcher variables that make no launch (a stray RANK from another tool) only matter to `train`.
-    ds::dist::LaunchInfo launch;
+    // Several ranks (mpirun, torchrun): only `train` runs on them, and the default thread count is this host's
+    // cores shared among its ranks. Launcher variables that make no launch (a stray RANK from another tool) only
+    // matter to `train`.
     try {
       launch = ds::dist::detect_launch();
     } catch (const ds::Error&) {
@@ -202,8 +204,8 @@ int main(int argc, char** argv) {
     if (launch.world > 1) {
       DS_CHECK(*train, "{} started {} ranks, but only `deltastack train` runs on several ranks; start other commands "
                "as one process", launch.launcher, launch.world);
-      ds::dist::install(ds::dist::open_communicator(launch));
-      if (!ds::dist::world().is_root()) ds::set_log_muted(true);
+      // The communicator itself is opened by train() once it knows the engine (MPI for the CPU, NCCL for the GPU).
+      if (launch.rank != 0) ds::set_log_muted(true);
       if (to.threads == 0)
         to.threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / launch.local_world);
     }

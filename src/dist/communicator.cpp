@@ -161,12 +161,19 @@ bool have_mpi() {
 #endif
 }
 
-std::unique_ptr<Communicator> open_communicator(const LaunchInfo& l) {
+void Communicator::device_all_reduce_sum(float*, int64_t, void*) {
+  fail("the {} communicator has no collectives on device memory (the GPU engine's ranks need NCCL)", backend());
+}
+void Communicator::device_reduce_scatter_sum(const float*, float*, int64_t, void*) { device_all_reduce_sum({}, 0, {}); }
+void Communicator::device_all_gather(const void*, void*, int64_t, void*) { device_all_reduce_sum({}, 0, {}); }
+
+std::unique_ptr<Communicator> open_communicator(const LaunchInfo& l, const std::string& device) {
+  if (device == "cuda" && l.launcher != "single") return open_nccl_communicator(l);
   if (l.world == 1) return std::make_unique<SingleProcess>(l);
   if (l.launcher == "torchrun")
-    fail("torchrun started {} ranks (WORLD_SIZE={}): the CPU engine's ranks talk over MPI, so start them with "
-         "`mpirun -np {} deltastack train ...`; torchrun launches are for the GPU engine's NCCL path, which is not "
-         "built yet (docs/distributed.md)", l.world, l.world, l.world);
+    fail("torchrun started {} ranks (WORLD_SIZE={}) of the CPU engine, whose ranks talk over MPI: start them with "
+         "`mpirun -np {} deltastack train ...`; torchrun launches are for the GPU engine (NCCL; docs/distributed.md)",
+         l.world, l.world, l.world);
 #ifdef DELTASTACK_MPI
   return std::make_unique<Mpi>(l);
 #else

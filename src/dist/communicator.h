@@ -1,6 +1,7 @@
-// Collectives between the ranks of one training run: Open MPI for the CPU engine (Debian's libopenmpi; no
-// home-made collectives), a single-process stand-in for world size 1. The NCCL communicator of the GPU engine is
-// to come (docs/distributed.md). Every rank calls every collective in the same order with the same sizes.
+// Collectives between the ranks of one training run (no home-made collectives): Open MPI for the CPU engine
+// (Debian's libopenmpi), NVIDIA's NCCL for the GPU engine (dist/nccl.cpp: device buffers directly, host values
+// staged through the GPU), a single-process stand-in for one plain process. Every rank calls every collective
+// in the same order with the same sizes. docs/distributed.md.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -22,7 +23,7 @@ class Communicator {
   int rank() const { return launch_.rank; }
   int world() const { return launch_.world; }
   bool is_root() const { return launch_.rank == 0; }
-  virtual std::string backend() const = 0;  // "single" | "mpi"
+  virtual std::string backend() const = 0;  // "single" | "mpi" | "nccl <version> on GPU <n>"
 
   // In place: x[i] = the sum (max) of x[i] over the ranks, the same bits on every rank. n elements, any n >= 0
   // (larger than INT_MAX is sent in pieces). The order of the additions is the library's (fixed for a given
@@ -42,6 +43,17 @@ class Communicator {
   virtual void barrier() = 0;
   // Ends every rank of the run with exit code `code` (no rank is left waiting in a collective).
   [[noreturn]] virtual void abort(int code) = 0;
+
+  // Collectives on device memory (the GPU engine's buffers), enqueued on `stream` (a cudaStream_t) in its order
+  // and finished when the stream gets there; NCCL only (on_device()), ds::Error from the others. In place where
+  // send == recv. device_all_reduce_sum: x[0, n) fp32 summed over the ranks, the same bits on every rank.
+  // device_reduce_scatter_sum: send holds world() * per_rank fp32 values; recv (per_rank) = the sum over ranks of
+  // this rank's part [rank * per_rank, (rank + 1) * per_rank). device_all_gather: recv (world() * per_rank_bytes)
+  // gets every rank's send (per_rank_bytes) in rank order.
+  virtual bool on_device() const { return false; }
+  virtual void device_all_reduce_sum(float* x, int64_t n, void* stream);
+  virtual void device_reduce_scatter_sum(const float* send, float* recv, int64_t per_rank, void* stream);
+  virtual void device_all_gather(const void* send, void* recv, int64_t per_rank_bytes, void* stream);
 
   // Planned collectives (ShardMode::Full's per-layer gathers and reduce-scatters, model/engine.cpp): the split of a
   // buffer over the ranks checked and converted to MPI's int counts and offsets once (parts()), so that a call
@@ -73,11 +85,19 @@ class Communicator {
   LaunchInfo launch_;
 };
 
-// The communicator for how this process was launched: world size 1 (any launcher) -> single process; mpirun ->
-// Open MPI (MPI_Init_thread; MPI_Finalize when it is destroyed). ds::Error when the binary was built without MPI
-// and mpirun started several ranks, and for torchrun with several ranks (the CPU engine's ranks run under mpirun;
-// torchrun's rendezvous belongs to the NCCL communicator, not built yet).
-std::unique_ptr<Communicator> open_communicator(const LaunchInfo& launch);
+// The communicator for how this process was launched and the engine it runs ("cpu" | "cuda"):
+//   - "cuda" under a launcher (torchrun or mpirun, any world size, 1 included): NCCL, on GPU local_rank (the only
+//     GPU when the launcher made one visible per rank); see open_nccl_communicator;
+//   - otherwise world size 1 -> single process; mpirun -> Open MPI (MPI_Init_thread; MPI_Finalize when it is
+//     destroyed).
+// ds::Error when the binary was built without MPI (NCCL) and the launch needs it, and for torchrun starting several
+// CPU ranks (the CPU engine's ranks talk over MPI: mpirun).
+std::unique_ptr<Communicator> open_communicator(const LaunchInfo& launch, const std::string& device = "cpu");
+// NCCL (dlopen of libnccl.so.2, or DELTASTACK_NCCL_LIBRARY): selects this rank's GPU first; the ranks meet through
+// MPI (mpirun: rank 0's ncclUniqueId broadcast) or NCCL_COMM_ID (torchrun: MASTER_ADDR:MASTER_PORT+1 unless set).
+// ds::Error naming the library, the rank and NCCL's message when anything fails.
+std::unique_ptr<Communicator> open_nccl_communicator(const LaunchInfo& launch);
+bool have_nccl();  // whether this build has the NCCL communicator
 
 // The split of n elements into `world` contiguous parts whose sizes differ by at most 1 (the first n % world are
 // one larger): rank r's share of a flat buffer.

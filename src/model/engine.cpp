@@ -74,6 +74,8 @@ class CpuEngine final : public Engine, private UnitSource {
   }
   void distribute(dist::Communicator& comm, ShardMode mode) override {
     DS_CHECK(m_.empty(), "distribute() after the optimizer state exists");
+    DS_CHECK(!comm.on_device(), "{}: the CPU engine's ranks talk over MPI (mpirun), not {}",
+             dist::describe(comm.launch()), comm.backend());
     comm_ = &comm;
     mode_ = mode;
     if (full()) return shard_fully();
@@ -355,11 +357,23 @@ class CudaEngine final : public Engine {
   }
   void zero_grads() override { gpu_->zero_grads(); }
   double grad_sum_squares() override { return gpu_->grad_sum_squares(); }
+  // Data parallel over NCCL: every rank keeps the whole state and all-reduces the fp32 gradients on the step's
+  // stream (at world size 1 under a launcher too: the same path, an in-place sum over one rank, so the losses are
+  // the plain run's bits). --shard optimizer is not built for the GPU engine yet, --shard full (at any world size)
+  // neither.
   void distribute(dist::Communicator& comm, ShardMode mode) override {
     DS_CHECK(mode != ShardMode::Full, "--shard full is built for the CPU engine only: the GPU engine has no "
-             "per-layer parameter gathers yet (use --device cpu, or --shard none / optimizer)");
-    DS_CHECK(comm.world() == 1, "{}: the GPU engine runs one rank for now (its NCCL communicator is not built "
-             "yet); several ranks train on the CPU engine (--device cpu) under mpirun", dist::describe(comm.launch()));
+             "per-layer parameter gathers yet (train with --device cpu, or use --shard none)");
+    DS_CHECK(comm.world() == 1 || comm.on_device(), "{}: the GPU engine's ranks need the NCCL communicator, not {} "
+             "(start them with torchrun or mpirun and --device cuda)", dist::describe(comm.launch()), comm.backend());
+    DS_CHECK(mode == ShardMode::None || comm.world() == 1, "{}: --shard optimizer is not built for the GPU engine yet "
+             "(every GPU rank keeps the whole AdamW state); use --shard none", dist::describe(comm.launch()));
+    if (comm.on_device()) comm_ = &comm;
+  }
+  void reduce_grads() override {
+    if (!comm_) return;
+    const GpuModel::DeviceGrads g = gpu_->device_grads();
+    comm_->device_all_reduce_sum(g.data, g.count, g.stream);
   }
   void optimizer_step(const ops::AdamWParams& p) override { gpu_->adamw_step(p, p.weight_decay); }
   std::vector<SaveTensor> weight_tensors(DType dtype) override { return buffer_tensors(GpuModel::Buffer::Weights, dtype); }
@@ -418,6 +432,7 @@ class CudaEngine final : public Engine {
   ModelConfig cfg_;
   std::vector<ParamSpec> params_;
   std::unique_ptr<GpuModel> gpu_;
+  dist::Communicator* comm_ = nullptr;  // NCCL (distribute), else null: nothing to reduce
 };
 
 }  // namespace

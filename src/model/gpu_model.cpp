@@ -691,6 +691,8 @@ void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
 
 void GpuModel::set_profiler(cuda::StepProfiler* prof) { impl_->prof = prof; }
 
+GpuModel::DeviceGrads GpuModel::device_grads() { return {impl_->store->grads(), impl_->P, impl_->stream}; }
+
 void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) const {
   DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: read of [{}, {}) outside the {} parameters",
            first, first + count, impl_->P);
@@ -743,6 +745,7 @@ std::string GpuModel::optimizer_state_name(int, const ParamSpec&) const { return
 void GpuModel::read_optimizer_state(int, int64_t, int64_t, float*) const {}
 void GpuModel::write_optimizer_state(int, int64_t, int64_t, const float*) {}
 void GpuModel::download_grads(std::vector<float>&) const {}
+GpuModel::DeviceGrads GpuModel::device_grads() { return {nullptr, 0, nullptr}; }
 size_t GpuModel::planned_bytes() const { return 0; }
 OptimizerState GpuModel::optimizer_state() const { return OptimizerState::Fp32; }
 Recompute GpuModel::recompute() const { return Recompute::Selective; }

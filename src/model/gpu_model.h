@@ -50,6 +50,14 @@ class GpuModel {
   enum class Buffer { Weights, Grads };
   void read(Buffer which, int64_t first, int64_t count, float* dst) const;
   void download_grads(std::vector<float>& out) const;  // the whole gradient buffer (tests)
+  // The fp32 gradient buffer on the device ([P] elements, offsets as ParamSpec's) and the stream every op of the
+  // step runs on (a cudaStream_t): what data parallelism reduces over the ranks (dist/communicator.h).
+  struct DeviceGrads {
+    float* data;
+    int64_t count;
+    void* stream;
+  };
+  DeviceGrads device_grads();
 
   // The optimizer's state as checkpoint tensors (model/gpu_optimizer.h): `count` state tensors per parameter,
   // their names, and slab copies (fp32, offsets as ParamSpec's).

@@ -492,12 +492,20 @@ int train(TrainOptions cli) {
   const auto t_start = std::chrono::steady_clock::now();
   // Several ranks (mpirun; dist/communicator.h): every rank trains the same model on its share of each step's
   // micro-batches; rank 0 alone owns --out (lock, metrics, checkpoints, progress lines).
-  dist::Communicator& comm = dist::world();
-  const bool root = comm.is_root();
   // ---- set-up: options, model, data, engine, resumed state, --out
   std::optional<SavedCheckpoint> resumed;
   if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
   TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
+  // The communicator of this launch for the engine it runs (MPI: CPU ranks; NCCL: GPU ranks, also one rank under
+  // torchrun or mpirun), opened once the options (a resume's device included) are known; tests that call train()
+  // in-process run as one plain process.
+  {
+    const dist::LaunchInfo launch = dist::detect_launch();
+    if (dist::world().backend() == "single" && launch.launcher != "single")
+      dist::install(dist::open_communicator(launch, resolve_device(opt.device)));
+  }
+  dist::Communicator& comm = dist::world();
+  const bool root = comm.is_root();
   // A resume at another world size keeps the step's batch (ranks x grad_accum micro-batches) and so its windows.
   if (resumed && resumed->state.world_size != comm.world()) {
     const int64_t per_step = resumed->state.world_size * opt.grad_accum;
@@ -562,7 +570,7 @@ int train(TrainOptions cli) {
   // host; rank 0 logs every rank's.
   {
     const std::string dev = resolve_device(opt.device);
-    std::string bound = dist::bind_cpus(comm.launch(), dev == "cuda" ? cuda_pci_bus_id(0) : std::string());
+    std::string bound = dist::bind_cpus(comm.launch(), dev == "cuda" ? cuda_pci_bus_id(cuda_current_device()) : std::string());
     if (comm.world() == 1) {
       log_info("CPU binding: {}", bound);
     } else {
@@ -593,9 +601,11 @@ int train(TrainOptions cli) {
   engine->distribute(comm, opt.shard == "full"        ? Engine::ShardMode::Full
                           : opt.shard == "optimizer" ? Engine::ShardMode::Optimizer
                                                      : Engine::ShardMode::None);
-  log_info("device: {}{}", opt.device, comm.world() > 1 ? fmt::format(", {} ranks ({}), --shard {}", comm.world(),
-                                                                       comm.launch().launcher, opt.shard)
-                                                          : std::string());
+  log_info("device: {}{}", opt.device,
+           comm.world() > 1 || comm.backend() != "single"
+               ? fmt::format(", {} rank{} ({}), --shard {}, {} communicator", comm.world(), comm.world() > 1 ? "s" : "",
+                             comm.launch().launcher, opt.shard, comm.backend())
+               : std::string());
   TrainerState progress;
   if (resumed) {
     load_optimizer_state(*engine, opt.resume);

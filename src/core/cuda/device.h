@@ -10,5 +10,11 @@ int cuda_device_count();       // 0 when not compiled, no driver, or no device
 std::string cuda_device_name();  // "" when none
 // PCI bus id of GPU `device` ("0000:18:00.0", as sysfs and hwloc name it; lowercase); "" when there is none.
 std::string cuda_pci_bus_id(int device = 0);
+// The GPU this process uses (cudaGetDevice; 0 before any choice and in builds without CUDA).
+int cuda_current_device();
+// Makes GPU `local_rank` this process's device (cudaSetDevice), one rank per GPU of the host; when exactly one GPU
+// is visible (the launcher gave each rank its own through CUDA_VISIBLE_DEVICES) that one. Returns the device index.
+// ds::Error naming the rank when there is no GPU or local_rank has none (more ranks on the host than GPUs).
+int cuda_select_device(int local_rank, int local_world);
 
 }  // namespace ds
