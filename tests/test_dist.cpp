@@ -235,36 +235,46 @@ TEST(DistMpi, TwoRanksEqualOneRankWithTheirGradAccum) {
   fs::remove_all(dir);
 }
 
-// A run saved by 2 ranks resumes on 1 (grad-accum doubled: the same micro-batches per step) and its checkpoint on
-// 2 again, this time with the optimizer state sharded; every step's loss stays within 1e-6 of the uninterrupted
-// 2-rank run.
-TEST(DistMpi, ResumeTwoToOneToTwoRanks) {
-  const std::string dir = ds::test::fresh_tmpdir("dist_resume");
-  const std::string common = ds::test::small_setup(dir) + " --threads 1";
-  std::string log;
-  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 6 --grad-accum 1 --save-interval 2 --out " + dir + "/ref", &log),
-            0) << log;
-  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 2 --grad-accum 1 --out " + dir + "/a", &log), 0) << log;
-  ASSERT_EQ(ds::test::run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/b", &log),
-            0) << log;
-  EXPECT_NE(log.find("--grad-accum 1 -> 2 per rank"), std::string::npos) << log;
-  ASSERT_EQ(run_mpi(2, "train --resume " + dir + "/b/checkpoint-4 --steps 6 --threads 1 --shard optimizer --out " + dir +
-                            "/c", &log), 0)
-      << log;
-  EXPECT_NE(log.find("--grad-accum 2 -> 1 per rank"), std::string::npos) << log;
+namespace {
+
+// 2 ranks with --shard `first` for 2 steps, resumed on 1 rank to step 4 (grad-accum doubled: the same micro-batches
+// per step), then on 2 ranks with --shard `last` to step 6: every step's loss within 1e-6 of the uninterrupted
+// 2-rank run with --shard `first`. The last leg's output in *log.
+void expect_resume_two_one_two(const std::string& dir, const std::string& common, const std::string& first,
+                               const std::string& last, std::string* log) {
+  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 6 --grad-accum 1 --save-interval 2 --shard " + first + " --out " +
+                           dir + "/ref", log), 0) << *log;
+  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 2 --grad-accum 1 --shard " + first + " --out " + dir + "/a", log),
+            0) << *log;
+  ASSERT_EQ(ds::test::run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/b", log),
+            0) << *log;
+  EXPECT_NE(log->find("--grad-accum 1 -> 2 per rank"), std::string::npos) << *log;
+  ASSERT_EQ(run_mpi(2, "train --resume " + dir + "/b/checkpoint-4 --steps 6 --threads 1 --shard " + last + " --out " +
+                           dir + "/c", log), 0) << *log;
+  EXPECT_NE(log->find("--grad-accum 2 -> 1 per rank"), std::string::npos) << *log;
   const Rec ref = records(dir + "/ref/metrics.jsonl");
   Rec got = records(dir + "/a/metrics.jsonl");
   for (const char* d : {"/b/metrics.jsonl", "/c/metrics.jsonl"})
     for (const auto& [s, l] : records(dir + d).loss) got.loss[s] = l;
+  EXPECT_EQ(got.loss.size(), 6u);
   expect_close(ref.loss, got.loss, "loss");
+}
+
+}  // namespace
+
+// A run saved by 2 ranks resumes on 1 and its checkpoint on 2 again, this time with the optimizer state sharded.
+TEST(DistMpi, ResumeTwoToOneToTwoRanks) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_resume");
+  std::string log;
+  expect_resume_two_one_two(dir, ds::test::small_setup(dir) + " --threads 1", "none", "optimizer", &log);
   // An odd world size cannot share 2 micro-batches per step: a clear error before anything runs.
   EXPECT_EQ(run_mpi(3, "train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/d", &log), 1);
   EXPECT_NE(log.find("which 3 ranks cannot share evenly"), std::string::npos) << log;
   fs::remove_all(dir);
 }
 
-// The same 2 -> 1 -> 2 resume with --shard full on both 2-rank legs (and untied embeddings: lm_head a unit of its
-// own): a fully sharded run's checkpoint resumes on one rank, and one rank's with every parameter sharded.
+// The same with --shard full on both 2-rank legs, and untied embeddings (lm_head a unit of its own): a fully
+// sharded run's checkpoint resumes on one rank, and one rank's with every parameter sharded.
 TEST(DistMpi, ResumeTwoToOneToTwoRanksFullySharded) {
   const std::string dir = ds::test::fresh_tmpdir("dist_resume_full");
   const std::string common = ds::test::small_setup(dir) + " --threads 1";
@@ -272,24 +282,9 @@ TEST(DistMpi, ResumeTwoToOneToTwoRanksFullySharded) {
   cfg["tie_word_embeddings"] = false;
   ds::write_file_atomic(dir + "/config.json", cfg.dump());
   std::string log;
-  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 6 --grad-accum 1 --shard full --out " + dir + "/ref", &log), 0)
-      << log;
-  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 2 --grad-accum 1 --shard full --out " + dir + "/a", &log), 0)
-      << log;
-  ASSERT_EQ(ds::test::run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/b", &log),
-            0) << log;
-  ASSERT_EQ(run_mpi(2, "train --resume " + dir + "/b/checkpoint-4 --steps 6 --threads 1 --shard full --out " + dir +
-                            "/c", &log), 0)
-      << log;
+  expect_resume_two_one_two(dir, common, "full", "full", &log);
   EXPECT_NE(log.find("--shard full: rank 0 keeps"), std::string::npos) << log;
-  ds::SafetensorsReader w(dir + "/c/checkpoint-6/model.safetensors");
-  EXPECT_TRUE(w.has("lm_head.weight"));
-  const Rec ref = records(dir + "/ref/metrics.jsonl");
-  Rec got = records(dir + "/a/metrics.jsonl");
-  for (const char* d : {"/b/metrics.jsonl", "/c/metrics.jsonl"})
-    for (const auto& [s, l] : records(dir + d).loss) got.loss[s] = l;
-  EXPECT_EQ(got.loss.size(), 6u);
-  expect_close(ref.loss, got.loss, "loss");
+  EXPECT_TRUE(ds::SafetensorsReader(dir + "/c/checkpoint-6/model.safetensors").has("lm_head.weight"));
   fs::remove_all(dir);
 }
 
