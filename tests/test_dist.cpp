@@ -2,8 +2,9 @@
 //   * the launch variables of mpirun and torchrun, and the errors for bad ones (no MPI needed);
 //   * with Open MPI (DELTASTACK_MPI builds, mpirun on the PATH): `mpirun -np 2 deltastack train` on the CPU engine
 //     against one rank with twice the --grad-accum: the same windows in the same order, so every loss, eval loss and
-//     grad norm agrees to 1e-6 (only the order of the gradient sum over ranks differs); a resume 2 -> 1 -> 2 ranks
-//     continues the same run; a failing rank stops every rank with that rank named, never a hang.
+//     grad norm agrees to 1e-6 (only the order of the gradient sum over ranks differs), with --shard none, optimizer
+//     and full; a resume 2 -> 1 -> 2 ranks continues the same run (also fully sharded); a failing rank stops every
+//     rank with that rank named, never a hang.
 #include <gtest/gtest.h>
 #include <functional>
 #include <signal.h>
@@ -103,7 +104,7 @@ TEST(DistLaunch, OnlyTrainRunsOnSeveralRanks) {
   ::setenv("WORLD_SIZE", "2", 1);
   ::setenv("RANK", "1", 1);
   std::string out;
-  const int rc = ds::test::run("plan --model tiny --seq-len 64 --micro-batch 1", &out);
+  const int rc = ds::test::run("probe", &out);
   const int rc_train = ds::test::run("train " + ds::test::small_setup(dir) + " --steps 1 --out " + dir + "/o", &out);
   ::unsetenv("WORLD_SIZE");
   ::unsetenv("RANK");
@@ -113,10 +114,10 @@ TEST(DistLaunch, OnlyTrainRunsOnSeveralRanks) {
   EXPECT_NE(out.find("mpirun -np 2"), std::string::npos) << out;
   // A stray RANK (set by some other tool) is no launch: other commands ignore it, train names it.
   ::setenv("RANK", "3", 1);
-  const int rc_plan = ds::test::run("plan --model tiny --seq-len 64 --micro-batch 1", &out);
+  const int rc_probe = ds::test::run("probe", &out);
   const int rc_stray = ds::test::run("train " + ds::test::small_setup(dir) + " --steps 1 --out " + dir + "/o2", &out);
   ::unsetenv("RANK");
-  EXPECT_EQ(rc_plan, 0);
+  EXPECT_EQ(rc_probe, 0);
   EXPECT_EQ(rc_stray, 1);
   EXPECT_NE(out.find("RANK is set but WORLD_SIZE is not"), std::string::npos) << out;
   fs::remove_all(dir);
@@ -186,8 +187,12 @@ TEST(DistMpi, TwoRanksEqualOneRankWithTheirGradAccum) {
   ASSERT_EQ(run_mpi(2, "train " + common + " --grad-accum 2 --shard optimizer --out " + dir + "/sharded", &log3), 0)
       << log3;
   EXPECT_NE(log3.find("2 ranks (mpirun), --shard optimizer"), std::string::npos) << log3;
+  std::string log4;
+  ASSERT_EQ(run_mpi(2, "train " + common + " --grad-accum 2 --shard full --out " + dir + "/full", &log4), 0) << log4;
+  EXPECT_NE(log4.find("2 ranks (mpirun), --shard full"), std::string::npos) << log4;
+  EXPECT_NE(log4.find("--shard full: rank 0 keeps"), std::string::npos) << log4;
   const Rec a = records(dir + "/one/metrics.jsonl"), b = records(dir + "/two/metrics.jsonl"),
-            c = records(dir + "/sharded/metrics.jsonl");
+            c = records(dir + "/sharded/metrics.jsonl"), f = records(dir + "/full/metrics.jsonl");
   EXPECT_EQ(a.loss.size(), 6u);
   expect_close(a.loss, b.loss, "loss");
   expect_close(a.gnorm, b.gnorm, "grad_norm");
@@ -196,19 +201,30 @@ TEST(DistMpi, TwoRanksEqualOneRankWithTheirGradAccum) {
   expect_close(a.loss, c.loss, "loss, --shard optimizer");
   expect_close(a.gnorm, c.gnorm, "grad_norm, --shard optimizer");
   expect_close(a.eval, c.eval, "eval_loss, --shard optimizer");
-  // Its checkpoint holds the whole moments (gathered), so it is the same file content up to the rounding above.
-  {
-    ds::SafetensorsReader m1(dir + "/one/checkpoint-6/optimizer.safetensors"),
-        m3(dir + "/sharded/checkpoint-6/optimizer.safetensors");
-    ASSERT_EQ(m1.tensors().size(), m3.tensors().size());
+  // Everything sharded, the weights gathered per layer: the same run again.
+  expect_close(a.loss, f.loss, "loss, --shard full");
+  expect_close(a.gnorm, f.gnorm, "grad_norm, --shard full");
+  expect_close(a.eval, f.eval, "eval_loss, --shard full");
+  // Their checkpoints hold the whole moments (and weights: gathered), so they are the same files (HF names, shapes,
+  // dtypes) up to the rounding above.
+  auto expect_same_file = [&](const std::string& x_path, const std::string& y_path) {
+    ds::SafetensorsReader m1(x_path), m3(y_path);
+    ASSERT_EQ(m1.tensors().size(), m3.tensors().size()) << y_path;
     double num = 0, den = 0;
     for (const auto& t : m1.tensors()) {
+      ASSERT_TRUE(m3.has(t.name)) << y_path << ": " << t.name;
+      EXPECT_EQ(m3.find(t.name)->shape, t.shape) << t.name;
+      EXPECT_EQ(m3.find(t.name)->dtype, t.dtype) << t.name;
       const std::vector<float> x = m1.read_f32(t.name), y = m3.read_f32(t.name);
       ASSERT_EQ(x.size(), y.size()) << t.name;
       for (size_t i = 0; i < x.size(); ++i) num += (double(x[i]) - y[i]) * (double(x[i]) - y[i]), den += double(x[i]) * x[i];
     }
-    EXPECT_LE(std::sqrt(num / den), 1e-5);
-  }
+    EXPECT_LE(std::sqrt(num / den), 1e-5) << y_path;
+  };
+  expect_same_file(dir + "/one/checkpoint-6/optimizer.safetensors", dir + "/sharded/checkpoint-6/optimizer.safetensors");
+  expect_same_file(dir + "/one/checkpoint-6/optimizer.safetensors", dir + "/full/checkpoint-6/optimizer.safetensors");
+  expect_same_file(dir + "/one/checkpoint-6/model.safetensors", dir + "/full/checkpoint-6/model.safetensors");
+  EXPECT_EQ(ds::read_file(dir + "/one/checkpoint-6/config.json"), ds::read_file(dir + "/full/checkpoint-6/config.json"));
   // Rank 0 alone writes: one metrics line per record, one progress line per step, no second rank's log.
   EXPECT_EQ(ds::test::metrics(dir + "/two/metrics.jsonl").size(), ds::test::metrics(dir + "/one/metrics.jsonl").size());
   EXPECT_NE(log2.find("2 ranks (mpirun)"), std::string::npos) << log2;
@@ -219,31 +235,56 @@ TEST(DistMpi, TwoRanksEqualOneRankWithTheirGradAccum) {
   fs::remove_all(dir);
 }
 
-// A run saved by 2 ranks resumes on 1 (grad-accum doubled: the same micro-batches per step) and its checkpoint on
-// 2 again, this time with the optimizer state sharded; every step's loss stays within 1e-6 of the uninterrupted
-// 2-rank run.
-TEST(DistMpi, ResumeTwoToOneToTwoRanks) {
-  const std::string dir = ds::test::fresh_tmpdir("dist_resume");
-  const std::string common = ds::test::small_setup(dir) + " --threads 1";
-  std::string log;
-  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 6 --grad-accum 1 --save-interval 2 --out " + dir + "/ref", &log),
-            0) << log;
-  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 2 --grad-accum 1 --out " + dir + "/a", &log), 0) << log;
-  ASSERT_EQ(ds::test::run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/b", &log),
-            0) << log;
-  EXPECT_NE(log.find("--grad-accum 1 -> 2 per rank"), std::string::npos) << log;
-  ASSERT_EQ(run_mpi(2, "train --resume " + dir + "/b/checkpoint-4 --steps 6 --threads 1 --shard optimizer --out " + dir +
-                            "/c", &log), 0)
-      << log;
-  EXPECT_NE(log.find("--grad-accum 2 -> 1 per rank"), std::string::npos) << log;
+namespace {
+
+// 2 ranks with --shard `first` for 2 steps, resumed on 1 rank to step 4 (grad-accum doubled: the same micro-batches
+// per step), then on 2 ranks with --shard `last` to step 6: every step's loss within 1e-6 of the uninterrupted
+// 2-rank run with --shard `first`. The last leg's output in *log.
+void expect_resume_two_one_two(const std::string& dir, const std::string& common, const std::string& first,
+                               const std::string& last, std::string* log) {
+  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 6 --grad-accum 1 --save-interval 2 --shard " + first + " --out " +
+                           dir + "/ref", log), 0) << *log;
+  ASSERT_EQ(run_mpi(2, "train " + common + " --steps 2 --grad-accum 1 --shard " + first + " --out " + dir + "/a", log),
+            0) << *log;
+  ASSERT_EQ(ds::test::run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/b", log),
+            0) << *log;
+  EXPECT_NE(log->find("--grad-accum 1 -> 2 per rank"), std::string::npos) << *log;
+  ASSERT_EQ(run_mpi(2, "train --resume " + dir + "/b/checkpoint-4 --steps 6 --threads 1 --shard " + last + " --out " +
+                           dir + "/c", log), 0) << *log;
+  EXPECT_NE(log->find("--grad-accum 2 -> 1 per rank"), std::string::npos) << *log;
   const Rec ref = records(dir + "/ref/metrics.jsonl");
   Rec got = records(dir + "/a/metrics.jsonl");
   for (const char* d : {"/b/metrics.jsonl", "/c/metrics.jsonl"})
     for (const auto& [s, l] : records(dir + d).loss) got.loss[s] = l;
+  EXPECT_EQ(got.loss.size(), 6u);
   expect_close(ref.loss, got.loss, "loss");
+}
+
+}  // namespace
+
+// A run saved by 2 ranks resumes on 1 and its checkpoint on 2 again, this time with the optimizer state sharded.
+TEST(DistMpi, ResumeTwoToOneToTwoRanks) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_resume");
+  std::string log;
+  expect_resume_two_one_two(dir, ds::test::small_setup(dir) + " --threads 1", "none", "optimizer", &log);
   // An odd world size cannot share 2 micro-batches per step: a clear error before anything runs.
   EXPECT_EQ(run_mpi(3, "train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/d", &log), 1);
   EXPECT_NE(log.find("which 3 ranks cannot share evenly"), std::string::npos) << log;
+  fs::remove_all(dir);
+}
+
+// The same with --shard full on both 2-rank legs, and untied embeddings (lm_head a unit of its own): a fully
+// sharded run's checkpoint resumes on one rank, and one rank's with every parameter sharded.
+TEST(DistMpi, ResumeTwoToOneToTwoRanksFullySharded) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_resume_full");
+  const std::string common = ds::test::small_setup(dir) + " --threads 1";
+  nlohmann::json cfg = nlohmann::json::parse(ds::read_file(dir + "/config.json"));
+  cfg["tie_word_embeddings"] = false;
+  ds::write_file_atomic(dir + "/config.json", cfg.dump());
+  std::string log;
+  expect_resume_two_one_two(dir, common, "full", "full", &log);
+  EXPECT_NE(log.find("--shard full: rank 0 keeps"), std::string::npos) << log;
+  EXPECT_TRUE(ds::SafetensorsReader(dir + "/c/checkpoint-6/model.safetensors").has("lm_head.weight"));
   fs::remove_all(dir);
 }
 
@@ -264,10 +305,17 @@ TEST(DistMpi, RanksWithoutLabelsAddZero) {
                               "/one", &log1), 0) << log1;
   ASSERT_EQ(run_mpi(2, "train " + args + " --threads 1 --steps 6 --micro-batch 1 --out " + dir + "/two", &log2), 0)
       << log2;
-  const Rec a = records(dir + "/one/metrics.jsonl"), b = records(dir + "/two/metrics.jsonl");
+  std::string log3;
+  ASSERT_EQ(run_mpi(2, "train " + args + " --threads 1 --steps 6 --micro-batch 1 --shard full --out " + dir + "/full",
+                    &log3), 0)
+      << log3;
+  const Rec a = records(dir + "/one/metrics.jsonl"), b = records(dir + "/two/metrics.jsonl"),
+            f = records(dir + "/full/metrics.jsonl");
   for (const auto& [s, l] : b.loss) EXPECT_TRUE(std::isfinite(l) && l >= 0) << s << " " << l;
   expect_close(a.loss, b.loss, "loss");
   expect_close(a.gnorm, b.gnorm, "grad_norm");
+  expect_close(a.loss, f.loss, "loss, --shard full");
+  expect_close(a.gnorm, f.gnorm, "grad_norm, --shard full");
   fs::remove_all(dir);
 }
 

@@ -1,5 +1,5 @@
 // Qwen35Model's weight sources: init_weights / load against the deferred forms (defer_init / defer_load) that the
-// GPU engine uploads from one parameter at a time.
+// GPU engine uploads from one parameter at a time; a UnitSource (the CPU engine's --shard full) against weights().
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -87,6 +87,88 @@ TEST(Decode, CarriedStateMatchesTheWholeSequence) {
   ds::Qwen35Model::DecodeState st;
   EXPECT_THROW(tiny.decode(st, {}), ds::Error);
   EXPECT_THROW(tiny.decode(st, {static_cast<int32_t>(c.vocab_size)}), ds::Error);
+}
+
+// A UnitSource that hands out copies of each unit (other addresses than weights(): the rebased views are tested)
+// and sums the gradients handed back; it records the order of the acquires and the most units held at once.
+struct CopyingSource final : ds::UnitSource {
+  const std::vector<float>& w;
+  const std::vector<ds::ParamUnit>& units;
+  std::vector<float> sum;  // the gradients handed back, summed (flat)
+  std::vector<std::vector<float>> held;  // per unit: its copy while acquired
+  std::vector<int64_t> order;
+  int open = 0, most = 0, grads_open = -1;
+  std::vector<float> gbuf;
+  CopyingSource(const std::vector<float>& weights, const std::vector<ds::ParamUnit>& u)
+      : w(weights), units(u), sum(weights.size(), 0.0f), held(u.size()) {}
+  float* acquire(int64_t u) override {
+    const ds::ParamUnit& pu = units[static_cast<size_t>(u)];
+    EXPECT_TRUE(held[static_cast<size_t>(u)].empty()) << "unit " << u << " acquired twice";
+    held[static_cast<size_t>(u)].assign(w.begin() + pu.lo, w.begin() + pu.hi);
+    order.push_back(u);
+    most = std::max(most, ++open);
+    return held[static_cast<size_t>(u)].data();
+  }
+  void release(int64_t u) override {
+    EXPECT_FALSE(held[static_cast<size_t>(u)].empty()) << "unit " << u << " released but not held";
+    held[static_cast<size_t>(u)].clear();
+    --open;
+  }
+  float* grads(int64_t u) override {
+    EXPECT_EQ(grads_open, -1) << "two units' gradients at once";
+    grads_open = static_cast<int>(u);
+    gbuf.assign(static_cast<size_t>(units[static_cast<size_t>(u)].size()), 0.0f);
+    return gbuf.data();
+  }
+  void grads_done(int64_t u) override {
+    EXPECT_EQ(grads_open, u);
+    grads_open = -1;
+    for (size_t i = 0; i < gbuf.size(); ++i) sum[static_cast<size_t>(units[static_cast<size_t>(u)].lo) + i] += gbuf[i];
+  }
+};
+
+// The model reading its weights unit by unit from a source (model.h: UnitSource) computes the same loss and
+// gradients, bitwise, as from weights(), with tied and untied embeddings; it acquires the units in unit_order()
+// and holds at most two at once (the head and the tied embedding).
+TEST(UnitSource, SameLossAndGradientsAsTheFlatWeights) {
+  for (bool tie : {true, false}) {
+    ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+    c.vocab_size = 512;
+    c.tie_word_embeddings = tie;
+    ds::Qwen35Model m(c);
+    m.init_weights(5);
+    const std::vector<ds::ParamUnit>& units = m.units();
+    ASSERT_EQ(units.size(), static_cast<size_t>(c.num_hidden_layers + 2));
+    EXPECT_EQ(units.front().lo, 0);
+    EXPECT_EQ(units.back().hi, m.num_parameters());
+    for (size_t u = 1; u < units.size(); ++u) EXPECT_EQ(units[u].lo, units[u - 1].hi);
+    EXPECT_EQ(units[1].lo, m.spec("model.layers.0.input_layernorm.weight").offset);
+    EXPECT_EQ(units.back().lo, m.spec("model.norm.weight").offset);
+    ds::PackedBatch b;
+    for (int t = 0; t < 40; ++t) b.input_ids.push_back((t * 37 + 11) % 512), b.targets.push_back(t % 7 ? (t * 13) % 512 : -100);
+    b.cu_seqlens = {0, 17, 40};
+    b.finalize("test");
+    m.zero_grads();
+    const ds::LossResult ref = m.forward_backward(b, 0.25, 1e-4);
+    const std::vector<float> ref_grads = m.grads();
+    const std::vector<float> w = m.weights();
+    CopyingSource src(w, units);
+    m.set_unit_source(&src);
+    const ds::LossResult got = m.forward_backward(b, 0.25, 1e-4);
+    EXPECT_EQ(got.loss_sum, ref.loss_sum) << "tie " << tie;
+    EXPECT_EQ(got.num_valid, ref.num_valid);
+    EXPECT_TRUE(src.sum == ref_grads) << "tie " << tie;
+    EXPECT_EQ(src.order, m.unit_order(true)) << "tie " << tie;
+    EXPECT_EQ(src.most, tie ? 2 : 1);
+    EXPECT_EQ(src.open, 0);
+    src.order.clear();
+    EXPECT_EQ(m.forward_backward(b, 0.0).loss_sum, m.forward_backward(b, 0.0).loss_sum);
+    EXPECT_EQ(src.order.size(), 2 * m.unit_order(false).size());
+    EXPECT_TRUE(std::equal(src.order.begin(), src.order.begin() + static_cast<long>(m.unit_order(false).size()),
+                           m.unit_order(false).begin()));
+    EXPECT_THROW(m.last_logits(b), ds::Error);  // generation reads weights() only
+    m.set_unit_source(nullptr);
+  }
 }
 
 }  // namespace

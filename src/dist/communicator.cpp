@@ -44,6 +44,7 @@ class Mpi final : public Communicator {
     MPI_Comm_rank(MPI_COMM_WORLD, &r);
     MPI_Comm_size(MPI_COMM_WORLD, &n);
     DS_CHECK(r == rank() && n == world(), "MPI says rank {} of {}, the environment {}", r, n, describe(launch()));
+    std::fill(pending_, pending_ + kMaxPending, MPI_REQUEST_NULL);
   }
   ~Mpi() override { MPI_Finalize(); }
   std::string backend() const override { return "mpi"; }
@@ -74,9 +75,29 @@ class Mpi final : public Communicator {
     MPI_Abort(MPI_COMM_WORLD, code);
     std::_Exit(code);
   }
+  int start_all_gather(float* x, const Parts& p) override {
+    DS_CHECK(static_cast<int>(p.icounts.size()) == world(), "start_all_gather: parts for {} ranks, not {}",
+             p.icounts.size(), world());
+    int t = 0;
+    while (t < kMaxPending && pending_[t] != MPI_REQUEST_NULL) ++t;
+    DS_CHECK(t < kMaxPending, "start_all_gather: {} gathers already started and not waited for", kMaxPending);
+    check(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, x, p.icounts.data(), p.displs.data(), MPI_FLOAT,
+                          MPI_COMM_WORLD, &pending_[t]), "MPI_Iallgatherv");
+    return t;
+  }
+  void wait(int t) override {
+    DS_CHECK(t >= 0 && t < kMaxPending && pending_[t] != MPI_REQUEST_NULL, "wait: no gather started as ticket {}", t);
+    check(MPI_Wait(&pending_[t], MPI_STATUS_IGNORE), "MPI_Wait");  // sets it back to MPI_REQUEST_NULL
+  }
+  void reduce_scatter_sum(const float* send, float* recv, const Parts& p) override {
+    DS_CHECK(static_cast<int>(p.icounts.size()) == world(), "reduce_scatter: parts for {} ranks, not {}",
+             p.icounts.size(), world());
+    check(MPI_Reduce_scatter(send, recv, p.icounts.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD), "MPI_Reduce_scatter");
+  }
 
  private:
   static constexpr int64_t kPiece = INT_MAX / 8;  // elements per call (MPI counts are int)
+  MPI_Request pending_[kMaxPending];  // started gathers (MPI_REQUEST_NULL: a free ticket)
   template <typename T>
   void reduce(T* x, int64_t n, MPI_Datatype t, MPI_Op op) {
     for (int64_t off = 0; off < n; off += kPiece) {
@@ -111,6 +132,20 @@ std::unique_ptr<Communicator>& installed() {
 }
 
 }  // namespace
+
+Communicator::Parts Communicator::parts(const std::vector<int64_t>& counts) const {
+  DS_CHECK(static_cast<int>(counts.size()) == world(), "parts: {} counts for {} ranks", counts.size(), world());
+  Parts p;
+  p.counts = counts;
+  for (int64_t n : counts) {
+    DS_CHECK(n >= 0 && n < INT_MAX && p.total + n < INT_MAX, "parts: {} elements; the MPI communicator takes buffers "
+             "below 2^31 elements", p.total + n);
+    p.displs.push_back(static_cast<int>(p.total));
+    p.icounts.push_back(static_cast<int>(n));
+    p.total += n;
+  }
+  return p;
+}
 
 std::vector<int64_t> even_counts(int64_t n, int world) {
   std::vector<int64_t> c(static_cast<size_t>(world), n / world);

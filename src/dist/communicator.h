@@ -60,6 +60,32 @@ class Communicator {
   virtual void device_group_start() {}
   virtual void device_group_end() {}
 
+  // Planned collectives (ShardMode::Full's per-layer gathers and reduce-scatters, model/engine.cpp): the split of a
+  // buffer over the ranks checked and converted to MPI's int counts and offsets once (parts()), so that a call
+  // allocates nothing. Parts.counts[r] is rank r's part as in all_gather / reduce_scatter_sum above.
+  struct Parts {
+    std::vector<int64_t> counts;
+    std::vector<int> icounts, displs;  // MPI's counts and offsets (elements)
+    int64_t total = 0;
+  };
+  // ds::Error when counts.size() != world() or a count or their sum is 2^31 or more.
+  Parts parts(const std::vector<int64_t>& counts) const;
+  // all_gather(x, p.counts), started and not waited for (MPI_Iallgatherv, in place): x (p.total floats) holds every
+  // rank's part only once wait(ticket) returned, and neither x nor p may be touched or freed before. At most
+  // kMaxPending started and not waited for (ds::Error beyond); every rank starts them in the same order. Open MPI
+  // moves the data only inside MPI calls (no progress thread), so on the CPU most of the transfer happens in wait().
+  // The base class: a blocking all_gather, ticket 0.
+  static constexpr int kMaxPending = 4;
+  virtual int start_all_gather(float* x, const Parts& p) {
+    all_gather(x, p.counts);
+    return 0;
+  }
+  virtual void wait(int /*ticket*/) {}
+  // reduce_scatter_sum(send, recv, p.counts) without the per-call conversion (MPI_Reduce_scatter).
+  virtual void reduce_scatter_sum(const float* send, float* recv, const Parts& p) {
+    reduce_scatter_sum(send, recv, p.counts);
+  }
+
  private:
   LaunchInfo launch_;
 };

@@ -7,6 +7,7 @@
 
 #include "core/cuda/device.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "dist/communicator.h"
 #include "model/gpu_model.h"
 
@@ -25,7 +26,13 @@ ops::AdamWParams for_param(const ops::AdamWParams& p, const ParamSpec& s) {
   return q;
 }
 
-class CpuEngine final : public Engine {
+// The CPU reference engine. ShardMode::Full (ZeRO-3) splits every unit of the model (model.h: param_units: the
+// embedding, each layer, the head) evenly over the ranks (dist::even_counts of the unit's size) instead of the whole
+// flat vector as ShardMode::Optimizer does: with the flat split a layer would lie on one or two ranks, and its
+// gather would be a broadcast from them (one rank's link carrying the whole layer) and its reduce-scatter a reduce
+// to them; split per unit, every rank sends and receives 1/N of every unit (a balanced ring), and a rank's share
+// is its piece of each unit, in unit order (shares differ by at most one element per unit).
+class CpuEngine final : public Engine, private UnitSource {
  public:
   explicit CpuEngine(Qwen35Model model) : model_(std::move(model)) {
     model_.materialize();
@@ -36,13 +43,33 @@ class CpuEngine final : public Engine {
   const ModelConfig& config() const override { return model_.config(); }
   const std::vector<ParamSpec>& params() const override { return model_.params(); }
   LossResult forward_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) override {
-    return model_.forward_backward(b, grad_scale, z_loss, cap);
+    if (!full()) return model_.forward_backward(b, grad_scale, z_loss, cap);
+    begin_units(grad_scale != 0.0 ? order_fb_ : order_f_);
+    const LossResult r = model_.forward_backward(b, grad_scale, z_loss, cap);
+    end_units();
+    return r;
+  }
+  // ShardMode::Full: the gathers of a forward, in its order, each unit released at once (nothing computed).
+  void forward_without_batch() override {
+    if (!full()) return;
+    begin_units(order_f_);
+    for (int64_t u : order_f_) {
+      acquire(u);
+      release(u);
+    }
+    end_units();
+  }
+  void zero_grads() override {
+    if (full()) std::fill(g_.begin(), g_.end(), 0.0f);
+    else model_.zero_grads();
   }
   std::vector<float> last_logits(const PackedBatch& b) override { return model_.last_logits(b); }
-  void zero_grads() override { model_.zero_grads(); }
   double grad_sum_squares() override {
-    if (!sharded()) return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
-    double s = ops::sum_squares(model_.grads().data() + lo_, hi_ - lo_);  // this rank's share, then every rank's
+    if (!sharded() && !full())
+      return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
+    // This rank's share, then every rank's.
+    double s = full() ? ops::sum_squares(g_.data(), static_cast<int64_t>(g_.size()))
+                      : ops::sum_squares(model_.grads().data() + lo_, hi_ - lo_);
     comm_->all_reduce_sum(&s, 1);
     return s;
   }
@@ -52,6 +79,7 @@ class CpuEngine final : public Engine {
              dist::describe(comm.launch()), comm.backend());
     comm_ = &comm;
     mode_ = mode;
+    if (full()) return shard_fully();
     if (!sharded()) return;
     counts_ = dist::even_counts(model_.num_parameters(), comm.world());
     lo_ = 0;
@@ -59,7 +87,7 @@ class CpuEngine final : public Engine {
     hi_ = lo_ + counts_[static_cast<size_t>(comm.rank())];
   }
   void reduce_grads() override {
-    if (!comm_ || comm_->world() == 1) return;
+    if (!comm_ || comm_->world() == 1 || full()) return;  // full: reduce-scattered unit by unit in the backward
     if (model_.grads().size() != model_.weights().size()) model_.zero_grads();  // a rank without a micro-batch
     float* g = model_.grads().data();
     if (!sharded()) {
@@ -74,6 +102,12 @@ class CpuEngine final : public Engine {
   // decay flag says; sharded, every rank's updated share is then gathered.
   void optimizer_step(const ops::AdamWParams& p) override {
     moments();
+    if (full()) {  // this rank's share only; the next forward gathers the updated weights unit by unit
+      for (const Segment& s : segments_)
+        ops::adamw_update(w_.data() + s.at, g_.data() + s.at, m_.data() + s.at, v_.data() + s.at, s.n,
+                          for_param(p, model_.params()[s.param]));
+      return;
+    }
     DS_CHECK(model_.grads().size() == model_.weights().size(), "optimizer step before any gradient");
     float *w = model_.weights().data(), *g = model_.grads().data();
     for (const ParamSpec& s : model_.params()) {
@@ -82,12 +116,17 @@ class CpuEngine final : public Engine {
     }
     if (sharded()) comm_->all_gather(w, counts_);
   }
-  std::vector<SaveTensor> weight_tensors(DType dtype) override { return model_.to_tensors(model_.weights(), dtype); }
+  std::vector<SaveTensor> weight_tensors(DType dtype) override {
+    if (!full()) return model_.to_tensors(model_.weights(), dtype);
+    DS_CHECK(!w_full_.empty(), "weight_tensors() of fully sharded weights without gather_for_save()");
+    return model_.to_tensors(w_full_, dtype);
+  }
   std::vector<SaveTensor> optimizer_tensors() override {
     moments();
-    DS_CHECK(!sharded() || !m_full_.empty(), "optimizer_tensors() of a sharded state without gather_for_save()");
-    const float* m = sharded() ? m_full_.data() : m_.data();
-    const float* v = sharded() ? v_full_.data() : v_.data();
+    const bool split = sharded() || full();
+    DS_CHECK(!split || !m_full_.empty(), "optimizer_tensors() of a sharded state without gather_for_save()");
+    const float* m = split ? m_full_.data() : m_.data();
+    const float* v = split ? v_full_.data() : v_.data();
     std::vector<SaveTensor> out;
     for (const ParamSpec& p : model_.params()) {
       out.push_back(make_tensor_f32_view(exp_avg_name(p), p.shape, m + p.offset));
@@ -96,6 +135,7 @@ class CpuEngine final : public Engine {
     return out;
   }
   void gather_for_save() override {
+    if (full()) return gather_fully();
     if (!sharded()) return;
     moments();
     const size_t n = static_cast<size_t>(model_.num_parameters());
@@ -109,14 +149,25 @@ class CpuEngine final : public Engine {
   void release_after_save() override {
     std::vector<float>().swap(m_full_);
     std::vector<float>().swap(v_full_);
+    std::vector<float>().swap(w_full_);
   }
   // Whole moments from the checkpoint (any world size wrote them); this rank keeps its share.
   void load_optimizer(const TensorSource& read) override {
     moments();
-    for (const ParamSpec& p : model_.params()) {
+    size_t seg = 0;  // full: segments_ in flat order, at most one per parameter
+    for (size_t k = 0; k < model_.params().size(); ++k) {
+      const ParamSpec& p = model_.params()[k];
       const std::vector<float> em = read(exp_avg_name(p), p.numel), ev = read(exp_avg_sq_name(p), p.numel);
       DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
                "optimizer state for {} has the wrong size", p.name);
+      if (full()) {
+        for (; seg < segments_.size() && segments_[seg].param == k; ++seg) {
+          const Segment& s = segments_[seg];
+          std::copy_n(em.begin() + (s.flat - p.offset), s.n, m_.begin() + s.at);
+          std::copy_n(ev.begin() + (s.flat - p.offset), s.n, v_.begin() + s.at);
+        }
+        continue;
+      }
       const int64_t a = std::max(p.offset, lo_), b = std::min(p.offset + p.numel, hi_);
       if (a >= b) continue;
       std::copy(em.begin() + (a - p.offset), em.begin() + (b - p.offset), m_.begin() + (a - lo_));
@@ -124,17 +175,164 @@ class CpuEngine final : public Engine {
     }
   }
   std::vector<SaveTensor> grad_tensors() override {
+    DS_CHECK(!full(), "grad_tensors(): the gradients of --shard full are spread over the ranks (each holds its "
+             "share only)");
     if (model_.grads().size() != model_.weights().size()) model_.zero_grads();
     return model_.to_tensors(model_.grads());
   }
 
  private:
   bool sharded() const { return comm_ && comm_->world() > 1 && mode_ == ShardMode::Optimizer; }
-  // The AdamW moments of [lo_, hi_) exist from the first use of the optimizer on (evaluation never allocates them).
+  bool full() const { return comm_ && comm_->world() > 1 && mode_ == ShardMode::Full; }
+  // The AdamW moments of [lo_, hi_) (full: of this rank's share, w_'s layout) exist from the first use of the
+  // optimizer on (evaluation never allocates them).
   void moments() {
-    if (m_.empty()) m_.assign(static_cast<size_t>(hi_ - lo_), 0.0f);
-    if (v_.empty()) v_.assign(static_cast<size_t>(hi_ - lo_), 0.0f);
+    const size_t n = full() ? w_.size() : static_cast<size_t>(hi_ - lo_);
+    if (m_.empty()) m_.assign(n, 0.0f);
+    if (v_.empty()) v_.assign(n, 0.0f);
   }
+
+  // ---- ShardMode::Full
+  // Each unit's split, this rank's piece of it and the piece's segments (piece ∩ parameter, for AdamW's decay
+  // flag); this rank's share of the weights (w_) and of the reduced gradients (g_), then the model's whole weights
+  // released: from here on it reads them from acquire(). The gather and gradient buffers are allocated here, once.
+  void shard_fully() {
+    const std::vector<ParamUnit>& units = model_.units();
+    const int rank = comm_->rank();
+    int64_t share = 0, largest = 0, largest_piece = 0;
+    for (const ParamUnit& u : units) {
+      UnitShard us;
+      us.parts = comm_->parts(dist::even_counts(u.size(), comm_->world()));
+      us.lo = u.lo + us.parts.displs[static_cast<size_t>(rank)];
+      us.n = us.parts.counts[static_cast<size_t>(rank)];
+      us.at = share;
+      share += us.n;
+      largest = std::max(largest, u.size());
+      largest_piece = std::max(largest_piece, us.n);
+      for (size_t k = 0; k < model_.params().size(); ++k) {
+        const ParamSpec& p = model_.params()[k];
+        const int64_t a = std::max(p.offset, us.lo), b = std::min(p.offset + p.numel, us.lo + us.n);
+        if (a < b) segments_.push_back({a, us.at + (a - us.lo), b - a, k});
+      }
+      shards_.push_back(std::move(us));
+    }
+    w_.resize(static_cast<size_t>(share));
+    for (const UnitShard& us : shards_)
+      std::copy_n(model_.weights().begin() + us.lo, us.n, w_.begin() + us.at);
+    g_.assign(static_cast<size_t>(share), 0.0f);
+    for (Slot& s : slots_) s.buf.assign(static_cast<size_t>(largest), 0.0f);
+    gbuf_.assign(static_cast<size_t>(largest), 0.0f);
+    piece_.assign(static_cast<size_t>(largest_piece), 0.0f);
+    order_fb_ = model_.unit_order(true);
+    order_f_ = model_.unit_order(false);
+    model_.release_buffers();
+    model_.set_unit_source(this);
+    const double mb = 1e-6 * sizeof(float);
+    log_info("--shard full: rank {} keeps {} of {} parameters: weights, gradients and AdamW moments {:.1f} MB "
+             "(4 x {:.1f}), gather buffers 2 x {:.1f} MB, a gradient buffer {:.1f} MB", rank, share,
+             model_.num_parameters(), 4 * mb * static_cast<double>(share), mb * static_cast<double>(share),
+             mb * static_cast<double>(largest), mb * static_cast<double>(largest));
+  }
+  // The whole weights and moments on every rank (each unit all-gathered in place) until release_after_save.
+  void gather_fully() {
+    moments();
+    const size_t n = static_cast<size_t>(model_.num_parameters());
+    w_full_.assign(n, 0.0f);
+    m_full_.assign(n, 0.0f);
+    v_full_.assign(n, 0.0f);
+    for (size_t u = 0; u < shards_.size(); ++u) {
+      const UnitShard& us = shards_[u];
+      const int64_t lo = model_.units()[u].lo;
+      for (auto [mine, whole] : {std::pair{&w_, &w_full_}, std::pair{&m_, &m_full_}, std::pair{&v_, &v_full_}}) {
+        std::copy_n(mine->begin() + us.at, us.n, whole->begin() + us.lo);
+        comm_->all_gather(whole->data() + lo, us.parts.counts);
+      }
+    }
+  }
+  // A forward_backward's (or forward_without_batch's) units, in `order`: the two buffers start gathering the
+  // first two at once.
+  void begin_units(const std::vector<int64_t>& order) {
+    for (const Slot& s : slots_) DS_CHECK(s.item < 0, "internal: a unit buffer still in use at the start of a step");
+    order_ = &order;
+    next_ = cur_ = 0;
+    pump();
+  }
+  void end_units() {
+    DS_CHECK(cur_ == order_->size(), "internal: the model acquired {} of its {} planned units", cur_, order_->size());
+    order_ = nullptr;
+  }
+  // Every free buffer starts gathering the next planned unit (MPI_Iallgatherv: the prefetch of the next layer
+  // while the current one computes). Every rank starts them in the same order (the plan's).
+  void pump() {
+    for (Slot& s : slots_) {
+      if (next_ >= order_->size()) return;
+      if (s.item >= 0) continue;
+      const UnitShard& us = shards_[static_cast<size_t>((*order_)[next_])];
+      std::copy_n(w_.begin() + us.at, us.n, s.buf.begin() + us.parts.displs[static_cast<size_t>(comm_->rank())]);
+      s.item = static_cast<int64_t>(next_++);
+      s.ticket = comm_->start_all_gather(s.buf.data(), us.parts);
+    }
+  }
+  float* acquire(int64_t u) override {
+    DS_CHECK(order_ && cur_ < order_->size() && (*order_)[cur_] == u, "internal: unit {} acquired out of the "
+             "planned order", u);
+    for (Slot& s : slots_)
+      if (s.item == static_cast<int64_t>(cur_)) {
+        if (s.ticket >= 0) comm_->wait(s.ticket);
+        s.ticket = -1;
+        s.held = true;
+        ++cur_;
+        return s.buf.data();
+      }
+    fail("internal: unit {} (planned unit {}) is in no gather buffer", u, cur_);
+  }
+  void release(int64_t u) override {
+    for (Slot& s : slots_)
+      if (s.held && (*order_)[static_cast<size_t>(s.item)] == u) {
+        s.held = false;
+        s.item = -1;
+        pump();
+        return;
+      }
+    fail("internal: unit {} released but not held", u);
+  }
+  float* grads(int64_t u) override {
+    std::fill_n(gbuf_.begin(), model_.units()[static_cast<size_t>(u)].size(), 0.0f);
+    return gbuf_.data();
+  }
+  // The unit's gradient summed over the ranks, this rank's piece of it (MPI_Reduce_scatter) added to its share.
+  void grads_done(int64_t u) override {
+    const UnitShard& us = shards_[static_cast<size_t>(u)];
+    comm_->reduce_scatter_sum(gbuf_.data(), piece_.data(), us.parts);
+    float* g = g_.data() + us.at;
+    for (int64_t i = 0; i < us.n; ++i) g[i] += piece_[static_cast<size_t>(i)];
+  }
+  struct UnitShard {
+    dist::Communicator::Parts parts;  // the unit split over the ranks
+    int64_t lo = 0, n = 0;            // this rank's piece: flat [lo, lo + n)
+    int64_t at = 0;                   // where the piece starts in this rank's share (w_, g_, m_, v_)
+  };
+  struct Segment {
+    int64_t flat, at, n;  // flat [flat, flat + n) at share offset `at`
+    size_t param;         // the parameter it lies in
+  };
+  // One of the two gather buffers (the largest unit's size): which planned unit it holds (-1: free), the started
+  // gather (-1: done) and whether the model holds it (between acquire and release).
+  struct Slot {
+    std::vector<float> buf;
+    int64_t item = -1;
+    int ticket = -1;
+    bool held = false;
+  };
+  std::vector<UnitShard> shards_;   // per unit (model_.units())
+  std::vector<Segment> segments_;   // in flat order
+  std::vector<float> w_, g_;        // this rank's share of the weights and of the reduced gradients
+  std::vector<float> w_full_;       // the whole weights, only between gather_for_save and release_after_save
+  Slot slots_[2];
+  std::vector<float> gbuf_, piece_;  // a unit's gradient as the model adds it; its reduce-scattered piece
+  std::vector<int64_t> order_fb_, order_f_;  // the model's unit_order with and without a backward
+  const std::vector<int64_t>* order_ = nullptr;
+  size_t next_ = 0, cur_ = 0;  // the next planned unit to gather, and to be acquired
   Qwen35Model model_;
   std::vector<float> m_, v_;  // AdamW moments of the flat parameters [lo_, hi_)
   dist::Communicator* comm_ = nullptr;
@@ -168,6 +366,8 @@ class CudaEngine final : public Engine {
   // copy, and the fp32 master: flat in the fp32 layout, by each rank's range of the small parameters' compacted
   // master in the bf16 layout).
   void distribute(dist::Communicator& comm, ShardMode mode) override {
+    DS_CHECK(mode != ShardMode::Full, "--shard full is built for the CPU engine only: the GPU engine has no "
+             "per-layer parameter gathers yet (train with --device cpu, or use --shard none)");
     DS_CHECK(comm.world() == 1 || comm.on_device(), "{}: the GPU engine's ranks need the NCCL communicator, not {} "
              "(start them with torchrun or mpirun and --device cuda)", dist::describe(comm.launch()), comm.backend());
     if (comm.on_device()) comm_ = &comm;

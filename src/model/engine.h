@@ -119,16 +119,23 @@ class Engine {
   // Data parallel over `comm`'s ranks (docs/distributed.md), set once after the engine is built and before a
   // resume loads the optimizer state. ShardMode::None: every rank keeps the whole AdamW state; Optimizer: rank r
   // keeps and updates only its even share of the flat parameter vector (dist::even_counts), the weights are
-  // all-gathered after each update. At world size 1 both are the plain engine. The GPU engine: ds::Error at world
-  // size above 1 (its NCCL communicator is not built yet).
-  enum class ShardMode { None, Optimizer };
+  // all-gathered after each update; Full (ZeRO-3, the CPU engine): rank r keeps only its even share of each layer
+  // unit (model.h: param_units) of the weights, the reduced gradients and the moments; forward_backward all-gathers
+  // a unit's weights before its forward and again before its backward into one of two buffers planned here (the
+  // next unit's gather started while the current one computes), and reduce-scatters its gradients after its
+  // backward. At world size 1 every mode is the plain engine. The GPU engine: ds::Error at world size above 1 (its
+  // NCCL communicator is not built yet) and for Full at any world size.
+  enum class ShardMode { None, Optimizer, Full };
   virtual void distribute(dist::Communicator& comm, ShardMode mode) = 0;
+  // A rank with no batch where the other ranks run a forward (an evaluation's uneven share): takes part in the
+  // collectives such a forward runs (ShardMode::Full: its per-unit gathers), computes nothing. No-op otherwise.
+  virtual void forward_without_batch() {}
   // After a step's micro-batches (each rank ran its own with the global 1 / target-count scale): every rank's
   // gradients become their sum over the ranks (None: all of them, the same bits on every rank; Optimizer: the
-  // rank's share, reduce-scattered). grad_sum_squares() and optimizer_step() then act on the global gradient.
+  // rank's share, reduce-scattered; Full: nothing left to do, each unit's were reduce-scattered in its backward). grad_sum_squares() and optimizer_step() then act on the global gradient.
   virtual void reduce_grads() {}
-  // Around a checkpoint save (every rank calls both; rank 0 writes between them): a sharded optimizer state is
-  // gathered whole for optimizer_tensors(), then released.
+  // Around a checkpoint save (every rank calls both; rank 0 writes between them): a sharded optimizer state (and
+  // with ShardMode::Full the weights) is gathered whole for optimizer_tensors() (weight_tensors()), then released.
   virtual void gather_for_save() {}
   virtual void release_after_save() {}
   // One AdamW update of every parameter (p.weight_decay applied to the parameters whose ParamSpec says so;

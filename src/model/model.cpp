@@ -112,6 +112,38 @@ std::vector<ParamSpec> qwen35_params(const ModelConfig& c) {
   return params;
 }
 
+std::vector<ParamUnit> param_units(const ModelConfig& c, const std::vector<ParamSpec>& params) {
+  auto offset_of = [&](const std::string& name) {
+    for (const ParamSpec& p : params)
+      if (p.name == name) return p.offset;
+    fail("param_units: no parameter {}", name);
+  };
+  // Each unit starts at its first tensor (qwen35_params' order) and ends where the next one starts.
+  std::vector<int64_t> starts{offset_of("model.embed_tokens.weight")};
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    starts.push_back(offset_of("model.layers." + std::to_string(i) + ".input_layernorm.weight"));
+  starts.push_back(offset_of("model.norm.weight"));
+  const int64_t end = params.back().offset + params.back().numel;
+  std::vector<ParamUnit> units;
+  for (size_t u = 0; u < starts.size(); ++u) {
+    const int64_t hi = u + 1 < starts.size() ? starts[u + 1] : end;
+    DS_CHECK(starts[u] < hi, "param_units: unit {} is empty or out of order", u);
+    units.push_back({starts[u], hi});
+  }
+  DS_CHECK(units.front().lo == 0, "param_units: the embedding is not first");
+  return units;
+}
+
+std::vector<int64_t> Qwen35Model::unit_order(bool backward) const {
+  const int64_t L = cfg_.num_hidden_layers;
+  std::vector<int64_t> order;
+  for (int64_t u = 0; u <= L + 1; ++u) order.push_back(u);  // embedding, layers, head
+  if (cfg_.tie_word_embeddings) order.push_back(0);         // lm_head
+  if (backward)
+    for (int64_t i = L - 1; i >= 0; --i) order.push_back(1 + i);
+  return order;
+}
+
 Qwen35Model::Qwen35Model(ModelConfig config) : Qwen35Model(std::move(config), Deferred{}) {
   weights_.assign(static_cast<size_t>(num_parameters()), 0.0f);
 }
@@ -121,6 +153,7 @@ Qwen35Model::Qwen35Model(ModelConfig config, Deferred) : cfg_(std::move(config))
   params_ = qwen35_params(cfg_);
   for (size_t i = 0; i < params_.size(); ++i) by_name_[params_[i].name] = i;
   layout_ = std::make_shared<const ParamLayout>(cfg_, params_);
+  units_ = param_units(cfg_, params_);
 }
 
 void Qwen35Model::defer_init(uint64_t seed) {
@@ -335,7 +368,28 @@ struct Qwen35Model::Impl {
       : m(model), c(model.cfg_), batch(b), N(b.size()), H(model.cfg_.hidden_size),
         I(model.cfg_.intermediate_size), num_seqs(static_cast<int64_t>(b.cu_seqlens.size()) - 1) {}
 
-  LayerParams<float*> ptrs(int64_t i, float* base) { return m.layout_->layer(i, base); }
+  // The weights and gradients unit by unit (model.h: UnitSource): from the source when one is set, else views of
+  // weights() / grads(). A unit's pointer is its first element; the layout's offsets are rebased to it.
+  int64_t head_unit() const { return c.num_hidden_layers + 1; }
+  float* acquire(int64_t u) { return m.source_ ? m.source_->acquire(u) : m.weights_.data() + unit_lo(u); }
+  void release(int64_t u) {
+    if (m.source_) m.source_->release(u);
+  }
+  float* grads_of(int64_t u) { return m.source_ ? m.source_->grads(u) : m.grads_.data() + unit_lo(u); }
+  void grads_done(int64_t u) {
+    if (m.source_) m.source_->grads_done(u);
+  }
+  int64_t unit_lo(int64_t u) const { return m.units_[static_cast<size_t>(u)].lo; }
+  // Tensor `off` (a flat offset inside unit u) in a unit buffer that starts at `base`.
+  float* at(float* base, int64_t u, int64_t off) const { return base + (off - unit_lo(u)); }
+  LayerParams<float*> layer_view(int64_t i, float* base) const {
+    const int64_t lo = unit_lo(1 + i);
+    return map_layer(m.layout_->layer_offsets(i), [base, lo](int64_t off) -> float* {
+      return off < 0 ? nullptr : base + (off - lo);
+    });
+  }
+  const ModelParams<int64_t>& mo() const { return m.layout_->model_offsets(); }
+  float* head_w = nullptr;  // the head unit, acquired from the final norm's forward until the caller releases it
 
 
   // --- Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, docs/model.md §2.6) ---
@@ -539,8 +593,7 @@ struct Qwen35Model::Impl {
 
   // --- Decoder layer (HF Qwen3_5DecoderLayer, docs/model.md §2.3): h_out = h_mid + mlp(norm2(h_mid)),
   //     h_mid = h_in + mixer(norm1(h_in)). `h` is updated in place.
-  void layer_forward(int64_t i, LayerCache& s, Buf& h) {
-    LayerParams<float*> w = ptrs(i, m.weights_.data());
+  void layer_forward(int64_t i, const LayerParams<float*>& w, LayerCache& s, Buf& h) {
     s.x_in = h;
     s.xn1.resize(N * H);
     s.rstd1.resize(N);
@@ -563,9 +616,8 @@ struct Qwen35Model::Impl {
   }
 
   // dh: gradient of the layer output on entry, of the layer input on exit.
-  void layer_backward(int64_t i, LayerCache& s, Buf& dh) {
-    LayerParams<float*> w = ptrs(i, m.weights_.data());
-    LayerParams<float*> gw = ptrs(i, m.grads_.data());
+  // w, gw: the layer's weights and the gradients they get (added).
+  void layer_backward(int64_t i, const LayerParams<float*>& w, const LayerParams<float*>& gw, LayerCache& s, Buf& dh) {
     Buf dact(N * I), dgate(N * I), dup(N * I), dxn(N * H), tmp(N * H);
     ops::linear_backward(s.act.data(), w.mlp.down, dh.data(), dact.data(), gw.mlp.down, N, I, H);
     ops::swiglu_backward(s.gate.data(), s.up.data(), dact.data(), dgate.data(), dup.data(), N * I);
@@ -579,12 +631,14 @@ struct Qwen35Model::Impl {
     add_into(dh, tmp);  // d h_in
   }
 
-  // Runs embedding + all layers + final norm. Returns the final normed hidden states; fills caches.
+  // Runs embedding + all layers + final norm. Returns the final normed hidden states; fills caches. The head unit
+  // stays acquired (head_w) for the loss and the final norm's backward: the caller releases it.
   void trunk_forward(std::vector<LayerCache>& caches, Buf& h, Buf& hf, Buf& rstd_f, ForwardCapture* cap) {
     batch.check(c);
     h.resize(N * H);
-    const float* emb = m.layout_->model(m.weights_.data()).embed_tokens;
-    ops::embedding_forward(batch.input_ids.data(), N, emb, c.vocab_size, H, h.data());
+    float* e = acquire(0);
+    ops::embedding_forward(batch.input_ids.data(), N, at(e, 0, mo().embed_tokens), c.vocab_size, H, h.data());
+    release(0);
     cos_t.resize(N * c.rotary_dim() / 2);
     sin_t.resize(N * c.rotary_dim() / 2);
     ops::rope_tables(batch.positions.data(), N, c.rotary_dim(), c.rope_theta, cos_t.data(), sin_t.data());
@@ -592,22 +646,22 @@ struct Qwen35Model::Impl {
     caches.resize(static_cast<size_t>(c.num_hidden_layers));
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       layer = i;
-      layer_forward(i, caches[static_cast<size_t>(i)], h);
+      layer_forward(i, layer_view(i, acquire(1 + i)), caches[static_cast<size_t>(i)], h);
+      release(1 + i);
       if (cap && cap->hidden_states && i + 1 < c.num_hidden_layers) cap->hidden.push_back(h);
     }
     hf.resize(N * H);
     rstd_f.resize(N);
-    ops::rmsnorm_forward(h.data(), m.layout_->model(m.weights_.data()).norm, hf.data(), rstd_f.data(),
-                         N, H, c.rms_norm_eps, true);
+    head_w = acquire(head_unit());
+    ops::rmsnorm_forward(h.data(), at(head_w, head_unit(), mo().norm), hf.data(), rstd_f.data(), N, H,
+                         c.rms_norm_eps, true);
     if (cap && cap->hidden_states) cap->hidden.push_back(hf);
   }
 
-  const float* lm_head_w() {
-    return m.layout_->model(m.weights_.data()).lm_head;
-  }
-  float* lm_head_g() {
-    return m.layout_->model(m.grads_.data()).lm_head;
-  }
+  // lm_head's unit: the head, or the embedding when tied.
+  int64_t lm_head_unit() const { return c.tie_word_embeddings ? 0 : head_unit(); }
+  // lm_head's weights in weights() (generation: no unit source).
+  const float* lm_head_w() const { return m.weights_.data() + mo().lm_head; }
 
   LossResult run(double grad_scale, double z_loss, ForwardCapture* cap) {
     std::vector<LayerCache> caches;
@@ -620,31 +674,53 @@ struct Qwen35Model::Impl {
     Buf dhf;
     if (backward) dhf.resize(N * H);
     if (cap && cap->logits) cap->logits_values.resize(N * c.vocab_size);
+    const int64_t hu = head_unit(), lu = lm_head_unit();
+    const bool tied = lu != hu;
+    float* lm_w = tied ? acquire(lu) : head_w;
+    float* lm_g = backward ? grads_of(lu) : nullptr;  // untied: the head's gradients, the final norm's too
     ops::LinearCeResult ce = ops::linear_cross_entropy(
-        hf.data(), lm_head_w(), batch.targets.data(), N, H, c.vocab_size, opt, backward ? dhf.data() : nullptr,
-        backward ? lm_head_g() : nullptr, cap && cap->logits ? cap->logits_values.data() : nullptr);
+        hf.data(), at(lm_w, lu, mo().lm_head), batch.targets.data(), N, H, c.vocab_size, opt,
+        backward ? dhf.data() : nullptr, backward ? at(lm_g, lu, mo().lm_head) : nullptr,
+        cap && cap->logits ? cap->logits_values.data() : nullptr);
     LossResult r{ce.loss_sum, ce.z_loss_sum, ce.num_valid};
-    if (!backward) return r;
+    if (tied) {
+      if (backward) grads_done(lu);  // the embedding's lm_head part; its lookup part comes last
+      release(lu);
+    }
+    if (!backward) {
+      release(hu);
+      return r;
+    }
+    float* head_g = tied ? grads_of(hu) : lm_g;
     Buf dh(N * H);
-    ops::rmsnorm_backward(h.data(), m.layout_->model(m.weights_.data()).norm, rstd_f.data(), dhf.data(),
-                          dh.data(), m.layout_->model(m.grads_.data()).norm, N, H, true);
-    for (int64_t i = c.num_hidden_layers - 1; i >= 0; --i) layer_backward(i, caches[static_cast<size_t>(i)], dh);
-    ops::embedding_backward(batch.input_ids.data(), N, dh.data(), c.vocab_size, H,
-                            m.layout_->model(m.grads_.data()).embed_tokens);
+    ops::rmsnorm_backward(h.data(), at(head_w, hu, mo().norm), rstd_f.data(), dhf.data(), dh.data(),
+                          at(head_g, hu, mo().norm), N, H, true);
+    grads_done(hu);
+    release(hu);
+    for (int64_t i = c.num_hidden_layers - 1; i >= 0; --i) {
+      const LayerParams<float*> w = layer_view(i, acquire(1 + i)), gw = layer_view(i, grads_of(1 + i));
+      layer_backward(i, w, gw, caches[static_cast<size_t>(i)], dh);
+      grads_done(1 + i);
+      release(1 + i);
+    }
+    float* ge = grads_of(0);
+    ops::embedding_backward(batch.input_ids.data(), N, dh.data(), c.vocab_size, H, at(ge, 0, mo().embed_tokens));
+    grads_done(0);
     return r;
   }
 };
 
 LossResult Qwen35Model::forward_backward(const PackedBatch& batch, double grad_scale, double z_loss,
                                          ForwardCapture* capture) {
-  DS_CHECK(weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
-  if (grad_scale != 0.0 && grads_.size() != weights_.size()) grads_.assign(weights_.size(), 0.0f);
+  DS_CHECK(source_ || weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
+  if (!source_ && grad_scale != 0.0 && grads_.size() != weights_.size()) grads_.assign(weights_.size(), 0.0f);
   Impl impl(*this, batch);
   return impl.run(grad_scale, z_loss, capture);
 }
 
 std::vector<float> Qwen35Model::decode(DecodeState& st, const std::vector<int32_t>& ids) {
-  DS_CHECK(weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
+  DS_CHECK(!source_ && weights_.size() == static_cast<size_t>(num_parameters()), "decode: the model's weights are "
+           "not in weights() (released, or read from a unit source)");
   DS_CHECK(!ids.empty(), "decode: no tokens");
   const size_t L = static_cast<size_t>(cfg_.num_hidden_layers);
   if (st.conv_tail.size() != L) st.conv_tail.assign(L, {}), st.state.assign(L, {}), st.keys.assign(L, {}), st.values.assign(L, {});
@@ -659,6 +735,7 @@ std::vector<float> Qwen35Model::decode(DecodeState& st, const std::vector<int32_
   std::vector<LayerCache> caches;
   Buf h, hf, rstd_f;
   impl.trunk_forward(caches, h, hf, rstd_f, nullptr);  // checks positions < max_position_embeddings
+  impl.release(impl.head_unit());
   st.length += static_cast<int64_t>(ids.size());
   const int64_t H = cfg_.hidden_size;
   std::vector<float> logits(static_cast<size_t>(cfg_.vocab_size));
@@ -667,12 +744,14 @@ std::vector<float> Qwen35Model::decode(DecodeState& st, const std::vector<int32_
 }
 
 std::vector<float> Qwen35Model::last_logits(const PackedBatch& batch) {
-  DS_CHECK(weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
+  DS_CHECK(!source_ && weights_.size() == static_cast<size_t>(num_parameters()), "last_logits: the model's weights "
+           "are not in weights() (released, or read from a unit source)");
   DS_CHECK(batch.size() > 0, "last_logits: an empty batch has no last position");
   Impl impl(*this, batch);
   std::vector<LayerCache> caches;
   Buf h, hf, rstd_f;
   impl.trunk_forward(caches, h, hf, rstd_f, nullptr);
+  impl.release(impl.head_unit());
   const int64_t H = cfg_.hidden_size;
   std::vector<float> logits(static_cast<size_t>(cfg_.vocab_size));
   ops::linear_forward(hf.data() + (batch.size() - 1) * H, impl.lm_head_w(), logits.data(), 1, H, cfg_.vocab_size);

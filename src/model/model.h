@@ -79,6 +79,37 @@ class CheckpointWeights {
 // on matrices only). No memory for the values.
 std::vector<ParamSpec> qwen35_params(const ModelConfig& c);
 
+// The flat parameter buffer cut into the contiguous "units" forward_backward reads one after another: unit 0 is the
+// embedding, unit 1 + i decoder layer i (every tensor of model.layers.i.*), unit num_hidden_layers + 1 the head:
+// the final norm, and lm_head when it is not tied (tied, the lm_head is the embedding: unit 0 again). [lo, hi) in
+// elements of the flat buffer; the units cover it in order. ds::Error when the table is not in qwen35_params' order.
+struct ParamUnit {
+  int64_t lo = 0, hi = 0;
+  int64_t size() const { return hi - lo; }
+};
+std::vector<ParamUnit> param_units(const ModelConfig& c, const std::vector<ParamSpec>& params);
+
+// Where forward_backward reads a unit's weights and adds its gradients when weights() does not hold them (the CPU
+// engine's ShardMode::Full, model/engine.cpp: a unit is all-gathered before it runs and its gradients are
+// reduce-scattered after its backward). The model calls, per forward_backward:
+//   acquire(u) ... release(u) around every use of unit u's weights, in the order of unit_order(): the embedding,
+//   the layers 0 .. L-1, the head (held through the loss and the final norm's backward), the embedding again when
+//   tied (lm_head), and with a backward the layers L-1 .. 0 once more; at most two units are held at once (the
+//   head and the tied embedding);
+//   grads(u) ... grads_done(u) around each unit's gradient contributions: the head (tied: the embedding's lm_head
+//   part first, then the head), the layers L-1 .. 0, the embedding; one unit at a time.
+class UnitSource {
+ public:
+  virtual ~UnitSource() = default;
+  // Unit u's fp32 weights, units[u].size() floats in flat order, valid until release(u).
+  virtual float* acquire(int64_t u) = 0;
+  virtual void release(int64_t u) = 0;
+  // A buffer of units[u].size() fp32 zeros the model adds unit u's gradient (of grad_scale * loss_sum) into;
+  // grads_done(u): the contribution is complete (the engine takes it).
+  virtual float* grads(int64_t u) = 0;
+  virtual void grads_done(int64_t u) = 0;
+};
+
 class Qwen35Model {
  public:
   explicit Qwen35Model(ModelConfig config);
@@ -126,6 +157,15 @@ class Qwen35Model {
   // outlive the write. A_log and the gated-norm weight stay F32 whatever `dtype`.
   std::vector<SaveTensor> to_tensors(const std::vector<float>& buffer, DType dtype = DType::F32) const;
 
+  // The units (param_units) and the order in which forward_backward acquires their weights: with a backward
+  // (backward = true) or forward only. Indices into units().
+  const std::vector<ParamUnit>& units() const { return units_; }
+  std::vector<int64_t> unit_order(bool backward) const;
+  // From here on forward_backward reads the weights from `s` and hands it the gradients (weights() and grads()
+  // are then not used and may be released); null: weights() and grads() again. The source must outlive its use.
+  // last_logits and decode read weights() only (ds::Error with a source set).
+  void set_unit_source(UnitSource* s) { source_ = s; }
+
   void zero_grads();
   // Frees the host weight and gradient buffers (the GPU engine calls it after uploading the weights: a GPU run
   // keeps no host copy). Afterwards only config() and params() may be used.
@@ -160,6 +200,8 @@ class Qwen35Model {
   std::map<std::string, size_t> by_name_;
   std::shared_ptr<const ParamLayout> layout_;  // shared: a moved or copied model keeps the same offsets
   std::vector<float> weights_, grads_;
+  std::vector<ParamUnit> units_;
+  UnitSource* source_ = nullptr;
   std::function<void(size_t k, float* dst)> deferred_;  // set by defer_init / defer_load until materialize()
   static void init_param(const ModelConfig& cfg, const std::vector<ParamSpec>& params, size_t k, uint64_t seed,
                          float* dst);

@@ -140,8 +140,9 @@ const std::vector<TrainOption>& train_options() {
           "auto: the memory modes not given are chosen to fit the GPU (docs/memory.md); fixed: fp32 and selective",
           one_of({"auto", "fixed"}), kResumable | kNewerKey | kNotSaved),
       opt("shard", &O::shard, "none",
-          "With several ranks: none (every rank holds the AdamW state) or optimizer (each rank holds and updates "
-          "1/ranks of it; gradients reduce-scattered, weights all-gathered); full (parameters too) is not built yet",
+          "With several ranks: none (every rank holds the AdamW state), optimizer (each rank holds and updates "
+          "1/ranks of it; gradients reduce-scattered, weights all-gathered) or full (the weights and gradients too: "
+          "each layer gathered before its forward and backward; CPU engine)",
           one_of({"none", "optimizer", "full"}), kResumable | kNewerKey | kNotSaved),
       opt("move-aside", &O::move_aside, false, "When --out holds another run's files (metrics, checkpoints): move "
           "them into OUT/previous-N/ instead of refusing to start", {}, kResumable | kNotSaved),

@@ -436,11 +436,17 @@ class StepBatches {
 };
 
 // Mean loss per target over the evaluation batches (forward only); NaN without targets. With several ranks, rank r
-// evaluates batches r, r + world, ... and the ranks sum the losses and counts.
+// evaluates batches r, r + world, ... and the ranks sum the losses and counts. Every rank runs as many forwards
+// (a rank past the last batch one without a batch): a forward of --shard full gathers with the other ranks.
 double evaluate(Engine& engine, const std::vector<PackedBatch>& batches, dist::Communicator& comm) {
   double sum = 0;
   int64_t n = 0;
-  for (size_t i = static_cast<size_t>(comm.rank()); i < batches.size(); i += static_cast<size_t>(comm.world())) {
+  const size_t world = static_cast<size_t>(comm.world());
+  for (size_t i = static_cast<size_t>(comm.rank()); i < (batches.size() + world - 1) / world * world; i += world) {
+    if (i >= batches.size()) {
+      engine.forward_without_batch();
+      continue;
+    }
     const LossResult r = engine.forward_backward(batches[i], 0.0, 0.0);
     sum += r.loss_sum;
     n += r.num_valid;
@@ -512,12 +518,12 @@ int train(TrainOptions cli) {
   }
   check_same_on_every_rank(comm, "options", options_to_json(opt).dump() + "\n" + opt.resume + "\n" + opt.out +
                                                 "\n" + opt.shard);
-  DS_CHECK(opt.shard != "full", "--shard full (parameters sharded too, gathered per layer: ZeRO-3) is not built yet; "
-           "--shard optimizer shards the AdamW state and the gradients (docs/distributed.md)");
-  if (opt.shard == "optimizer" && comm.world() == 1)
-    log_info("{}", comm.on_device() ? "--shard optimizer with one rank: the sharded path over one share (the whole "
-                                      "state)"
-                                    : "--shard optimizer with one rank: nothing to shard, the whole state stays here");
+  if (opt.shard == "optimizer" && comm.world() == 1 && comm.on_device())
+    log_info("--shard optimizer with one rank: the sharded path over one share (the whole state)");
+  else if (opt.shard != "none" && comm.world() == 1)
+    log_info("--shard {} with one rank: nothing to shard, the whole state stays here", opt.shard);
+  DS_CHECK(opt.shard != "full" || resolve_device(opt.device) != "cuda", "--shard full is built for the CPU engine "
+           "only: the GPU engine has no per-layer parameter gathers yet (use --shard optimizer or none, or --device cpu)");
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   if (resolve_device(opt.device) != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
@@ -600,7 +606,9 @@ int train(TrainOptions cli) {
   opt.device = engine->device();  // saved in checkpoints: a resume continues on the same engine
   // The optimizer state in use, saved too: a resume keeps the numerics unless --optimizer-state changes them.
   opt.optimizer_state = optimizer_state_name(engine->optimizer_state());
-  engine->distribute(comm, opt.shard == "optimizer" ? Engine::ShardMode::Optimizer : Engine::ShardMode::None);
+  engine->distribute(comm, opt.shard == "full"        ? Engine::ShardMode::Full
+                          : opt.shard == "optimizer" ? Engine::ShardMode::Optimizer
+                                                     : Engine::ShardMode::None);
   log_info("device: {}{}", opt.device,
            comm.world() > 1 || comm.backend() != "single"
                ? fmt::format(", {} rank{} ({}), --shard {}, {} communicator", comm.world(), comm.world() > 1 ? "s" : "",
