@@ -172,6 +172,20 @@ double rel_l2(const float* got, const float* ref, int64_t n, cudaStream_t stream
 int64_t count_nonfinite(const bf16* x, int64_t n, cudaStream_t stream) { return nonfinite_impl(x, n, stream); }
 int64_t count_nonfinite(const float* x, int64_t n, cudaStream_t stream) { return nonfinite_impl(x, n, stream); }
 
+namespace {
+__global__ void scale_kernel(float* x, int64_t n, float s) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    x[i] *= s;
+}
+}  // namespace
+
+void scale(float* x, int64_t n, float s, cudaStream_t stream) {
+  if (n == 0) return;
+  scale_kernel<<<blocks_for(n), kThreads, 0, stream>>>(x, n, s);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
 bool same_bytes(const void* a, const void* b, size_t bytes, cudaStream_t stream) {
   DS_CUDA_REQUIRE(bytes % 4 == 0, "same_bytes: bytes must be a multiple of 4");
   const int64_t n = static_cast<int64_t>(bytes / 4);

@@ -27,6 +27,9 @@ double rel_l2(const float* got, const float* ref, int64_t n, cudaStream_t stream
 int64_t count_nonfinite(const ::ds::cuda::bf16* x, int64_t n, cudaStream_t stream);
 int64_t count_nonfinite(const float* x, int64_t n, cudaStream_t stream);
 
+// x[i] *= s for n fp32 elements, enqueued on `stream` (does not wait).
+void scale(float* x, int64_t n, float s, cudaStream_t stream);
+
 // Whether two device buffers hold the same bytes (bytes a multiple of 4, both 4-byte aligned). Waits for the stream.
 bool same_bytes(const void* a, const void* b, size_t bytes, cudaStream_t stream);
 

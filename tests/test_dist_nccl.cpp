@@ -7,6 +7,7 @@
 //     training run over NCCL gives the plain run's losses bitwise.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <numeric>
@@ -15,11 +16,16 @@
 
 #include "core/cuda/device.h"
 #include "dist/communicator.h"
+#include "core/rng.h"
+#include "model/gpu_model.h"
+#include "model/model.h"
 #include "model/safetensors.h"
 #include "train_test_util.h"
 
 #ifdef DELTASTACK_CUDA
 #include <cuda_runtime.h>
+
+#include "cuda_large_util.h"
 #endif
 
 namespace fs = std::filesystem;
@@ -172,6 +178,76 @@ TEST(DistNccl, OneRankTorchrunTrainsThePlainRunsLosses) {
     EXPECT_EQ(std::vector<double>(a.begin() + 3, a.end()), c) << state;
   }
   fs::remove_all(dir);
+}
+
+// The overlap of the data-parallel sum with the last backward (GpuModel::reduce_grads_during_next_backward): each
+// unit's gradients are handed over once, complete, on a side stream ordered after their last write. The "sum over
+// ranks" here is x *= 2 on that stream (two identical ranks): after two micro-batches, the second one's backward
+// overlapped, the gradients must be exactly twice the plain run's, every element; a unit handed over before its
+// last write, twice, or never would differ. Tied and untied embeddings (the tied lm_head writes the embedding unit
+// first, its lookup last), the chunked GDN kernel.
+TEST(DistNccl, OverlappedReduceSeesEachUnitsFinalGradients) {
+  if (ds::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  for (const bool tied : {false, true}) {
+    ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+    c.vocab_size = 4096;
+    c.tie_word_embeddings = tied;
+    c.linear_key_head_dim = c.linear_value_head_dim = 128;
+    ds::Qwen35Model host(c);
+    host.init_weights(7);
+    auto batch = [&](uint64_t seed) {
+      ds::PackedBatch b;
+      ds::Rng rng(seed);
+      b.cu_seqlens = {0, 150, 257};
+      for (int t = 0; t < 257; ++t) b.input_ids.push_back(static_cast<int32_t>(rng.below(4096)));
+      for (int t = 0; t < 257; ++t) b.targets.push_back(t + 1 < 257 && t != 149 ? b.input_ids[t + 1] : -100);
+      b.finalize("overlap test batch");
+      return b;
+    };
+    const ds::PackedBatch b1 = batch(1), b2 = batch(2);
+    ds::GpuPlan plan;
+    plan.max_tokens = 257;
+    plan.max_seqs = 2;
+    std::vector<float> plain, overlapped;
+    {
+      ds::GpuModel gpu(host, plan);
+      gpu.zero_grads();
+      gpu.forward_backward(b1, 1e-2);
+      gpu.forward_backward(b2, 1e-2);
+      EXPECT_FALSE(gpu.join_reduce());
+      gpu.download_grads(plain);
+    }
+    std::vector<std::pair<int64_t, int64_t>> handed;
+    {
+      ds::GpuModel gpu(host, plan);
+      gpu.zero_grads();
+      gpu.forward_backward(b1, 1e-2);
+      const float* base = gpu.device_grads().data;
+      gpu.reduce_grads_during_next_backward([&](float* x, int64_t n, void* stream) {
+        handed.emplace_back(x - base, n);
+        ds::test::cuda::scale(x, n, 2.0f, static_cast<cudaStream_t>(stream));
+      });
+      gpu.forward_backward(b2, 1e-2);
+      EXPECT_TRUE(gpu.join_reduce());
+      gpu.download_grads(overlapped);
+    }
+    // The head first, the layers from the last, the embedding last; together they tile the buffer once.
+    const std::vector<ds::ParamUnit> units = ds::param_units(c, ds::qwen35_params(c));
+    ASSERT_EQ(handed.size(), units.size());
+    EXPECT_EQ(handed.front().first, units.back().lo);
+    EXPECT_EQ(handed.back().first, 0);
+    std::sort(handed.begin(), handed.end());
+    int64_t next = 0;
+    for (const auto& [lo, n] : handed) {
+      EXPECT_EQ(lo, next);
+      next = lo + n;
+    }
+    EXPECT_EQ(next, static_cast<int64_t>(plain.size()));
+    ASSERT_EQ(plain.size(), overlapped.size());
+    size_t wrong = 0;
+    for (size_t i = 0; i < plain.size(); ++i) wrong += overlapped[i] != 2.0f * plain[i];
+    EXPECT_EQ(wrong, 0u) << (tied ? "tied" : "untied") << " embeddings";
+  }
 }
 
 #endif  // DELTASTACK_CUDA

@@ -3,6 +3,7 @@
 #include "model/engine.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "core/cuda/device.h"
@@ -371,14 +372,25 @@ class CudaEngine final : public Engine {
     DS_CHECK(comm.world() == 1 || comm.on_device(), "{}: the GPU engine's ranks need the NCCL communicator, not {} "
              "(start them with torchrun or mpirun and --device cuda)", dist::describe(comm.launch()), comm.backend());
     if (comm.on_device()) comm_ = &comm;
+    const char* ov = std::getenv("DELTASTACK_DP_OVERLAP");
+    DS_CHECK(!ov || std::string(ov) == "0" || std::string(ov) == "1", "DELTASTACK_DP_OVERLAP must be 0 or 1, got "
+             "\"{}\"", ov ? ov : "");
+    overlap_ = !ov || std::string(ov) == "1";
     const GpuModel::ShardBuffers b = gpu_->shard_buffers();
     sharded_ = mode == ShardMode::Optimizer && comm_;
     DS_CHECK(!sharded_ || b.world == comm.world(), "{}: --shard optimizer needs an "
              "engine planned for {} ranks' shares (GpuPlan::shard_world)", dist::describe(comm.launch()), comm.world());
   }
+  void reduce_grads_during_next_backward() override {
+    if (!comm_ || sharded_ || !overlap_) return;
+    gpu_->reduce_grads_during_next_backward([this](float* x, int64_t n, void* stream) {
+      comm_->device_all_reduce_sum(x, n, stream);
+    });
+  }
   void reduce_grads() override {
     if (!comm_) return;
     if (!sharded_) {
+      if (gpu_->join_reduce()) return;  // already summed, layer by layer, during the last backward
       const GpuModel::DeviceGrads g = gpu_->device_grads();
       comm_->device_all_reduce_sum(g.data, g.count, g.stream);
       return;
@@ -484,6 +496,7 @@ class CudaEngine final : public Engine {
   std::unique_ptr<GpuModel> gpu_;
   dist::Communicator* comm_ = nullptr;  // NCCL (distribute), else null: nothing to reduce
   bool sharded_ = false;                // --shard optimizer over comm_
+  bool overlap_ = true;                 // the --shard none all-reduce overlapped with the last backward
   std::vector<std::vector<float>> full_state_;  // rank 0, between gather_for_save and release_after_save
 };
 

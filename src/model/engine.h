@@ -134,6 +134,11 @@ class Engine {
   // gradients become their sum over the ranks (None: all of them, the same bits on every rank; Optimizer: the
   // rank's share, reduce-scattered; Full: nothing left to do, each unit's were reduce-scattered in its backward). grad_sum_squares() and optimizer_step() then act on the global gradient.
   virtual void reduce_grads() {}
+  // Called before the step's last micro-batch: an engine that can overlap the reduce_grads() sum with that
+  // micro-batch's backward starts each part of it as soon as that part's gradients are complete (the GPU engine
+  // over NCCL with --shard none: per layer, on a side stream; DELTASTACK_DP_OVERLAP=0 turns it off); reduce_grads()
+  // then only waits for it. The result is the same bits either way.
+  virtual void reduce_grads_during_next_backward() {}
   // Around a checkpoint save (every rank calls both; rank 0 writes between them): a sharded optimizer state (and
   // with ShardMode::Full the weights) is gathered whole for optimizer_tensors() (weight_tensors()), then released.
   virtual void gather_for_save() {}

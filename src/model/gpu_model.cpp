@@ -71,6 +71,25 @@ struct GpuModel::Impl {
   // FLOPs (GEMMs, gated delta rule, attention, loss) or bytes moved (reads + writes; the memory-bound ops). Null:
   // profiling off, each scope one pointer test.
   cuda::StepProfiler* prof = nullptr;
+  // The data-parallel gradient sum overlapped with one backward (reduce_grads_during_next_backward): the reduce
+  // of each unit's gradients (model/model.h param_units), issued on `side` once the unit's last gradient kernel is
+  // enqueued on `stream` (`ready` recorded there, waited for on `side`).
+  std::function<void(float*, int64_t, void*)> reduce;
+  std::vector<ParamUnit> units;
+  cudaStream_t side = nullptr;
+  cudaEvent_t ready = nullptr;
+  bool side_pending = false;  // reduces issued on `side` that `stream` has not joined yet
+  void unit_final(size_t u) {
+    if (!reduce) return;
+    if (!side) {
+      DS_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+      DS_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    }
+    DS_CUDA_CHECK(cudaEventRecord(ready, stream));
+    DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
+    reduce(store->grads() + units[u].lo, units[u].size(), side);
+    side_pending = true;
+  }
   // Scopes opened while on are the backward's recompute of forward activations (" (rebuild)" after the role).
   void mark_rebuild(bool on) {
     if (prof) prof->set_rebuild(on);
@@ -82,7 +101,10 @@ struct GpuModel::Impl {
   // Also runs when the constructor throws after the stream or the allocation exist.
   ~Impl() {
     attn.reset();  // cuDNN's handle and plans before the stream and memory they were used with
+    if (side) cudaStreamSynchronize(side);
     if (arena_base) cudaFree(arena_base);
+    if (ready) cudaEventDestroy(ready);
+    if (side) cudaStreamDestroy(side);
     if (stream) cudaStreamDestroy(stream);
   }
 
@@ -487,6 +509,7 @@ struct GpuModel::Impl {
       K::add(d.dh, d.dtmp, d.dh, N * H, stream);
     }
     store->after_layer_backward(i, stream);
+    unit_final(static_cast<size_t>(1 + i));  // layer i's gradients are complete
   }
 
   // The step: embedding, layers, final norm, fused linear + cross-entropy (its backward in the same call), then
@@ -538,6 +561,7 @@ struct GpuModel::Impl {
         K::rmsnorm_backward(acts.hs[L], mp.master.norm, acts.rstd_f, d.dhf, d.dh, mp.grad.norm, N, H, true,
                             acts.op_scratch, stream);
       }
+      unit_final(static_cast<size_t>(L + 1));  // the head: the final norm, and lm_head when untied
       for (int64_t i = L - 1; i >= 0; --i) {
         // full recompute: the layer's activations again (the last layer's are still there from the forward)
         if (plan.recompute == Recompute::Full && i != L - 1) {
@@ -550,7 +574,9 @@ struct GpuModel::Impl {
       // dh bf16 in, the fp32 gradient rows of the distinct ids read and written, ids / positions
       ProfScope ps = scope("embedding", "embedding (bwd)", 0, n * (2 * H + 12) + 8.0 * num_uniq * H);
       K::embedding_backward(B.emb_uniq, B.emb_starts, B.emb_pos, num_uniq, d.dh, mp.grad.embed_tokens, H, stream);
+      unit_final(0);  // the embedding (and a tied lm_head): last
     }
+    reduce = nullptr;  // armed for one backward
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
     note_peak();
     r.loss_sum = loss[0];
@@ -726,6 +752,22 @@ void GpuModel::set_profiler(cuda::StepProfiler* prof) { impl_->prof = prof; }
 
 GpuModel::DeviceGrads GpuModel::device_grads() { return {impl_->store->grads(), impl_->P, impl_->stream}; }
 
+void GpuModel::reduce_grads_during_next_backward(std::function<void(float*, int64_t, void*)> reduce) {
+  Impl& m = *impl_;
+  if (m.units.empty()) m.units = param_units(m.c, m.params);
+  m.reduce = std::move(reduce);
+}
+
+bool GpuModel::join_reduce() {
+  Impl& m = *impl_;
+  m.reduce = nullptr;
+  if (!m.side_pending) return false;
+  DS_CUDA_CHECK(cudaEventRecord(m.ready, m.side));
+  DS_CUDA_CHECK(cudaStreamWaitEvent(m.stream, m.ready, 0));
+  m.side_pending = false;
+  return true;
+}
+
 GpuModel::ShardBuffers GpuModel::shard_buffers() {
   const GpuParamStore& st = *impl_->store;
   ShardBuffers b;
@@ -848,6 +890,8 @@ void GpuModel::write_optimizer_state(int, int64_t, int64_t, const float*) {}
 void GpuModel::download_grads(std::vector<float>&) const {}
 GpuModel::DeviceGrads GpuModel::device_grads() { return {nullptr, 0, nullptr}; }
 GpuModel::ShardBuffers GpuModel::shard_buffers() { return {}; }
+void GpuModel::reduce_grads_during_next_backward(std::function<void(float*, int64_t, void*)>) {}
+bool GpuModel::join_reduce() { return false; }
 void GpuModel::gather_optimizer_state(const std::function<void(void*, int64_t, int)>&, int,
                                       std::vector<std::vector<float>>*) {}
 double GpuModel::share_grad_sum_squares() { return 0; }

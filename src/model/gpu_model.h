@@ -66,6 +66,15 @@ class GpuModel {
     void* stream;
   };
   DeviceGrads device_grads();
+  // Data parallelism's gradient sum overlapped with the backward: during the next forward_backward with a
+  // backward (the step's last micro-batch), as soon as the gradients of a unit (model/model.h param_units: the head
+  // first, then the layers L-1 .. 0, the embedding last) are complete on the step's stream, `reduce` is called with
+  // them (x [n] fp32, device) and a side stream (a cudaStream_t) that waits for them: it enqueues the all-reduce
+  // there, and the next layers' backward runs meanwhile. join_reduce() makes the step's stream wait for every
+  // reduce so issued (true) or does nothing when none was (false). The units tile the gradient buffer, each handed
+  // over once, after its last write.
+  void reduce_grads_during_next_backward(std::function<void(float* x, int64_t n, void* stream)> reduce);
+  bool join_reduce();
   // --shard optimizer (GpuPlan::shard_world > 0; model/gpu_params.h ParamShard): the flat device buffers that the
   // engine reduce-scatters and all-gathers over the ranks, and this rank's share of them. grads fp32 [padded];
   // compute bf16 [padded]; master fp32 (master_flat: [padded], flat like the others; else the bf16 layout's

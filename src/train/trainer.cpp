@@ -713,8 +713,10 @@ int train(TrainOptions cli) {
     const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
     engine->zero_grads();
     double loss_sum = 0;
-    for (int64_t a = 0; a < opt.grad_accum; ++a)
+    for (int64_t a = 0; a < opt.grad_accum; ++a) {
+      if (a == opt.grad_accum - 1) engine->reduce_grads_during_next_backward();
       loss_sum += engine->forward_backward(batches.micro(a), per_target, opt.z_loss).loss_sum;
+    }
     comm.all_reduce_sum(&loss_sum, 1);
     engine->reduce_grads();
     const double loss = batches.targets > 0 ? loss_sum / static_cast<double>(batches.targets) : 0.0;
