@@ -148,7 +148,8 @@ TEST(DistNccl, OneRankTorchrunTrainsThePlainRunsLosses) {
   base.replace(base.find("--device cpu"), 12, "--device cuda");
   // Head dims the GPU kernels take (small_setup's 8 are the CPU engine's).
   nlohmann::json c = nlohmann::json::parse(ds::read_file(dir + "/config.json"));
-  c["head_dim"] = c["linear_key_head_dim"] = c["linear_value_head_dim"] = 16;
+  c["head_dim"] = 32;
+  c["linear_key_head_dim"] = c["linear_value_head_dim"] = 16;
   ds::write_file_atomic(dir + "/config.json", c.dump());
   base += " --steps 6 --grad-accum 2 --save-interval 3 --clip 0.05";
   for (const std::string state : {"fp32", "bf16"}) {
