@@ -198,6 +198,72 @@ TEST(CudaEngine, Bf16StateTracksFp32AndRestoresBitwise) {
   EXPECT_THROW(b16.read(ds::GpuModel::Buffer::Weights, emb.numel - 1, 2, wa.data()), ds::Error);
 }
 
+// The optimizer step overlapped with the next step (GpuModel::set_async_optimizer): the update on a side stream unit
+// by unit, the next forward waiting per unit, the gradients zeroed on the side stream. Against the in-line update,
+// in both optimizer-state layouts and with the full recompute (the backward's second forward): every loss, the
+// gradient norm, a forward-only evaluation between steps, and the weights, gradients and moments read mid-run and
+// at the end are bitwise equal.
+TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
+  DS_SKIP_WITHOUT_GPU();
+  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  c.vocab_size = 4096;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  ds::Qwen35Model host(c);
+  host.init_weights(13);
+  const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 33), e = make_batch({90, 90}, c.vocab_size, 34);
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  const int64_t P = host.num_parameters();
+  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16})
+    for (const ds::Recompute rc : {ds::Recompute::Selective, ds::Recompute::Full}) {
+      SCOPED_TRACE(std::string(ds::optimizer_state_name(st)) + " / " + ds::recompute_name(rc));
+      struct Run {
+        std::vector<double> values;
+        std::vector<float> weights, grads, m;
+      };
+      auto run = [&](bool async) {
+        ds::GpuPlan plan;
+        plan.max_tokens = b.size();
+        plan.max_seqs = 3;
+        plan.optimizer_state = st;
+        plan.recompute = rc;
+        ds::GpuModel gpu(host, plan);
+        gpu.set_async_optimizer(async);
+        ds::ops::AdamWParams ap;
+        ap.lr = 3e-3;
+        ap.weight_decay = 0.1;
+        Run r;
+        for (int64_t t = 1; t <= 6; ++t) {
+          gpu.zero_grads();
+          r.values.push_back(gpu.forward_backward(b, scale).loss_sum);
+          r.values.push_back(gpu.grad_sum_squares());
+          ap.step = t;
+          ap.grad_scale = t == 3 ? 0.5 : 1.0;  // a clipped step
+          gpu.adamw_step(ap, ap.weight_decay);
+          if (t == 2) r.values.push_back(gpu.forward_backward(e, 0.0).loss_sum);  // evaluation right after a step
+          if (t == 4) {                                                          // a checkpoint read mid-run
+            std::vector<float> w(static_cast<size_t>(P));
+            gpu.read(ds::GpuModel::Buffer::Weights, 0, c.vocab_size * c.hidden_size, w.data());
+            r.values.push_back(w[7]);
+          }
+        }
+        r.weights.resize(static_cast<size_t>(P));
+        r.m.resize(static_cast<size_t>(P));
+        for (const ds::ParamSpec& p : host.params()) {
+          gpu.read(ds::GpuModel::Buffer::Weights, p.offset, p.numel, r.weights.data() + p.offset);
+          gpu.read_optimizer_state(0, p.offset, p.numel, r.m.data() + p.offset);
+        }
+        gpu.download_grads(r.grads);  // zeroed after the last update, either way
+        return r;
+      };
+      const Run sync = run(false), async = run(true);
+      EXPECT_EQ(sync.values, async.values);
+      EXPECT_TRUE(sync.weights == async.weights);
+      EXPECT_TRUE(sync.m == async.m);
+      EXPECT_EQ(std::count(async.grads.begin(), async.grads.end(), 0.0f), static_cast<std::ptrdiff_t>(P));
+      EXPECT_LT(sync.values[12], sync.values[0]);  // it trains (step 6's loss, values[12], below step 1's)
+    }
+}
+
 // `bench step --profile` (core/cuda/profile.h): the timed scopes change no result (two training steps bitwise equal
 // with and without them, in the selective and the full recompute), every family of the model shows up, the
 // backward's rebuilds are labelled, the same scopes run every step (the event pool is reused), and their sum is

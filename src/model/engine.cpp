@@ -349,6 +349,12 @@ class CudaEngine final : public Engine {
   CudaEngine(Qwen35Model host, const GpuPlan& plan)
       : cfg_(host.config()), params_(host.params()), gpu_(std::make_unique<GpuModel>(host, plan)) {
     host.release_buffers();  // the device holds the only copy from here on
+    // The optimizer step overlapped with the next step's start (GpuModel::adamw_step); DELTASTACK_ASYNC_OPTIMIZER=0
+    // runs it in line.
+    const char* a = std::getenv("DELTASTACK_ASYNC_OPTIMIZER");
+    DS_CHECK(!a || std::string(a) == "0" || std::string(a) == "1", "DELTASTACK_ASYNC_OPTIMIZER must be 0 or 1, got "
+             "\"{}\"", a ? a : "");
+    gpu_->set_async_optimizer(!a || std::string(a) == "1");
   }
 
   std::string device() const override { return "cuda"; }
@@ -378,6 +384,7 @@ class CudaEngine final : public Engine {
     overlap_ = !ov || std::string(ov) == "1";
     const GpuModel::ShardBuffers b = gpu_->shard_buffers();
     sharded_ = mode == ShardMode::Optimizer && comm_;
+    if (sharded_) gpu_->set_async_optimizer(false);  // the all-gathers follow the update on the step's stream
     DS_CHECK(!sharded_ || b.world == comm.world(), "{}: --shard optimizer needs an "
              "engine planned for {} ranks' shares (GpuPlan::shard_world)", dist::describe(comm.launch()), comm.world());
   }

@@ -79,16 +79,61 @@ struct GpuModel::Impl {
   cudaStream_t side = nullptr;
   cudaEvent_t ready = nullptr;
   bool side_pending = false;  // reduces issued on `side` that `stream` has not joined yet
+  bool reduce_issued = false;  // the armed backward handed its units to `reduce` (join_reduce reports it)
   void unit_final(size_t u) {
     if (!reduce) return;
-    if (!side) {
-      DS_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-      DS_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    }
+    ensure_side();
     DS_CUDA_CHECK(cudaEventRecord(ready, stream));
     DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
     reduce(store->grads() + units[u].lo, units[u].size(), side);
-    side_pending = true;
+    side_pending = reduce_issued = true;
+  }
+  // The optimizer step overlapped with what follows it (adamw_step with async_optimizer): the update runs on `side`,
+  // unit by unit in the forward's order (embedding, layers, head), each unit's gradients zeroed there right after its
+  // update and `updated[u]` recorded; the next forward waits for updated[u] before unit u's weights are read (so the
+  // next step's first layers start while the later layers are still being updated), and zero_grads() has nothing
+  // left to do. Any other reader of weights, gradients or optimizer state joins `side` first (join_side).
+  bool async_optimizer = false;
+  std::vector<std::pair<size_t, size_t>> unit_params;  // per unit: the ParamSpec index range [first, last)
+  std::vector<cudaEvent_t> updated;
+  bool waits_pending = false;   // the next forward still has to wait for updated[]
+  bool grads_zeroed = false;    // the gradients were zeroed on `side` after the update
+  bool side_busy = false;       // work on `side` that `stream` has not joined
+  void ensure_side() {
+    if (side) return;
+    DS_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    DS_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  }
+  void wait_updated(size_t u) {
+    if (waits_pending) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, updated[u], 0));
+  }
+  void join_side() {
+    if (!side_busy && !side_pending) return;
+    DS_CUDA_CHECK(cudaEventRecord(ready, side));
+    DS_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
+    side_busy = side_pending = waits_pending = false;
+  }
+  void async_adamw_step(const ops::AdamWParams& q) {
+    ensure_side();
+    if (units.empty()) units = param_units(c, params);
+    if (unit_params.empty()) {
+      for (const ParamUnit& u : units) {
+        size_t a = params.size(), b = 0;
+        for (size_t k = 0; k < params.size(); ++k)
+          if (params[k].offset >= u.lo && params[k].offset < u.hi) a = std::min(a, k), b = std::max(b, k + 1);
+        unit_params.emplace_back(a, std::max(a, b));
+      }
+      updated.resize(units.size());
+      for (cudaEvent_t& e : updated) DS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    DS_CUDA_CHECK(cudaEventRecord(ready, stream));  // the gradients (and the grad norm's read of them) are done
+    DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
+    for (size_t u = 0; u < units.size(); ++u) {
+      optimizer->step_params(*store, q, unit_params[u].first, unit_params[u].second, side);
+      DS_CUDA_CHECK(cudaMemsetAsync(store->grads() + units[u].lo, 0, units[u].size() * sizeof(float), side));
+      DS_CUDA_CHECK(cudaEventRecord(updated[u], side));
+    }
+    waits_pending = grads_zeroed = side_busy = true;
   }
   // Scopes opened while on are the backward's recompute of forward activations (" (rebuild)" after the role).
   void mark_rebuild(bool on) {
@@ -103,6 +148,7 @@ struct GpuModel::Impl {
     attn.reset();  // cuDNN's handle and plans before the stream and memory they were used with
     if (side) cudaStreamSynchronize(side);
     if (arena_base) cudaFree(arena_base);
+    for (cudaEvent_t e : updated) cudaEventDestroy(e);
     if (ready) cudaEventDestroy(ready);
     if (side) cudaStreamDestroy(side);
     if (stream) cudaStreamDestroy(stream);
@@ -519,10 +565,16 @@ struct GpuModel::Impl {
     const int64_t H = c.hidden_size, L = c.num_hidden_layers;
     const double n = static_cast<double>(N);
     {
+      wait_updated(0);
       ProfScope ps = scope("embedding", "embedding", 0, n * (4 * H + 4));  // ids, bf16 rows -> hs[0]
       K::embedding_forward(acts.batch.ids, mp.compute.embed_tokens, acts.hs[0], N, H, stream);
     }
-    for (int64_t i = 0; i < L; ++i) layer_forward(i);
+    for (int64_t i = 0; i < L; ++i) {
+      wait_updated(static_cast<size_t>(1 + i));
+      layer_forward(i);
+    }
+    wait_updated(static_cast<size_t>(L + 1));
+    waits_pending = false;
     ProfScope ps = scope("norm", "final rmsnorm", 0, 4 * n * H);
     K::rmsnorm_forward(acts.hs[L], mp.master.norm, acts.hf, acts.rstd_f, N, H, static_cast<float>(c.rms_norm_eps),
                        true, stream);
@@ -723,6 +775,10 @@ LossResult GpuModel::forward_backward(const PackedBatch& batch, double grad_scal
 std::vector<float> GpuModel::last_logits(const PackedBatch& batch) { return impl_->last_logits(batch); }
 
 void GpuModel::zero_grads() {
+  if (impl_->grads_zeroed) {  // done on the side stream by the overlapped optimizer step, unit by unit
+    impl_->grads_zeroed = false;
+    return;
+  }
   ProfScope ps = impl_->scope("optimizer", "zero grads", 0, 4.0 * impl_->P);
   impl_->store->zero_grads(impl_->stream);
 }
@@ -744,13 +800,26 @@ void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
     for (size_t k = 0; k < specs.size(); ++k)
       bytes += (impl_->store->fp32_offset(k) >= 0 ? 30.0 : 16.0) * static_cast<double>(specs[k].numel);
   }
+  impl_->join_side();
+  if (impl_->async_optimizer && !impl_->prof) return impl_->async_adamw_step(q);
   ProfScope ps = impl_->scope("optimizer", "adamw", 0, bytes);
   impl_->optimizer->step(*impl_->store, q, impl_->stream);
 }
 
-void GpuModel::set_profiler(cuda::StepProfiler* prof) { impl_->prof = prof; }
+void GpuModel::set_async_optimizer(bool on) {
+  impl_->join_side();
+  impl_->async_optimizer = on;
+}
 
-GpuModel::DeviceGrads GpuModel::device_grads() { return {impl_->store->grads(), impl_->P, impl_->stream}; }
+void GpuModel::set_profiler(cuda::StepProfiler* prof) {
+  impl_->join_side();
+  impl_->prof = prof;
+}
+
+GpuModel::DeviceGrads GpuModel::device_grads() {
+  impl_->join_side();
+  return {impl_->store->grads(), impl_->P, impl_->stream};
+}
 
 void GpuModel::reduce_grads_during_next_backward(std::function<void(float*, int64_t, void*)> reduce) {
   Impl& m = *impl_;
@@ -761,14 +830,14 @@ void GpuModel::reduce_grads_during_next_backward(std::function<void(float*, int6
 bool GpuModel::join_reduce() {
   Impl& m = *impl_;
   m.reduce = nullptr;
-  if (!m.side_pending) return false;
-  DS_CUDA_CHECK(cudaEventRecord(m.ready, m.side));
-  DS_CUDA_CHECK(cudaStreamWaitEvent(m.stream, m.ready, 0));
-  m.side_pending = false;
-  return true;
+  m.join_side();
+  const bool issued = m.reduce_issued;
+  m.reduce_issued = false;
+  return issued;
 }
 
 GpuModel::ShardBuffers GpuModel::shard_buffers() {
+  impl_->join_side();
   const GpuParamStore& st = *impl_->store;
   ShardBuffers b;
   b.grads = st.grads();
@@ -792,6 +861,7 @@ double GpuModel::share_grad_sum_squares() {
 
 void GpuModel::gather_optimizer_state(const std::function<void(void*, int64_t, int)>& broadcast, int rank,
                                       std::vector<std::vector<float>>* out) {
+  impl_->join_side();
   const GpuParamStore& st = *impl_->store;
   const int world = std::max(1, st.shard().world), n_state = optimizer_state_count();
   const int64_t P = impl_->P, S = st.share_size();
@@ -839,6 +909,7 @@ void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) cons
   DS_CHECK(first >= 0 && count >= 0 && first + count <= impl_->P, "gpu: read of [{}, {}) outside the {} parameters",
            first, first + count, impl_->P);
   if (count == 0) return;
+  impl_->join_side();
   if (which == Buffer::Weights) return impl_->store->read_weights(first, count, dst, impl_->stream);
   DS_CUDA_CHECK(cudaMemcpyAsync(dst, impl_->store->grads() + first, count * sizeof(float), cudaMemcpyDeviceToHost,
                                 impl_->stream));
@@ -850,9 +921,11 @@ std::string GpuModel::optimizer_state_name(int which, const ParamSpec& p) const 
   return impl_->optimizer->state_name(which, p);
 }
 void GpuModel::read_optimizer_state(int which, int64_t first, int64_t count, float* dst) const {
+  impl_->join_side();
   impl_->optimizer->read_state(which, first, count, dst, impl_->stream);
 }
 void GpuModel::write_optimizer_state(int which, int64_t first, int64_t count, const float* src) {
+  impl_->join_side();
   impl_->optimizer->write_state(which, first, count, src, impl_->stream);
 }
 
@@ -881,6 +954,7 @@ std::vector<float> GpuModel::last_logits(const PackedBatch&) { return {}; }
 void GpuModel::zero_grads() {}
 double GpuModel::grad_sum_squares() { return 0; }
 void GpuModel::adamw_step(const ops::AdamWParams&, double) {}
+void GpuModel::set_async_optimizer(bool) {}
 void GpuModel::set_profiler(cuda::StepProfiler*) {}
 void GpuModel::read(Buffer, int64_t, int64_t, float*) const {}
 int GpuModel::optimizer_state_count() const { return 0; }

@@ -47,8 +47,14 @@ class GpuModel {
   std::vector<float> last_logits(const PackedBatch& batch);
   void zero_grads();
   double grad_sum_squares();  // deterministic
-  // One AdamW update of every parameter (decay per ParamSpec::weight_decay), refreshing the bf16 copy.
+  // One AdamW update of every parameter (decay per ParamSpec::weight_decay), refreshing the bf16 copy. With
+  // set_async_optimizer(true) (and no profiler) it returns at once: the update runs on a side stream unit by unit
+  // (model/model.h param_units, in the forward's order), each unit's gradients zeroed after it, and the next
+  // forward waits for each unit's update only where it reads that unit's weights, so the update overlaps the host
+  // work between steps and the next step's first layers; every other reader of the weights, gradients or state
+  // waits for all of it. The same bits either way (the same kernels on the same data, in another stream).
   void adamw_step(const ops::AdamWParams& p, double weight_decay);
+  void set_async_optimizer(bool on);
   // Timed scopes around every op of the step, zero_grads, grad_sum_squares and adamw_step, by family and role
   // (core/cuda/profile.h; `bench step --profile`); null (the default) turns them off. Results are unchanged.
   void set_profiler(cuda::StepProfiler* prof);

@@ -40,9 +40,15 @@ void GpuAdamW::zero_state(cudaStream_t stream) {
 // Each parameter's part inside the share [share_lo, share_hi) (all of it unsharded): the same per-element update
 // whatever the share, so a sharded run takes the unsharded run's steps element for element.
 void GpuAdamW::step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_t stream) {
+  step_params(store, p, 0, store.params().size(), stream);
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void GpuAdamW::step_params(GpuParamStore& store, const ops::AdamWParams& p, size_t first, size_t last,
+                           cudaStream_t stream) {
   const std::vector<ParamSpec>& params = store.params();
   const int64_t lo = store.share_lo(), hi = store.share_hi();
-  for (size_t k = 0; k < params.size(); ++k) {
+  for (size_t k = first; k < last && k < params.size(); ++k) {
     const ParamSpec& s = params[k];
     const int64_t a = std::max(s.offset, lo), b = std::min(s.offset + s.numel, hi);
     if (a >= b) continue;
@@ -56,7 +62,6 @@ void GpuAdamW::step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_
       K::adamw_update_bf16(store.compute(k) + in, store.grads() + a, mb_ + (a - lo), vb_ + (a - lo), b - a, q, a,
                            stream);
   }
-  DS_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 // A slab inside one parameter: its part inside the share is read (written); a read of elements outside it is an

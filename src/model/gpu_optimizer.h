@@ -27,6 +27,10 @@ class GpuOptimizer {
   // p.weight_decay where the ParamSpec decays, p.grad_scale (the clip factor) multiplies the gradients first;
   // keeps the store's bf16 compute copy of those elements current.
   virtual void step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_t stream) = 0;
+  // The same update of parameters [first, last) (ParamSpec indices) only, enqueued on `stream` without waiting
+  // for it: step() is step_params over all of them, then a synchronisation.
+  virtual void step_params(GpuParamStore& store, const ops::AdamWParams& p, size_t first, size_t last,
+                           cudaStream_t stream) = 0;
   // The state as checkpoint tensors: names (one per state tensor and parameter) and fp32 slab access; a slab
   // [first, first + count) of flat offsets lies inside one parameter.
   virtual int num_state_tensors() const = 0;                     // per parameter
@@ -41,6 +45,8 @@ class GpuAdamW final : public GpuOptimizer {
   void reserve(Arena& a) override;
   void zero_state(cudaStream_t stream) override;
   void step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_t stream) override;
+  void step_params(GpuParamStore& store, const ops::AdamWParams& p, size_t first, size_t last,
+                   cudaStream_t stream) override;
   int num_state_tensors() const override { return 2; }
   std::string state_name(int which, const ParamSpec& p) const override {
     return (which == 0 ? "exp_avg." : "exp_avg_sq.") + p.name;
