@@ -197,6 +197,9 @@ if has bench-step; then
       2>&1 | sed 's/^/[cuda-simple] /' | tee -a "$OUT/bench_step.txt"
     [ -x build-base/deltastack ] && [ -n "${BENCH_BASE:-}" ] && build-base/deltastack bench step --preset $preset \
       --seq-len 8192 --micro-batch 2 2>&1 | sed 's/^/[base] /' | tee -a "$OUT/bench_step.txt"
+    # A/B of the optimizer step overlapped with the next step (GpuModel::set_async_optimizer), in the same call.
+    [ -n "${BENCH_SYNC_OPT:-}" ] && DELTASTACK_ASYNC_OPTIMIZER=0 $BUILD/deltastack bench step --preset $preset --seq-len 8192 \
+      --micro-batch 2 2>&1 | sed 's/^/[optimizer in line] /' | tee -a "$OUT/bench_step.txt"
   done
 fi
 if has profile-step; then
