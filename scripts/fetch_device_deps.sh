@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 mkdir -p .deps && cd .deps
 apt-get download nlohmann-json3-dev libfmt-dev libfmt9 libcli11-dev libpcre2-dev libpcre2-8-0 libpcre2-16-0 \
   libpcre2-32-0 libpcre2-posix3 libutf8proc-dev libutf8proc2 libopenblas-dev libopenblas0-pthread \
-  libopenblas-pthread-dev libopenblas0 libgfortran5 libquadmath0 libgtest-dev libgmock-dev pkgconf pkgconf-bin libpkgconf3
+  libopenblas-pthread-dev libopenblas0 libgfortran5 libquadmath0 libgtest-dev libgmock-dev pkgconf pkgconf-bin libpkgconf3 \
+  libhwloc-dev libhwloc15
