@@ -198,6 +198,7 @@ TEST(CudaOps, Rope) {
 TEST(CudaOps, AdamW) {
   DS_SKIP_WITHOUT_GPU();
   expect_ok(check_adamw({.n = 1000003}));                   // float4 body + scalar tail; sum_squares many blocks
+  expect_ok(check_adamw({.n = 9000011}));                   // several float4 groups per thread (the prefetch)
   expect_ok(check_adamw({.n = 4096, .with_bf16 = false}));  // no bf16 copy
   expect_ok(check_adamw({.n = 1001, .offset = 1}));         // unaligned: scalar path
   expect_ok(check_adamw({.n = 3}));                         // shorter than a vector
@@ -206,6 +207,7 @@ TEST(CudaOps, AdamW) {
 TEST(CudaOps, AdamWBf16State) {
   DS_SKIP_WITHOUT_GPU();
   expect_ok(check_adamw_bf16({.n = 1000003}));            // 4-wide body + scalar tail
+  expect_ok(check_adamw_bf16({.n = 9000011}));            // several groups per thread (the prefetch)
   expect_ok(check_adamw_bf16({.n = 1001, .offset = 1}));  // unaligned: scalar path
   expect_ok(check_adamw_bf16({.n = 3}));                  // shorter than a vector
 }
