@@ -372,12 +372,14 @@ Tensor l2norm_backward(const Tensor& y, const Tensor& rnorm, const Tensor& dy) {
 // Returns y (x's dtype) [B, T, C].
 
 namespace {
+#ifdef DELTASTACK_TORCH_CUDA
 // seq_start[t]: the first token of t's sequence (the CUDA kernel's form of cu_seqlens).
 Tensor seq_starts(const Tensor& cu, int64_t N) {
   Tensor cl = cu.to(torch::kLong);
   Tensor lengths = cl.slice(0, 1) - cl.slice(0, 0, cl.numel() - 1);
   return torch::repeat_interleave(cl.slice(0, 0, cl.numel() - 1), lengths, 0, N).to(torch::kInt).contiguous();
 }
+#endif
 
 void conv_check(const Tensor& x, const Tensor& w, const char* op) {
   check_float(x, op, "x");

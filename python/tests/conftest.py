@@ -1,27 +1,40 @@
 """Shared helpers of deltastack.torch's tests: `python -m pytest python/tests` where torch, transformers and the
 built extension are (docs/torch.md). Without torch or the extension every test module skips."""
 
+import importlib
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+_WHY = None
 try:
-    import deltastack.torch  # noqa: F401
-except ImportError as e:  # not installed: try the source tree (an in-place build, setup.py build_ext --inplace)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    for name in [m for m in sys.modules if m == "deltastack" or m.startswith("deltastack.")]:
-        del sys.modules[name]
+    import torch
+    import transformers  # noqa: F401
+except ImportError as e:  # CI has no torch: every test module skips (require below)
+    torch = None
+    _WHY = f"{e}"
+if torch is not None:
     try:
-        import deltastack.torch  # noqa: F401
-    except ImportError:
-        pytest.skip(f"deltastack.torch is not built ({e}); pip install --no-build-isolation ./python",
-                    allow_module_level=True)
+        import deltastack.torch as dt
+    except ImportError as e:  # not installed: the source tree, after an in-place build (setup.py build_ext -i)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        for name in [m for m in sys.modules if m == "deltastack" or m.startswith("deltastack.")]:
+            del sys.modules[name]
+        try:
+            dt = importlib.import_module("deltastack.torch")
+        except ImportError:
+            dt = None
+            _WHY = f"deltastack.torch is not built ({e}): pip install --no-build-isolation ./python"
 
-import deltastack.torch as dt  # noqa: E402
+
+def require():
+    """At the top of each test module: skips the module (cleanly, exit status 0) without torch, transformers or
+    the built extension."""
+    if _WHY is not None:
+        pytest.skip(_WHY, allow_module_level=True)
+
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "hf_qwen35_tiny_a"

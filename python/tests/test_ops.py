@@ -3,9 +3,12 @@ the same inputs): outputs and every input gradient. CPU: deltastack's fp32 refer
 kernels, bf16 inside, with bf16 tolerances."""
 
 import pytest
-import torch
-import torch.nn.functional as F
-from conftest import assert_close, devices
+from conftest import require
+
+require()
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from conftest import assert_close, devices  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 
 import deltastack.torch as dt

@@ -6,8 +6,11 @@ patch-at-import form); and 5 AdamW steps of a plain torch loop."""
 import copy
 
 import pytest
-import torch
-from conftest import FIXTURE, rel_l2
+from conftest import require
+
+require()
+import torch  # noqa: E402
+from conftest import FIXTURE, rel_l2  # noqa: E402
 from safetensors.torch import load_file
 from transformers.models.qwen3_5 import modeling_qwen3_5 as M
 
