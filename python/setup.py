@@ -62,7 +62,16 @@ def _build_kernels(cuda):
     return build / "libdeltastack_kernels.a"
 
 
+def _torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.exit("deltastack: torch is not importable in the build environment: build against the installed torch "
+                 "with `pip install --no-build-isolation ./python` (an isolated build has no torch)")
+
+
 def _extension():
+    _torch()
     from torch.utils import cpp_extension
 
     cuda = _want_cuda()

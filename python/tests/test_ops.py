@@ -65,7 +65,7 @@ def test_chunk_gated_delta_rule(device, gva):
     assert_close(o, o_ref, device, "o")
     assert_close(fs, fs_ref, device, "final_state")
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], ds_g, ref_g):
-        assert_close(a, b, device, name, rtol=2e-4, atol=2e-5)
+        assert_close(a, b, device, name, rtol=2e-4, atol=2e-5, bf16_rel=5e-2)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -82,7 +82,7 @@ def test_chunk_gated_delta_rule_no_state(device):
     ds_g = grads(o, ds_in, do.to(device))
     assert_close(o, o_ref, device, "o")
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta"], ds_g, ref_g):
-        assert_close(a, b, device, name, rtol=2e-4, atol=2e-5)
+        assert_close(a, b, device, name, rtol=2e-4, atol=2e-5, bf16_rel=5e-2)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -117,7 +117,7 @@ def test_chunk_gated_delta_rule_cu_seqlens(device):
     assert_close(o, o_ref, device, "o")
     assert_close(fs, fs_ref, device, "final_state")
     for name, a, b in zip(["dq", "dk", "dv", "dg", "dbeta", "dinitial_state"], ds_g, ref_g):
-        assert_close(a, b, device, name, rtol=2e-4, atol=2e-5)
+        assert_close(a, b, device, name, rtol=2e-4, atol=2e-5, bf16_rel=5e-2)
 
 
 @pytest.mark.parametrize("device", devices())

@@ -258,3 +258,23 @@ def test_patched_model_on_cuda_bf16():
     for n in ref[2]:
         assert rel_l2(got[2][n], ref[2][n]) < 1e-1, n
     assert losses[-1] < losses[0]
+
+
+def test_torch_compile_of_the_patched_model():
+    ids, labels = inputs()
+    model = make_model()
+    dt.patch(model)
+    try:
+        eager = run(model, ids, labels)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager")
+        model.zero_grad(set_to_none=True)
+        loss = compiled(input_ids=ids, labels=labels).loss
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+    finally:
+        dt.unpatch(model)
+        torch._dynamo.reset()
+    assert abs(loss.item() - eager[1].item()) <= 1e-5
+    for n, g in eager[2].items():
+        assert (grads[n] - g).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), n

@@ -39,9 +39,12 @@ __all__ = [
 ]
 
 
+_HAS_CUDA = bool(_C.has_cuda())
+
+
 def has_cuda() -> bool:
     """Whether the extension was built with the CUDA kernels."""
-    return bool(_C.has_cuda())
+    return _HAS_CUDA
 
 
 def _empty(like: Tensor, n: int, dtype: torch.dtype) -> Tensor:
