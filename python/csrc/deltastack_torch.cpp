@@ -305,9 +305,12 @@ std::vector<Tensor> gdn_backward(const Tensor& q, const Tensor& k, const Tensor&
                                         with_h0 ? fp(dh0) : nullptr, ws.data_ptr(), stream());
   } else {
     auto plan = ds::ops::cuda::make_gated_delta_rule_plan(gdn_limits(a, scale));
-    TORCH_CHECK(batch.numel() >= int64_t(plan->batch_bytes()) && saved.numel() >= int64_t(plan->saved_bytes()), op,
-                ": saved buffers do not match the forward");
+    TORCH_CHECK(saved.numel() >= int64_t(plan->saved_bytes()), op, ": saved buffers do not match the forward");
     Tensor ws = bytes(plan->workspace_bytes(), q);
+    // A plan keeps the batch indices (and cu_seqlens) its prepare() was given: this one is new, so it prepares its
+    // own copy of the forward's indices (the same values; the forward's buffer is an input and stays untouched).
+    Tensor batch2 = bytes(plan->batch_bytes(), q);
+    plan->prepare(a.cu.data_ptr<int32_t>(), d.N, a.S, batch2.data_ptr(), stream());
     ds::ops::cuda::GdnForwardIO in{cbp(qb), cbp(kb), cbp(vb), a.Hv * a.dv, cfp(gf), cfp(bf), nullptr};
     ds::ops::cuda::GdnBackwardIO gr{cbp(dob), bp(dq), bp(dk), bp(dv), a.Hv * a.dv, fp(dg), fp(db)};
     plan->backward(in, gr, saved.data_ptr(), ws.data_ptr(), stream());
