@@ -8,8 +8,9 @@ on random ids [B, S] with labels = ids, backward, clip 1.0, fused AdamW; fp32 ma
   unpatched   transformers as installed (fla's chunk_gated_delta_rule when `import fla` works, else its torch code;
               Dao's causal_conv1d when installed, else torch's conv1d);
   deltastack  the same after deltastack.torch.patch(model) (DELTASTACK_TORCH_<OP>=0|1 choose the ops).
-Each prints one line: `torch step <preset> seq S x B <which>: <ms> ms/step, <tok/s> tokens/s, peak <GiB> GiB
-(<stack>)` (or `out of memory`); peak is torch.cuda.max_memory_allocated() over the run. Needs the built extension
+Each prints one result line: `torch step <preset> seq S x B <which>: <ms> ms/step, <tok/s> tokens/s, peak <GiB>
+GiB (<stack>)` (or `out of memory`), after peer_step's two `peer:` lines (model, per-step times); peak is
+torch.cuda.max_memory_allocated() over the run. Needs the built extension
 (pip install --no-build-isolation ./python, docs/torch.md) and a deltastack binary for --preset (or --config FILE).
 --dry-run --device cpu --tiny runs one step of each on the CPU (no timing), to test the script without a GPU.
 
@@ -18,10 +19,8 @@ Each prints one line: `torch step <preset> seq S x B <which>: <ms> ms/step, <tok
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -53,76 +52,27 @@ def stack_desc(which, args):
 
 
 def one(args, which):
-    from peer_step import build_config, tiny
-    from transformers import Qwen3_5ForCausalLM
+    """One run: peer_step.run (its model, step, timing and output line), the model patched first for deltastack."""
+    from peer_step import build_config, run, tiny
 
     with open(args.config_file) as f:
         cfg = json.load(f)
     if args.tiny:
         cfg = tiny(cfg)
     config, _ = build_config(cfg)
-    config._attn_implementation = "sdpa"
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
-    bf16_state = args.optimizer_state == "bf16"
-    dtype = torch.bfloat16 if bf16_state else torch.float32
     label = f"torch step {args.name} seq {args.seq_len} x {args.micro_batch} {which}"
     desc = stack_desc(which, args)
-    torch.manual_seed(0)
+    prepare = None
+    if which == "deltastack":
+        import deltastack.torch as dt
+
+        os.environ.setdefault("DELTASTACK_LOG", "quiet")
+        prepare = dt.patch
+    args.grad_checkpointing = False
     try:
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with dev:
-                model = Qwen3_5ForCausalLM(config)
-        finally:
-            torch.set_default_dtype(prev)
-        model.to(device=dev, dtype=dtype).train()
-        if which == "deltastack":
-            import deltastack.torch as dt
-
-            os.environ.setdefault("DELTASTACK_LOG", "quiet")
-            dt.patch(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, fused=cuda,
-                                foreach=None if cuda else True)
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        B, S = args.micro_batch, args.seq_len
-        ids = torch.randint(0, config.vocab_size, (B, S), generator=gen).to(dev)
-        autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=not bf16_state)
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with autocast:
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            loss.backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            return loss, norm
-
-        if args.dry_run:
-            t0 = time.time()
-            loss, norm = step()
-            print(f"{label}: dry run on {dev}: loss {loss.item():.4f}, grad norm {norm.item():.4f}, "
-                  f"{time.time() - t0:.1f} s ({desc})", flush=True)
-            return
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            loss, norm = step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        ms = statistics.median(times)
-        peak = torch.cuda.max_memory_allocated() / GiB
-        print(f"{label}: {ms:.1f} ms/step, {B * S / (ms / 1e3):.0f} tokens/s, peak {peak:.1f} GiB, last loss "
-              f"{loss.item():.4f} ({desc})", flush=True)
+        run(args, config, None, label, desc, "", prepare=prepare)
     except torch.cuda.OutOfMemoryError:
-        peak = torch.cuda.max_memory_allocated() / GiB
-        print(f"{label}: out of memory ({peak:.1f} GiB peak) ({desc})", flush=True)
+        print(f"{label}: out of memory ({torch.cuda.max_memory_allocated() / GiB:.1f} GiB peak) ({desc})", flush=True)
 
 
 def main():

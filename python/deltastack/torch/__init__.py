@@ -7,31 +7,7 @@ built afterwards uses the ops).
 """
 
 from . import ops
-from .ops import (
-    causal_conv1d,
-    chunk_gated_delta_rule,
-    gated_rms_norm,
-    has_cuda,
-    l2norm,
-    linear_cross_entropy,
-    rms_norm,
-    swiglu,
-)
+from .ops import *  # noqa: F401,F403  (the op functions: ops.__all__)
 from .patch import PATCHABLE_OPS, patch, patch_transformers, unpatch, unpatch_transformers
 
-__all__ = [
-    "ops",
-    "chunk_gated_delta_rule",
-    "causal_conv1d",
-    "rms_norm",
-    "gated_rms_norm",
-    "swiglu",
-    "linear_cross_entropy",
-    "l2norm",
-    "has_cuda",
-    "patch",
-    "unpatch",
-    "patch_transformers",
-    "unpatch_transformers",
-    "PATCHABLE_OPS",
-]
+__all__ = ["ops", *ops.__all__, "patch", "unpatch", "patch_transformers", "unpatch_transformers", "PATCHABLE_OPS"]

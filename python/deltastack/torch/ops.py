@@ -51,6 +51,11 @@ def _empty(like: Tensor, n: int, dtype: torch.dtype) -> Tensor:
     return like.new_empty((n,), dtype=dtype)
 
 
+def _y_and_row_stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Fake outputs of a row-wise norm: y like x, fp32 per-row statistics (rstd, rnorm)."""
+    return torch.empty_like(x), x.new_empty((x.numel() // x.shape[-1],), dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------------------ gated delta rule
 
 
@@ -181,7 +186,7 @@ def _l2norm_fwd(x: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 @_l2norm_fwd.register_fake
 def _(x, eps):
-    return torch.empty_like(x), x.new_empty((x.numel() // x.shape[-1],), dtype=torch.float32)
+    return _y_and_row_stats(x)
 
 
 @torch.library.custom_op("deltastack::l2norm_bwd", mutates_args=())
@@ -279,7 +284,7 @@ def _rmsnorm_fwd(x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> 
 
 @_rmsnorm_fwd.register_fake
 def _(x, weight, eps, zero_centered):
-    return torch.empty_like(x), x.new_empty((x.numel() // x.shape[-1],), dtype=torch.float32)
+    return _y_and_row_stats(x)
 
 
 @torch.library.custom_op("deltastack::rmsnorm_bwd", mutates_args=())
@@ -325,7 +330,7 @@ def _grms_fwd(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> tuple[Tens
 
 @_grms_fwd.register_fake
 def _(x, gate, weight, eps):
-    return torch.empty_like(x), x.new_empty((x.numel() // x.shape[-1],), dtype=torch.float32)
+    return _y_and_row_stats(x)
 
 
 @torch.library.custom_op("deltastack::gated_rmsnorm_bwd", mutates_args=())
