@@ -7,7 +7,8 @@
 #   DELTASTACK_KERNELS_BUILD=DIR  use an existing CMake build directory's libdeltastack_kernels.a instead (it must
 #                                 have been configured with the same DELTASTACK_CUDA setting);
 #   DELTASTACK_CMAKE_ARGS="..."   extra arguments for the CMake configure step;
-#   MAX_JOBS=N                    parallel build jobs (default 2).
+#   MAX_JOBS=N                    parallel build jobs (default 2);
+#   PKG_CONFIG=EXE                the pkg-config that finds fmt and OpenBLAS (scripts/device_test.sh: its sysroot's).
 import os
 import shlex
 import shutil
@@ -27,7 +28,8 @@ def _truthy(name):
 
 def _pkg_config(pkg, flag):
     try:
-        out = subprocess.run(["pkg-config", flag, pkg], check=True, capture_output=True, text=True).stdout
+        exe = os.environ.get("PKG_CONFIG", "pkg-config")
+        out = subprocess.run([exe, flag, pkg], check=True, capture_output=True, text=True).stdout
         return shlex.split(out)
     except (OSError, subprocess.CalledProcessError):
         return []
