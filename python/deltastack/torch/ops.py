@@ -18,7 +18,6 @@ The public functions below take the layouts and arguments of the functions they 
 =========================  =========================================================================================
 """
 
-from __future__ import annotations
 
 from typing import Optional
 
