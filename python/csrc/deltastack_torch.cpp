@@ -659,7 +659,8 @@ std::vector<Tensor> linear_cross_entropy_forward(const Tensor& hidden, const Ten
   const c10::cuda::CUDAGuard guard(hidden.device());
   Tensor hb = b16(hidden), wb = b16(weight);
   Tensor loss = torch::zeros({2}, hidden.options().dtype(torch::kDouble));
-  Tensor dh = want_grads ? torch::empty_like(hb) : Tensor(), dw = want_grads ? torch::zeros_like(f32(weight)) : Tensor();
+  Tensor dh = want_grads ? torch::empty_like(hb) : Tensor();
+  Tensor dw = want_grads ? torch::zeros(weight.sizes(), weight.options().dtype(torch::kFloat)) : Tensor();
   Tensor scratch = bytes(ds::ops::cuda::linear_cross_entropy_scratch_bytes(N, H, V, chunk_tokens), hidden);
   ds::ops::cuda::linear_cross_entropy(cbp(hb), cbp(wb), lab32.data_ptr<int32_t>(), N, H, V, opt,
                                       loss.data_ptr<double>(), want_grads ? bp(dh) : nullptr,
