@@ -278,3 +278,22 @@ def test_torch_compile_of_the_patched_model():
     assert abs(loss.item() - eager[1].item()) <= 1e-5
     for n, g in eager[2].items():
         assert (grads[n] - g).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), n
+
+
+def test_patched_model_bf16_on_cpu():
+    # The dtype plumbing of every op (bf16 in, bf16 out, gradients in the parameters' dtypes) through the whole
+    # model, on the CPU (fp32 math inside, so closer to the fp32 model than transformers' bf16 run is).
+    ids, labels = inputs()
+    fp32 = run(make_model(), ids, labels)
+    ref = run(make_model(dtype=torch.bfloat16), ids, labels)
+    model = make_model(dtype=torch.bfloat16)
+    dt.patch(model)
+    try:
+        got = run(model, ids, labels)
+    finally:
+        dt.unpatch(model)
+    assert all(g.dtype == torch.bfloat16 for g in got[2].values())
+    assert abs(got[1].item() - fp32[1].item()) <= max(2 * abs(ref[1].item() - fp32[1].item()), 1e-2)
+    assert rel_l2(got[0], fp32[0]) <= max(2 * rel_l2(ref[0], fp32[0]), 1e-2)
+    for n in fp32[2]:
+        assert rel_l2(got[2][n], fp32[2][n]) <= max(3 * rel_l2(ref[2][n], fp32[2][n]), 5e-2), n
