@@ -146,6 +146,9 @@ def test_knobs_select_ops(monkeypatch, counted):
         dt.patch(make_model())
     with pytest.raises(ValueError, match="unknown op"):
         dt.patch(make_model(), enable={"softmax": True})
+    monkeypatch.delenv("DELTASTACK_TORCH_SWIGLU")
+    with pytest.raises(ValueError, match="holds no module"):
+        dt.patch(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     assert_restored(model)
 
 

@@ -248,6 +248,9 @@ def patch(model: torch.nn.Module, enable: Optional[dict] = None) -> list:
     global _module_users
     _check_enable(enable)
     M = _qwen35()
+    if not any(type(m).__module__ == M.__name__ for m in model.modules()):
+        raise ValueError(f"deltastack.torch.patch: {type(model).__name__} holds no module of {M.__name__} (transformers' "
+                         "Qwen3.5 text models only)")
     if id(model) in _instance_saved:
         unpatch(model)
     lines: list = []
