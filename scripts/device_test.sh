@@ -2,9 +2,10 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step bench-step memory curves
+# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step torch bench-step memory curves
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs transformers + fla (+ Liger): scripts/peer_step.py, PEER_PRESETS;
+# torch, deltastack.torch: the extension, python/tests, scripts/torch_step.py (docs/torch.md);
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
 # (CURVE_DATA); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
 # per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step;
@@ -140,6 +141,21 @@ if has peer; then
   else
     echo "peer: .peers/site/fla not carried"
   fi
+fi
+if has torch; then
+  # deltastack.torch (python/, docs/torch.md): the extension built against $BUILD's kernels library (the build stage
+  # first), python/tests (pytest from .peers/site: scripts/fetch_peers.sh), then transformers' step unpatched (fla
+  # from .peers/site when carried) vs patched: scripts/torch_step.py at TORCH_PRESETS (default 2b), TORCH_SEQ x TORCH_MB.
+  TPATH=$PWD/python:$PWD/.peers/site:${PYTHONPATH:-}
+  ( cd python && PKG_CONFIG="$PKGCONF" DELTASTACK_KERNELS_BUILD="$PWD/../$BUILD" python3 setup.py build_ext --inplace ) \
+    >"$OUT/torch_build.log" 2>&1 || { tail -30 "$OUT/torch_build.log"; status=1; }
+  PYTHONPATH=$TPATH timeout 1800 python3 -m pytest python/tests -q -rs >"$OUT/torch_tests.txt" 2>&1 || status=1
+  tail -15 "$OUT/torch_tests.txt"
+  : >"$OUT/torch_step.txt"
+  for p in ${TORCH_PRESETS:-2b}; do
+    PYTHONPATH=$TPATH timeout ${TORCH_TIMEOUT:-1200} python3 scripts/torch_step.py --preset "$p" --deltastack $BUILD/deltastack \
+      --seq-len ${TORCH_SEQ:-8192} --micro-batch ${TORCH_MB:-2} 2>&1 | grep -E "^torch step|Error|error:" | tee -a "$OUT/torch_step.txt"
+  done
 fi
 if has peer-step; then
   # Full training steps, ours against transformers' Qwen3.5 + fla (+ Liger) at one shape (scripts/peer_step.py;

@@ -6,6 +6,7 @@
 #   fla            fla-core's wheel (fla.ops, fla.modules: what transformers' Qwen3.5 uses), FLA_VERSION (default
 #                  0.5.2, the version of the 2026-12-01 peer numbers), only when .peers/site/fla is not there already
 #                  (a source tree put there by hand is kept; FLA_REFETCH=1 replaces it), with einops, which it imports
+#   pytest         pytest, pluggy, iniconfig, exceptiongroup: for python/tests on the device (stage `torch`)
 # Wheels only (--no-deps), unpacked with Python's zipfile: nothing is installed on this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,13 @@ unpack() {  # unpack WHEEL: its packages and dist-info into $SITE
 rm -rf "$SITE"/liger_kernel "$SITE"/liger_kernel-*.dist-info
 pip download --no-deps --only-binary=:all: -d "$WHL" "liger-kernel==${LIGER_VERSION:-0.8.5}" >/dev/null
 unpack "$(ls -t "$WHL"/liger_kernel-"${LIGER_VERSION:-0.8.5}"-*.whl | head -1)"
+# pytest for python/tests (deltastack.torch; scripts/device_test.sh stage `torch`), with what it imports that the
+# device's Python may lack (pure Python; exceptiongroup matters before Python 3.11 only, as tomli, not fetched).
+for p in pytest pluggy iniconfig exceptiongroup; do
+  rm -rf "$SITE/$p" "$SITE/_$p" "$SITE"/$p-*.dist-info "$SITE/py.py"
+  pip download --no-deps --only-binary=:all: -d "$WHL" "$p" >/dev/null
+  unpack "$(ls -t "$WHL"/$p-*.whl | head -1)"
+done
 if [ ! -d "$SITE/fla" ] || [ "${FLA_REFETCH:-0}" = 1 ]; then
   rm -rf "$SITE"/fla "$SITE"/fla_core-*.dist-info
   pip download --no-deps --only-binary=:all: -d "$WHL" "fla-core==${FLA_VERSION:-0.5.2}" >/dev/null

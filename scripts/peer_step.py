@@ -145,8 +145,10 @@ def apply_liger():
     return f"liger {ver}: fused linear CE only (no qwen3_5 patch)", LigerFusedLinearCrossEntropyLoss()
 
 
-def run(args, config, own_loss, label, desc, mark):
-    """Builds the model and the optimizer on args.device and times the steps (or, with --dry-run, runs one)."""
+def run(args, config, own_loss, label, desc, mark, prepare=None):
+    """Builds the model and the optimizer on args.device and times the steps (or, with --dry-run, runs one).
+    prepare(model), when given, runs on the built model before the optimizer is made (scripts/torch_step.py: the
+    deltastack.torch patch)."""
     from transformers import Qwen3_5ForCausalLM
 
     cuda = args.device.startswith("cuda")
@@ -166,6 +168,8 @@ def run(args, config, own_loss, label, desc, mark):
     model.to(device=dev, dtype=dtype)
     model.config._attn_implementation = "sdpa"
     model.train()
+    if prepare is not None:
+        prepare(model)
     if args.grad_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,114 @@
+# Builds deltastack's torch extension (deltastack.torch._C) against the installed torch:
+#   pip install --no-build-isolation ./python        (from the repository root; docs/torch.md)
+# It configures the repository's CMake project into python/build/kernels-<cpu|cuda>/ and builds only the
+# deltastack_kernels static library (src/core + src/ops, position-independent), then compiles python/csrc with
+# torch.utils.cpp_extension and links that library. Environment:
+#   DELTASTACK_TORCH_CPU_ONLY=1   build without CUDA (CPU reference only), even where nvcc and a CUDA torch exist;
+#   DELTASTACK_KERNELS_BUILD=DIR  use an existing CMake build directory's libdeltastack_kernels.a instead (it must
+#                                 have been configured with the same DELTASTACK_CUDA setting);
+#   DELTASTACK_CMAKE_ARGS="..."   extra arguments for the CMake configure step;
+#   MAX_JOBS=N                    parallel build jobs (default 2);
+#   PKG_CONFIG=EXE                the pkg-config that finds fmt and OpenBLAS (scripts/device_test.sh: its sysroot's).
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).resolve().parent
+ROOT = Path(os.environ.get("DELTASTACK_SOURCE_DIR", HERE.parent)).resolve()
+
+
+def _truthy(name):
+    return os.environ.get(name, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _pkg_config(pkg, flag):
+    try:
+        exe = os.environ.get("PKG_CONFIG", "pkg-config")
+        out = subprocess.run([exe, flag, pkg], check=True, capture_output=True, text=True).stdout
+        return shlex.split(out)
+    except (OSError, subprocess.CalledProcessError):
+        return []
+
+
+def _want_cuda():
+    if _truthy("DELTASTACK_TORCH_CPU_ONLY"):
+        return False
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _build_kernels(cuda):
+    given = os.environ.get("DELTASTACK_KERNELS_BUILD")
+    if given:
+        lib = Path(given) / "libdeltastack_kernels.a"
+        if not lib.exists():
+            sys.exit(f"DELTASTACK_KERNELS_BUILD={given}: no libdeltastack_kernels.a there")
+        return lib
+    if not (ROOT / "CMakeLists.txt").exists():
+        sys.exit(f"deltastack sources not found at {ROOT} (set DELTASTACK_SOURCE_DIR to the repository root)")
+    build = HERE / "build" / ("kernels-cuda" if cuda else "kernels-cpu")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    cfg = ["cmake", "-S", str(ROOT), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release", "-DDELTASTACK_TESTS=OFF",
+           f"-DDELTASTACK_CUDA={'ON' if cuda else 'OFF'}", *shlex.split(os.environ.get("DELTASTACK_CMAKE_ARGS", ""))]
+    print("deltastack: " + " ".join(cfg), flush=True)
+    subprocess.run(cfg, check=True)
+    jobs = os.environ.get("MAX_JOBS", "2")
+    subprocess.run(["cmake", "--build", str(build), "--target", "deltastack_kernels", "-j", jobs], check=True)
+    return build / "libdeltastack_kernels.a"
+
+
+def _torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        sys.exit("deltastack: torch is not importable in the build environment: build against the installed torch "
+                 "with `pip install --no-build-isolation ./python` (an isolated build has no torch)")
+
+
+def _extension():
+    _torch()
+    from torch.utils import cpp_extension
+
+    cuda = _want_cuda()
+    lib = _build_kernels(cuda)
+    cxx = ["-O2", "-std=c++20", "-fopenmp"]
+    libs = _pkg_config("fmt", "--libs") or ["-lfmt"]
+    libs += _pkg_config("openblas", "--libs") or ["-lopenblas"]
+    link = [str(lib), *libs, "-fopenmp", "-ldl"]
+    kw = dict(sources=["csrc/deltastack_torch.cpp"], include_dirs=[str(ROOT / "src")],
+              extra_compile_args={"cxx": cxx}, extra_link_args=link)
+    if cuda:
+        kw["define_macros"] = [("DELTASTACK_TORCH_CUDA", "1"), ("DELTASTACK_CUDA", "1")]
+        kw["libraries"] = ["cudart", "cublasLt", "cublas"]
+        return cpp_extension.CUDAExtension("deltastack.torch._C", **kw)
+    return cpp_extension.CppExtension("deltastack.torch._C", **kw)
+
+
+def _build_ext():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
+
+
+if any(a in sys.argv for a in ("build_ext", "bdist_wheel", "install", "develop", "editable_wheel", "build")):
+    ext_modules, cmdclass = [_extension()], {"build_ext": _build_ext()}
+else:
+    ext_modules, cmdclass = [], {}
+
+setup(
+    name="deltastack",
+    version="0.1.0",
+    description="deltastack's kernels (Gated DeltaNet, conv1d, norms, SwiGLU, fused linear CE) as torch custom ops",
+    packages=find_packages(include=["deltastack", "deltastack.*"]),
+    python_requires=">=3.9",
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)
