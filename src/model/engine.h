@@ -181,4 +181,11 @@ std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host,
 // "cuda" when device is "cuda", or "auto" and a CUDA device is present; else "cpu".
 std::string resolve_device(const std::string& device);
 
+// The GPU engine's on/off environment switches, "0" or "1" (unset: 1): DELTASTACK_ASYNC_OPTIMIZER (the optimizer
+// step overlapped with the next step) and DELTASTACK_DP_OVERLAP (the data-parallel all-reduce overlapped with the
+// last backward). ds::Error naming the variable for any other value. check_engine_knobs() checks both, whatever
+// the device: the trainer (with ops::check_knobs, before --out is touched), eval and generate call it first.
+bool engine_knob(const char* name);
+void check_engine_knobs();
+
 }  // namespace ds

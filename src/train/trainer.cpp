@@ -525,6 +525,7 @@ int train(TrainOptions cli) {
   DS_CHECK(opt.shard != "full" || resolve_device(opt.device) != "cuda", "--shard full is built for the CPU engine "
            "only: the GPU engine has no per-layer parameter gathers yet (use --shard optimizer or none, or --device cpu)");
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
+  check_engine_knobs();  // and a bad DELTASTACK_ASYNC_OPTIMIZER / _DP_OVERLAP (the GPU engine reads them later)
   if (resolve_device(opt.device) != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
              "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",
