@@ -54,6 +54,16 @@ ds::PackedBatch make_batch(const std::vector<int>& lens, int64_t vocab, uint64_t
   return b;
 }
 
+// The tiny preset with a 4096-token vocabulary and GDN head dim 128 (the chunked kernel), initialised with `seed`.
+ds::Qwen35Model tiny_chunked_host(uint64_t seed) {
+  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  c.vocab_size = 4096;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  ds::Qwen35Model host(c);
+  host.init_weights(seed);
+  return host;
+}
+
 // gdn_head_dim 128 makes the engine's GDN layers run the chunked tensor-core kernel (cuda-chunked takes head dim
 // 128 only); the tiny preset's 16 runs the simple kernel.
 void check_engine(const std::vector<int>& lens, int64_t gdn_head_dim = 0, int64_t plan_slack = 0) {
@@ -214,11 +224,8 @@ TEST(CudaEngine, Bf16StateTracksFp32AndRestoresBitwise) {
 // at the end are bitwise equal.
 TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
   DS_SKIP_WITHOUT_GPU();
-  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
-  c.vocab_size = 4096;
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  ds::Qwen35Model host(c);
-  host.init_weights(13);
+  ds::Qwen35Model host = tiny_chunked_host(13);
+  const ds::ModelConfig& c = host.config();
   const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 33), e = make_batch({90, 90}, c.vocab_size, 34);
   const double scale = 1.0 / static_cast<double>(b.num_targets());
   const int64_t P = host.num_parameters();
@@ -284,11 +291,8 @@ TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
 // broadcast played by three threads) makes the unsharded moments whole on rank 0.
 TEST(CudaEngine, ThreeShardsTakeThePlainSteps) {
   DS_SKIP_WITHOUT_GPU();
-  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
-  c.vocab_size = 4096;
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  ds::Qwen35Model host(c);
-  host.init_weights(21);
+  ds::Qwen35Model host = tiny_chunked_host(21);
+  const ds::ModelConfig& c = host.config();
   const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 35);
   const double scale = 1.0 / static_cast<double>(b.num_targets());
   const int64_t P = host.num_parameters();

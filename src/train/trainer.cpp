@@ -518,6 +518,9 @@ int train(TrainOptions cli) {
   }
   check_same_on_every_rank(comm, "options", options_to_json(opt).dump() + "\n" + opt.resume + "\n" + opt.out +
                                                 "\n" + opt.shard);
+  // GPU ranks that overlap the all-reduce and ranks that do not would issue different NCCL collectives (a hang).
+  if (comm.on_device())
+    check_same_on_every_rank(comm, "DELTASTACK_DP_OVERLAP", engine_knob("DELTASTACK_DP_OVERLAP") ? "1" : "0");
   if (opt.shard == "optimizer" && comm.world() == 1 && comm.on_device())
     log_info("--shard optimizer with one rank: the sharded path over one share (the whole state)");
   else if (opt.shard != "none" && comm.world() == 1)
