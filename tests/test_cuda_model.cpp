@@ -9,14 +9,23 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
+#include <cuda_runtime.h>
+
 #include "core/bf16.h"
+#include "core/cuda/cuda_utils.h"
 #include "core/cuda/profile.h"
 #include "core/error.h"
 #include "core/profile.h"
@@ -43,6 +52,16 @@ ds::PackedBatch make_batch(const std::vector<int>& lens, int64_t vocab, uint64_t
   }
   b.finalize("test batch");
   return b;
+}
+
+// The tiny preset with a 4096-token vocabulary and GDN head dim 128 (the chunked kernel), initialised with `seed`.
+ds::Qwen35Model tiny_chunked_host(uint64_t seed) {
+  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  c.vocab_size = 4096;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  ds::Qwen35Model host(c);
+  host.init_weights(seed);
+  return host;
 }
 
 // gdn_head_dim 128 makes the engine's GDN layers run the chunked tensor-core kernel (cuda-chunked takes head dim
@@ -205,11 +224,8 @@ TEST(CudaEngine, Bf16StateTracksFp32AndRestoresBitwise) {
 // at the end are bitwise equal.
 TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
   DS_SKIP_WITHOUT_GPU();
-  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
-  c.vocab_size = 4096;
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  ds::Qwen35Model host(c);
-  host.init_weights(13);
+  ds::Qwen35Model host = tiny_chunked_host(13);
+  const ds::ModelConfig& c = host.config();
   const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 33), e = make_batch({90, 90}, c.vocab_size, 34);
   const double scale = 1.0 / static_cast<double>(b.num_targets());
   const int64_t P = host.num_parameters();
@@ -262,6 +278,142 @@ TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
       EXPECT_EQ(std::count(async.grads.begin(), async.grads.end(), 0.0f), static_cast<std::ptrdiff_t>(P));
       EXPECT_LT(sync.values[12], sync.values[0]);  // it trains (step 6's loss, values[12], below step 1's)
     }
+}
+
+// --shard optimizer's offsets at ranks other than 0 (model/gpu_params.h ParamShard, GpuAdamW's share-local
+// moments), which a one-GPU NCCL run (world size 1: share 0 only) never reaches. Three GpuModels planned as ranks
+// 0..2 of 3 (the last share padded, shares cutting through tensors and, in the bf16 layout, through the compacted
+// fp32 master) stand in for three GPU ranks in one process: each takes the step on its own gradients (the same
+// weights and batch, so the same bits as the summed gradients of one rank), and the engine's all-gathers are
+// played by copying each rank's slice of its shard buffers (the bf16 weights; the fp32 master flat, or the bf16
+// layout's master_ranges[r]) into the others. After every step all weights are bitwise the unsharded model's, and
+// so is each rank's share [lo, hi) of the moments; reads outside the share are errors; gather_optimizer_state (its
+// broadcast played by three threads) makes the unsharded moments whole on rank 0.
+TEST(CudaEngine, ThreeShardsTakeThePlainSteps) {
+  DS_SKIP_WITHOUT_GPU();
+  ds::Qwen35Model host = tiny_chunked_host(21);
+  const ds::ModelConfig& c = host.config();
+  const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 35);
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  const int64_t P = host.num_parameters();
+  constexpr int W = 3;
+  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16}) {
+    SCOPED_TRACE(ds::optimizer_state_name(st));
+    auto plan_for = [&](int rank, int world) {
+      ds::GpuPlan plan;
+      plan.max_tokens = b.size();
+      plan.max_seqs = 3;
+      plan.optimizer_state = st;
+      plan.recompute = ds::Recompute::Selective;
+      plan.shard_rank = rank;
+      plan.shard_world = world;
+      return plan;
+    };
+    ds::GpuModel ref(host, plan_for(0, 0));
+    std::vector<std::unique_ptr<ds::GpuModel>> ranks;
+    for (int r = 0; r < W; ++r) ranks.push_back(std::make_unique<ds::GpuModel>(host, plan_for(r, W)));
+    auto weights = [&](ds::GpuModel& m) {
+      std::vector<float> w(static_cast<size_t>(P));
+      for (const ds::ParamSpec& p : host.params())
+        m.read(ds::GpuModel::Buffer::Weights, p.offset, p.numel, w.data() + p.offset);
+      return w;
+    };
+    ds::ops::AdamWParams ap;
+    ap.lr = 3e-3;
+    ap.weight_decay = 0.1;
+    for (int64_t t = 1; t <= 3; ++t) {
+      ap.step = t;
+      ap.grad_scale = t == 2 ? 0.5 : 1.0;  // a clipped step
+      ref.zero_grads();
+      ref.forward_backward(b, scale);
+      ref.adamw_step(ap, ap.weight_decay);
+      for (auto& m : ranks) {
+        m->zero_grads();
+        m->forward_backward(b, scale);
+        m->adamw_step(ap, ap.weight_decay);
+      }
+      std::vector<ds::GpuModel::ShardBuffers> sb;
+      for (auto& m : ranks) sb.push_back(m->shard_buffers());
+      for (int r = 0; r < W; ++r) {
+        const ds::GpuModel::ShardBuffers& x = sb[static_cast<size_t>(r)];
+        ASSERT_EQ(x.world, W);
+        ASSERT_EQ(x.share * W, x.padded);
+        ASSERT_EQ(x.lo, std::min(P, r * x.share));
+        ASSERT_EQ(x.hi, std::min(P, x.lo + x.share));
+        for (int o = 0; o < W; ++o) {
+          if (o == r) continue;
+          const ds::GpuModel::ShardBuffers& y = sb[static_cast<size_t>(o)];
+          const int64_t at = r * x.share * 2;  // bytes of bf16
+          ASSERT_EQ(cudaMemcpy(static_cast<char*>(y.compute) + at, static_cast<const char*>(x.compute) + at,
+                               static_cast<size_t>(x.share * 2), cudaMemcpyDeviceToDevice), cudaSuccess);
+          const auto [m0, m1] = x.master_flat ? std::pair<int64_t, int64_t>{r * x.share, (r + 1) * x.share}
+                                              : x.master_ranges[static_cast<size_t>(r)];
+          if (m1 > m0) {
+            ASSERT_EQ(cudaMemcpy(y.master + m0, x.master + m0, static_cast<size_t>(m1 - m0) * sizeof(float),
+                                 cudaMemcpyDeviceToDevice), cudaSuccess);
+          }
+        }
+      }
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::vector<float> want = weights(ref);
+      for (int r = 0; r < W; ++r)
+        EXPECT_TRUE(weights(*ranks[static_cast<size_t>(r)]) == want) << "rank " << r << ", step " << t;
+    }
+    // Each rank's moments: its share of the unsharded ones; nothing outside it.
+    for (int which = 0; which < ref.optimizer_state_count(); ++which)
+      for (int r = 0; r < W; ++r) {
+        const ds::GpuModel::ShardBuffers x = ranks[static_cast<size_t>(r)]->shard_buffers();
+        for (const ds::ParamSpec& p : host.params()) {
+          const int64_t a = std::max(p.offset, x.lo), e = std::min(p.offset + p.numel, x.hi);
+          if (a >= e) {
+            float dummy = 0;
+            EXPECT_THROW(ranks[static_cast<size_t>(r)]->read_optimizer_state(which, p.offset, 1, &dummy), ds::Error)
+                << p.name << " on rank " << r;
+            continue;
+          }
+          std::vector<float> got(static_cast<size_t>(e - a)), exp(static_cast<size_t>(e - a));
+          ranks[static_cast<size_t>(r)]->read_optimizer_state(which, a, e - a, got.data());
+          ref.read_optimizer_state(which, a, e - a, exp.data());
+          EXPECT_TRUE(got == exp) << "state " << which << " of " << p.name << " on rank " << r;
+        }
+      }
+    // The save's gather: every rank calls it, each with a broadcast that copies the root's device bytes to its own.
+    std::barrier sync(W);
+    void* root_ptr = nullptr;
+    std::vector<std::vector<float>> whole;
+    std::vector<std::thread> threads;
+    std::atomic<int> failures{0};
+    for (int r = 0; r < W; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          std::vector<std::vector<float>> none;
+          ranks[static_cast<size_t>(r)]->gather_optimizer_state([&, r](void* p, int64_t bytes, int root) {
+            DS_CUDA_CHECK(cudaDeviceSynchronize());  // the root's copy into p
+            if (r == root) root_ptr = p;
+            sync.arrive_and_wait();
+            if (r != root) {
+              DS_CUDA_CHECK(cudaMemcpy(p, root_ptr, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice));
+              DS_CUDA_CHECK(cudaDeviceSynchronize());
+            }
+            sync.arrive_and_wait();
+          }, r, r == 0 ? &whole : &none);
+          if (r != 0 && !none.empty()) ++failures;
+        } catch (...) {
+          ++failures;
+          sync.arrive_and_drop();
+        }
+      });
+    for (std::thread& th : threads) th.join();
+    ASSERT_EQ(failures.load(), 0);
+    ASSERT_EQ(static_cast<int>(whole.size()), ref.optimizer_state_count());
+    for (int which = 0; which < ref.optimizer_state_count(); ++which)
+      for (const ds::ParamSpec& p : host.params()) {
+        std::vector<float> exp(static_cast<size_t>(p.numel));
+        ref.read_optimizer_state(which, p.offset, p.numel, exp.data());
+        EXPECT_TRUE(std::equal(exp.begin(), exp.end(), whole[static_cast<size_t>(which)].begin() + p.offset))
+            << "gathered state " << which << " of " << p.name;
+      }
+  }
 }
 
 // `bench step --profile` (core/cuda/profile.h): the timed scopes change no result (two training steps bitwise equal

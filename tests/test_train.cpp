@@ -519,3 +519,32 @@ TEST(Train, BadKnobFailsBeforeTouchingOut) {
   EXPECT_NE(out.find("DELTASTACK_GATED_DELTA_RULE=no-such-backend"), std::string::npos) << out;
   EXPECT_EQ(ds::read_file(dir + "/run/metrics.jsonl"), "{\"step\": 1, \"loss\": 5.0}\n");
 }
+
+// The GPU engine's switches (DELTASTACK_ASYNC_OPTIMIZER, DELTASTACK_DP_OVERLAP: 0 or 1) are checked with the op
+// knobs, whatever the device: a bad value stops the run before --out is touched (it was read only once the GPU
+// engine existed, after --out was locked, and never on the CPU), and eval / generate stop on it too (with --device
+// auto it made the GPU engine fail and the command fall back to the CPU).
+TEST(Train, BadEngineSwitchFailsBeforeTouchingOut) {
+  const std::string dir = ds::test::fresh_tmpdir("bad_engine_knob");
+  const std::string args = ds::test::small_setup(dir);
+  for (const char* knob : {"DELTASTACK_ASYNC_OPTIMIZER", "DELTASTACK_DP_OVERLAP"}) {
+    SCOPED_TRACE(knob);
+    std::filesystem::remove_all(dir + "/run");
+    std::filesystem::create_directories(dir + "/run");
+    ds::write_file_atomic(dir + "/run/metrics.jsonl", "{\"step\": 1, \"loss\": 5.0}\n");
+    const char* old = std::getenv(knob);
+    const std::string saved = old ? old : "";
+    setenv(knob, "yes", 1);
+    std::string out, gen;
+    const int rc = ds::test::run("train " + args + " --steps 2 --out " + dir + "/run", &out);
+    const int rc_gen = ds::test::run("generate --model " + dir + "/run --prompt x", &gen);
+    if (old) setenv(knob, saved.c_str(), 1);
+    else unsetenv(knob);
+    EXPECT_EQ(rc, 1) << out;
+    EXPECT_NE(out.find(std::string(knob) + " must be 0 or 1, got \"yes\""), std::string::npos) << out;
+    EXPECT_EQ(ds::read_file(dir + "/run/metrics.jsonl"), "{\"step\": 1, \"loss\": 5.0}\n");
+    EXPECT_EQ(rc_gen, 1) << gen;
+    EXPECT_NE(gen.find(std::string(knob) + " must be 0 or 1"), std::string::npos) << gen;
+  }
+  std::filesystem::remove_all(dir);
+}

@@ -351,10 +351,7 @@ class CudaEngine final : public Engine {
     host.release_buffers();  // the device holds the only copy from here on
     // The optimizer step overlapped with the next step's start (GpuModel::adamw_step); DELTASTACK_ASYNC_OPTIMIZER=0
     // runs it in line.
-    const char* a = std::getenv("DELTASTACK_ASYNC_OPTIMIZER");
-    DS_CHECK(!a || std::string(a) == "0" || std::string(a) == "1", "DELTASTACK_ASYNC_OPTIMIZER must be 0 or 1, got "
-             "\"{}\"", a ? a : "");
-    gpu_->set_async_optimizer(!a || std::string(a) == "1");
+    gpu_->set_async_optimizer(engine_knob("DELTASTACK_ASYNC_OPTIMIZER"));
   }
 
   std::string device() const override { return "cuda"; }
@@ -378,10 +375,7 @@ class CudaEngine final : public Engine {
     DS_CHECK(comm.world() == 1 || comm.on_device(), "{}: the GPU engine's ranks need the NCCL communicator, not {} "
              "(start them with torchrun or mpirun and --device cuda)", dist::describe(comm.launch()), comm.backend());
     if (comm.on_device()) comm_ = &comm;
-    const char* ov = std::getenv("DELTASTACK_DP_OVERLAP");
-    DS_CHECK(!ov || std::string(ov) == "0" || std::string(ov) == "1", "DELTASTACK_DP_OVERLAP must be 0 or 1, got "
-             "\"{}\"", ov ? ov : "");
-    overlap_ = !ov || std::string(ov) == "1";
+    overlap_ = engine_knob("DELTASTACK_DP_OVERLAP");
     const GpuModel::ShardBuffers b = gpu_->shard_buffers();
     sharded_ = mode == ShardMode::Optimizer && comm_;
     if (sharded_) gpu_->set_async_optimizer(false);  // the all-gathers follow the update on the step's stream
@@ -553,6 +547,17 @@ std::string resolve_device(const std::string& device) {
            device);
   if (device == "auto") return cuda_device_count() > 0 ? "cuda" : "cpu";
   return device;
+}
+
+bool engine_knob(const char* name) {
+  const char* v = std::getenv(name);
+  DS_CHECK(!v || std::string(v) == "0" || std::string(v) == "1", "{} must be 0 or 1, got \"{}\"", name, v ? v : "");
+  return !v || std::string(v) == "1";
+}
+
+void check_engine_knobs() {
+  engine_knob("DELTASTACK_ASYNC_OPTIMIZER");
+  engine_knob("DELTASTACK_DP_OVERLAP");
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan) {

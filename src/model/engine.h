@@ -123,8 +123,9 @@ class Engine {
   // unit (model.h: param_units) of the weights, the reduced gradients and the moments; forward_backward all-gathers
   // a unit's weights before its forward and again before its backward into one of two buffers planned here (the
   // next unit's gather started while the current one computes), and reduce-scatters its gradients after its
-  // backward. At world size 1 every mode is the plain engine. The GPU engine: ds::Error at world size above 1 (its
-  // NCCL communicator is not built yet) and for Full at any world size.
+  // backward. At world size 1 every mode is the plain engine. The GPU engine: its ranks need the NCCL communicator
+  // (ds::Error for another one at world size above 1; at world size 1 under a launcher NCCL runs the same path,
+  // Optimizer with one share), and ds::Error for Full at any world size.
   enum class ShardMode { None, Optimizer, Full };
   virtual void distribute(dist::Communicator& comm, ShardMode mode) = 0;
   // A rank with no batch where the other ranks run a forward (an evaluation's uneven share): takes part in the
@@ -180,5 +181,12 @@ std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host,
 
 // "cuda" when device is "cuda", or "auto" and a CUDA device is present; else "cpu".
 std::string resolve_device(const std::string& device);
+
+// The GPU engine's on/off environment switches, "0" or "1" (unset: 1): DELTASTACK_ASYNC_OPTIMIZER (the optimizer
+// step overlapped with the next step) and DELTASTACK_DP_OVERLAP (the data-parallel all-reduce overlapped with the
+// last backward). ds::Error naming the variable for any other value. check_engine_knobs() checks both, whatever
+// the device: the trainer (with ops::check_knobs, before --out is touched), eval and generate call it first.
+bool engine_knob(const char* name);
+void check_engine_knobs();
 
 }  // namespace ds

@@ -518,6 +518,9 @@ int train(TrainOptions cli) {
   }
   check_same_on_every_rank(comm, "options", options_to_json(opt).dump() + "\n" + opt.resume + "\n" + opt.out +
                                                 "\n" + opt.shard);
+  // GPU ranks that overlap the all-reduce and ranks that do not would issue different NCCL collectives (a hang).
+  if (comm.on_device())
+    check_same_on_every_rank(comm, "DELTASTACK_DP_OVERLAP", engine_knob("DELTASTACK_DP_OVERLAP") ? "1" : "0");
   if (opt.shard == "optimizer" && comm.world() == 1 && comm.on_device())
     log_info("--shard optimizer with one rank: the sharded path over one share (the whole state)");
   else if (opt.shard != "none" && comm.world() == 1)
@@ -525,6 +528,7 @@ int train(TrainOptions cli) {
   DS_CHECK(opt.shard != "full" || resolve_device(opt.device) != "cuda", "--shard full is built for the CPU engine "
            "only: the GPU engine has no per-layer parameter gathers yet (use --shard optimizer or none, or --device cpu)");
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
+  check_engine_knobs();  // and a bad DELTASTACK_ASYNC_OPTIMIZER / _DP_OVERLAP (the GPU engine reads them later)
   if (resolve_device(opt.device) != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
              "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",

@@ -39,6 +39,7 @@ std::string chosen_device(const std::string& device) {
   DS_CHECK(device == "auto" || device == "cpu" || device == "cuda", "--device must be auto, cpu or cuda, got \"{}\"",
            device);
   DS_CHECK(device != "cuda" || cuda_device_count() > 0, "--device cuda: no CUDA device is available");
+  check_engine_knobs();  // not a reason for --device auto to leave the GPU (gpu_engine)
   return resolve_device(device);
 }
 
