@@ -779,12 +779,14 @@ void GpuModel::zero_grads() {
     impl_->grads_zeroed = false;
     return;
   }
+  impl_->join_side();  // an update still reading the gradients on the side stream comes first
   ProfScope ps = impl_->scope("optimizer", "zero grads", 0, 4.0 * impl_->P);
   impl_->store->zero_grads(impl_->stream);
 }
 
 // The two scopes below end after the synchronisation their calls finish with (a few microseconds late).
 double GpuModel::grad_sum_squares() {
+  impl_->join_side();
   ProfScope ps = impl_->scope("optimizer", "grad sum of squares", 0, 4.0 * impl_->P);
   return impl_->store->grad_sum_squares(impl_->stream);
 }
