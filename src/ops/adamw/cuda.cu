@@ -38,26 +38,15 @@ __device__ __forceinline__ float adam_one(float& p, float g, float& m, float& v,
   return pp;
 }
 
-// Grid-stride over float4 groups; the next group's loads are issued before this group's arithmetic, so each thread
-// keeps a load in flight while it computes (the update is long enough per element that, loading only after
-// storing, a thread's memory traffic pauses for its arithmetic).
 __global__ void __launch_bounds__(kThreads)
     adamw_vec4_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
                       float* __restrict__ v, bf16* __restrict__ pb, int64_t n4, AdamConsts k) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= n4) return;
-  float4 p = reinterpret_cast<float4*>(param)[i], g = __ldg(reinterpret_cast<const float4*>(grad) + i),
-         mm = reinterpret_cast<float4*>(m)[i], vv = reinterpret_cast<float4*>(v)[i];
-  for (;;) {
-    const int64_t j = i + stride;
-    float4 pn, gn, mn, vn;
-    if (j < n4) {
-      pn = reinterpret_cast<float4*>(param)[j];
-      gn = __ldg(reinterpret_cast<const float4*>(grad) + j);
-      mn = reinterpret_cast<float4*>(m)[j];
-      vn = reinterpret_cast<float4*>(v)[j];
-    }
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    float4 p = reinterpret_cast<float4*>(param)[i];
+    const float4 g = __ldg(reinterpret_cast<const float4*>(grad) + i);
+    float4 mm = reinterpret_cast<float4*>(m)[i];
+    float4 vv = reinterpret_cast<float4*>(v)[i];
     adam_one(p.x, g.x, mm.x, vv.x, k);
     adam_one(p.y, g.y, mm.y, vv.y, k);
     adam_one(p.z, g.z, mm.z, vv.z, k);
@@ -66,8 +55,6 @@ __global__ void __launch_bounds__(kThreads)
     reinterpret_cast<float4*>(m)[i] = mm;
     reinterpret_cast<float4*>(v)[i] = vv;
     if (pb) reinterpret_cast<uint2*>(pb)[i] = make_uint2(pack2(p.x, p.y), pack2(p.z, p.w));
-    if (j >= n4) break;
-    i = j, p = pn, g = gn, mm = mn, vv = vn;
   }
 }
 
@@ -85,27 +72,15 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // The lean mode (bf16_state.h): 4 elements per thread (8-byte bf16 loads/stores, a float4 gradient) when every
-// pointer allows it, else one. As adamw_vec4_kernel, the next group's loads are in flight during this group's
-// arithmetic (here the longer one: the random bits and three stochastic roundings per element).
+// pointer allows it, else one.
 __global__ void __launch_bounds__(kThreads)
     adamw_bf16_vec4_kernel(uint16_t* __restrict__ param, const float* __restrict__ grad, uint16_t* __restrict__ m,
                            uint16_t* __restrict__ v, int64_t n4, int64_t index0, bf16_state::Consts k) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (i >= n4) return;
-  ushort4 p = reinterpret_cast<ushort4*>(param)[i], mm = reinterpret_cast<ushort4*>(m)[i],
-          vv = reinterpret_cast<ushort4*>(v)[i];
-  float4 g = __ldg(reinterpret_cast<const float4*>(grad) + i);
-  for (;;) {
-    const int64_t j = i + stride;
-    ushort4 pn, mn, vn;
-    float4 gn;
-    if (j < n4) {
-      pn = reinterpret_cast<ushort4*>(param)[j];
-      mn = reinterpret_cast<ushort4*>(m)[j];
-      vn = reinterpret_cast<ushort4*>(v)[j];
-      gn = __ldg(reinterpret_cast<const float4*>(grad) + j);
-    }
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    ushort4 p = reinterpret_cast<ushort4*>(param)[i], mm = reinterpret_cast<ushort4*>(m)[i],
+            vv = reinterpret_cast<ushort4*>(v)[i];
+    const float4 g = __ldg(reinterpret_cast<const float4*>(grad) + i);
     const uint64_t e = static_cast<uint64_t>(index0 + 4 * i);
     bf16_state::update(p.x, g.x, mm.x, vv.x, k, e);
     bf16_state::update(p.y, g.y, mm.y, vv.y, k, e + 1);
@@ -114,8 +89,6 @@ __global__ void __launch_bounds__(kThreads)
     reinterpret_cast<ushort4*>(param)[i] = p;
     reinterpret_cast<ushort4*>(m)[i] = mm;
     reinterpret_cast<ushort4*>(v)[i] = vv;
-    if (j >= n4) break;
-    i = j, p = pn, g = gn, mm = mn, vv = vn;
   }
 }
 __global__ void __launch_bounds__(kThreads)
