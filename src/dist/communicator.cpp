@@ -161,12 +161,13 @@ bool have_mpi() {
 #endif
 }
 
-void Communicator::device_all_reduce_sum(float*, int64_t, void*) {
+void Communicator::no_device_collectives() const {
   fail("the {} communicator has no collectives on device memory (the GPU engine's ranks need NCCL)", backend());
 }
-void Communicator::device_reduce_scatter_sum(const float*, float*, int64_t, void*) { device_all_reduce_sum({}, 0, {}); }
-void Communicator::device_all_gather(const void*, void*, int64_t, void*) { device_all_reduce_sum({}, 0, {}); }
-void Communicator::device_broadcast(void*, int64_t, int, void*) { device_all_reduce_sum({}, 0, {}); }
+void Communicator::device_all_reduce_sum(float*, int64_t, void*) { no_device_collectives(); }
+void Communicator::device_reduce_scatter_sum(const float*, float*, int64_t, void*) { no_device_collectives(); }
+void Communicator::device_all_gather(const void*, void*, int64_t, void*) { no_device_collectives(); }
+void Communicator::device_broadcast(void*, int64_t, int, void*) { no_device_collectives(); }
 
 std::unique_ptr<Communicator> open_communicator(const LaunchInfo& l, const std::string& device) {
   if (device == "cuda" && l.launcher != "single") return open_nccl_communicator(l);

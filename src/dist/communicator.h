@@ -87,6 +87,7 @@ class Communicator {
   }
 
  private:
+  [[noreturn]] void no_device_collectives() const;  // ds::Error: the device collectives of a non-NCCL communicator
   LaunchInfo launch_;
 };
 

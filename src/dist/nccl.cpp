@@ -123,16 +123,10 @@ class Nccl final : public Communicator {
     fail("the NCCL communicator all-gathers device buffers only (device_all_gather)");
   }
   void broadcast(void* p, int64_t bytes, int root) override {
-    auto* b = static_cast<char*>(p);
-    for (int64_t off = 0; off < bytes; off += kScratch) {
-      const size_t c = static_cast<size_t>(std::min<int64_t>(kScratch, bytes - off));
-      std::memcpy(host_, b + off, c);
-      cuda_check(cudaMemcpyAsync(scratch_, host_, c, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync", launch());
-      check(nccl_api().broadcast(scratch_, scratch_, c, ncclInt8, root, comm_, stream_), "ncclBroadcast");
-      cuda_check(cudaMemcpyAsync(host_, scratch_, c, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync", launch());
-      cuda_check(cudaStreamSynchronize(stream_), "ncclBroadcast", launch());
-      std::memcpy(b + off, host_, c);
-    }
+    through_staging(static_cast<char*>(p), bytes, "ncclBroadcast", [&](int64_t c) {
+      check(nccl_api().broadcast(scratch_, scratch_, static_cast<size_t>(c), ncclInt8, root, comm_, stream_),
+            "ncclBroadcast");
+    });
   }
   void barrier() override {
     int64_t x = 0;
@@ -208,15 +202,23 @@ class Nccl final : public Communicator {
   // x[0, n) of host values through the staging buffer: copy in, NCCL all-reduce, copy out.
   template <typename T>
   void staged(T* x, int64_t n, ncclDataType_t t, ncclRedOp_t op) {
+    through_staging(x, n, "ncclAllReduce", [&](int64_t c) {
+      check(nccl_api().all_reduce(scratch_, scratch_, static_cast<size_t>(c), t, op, comm_, stream_), "ncclAllReduce");
+    });
+  }
+  // Host values x[0, n) in pieces of the staging buffer: each piece copied to the GPU, `collective(count)` on the
+  // communicator's stream over scratch_, copied back (synchronised; `what` names it in errors).
+  template <typename T, typename F>
+  void through_staging(T* x, int64_t n, const char* what, const F& collective) {
     constexpr int64_t per = kScratch / static_cast<int64_t>(sizeof(T));
     for (int64_t off = 0; off < n; off += per) {
       const int64_t c = std::min(per, n - off);
       const size_t bytes = static_cast<size_t>(c) * sizeof(T);
       std::memcpy(host_, x + off, bytes);
       cuda_check(cudaMemcpyAsync(scratch_, host_, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync", launch());
-      check(nccl_api().all_reduce(scratch_, scratch_, static_cast<size_t>(c), t, op, comm_, stream_), "ncclAllReduce");
+      collective(c);
       cuda_check(cudaMemcpyAsync(host_, scratch_, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync", launch());
-      cuda_check(cudaStreamSynchronize(stream_), "ncclAllReduce", launch());
+      cuda_check(cudaStreamSynchronize(stream_), what, launch());
       std::memcpy(x + off, host_, bytes);
     }
   }

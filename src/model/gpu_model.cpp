@@ -78,7 +78,7 @@ struct GpuModel::Impl {
   std::vector<ParamUnit> units;
   cudaStream_t side = nullptr;
   cudaEvent_t ready = nullptr;
-  bool side_pending = false;  // reduces issued on `side` that `stream` has not joined yet
+  bool side_unjoined = false;  // work issued on `side` (reduces, an update) that `stream` has not joined yet
   bool reduce_issued = false;  // the armed backward handed its units to `reduce` (join_reduce reports it)
   void unit_final(size_t u) {
     if (!reduce) return;
@@ -86,7 +86,7 @@ struct GpuModel::Impl {
     DS_CUDA_CHECK(cudaEventRecord(ready, stream));
     DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
     reduce(store->grads() + units[u].lo, units[u].size(), side);
-    side_pending = reduce_issued = true;
+    side_unjoined = reduce_issued = true;
   }
   // The optimizer step overlapped with what follows it (adamw_step with async_optimizer): the update runs on `side`,
   // unit by unit in the forward's order (embedding, layers, head), each unit's gradients zeroed there right after its
@@ -98,7 +98,6 @@ struct GpuModel::Impl {
   std::vector<cudaEvent_t> updated;
   bool waits_pending = false;   // the next forward still has to wait for updated[]
   bool grads_zeroed = false;    // the gradients were zeroed on `side` after the update
-  bool side_busy = false;       // work on `side` that `stream` has not joined
   void ensure_side() {
     if (side) return;
     DS_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
@@ -108,10 +107,10 @@ struct GpuModel::Impl {
     if (waits_pending) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, updated[u], 0));
   }
   void join_side() {
-    if (!side_busy && !side_pending) return;
+    if (!side_unjoined) return;
     DS_CUDA_CHECK(cudaEventRecord(ready, side));
     DS_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
-    side_busy = side_pending = waits_pending = false;
+    side_unjoined = waits_pending = false;
   }
   void async_adamw_step(const ops::AdamWParams& q) {
     ensure_side();
@@ -133,7 +132,7 @@ struct GpuModel::Impl {
       DS_CUDA_CHECK(cudaMemsetAsync(store->grads() + units[u].lo, 0, units[u].size() * sizeof(float), side));
       DS_CUDA_CHECK(cudaEventRecord(updated[u], side));
     }
-    waits_pending = grads_zeroed = side_busy = true;
+    waits_pending = grads_zeroed = side_unjoined = true;
   }
   // Scopes opened while on are the backward's recompute of forward activations (" (rebuild)" after the role).
   void mark_rebuild(bool on) {
@@ -866,7 +865,7 @@ void GpuModel::gather_optimizer_state(const std::function<void(void*, int64_t, i
   impl_->join_side();
   const GpuParamStore& st = *impl_->store;
   const int world = std::max(1, st.shard().world), n_state = optimizer_state_count();
-  const int64_t P = impl_->P, S = st.share_size();
+  const int64_t P = impl_->P;
   if (rank == 0) out->assign(static_cast<size_t>(n_state), std::vector<float>(static_cast<size_t>(P)));
   constexpr int64_t kPiece = int64_t{1} << 22;  // fp32 values per broadcast (16 MiB)
   float* dev = nullptr;
@@ -879,7 +878,7 @@ void GpuModel::gather_optimizer_state(const std::function<void(void*, int64_t, i
   try {
     for (const ParamSpec& p : st.params())
       for (int r = 0; r < world; ++r) {
-        const int64_t lo = std::min(P, S * r), hi = std::min(P, lo + S);
+        const auto [lo, hi] = st.share_range(r);
         const int64_t a = std::max(p.offset, lo), b = std::min(p.offset + p.numel, hi);
         for (int64_t x = a; x < b; x += kPiece) {
           const int64_t n = std::min(kPiece, b - x);

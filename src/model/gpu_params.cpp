@@ -2,6 +2,7 @@
 
 #ifdef DELTASTACK_CUDA
 #include <algorithm>
+#include <tuple>
 
 #include "core/bf16.h"
 #include "core/error.h"
@@ -45,8 +46,7 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
   const int64_t unit = int64_t{128} * std::max(1, shard.world);
   Ppad_ = shard.world == 0 ? P_ : (P_ + unit - 1) / unit * unit;
   S_ = shard.world == 0 ? P_ : Ppad_ / shard.world;
-  lo_ = std::min(P_, S_ * shard.rank);
-  hi_ = std::min(P_, lo_ + S_);
+  std::tie(lo_, hi_) = share_range(shard.rank);
   for (size_t k = 0; k < params.size(); ++k)
     if (fp32_offset_[k] >= 0) P32_ = std::max(P32_, fp32_offset_[k] + params[k].numel);
   if (state == OptimizerState::Fp32) P32_ = Ppad_;  // flat, padded like the other flat buffers
@@ -68,8 +68,13 @@ size_t GpuParamStore::param_at(int64_t first, int64_t count) const {
   return k;
 }
 
+std::pair<int64_t, int64_t> GpuParamStore::share_range(int rank) const {
+  const int64_t lo = std::min(P_, S_ * rank);
+  return {lo, std::min(P_, lo + S_)};
+}
+
 std::pair<int64_t, int64_t> GpuParamStore::fp32_range_of(int rank) const {
-  const int64_t lo = std::min(P_, S_ * rank), hi = std::min(P_, lo + S_);
+  const auto [lo, hi] = share_range(rank);
   if (state_ == OptimizerState::Fp32) return {lo, hi};
   // The compacted master keeps ParamSpec order: the small parameters' elements inside [lo, hi) are one range.
   int64_t a = -1, b = -1;
@@ -149,21 +154,17 @@ void GpuParamStore::zero_grads(cudaStream_t stream) {
   DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, Ppad_ * sizeof(float), stream));
 }
 
-double GpuParamStore::share_grad_sum_squares(cudaStream_t stream) {
-  K::sum_squares(g_ + lo_, hi_ - lo_, sumsq_, sumsq_scratch_, stream);
+double GpuParamStore::sum_squares_of(const float* x, int64_t n, cudaStream_t stream) {
+  K::sum_squares(x, n, sumsq_, sumsq_scratch_, stream);
   double s = 0;
   DS_CUDA_CHECK(cudaMemcpyAsync(&s, sumsq_, sizeof(double), cudaMemcpyDeviceToHost, stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));
   return s;
 }
 
-double GpuParamStore::grad_sum_squares(cudaStream_t stream) {
-  K::sum_squares(g_, P_, sumsq_, sumsq_scratch_, stream);
-  double s = 0;
-  DS_CUDA_CHECK(cudaMemcpyAsync(&s, sumsq_, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  DS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return s;
-}
+double GpuParamStore::share_grad_sum_squares(cudaStream_t stream) { return sum_squares_of(g_ + lo_, hi_ - lo_, stream); }
+
+double GpuParamStore::grad_sum_squares(cudaStream_t stream) { return sum_squares_of(g_, P_, stream); }
 
 namespace {
 constexpr int64_t kStage = int64_t{1} << 22;  // bf16 values per host staging round (8 MiB)

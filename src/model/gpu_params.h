@@ -77,6 +77,7 @@ class GpuParamStore {
   int64_t share_size() const { return S_; }
   int64_t share_lo() const { return lo_; }
   int64_t share_hi() const { return hi_; }
+  std::pair<int64_t, int64_t> share_range(int rank) const;  // rank r's flat range [lo, hi)
   std::pair<int64_t, int64_t> fp32_range_of(int rank) const;
   // Sum of squares of the gradients of [share_lo, share_hi) (the whole buffer unsharded), as grad_sum_squares.
   double share_grad_sum_squares(cudaStream_t stream);
@@ -103,6 +104,7 @@ class GpuParamStore {
   ParamLayout master_layout_;         // layout_ with the offsets of w_
   float *w_ = nullptr, *g_ = nullptr;
   bf16* wb_ = nullptr;
+  double sum_squares_of(const float* x, int64_t n, cudaStream_t stream);  // the fixed-order sum, synchronised
   double* sumsq_ = nullptr;
   void* sumsq_scratch_ = nullptr;
 };
