@@ -496,13 +496,14 @@ int train(TrainOptions cli) {
   std::optional<SavedCheckpoint> resumed;
   if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
   TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
+  const std::string device = resolve_device(opt.device);  // "cpu" | "cuda": the engine make_engine will build
   // The communicator of this launch for the engine it runs (MPI: CPU ranks; NCCL: GPU ranks, also one rank under
   // torchrun or mpirun), opened once the options (a resume's device included) are known; tests that call train()
   // in-process run as one plain process.
   {
     const dist::LaunchInfo launch = dist::detect_launch();
     if (dist::world().backend() == "single" && launch.launcher != "single")
-      dist::install(dist::open_communicator(launch, resolve_device(opt.device)));
+      dist::install(dist::open_communicator(launch, device));
   }
   dist::Communicator& comm = dist::world();
   const bool root = comm.is_root();
@@ -525,11 +526,11 @@ int train(TrainOptions cli) {
     log_info("--shard optimizer with one rank: the sharded path over one share (the whole state)");
   else if (opt.shard != "none" && comm.world() == 1)
     log_info("--shard {} with one rank: nothing to shard, the whole state stays here", opt.shard);
-  DS_CHECK(opt.shard != "full" || resolve_device(opt.device) != "cuda", "--shard full is built for the CPU engine "
+  DS_CHECK(opt.shard != "full" || device != "cuda", "--shard full is built for the CPU engine "
            "only: the GPU engine has no per-layer parameter gathers yet (use --shard optimizer or none, or --device cpu)");
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   check_engine_knobs();  // and a bad DELTASTACK_ASYNC_OPTIMIZER / _DP_OVERLAP (the GPU engine reads them later)
-  if (resolve_device(opt.device) != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
+  if (device != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
              "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",
              opt.recompute);
@@ -577,8 +578,7 @@ int train(TrainOptions cli) {
   // Each rank's cores (before any thread starts: OpenMP's workers inherit them): near its GPU, or its share of the
   // host; rank 0 logs every rank's.
   {
-    const std::string dev = resolve_device(opt.device);
-    std::string bound = dist::bind_cpus(comm.launch(), dev == "cuda" ? cuda_pci_bus_id(cuda_current_device()) : std::string());
+    std::string bound = dist::bind_cpus(comm.launch(), device == "cuda" ? cuda_pci_bus_id(cuda_current_device()) : std::string());
     if (comm.world() == 1) {
       log_info("CPU binding: {}", bound);
     } else {
