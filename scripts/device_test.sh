@@ -144,17 +144,31 @@ if has peer; then
 fi
 if has torch; then
   # deltastack.torch (python/, docs/torch.md): the extension built against $BUILD's kernels library (the build stage
-  # first), python/tests (pytest from .peers/site: scripts/fetch_peers.sh), then transformers' step unpatched (fla
-  # from .peers/site when carried) vs patched: scripts/torch_step.py at TORCH_PRESETS (default 2b), TORCH_SEQ x TORCH_MB.
+  # first), python/tests (pytest from .peers/site: scripts/fetch_peers.sh; TORCH_TESTS=0 skips them), then
+  # transformers' step unpatched (fla from .peers/site when carried), with Liger, and patched: scripts/torch_step.py
+  # at TORCH_PRESETS (default 2b), TORCH_SEQ x TORCH_MB, TORCH_WHICH (default all), TORCH_TIMEOUT s per preset.
   TPATH=$PWD/python:$PWD/.peers/site:${PYTHONPATH:-}
+  t0=$(date +%s)
   ( cd python && PKG_CONFIG="$PKGCONF" DELTASTACK_KERNELS_BUILD="$PWD/../$BUILD" python3 setup.py build_ext --inplace ) \
     >"$OUT/torch_build.log" 2>&1 || { tail -30 "$OUT/torch_build.log"; status=1; }
-  PYTHONPATH=$TPATH timeout 1800 python3 -m pytest python/tests -q -rs >"$OUT/torch_tests.txt" 2>&1 || status=1
-  tail -15 "$OUT/torch_tests.txt"
+  echo "torch extension built in $(( $(date +%s) - t0 )) s"
+  if [ "${TORCH_TESTS:-1}" != 0 ]; then
+    # -v names each test before it runs, so a crash still says where; the argument checks first on their own.
+    PYTHONPATH=$TPATH timeout 300 python3 -X faulthandler -m pytest python/tests -v -rs -k argument_errors \
+      >"$OUT/torch_tests_args.txt" 2>&1 || status=1
+    tail -3 "$OUT/torch_tests_args.txt"
+    t0=$(date +%s)
+    PYTHONPATH=$TPATH timeout 1200 python3 -X faulthandler -m pytest python/tests -v -rs >"$OUT/torch_tests.txt" 2>&1 || status=1
+    grep -E "FAILED|ERROR|Fatal|passed|failed" "$OUT/torch_tests.txt" | tail -25
+    echo "python tests: $(( $(date +%s) - t0 )) s"
+  fi
   : >"$OUT/torch_step.txt"
-  for p in ${TORCH_PRESETS:-2b}; do
+  for p in ${TORCH_PRESETS-2b}; do
+    t0=$(date +%s)
     PYTHONPATH=$TPATH timeout ${TORCH_TIMEOUT:-1200} python3 scripts/torch_step.py --preset "$p" --deltastack $BUILD/deltastack \
-      --seq-len ${TORCH_SEQ:-8192} --micro-batch ${TORCH_MB:-2} 2>&1 | grep -E "^torch step|Error|error:" | tee -a "$OUT/torch_step.txt"
+      --seq-len ${TORCH_SEQ:-8192} --micro-batch ${TORCH_MB:-2} --which ${TORCH_WHICH:-all} --bypass-640 2>&1 |
+      grep -E "^torch step|^peer:|Error|error:" | tee -a "$OUT/torch_step.txt"
+    echo "torch step $p: $(( $(date +%s) - t0 )) s"
   done
 fi
 if has peer-step; then

@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
 """transformers' Qwen3.5 training step at a deltastack preset shape, unpatched and patched with deltastack.torch.
 
-Two runs, each in its own process (so one's memory or an out-of-memory does not touch the other), of the step
+Three runs, each in its own process (so one's memory or an out-of-memory does not touch the other), of the step
 scripts/peer_step.py times (same model from `deltastack plan --model P --hf-config`, same step: zero_grad, forward
 on random ids [B, S] with labels = ids, backward, clip 1.0, fused AdamW; fp32 master weights with bf16 autocast, or
 --optimizer-state bf16):
   unpatched   transformers as installed (fla's chunk_gated_delta_rule when `import fla` works, else its torch code;
               Dao's causal_conv1d when installed, else torch's conv1d);
-  deltastack  the same after deltastack.torch.patch(model) (DELTASTACK_TORCH_<OP>=0|1 choose the ops).
+  liger       the same with liger-kernel's Qwen3.5 patch (fused linear cross-entropy, RMSNorm, SwiGLU), applied
+              before the model is built (scripts/peer_step.py apply_liger);
+  deltastack  the unpatched model after deltastack.torch.patch(model) (DELTASTACK_TORCH_<OP>=0|1 choose the ops).
+--bypass-640 lifts fla's Hopper guard (fla issue #640, scripts/peer_common.py) in the fla runs, for timing only.
 Each prints one result line: `torch step <preset> seq S x B <which>: <ms> ms/step, <tok/s> tokens/s, peak <GiB>
 GiB (<stack>)` (or `out of memory`), after peer_step's two `peer:` lines (model, per-step times); peak is
 torch.cuda.max_memory_allocated() over the run. Needs the built extension
@@ -45,6 +48,8 @@ def stack_desc(which, args):
     else:
         out.append("fla GDN" if gdn.startswith("fla") else "torch GDN (no fla)")
         out.append("causal_conv1d conv" if conv.startswith("causal_conv1d") else "torch conv1d")
+        if gdn.startswith("fla") and args.bypass_640:
+            out.append("fla #640 guard lifted (timing only)")
     out.append("sdpa")
     out.append("bf16 weights + AdamW state" if args.optimizer_state == "bf16"
                else "fp32 master + AdamW state, bf16 autocast")
@@ -61,8 +66,25 @@ def one(args, which):
         cfg = tiny(cfg)
     config, _ = build_config(cfg)
     label = f"torch step {args.name} seq {args.seq_len} x {args.micro_batch} {which}"
+    if which != "deltastack" and args.bypass_640:
+        from peer_common import bypass_fla_640
+
+        try:
+            bypass_fla_640()
+        except ImportError:  # no fla: transformers' torch GDN, nothing to lift
+            pass
     desc = stack_desc(which, args)
-    prepare = None
+    prepare, own_loss = None, None
+    if which == "liger":
+        from peer_step import apply_liger
+
+        try:
+            what, own_loss = apply_liger()  # before the model is built: it patches transformers' Qwen3.5 classes
+        except ImportError as e:
+            print(f"{label}: skipped, liger-kernel is not importable ({e}; put it on PYTHONPATH, e.g. .peers/site)",
+                  flush=True)
+            return
+        desc = f"{desc}, {what}"
     if which == "deltastack":
         import deltastack.torch as dt
 
@@ -70,7 +92,7 @@ def one(args, which):
         prepare = dt.patch
     args.grad_checkpointing = False
     try:
-        run(args, config, None, label, desc, "", prepare=prepare)
+        run(args, config, own_loss, label, desc, "", prepare=prepare)
     except torch.cuda.OutOfMemoryError:
         print(f"{label}: out of memory ({torch.cuda.max_memory_allocated() / GiB:.1f} GiB peak) ({desc})", flush=True)
 
@@ -85,13 +107,20 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
     ap.add_argument("--optimizer-state", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--which", choices=["both", "unpatched", "deltastack"], default="both")
+    ap.add_argument("--which", default="all",
+                    help="all, or a comma-separated list of unpatched, liger, deltastack (run in that order)")
+    ap.add_argument("--bypass-640", action="store_true", help="lift fla's #640 guard in the fla runs (timing only)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dry-run", action="store_true", help="one step each, no timing (CPU works)")
     ap.add_argument("--tiny", action="store_true", help="with --dry-run: a 2-layer width-64 model of the same kinds")
     ap.add_argument("--config-file", help=argparse.SUPPRESS)  # internal: the resolved config for the child runs
     ap.add_argument("--name", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    variants = ("unpatched", "liger", "deltastack")
+    which = list(variants) if args.which == "all" else args.which.split(",")
+    bad = [w for w in which if w not in variants]
+    if bad or not which:
+        ap.error(f"--which: {', '.join(bad) or 'empty'}: not one of all, {', '.join(variants)}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("torch_step: no CUDA device (--device cpu --dry-run --tiny tests the script without one)")
     if not args.dry_run and not args.device.startswith("cuda"):
@@ -113,9 +142,9 @@ def main():
             json.dump(cfg, f)
         cfg_path, name = tmp, args.preset
     args.config_file, args.name = cfg_path, name
-    if args.which != "both":
+    if len(which) == 1:  # one variant (also each child run): in this process
         try:
-            one(args, args.which)
+            one(args, which[0])
         finally:
             if tmp:
                 os.unlink(tmp)
@@ -125,10 +154,11 @@ def main():
             "--optimizer-state", args.optimizer_state, "--device", args.device]
     base += ["--dry-run"] if args.dry_run else []
     base += ["--tiny"] if args.tiny else []
+    base += ["--bypass-640"] if args.bypass_640 else []
     rc = 0
     try:
-        for which in ("unpatched", "deltastack"):
-            rc |= subprocess.run(base + ["--which", which]).returncode
+        for w in which:
+            rc |= subprocess.run(base + ["--which", w]).returncode
     finally:
         if tmp:
             os.unlink(tmp)

@@ -16,6 +16,22 @@ except ImportError as e:  # CI has no torch: every test module skips (require be
     torch = None
     _WHY = f"{e}"
 if torch is not None:
+    # transformers wraps torch_chunk_gated_delta_rule and causal_conv1d_fn (integrations/hub_kernels.py,
+    # use_kernel_func_from_hub_with_fallback) so that they call fla / Dao's causal-conv1d whenever those import. The
+    # tests compare against transformers' own torch math, so for this session the module's functions are the torch
+    # functions those wrappers wrap (functools.wraps: __wrapped__). On the H200 with fla importable the wrapped
+    # reference was fla itself: its Triton kernels on CPU tensors, and its gated backward refusing Hopper with
+    # Triton 3.6 (fla issue #640); every gated delta rule test failed there, and later tests crashed.
+    import inspect
+
+    try:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as _M
+    except ImportError as e:  # a transformers without Qwen3.5 (older than 5.x)
+        torch, _WHY = None, f"transformers has no Qwen3.5 ({e})"
+    else:
+        for _name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
+            setattr(_M, _name, inspect.unwrap(getattr(_M, _name)))
+if torch is not None:
     try:
         import deltastack.torch as dt
     except ImportError as e:  # not installed: the source tree, after an in-place build (setup.py build_ext -i)
