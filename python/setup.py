@@ -91,10 +91,49 @@ def _extension():
     return cpp_extension.CppExtension("deltastack.torch._C", **kw)
 
 
+_EXCEPTION_CHECK = """
+import importlib.util, sys
+import torch  # noqa: F401  (the extension links libtorch; importing torch first loads it as the package does)
+spec = importlib.util.spec_from_file_location("deltastack.torch._C", sys.argv[1])
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+try:
+    m._raise_check("deltastack exception check")
+except RuntimeError as e:
+    sys.exit(0 if "deltastack exception check" in str(e) else 3)
+sys.exit(4)
+"""
+
+
+def _exception_check(path):
+    """Imports the built extension in a fresh process and has it throw a c10::Error: it must arrive in Python as a
+    RuntimeError. An extension whose C++ exceptions cannot cross into torch crashes on the first bad argument; on the
+    H200 image an extension built by its CXX=/opt/gcc/bin/g++ wrapper did (a segmentation fault in any TORCH_CHECK),
+    one built by /usr/bin/g++ of the same GCC 13.3 did not. Exits with an error naming the compiler."""
+    r = subprocess.run([sys.executable, "-c", _EXCEPTION_CHECK, str(path)], capture_output=True, text=True)
+    if r.returncode == 0:
+        print(f"deltastack: exception check passed ({path})", flush=True)
+        return
+    cxx = os.environ.get("CXX", "c++ (the default)")
+    how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit status {r.returncode}"
+    sys.exit(f"deltastack: the built extension {path} cannot raise C++ errors into Python: a c10::Error thrown in it "
+             f"ended the process ({how}) instead of raising RuntimeError. It was compiled by CXX={cxx}. Rebuild with "
+             f"the system compiler, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc (the compiler torch was built with; "
+             f"docs/torch.md). stderr: {r.stderr.strip()[-400:]}")
+
+
 def _build_ext():
     from torch.utils.cpp_extension import BuildExtension
 
-    return BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
+    base = BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)
+
+    class Build(base):
+        def run(self):
+            super().run()
+            for ext in self.extensions:
+                _exception_check(self.get_ext_fullpath(ext.name))
+
+    return Build
 
 
 if any(a in sys.argv for a in ("build_ext", "bdist_wheel", "install", "develop", "editable_wheel", "build")):

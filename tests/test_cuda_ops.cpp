@@ -136,6 +136,9 @@ TEST(CudaOps, SwiGlu) {
   expect_ok(check_swiglu({.N = 33, .I = 100}));               // I % 8 != 0: scalar path
   expect_ok(check_swiglu({.N = 64, .I = 256, .offset = 1}));  // unaligned: scalar path
   expect_ok(check_swiglu({.N = 70000, .I = 8}));              // more rows than one grid dimension holds
+  expect_ok(check_swiglu({.N = 256, .I = 6144, .split = true}));             // two dense arrays (deltastack.torch)
+  expect_ok(check_swiglu({.N = 33, .I = 100, .split = true}));               // split, scalar path
+  expect_ok(check_swiglu({.N = 64, .I = 256, .offset = 1, .split = true}));  // split, unaligned
 }
 
 // ------------------------------------------------------------------------------------------------ gdn gates

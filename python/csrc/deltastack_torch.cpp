@@ -572,10 +572,9 @@ Tensor swiglu_forward(const Tensor& gate, const Tensor& up) {
   TORCH_CHECK(gate.dim() >= 1 && gate.size(-1) > 0, op, ": gate must have a non-empty last dim");
   const c10::cuda::CUDAGuard guard(gate.device());
   const int64_t I = gate.size(-1), N = gate.numel() / I;
-  Tensor gu = torch::cat({gate.to(torch::kBFloat16).reshape({N, I}), up.to(torch::kBFloat16).reshape({N, I})}, 1)
-                  .contiguous();
+  Tensor gb = b16(gate), ub = b16(up);
   Tensor h = torch::empty(gate.sizes(), gate.options().dtype(torch::kBFloat16));
-  if (N > 0) ds::ops::cuda::swiglu_forward(cbp(gu), bp(h), N, I, stream());
+  if (N > 0) ds::ops::cuda::swiglu_forward_rows(cbp(gb), cbp(ub), I, bp(h), N, I, stream());
   return h.to(gate.scalar_type());
 #else
   no_cuda(op);
@@ -595,12 +594,10 @@ std::vector<Tensor> swiglu_backward(const Tensor& gate, const Tensor& up, const 
 #ifdef DELTASTACK_TORCH_CUDA
   const c10::cuda::CUDAGuard guard(gate.device());
   const int64_t I = gate.size(-1), N = gate.numel() / I;
-  Tensor gu = torch::cat({gate.to(torch::kBFloat16).reshape({N, I}), up.to(torch::kBFloat16).reshape({N, I})}, 1)
-                  .contiguous();
-  Tensor dhb = b16(dh), dgu = torch::empty_like(gu);
-  if (N > 0) ds::ops::cuda::swiglu_backward(cbp(gu), cbp(dhb), bp(dgu), N, I, stream());
-  return {dgu.slice(1, 0, I).reshape(gate.sizes()).to(gate.scalar_type()),
-          dgu.slice(1, I, 2 * I).reshape(up.sizes()).to(up.scalar_type())};
+  // Two separate gradient tensors (a custom op's outputs may not alias each other).
+  Tensor gb = b16(gate), ub = b16(up), dhb = b16(dh), dg = torch::empty_like(gb), du = torch::empty_like(ub);
+  if (N > 0) ds::ops::cuda::swiglu_backward_rows(cbp(gb), cbp(ub), I, cbp(dhb), bp(dg), bp(du), I, N, I, stream());
+  return {dg.to(gate.scalar_type()), du.to(up.scalar_type())};
 #else
   no_cuda(op);
 #endif
@@ -682,9 +679,15 @@ bool has_cuda() {
 #endif
 }
 
+// Raises a c10::Error (RuntimeError in Python) with `what`: setup.py calls it in a fresh process after each build,
+// because an extension whose C++ exceptions cannot reach Python crashes at the first bad argument instead (seen with
+// the H200 image's CXX=/opt/gcc/bin/g++ wrapper: docs/torch.md).
+void raise_check(const std::string& what) { TORCH_CHECK(false, what); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deltastack kernels (src/ops) for PyTorch: forward/backward functions; see deltastack.torch.ops";
   m.def("has_cuda", &has_cuda, "whether this build has the CUDA kernels");
+  m.def("_raise_check", &raise_check, "raises RuntimeError(what): the build's exception check");
   m.def("gdn_buffer_bytes", &gdn_buffer_bytes);
   m.def("gdn_forward", &gdn_forward);
   m.def("gdn_backward", &gdn_backward);

@@ -1,7 +1,10 @@
 // CUDA SwiGLU over the fused [N, 2I] gate|up GEMM output (see cuda.h; math of swiglu.h / cpu.cpp):
 //   h = silu(g) * u;  dg = dh * u * s * (1 + g (1 - s)),  du = dh * g * s,  s = sigmoid(g).
+// One kernel pair takes gate and up as two row-strided arrays (the fused layout: gate = gu, up = gu + I, stride 2I;
+// the torch extension: two dense tensors, stride I).
 // Grid: x covers the I columns in chunks of 256 threads x V values, y covers rows (looping when N > 65535).
-// V = 8 (16-byte loads/stores) when I % 8 == 0 and every pointer is 16-byte aligned, else V = 1.
+// V = 8 (16-byte loads/stores) when I and the row strides are multiples of 8 and every pointer is 16-byte aligned,
+// else V = 1.
 // fp32 math, one rounding per output; purely elementwise, so results are deterministic.
 #include <cstdint>
 
@@ -15,30 +18,34 @@ using namespace ds::cuda;
 
 constexpr int kThreads = 256;
 
+// Row t of gate / up starts at t * ld_in, of dgate / dup at t * ld_out; h and dh are dense [N, I].
 template <int V>
-__global__ void __launch_bounds__(kThreads)
-    swiglu_fwd_kernel(const bf16* __restrict__ gu, bf16* __restrict__ h, int64_t N, int64_t I) {
+__global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up,
+                                                              int64_t ld_in, bf16* __restrict__ h, int64_t N, int64_t I) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= I) return;
   for (int64_t t = blockIdx.y; t < N; t += gridDim.y) {
     float g[V], u[V];
-    load_bf<V>(gu + t * 2 * I + c, g);
-    load_bf<V>(gu + t * 2 * I + I + c, u);
+    load_bf<V>(gate + t * ld_in + c, g);
+    load_bf<V>(up + t * ld_in + c, u);
 #pragma unroll
     for (int k = 0; k < V; ++k) g[k] = g[k] * sigmoid_fast(g[k]) * u[k];
     store_bf<V>(h + t * I + c, g);
   }
 }
 
+// dgate / dup may not alias gate / up (the fused layout writes a separate dgu).
 template <int V>
-__global__ void __launch_bounds__(kThreads) swiglu_bwd_kernel(const bf16* __restrict__ gu, const bf16* __restrict__ dh,
-                                                              bf16* __restrict__ dgu, int64_t N, int64_t I) {
+__global__ void __launch_bounds__(kThreads)
+    swiglu_bwd_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up, int64_t ld_in,
+                      const bf16* __restrict__ dh, bf16* __restrict__ dgate, bf16* __restrict__ dup, int64_t ld_out,
+                      int64_t N, int64_t I) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= I) return;
   for (int64_t t = blockIdx.y; t < N; t += gridDim.y) {
     float g[V], u[V], d[V];
-    load_bf<V>(gu + t * 2 * I + c, g);
-    load_bf<V>(gu + t * 2 * I + I + c, u);
+    load_bf<V>(gate + t * ld_in + c, g);
+    load_bf<V>(up + t * ld_in + c, u);
     load_bf<V>(dh + t * I + c, d);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
@@ -47,8 +54,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_kernel(const bf16* __rest
       u[k] = d[k] * g[k] * s;  // du
       g[k] = dg;
     }
-    store_bf<V>(dgu + t * 2 * I + c, g);
-    store_bf<V>(dgu + t * 2 * I + I + c, u);
+    store_bf<V>(dgate + t * ld_out + c, g);
+    store_bf<V>(dup + t * ld_out + c, u);
   }
 }
 
@@ -61,27 +68,40 @@ void check_shape(const char* fn, int64_t N, int64_t I) {
 
 }  // namespace
 
-void swiglu_forward(const ds::cuda::bf16* gu, ds::cuda::bf16* h, int64_t N, int64_t I, cudaStream_t stream) {
+void swiglu_forward_rows(const bf16* gate, const bf16* up, int64_t ld_in, bf16* h, int64_t N, int64_t I,
+                        cudaStream_t stream) {
   check_shape("swiglu_forward", N, I);
   if (N == 0) return;
-  DS_CUDA_REQUIRE(gu && h, "swiglu_forward: null pointer argument");
-  if (I % 8 == 0 && aligned16(gu) && aligned16(h))
-    swiglu_fwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gu, h, N, I);
+  DS_CUDA_REQUIRE(gate && up && h, "swiglu_forward: null pointer argument");
+  DS_CUDA_REQUIRE(ld_in >= I, "swiglu_forward: row stride " + std::to_string(ld_in) + " < I = " + std::to_string(I));
+  if (I % 8 == 0 && ld_in % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(h))
+    swiglu_fwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I);
   else
-    swiglu_fwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gu, h, N, I);
+    swiglu_fwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I);
   DS_CUDA_LAUNCH_CHECK();
 }
 
-void swiglu_backward(const ds::cuda::bf16* gu, const ds::cuda::bf16* dh, ds::cuda::bf16* dgu, int64_t N, int64_t I,
-                     cudaStream_t stream) {
+void swiglu_backward_rows(const bf16* gate, const bf16* up, int64_t ld_in, const bf16* dh, bf16* dgate, bf16* dup,
+                          int64_t ld_out, int64_t N, int64_t I, cudaStream_t stream) {
   check_shape("swiglu_backward", N, I);
   if (N == 0) return;
-  DS_CUDA_REQUIRE(gu && dh && dgu, "swiglu_backward: null pointer argument");
-  if (I % 8 == 0 && aligned16(gu) && aligned16(dh) && aligned16(dgu))
-    swiglu_bwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gu, dh, dgu, N, I);
+  DS_CUDA_REQUIRE(gate && up && dh && dgate && dup, "swiglu_backward: null pointer argument");
+  DS_CUDA_REQUIRE(ld_in >= I && ld_out >= I, "swiglu_backward: row strides " + std::to_string(ld_in) + ", " +
+                                                 std::to_string(ld_out) + " must be >= I = " + std::to_string(I));
+  if (I % 8 == 0 && ld_in % 8 == 0 && ld_out % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(dh) &&
+      aligned16(dgate) && aligned16(dup))
+    swiglu_bwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I);
   else
-    swiglu_bwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gu, dh, dgu, N, I);
+    swiglu_bwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I);
   DS_CUDA_LAUNCH_CHECK();
+}
+
+void swiglu_forward(const bf16* gu, bf16* h, int64_t N, int64_t I, cudaStream_t stream) {
+  swiglu_forward_rows(gu, gu + I, 2 * I, h, N, I, stream);
+}
+
+void swiglu_backward(const bf16* gu, const bf16* dh, bf16* dgu, int64_t N, int64_t I, cudaStream_t stream) {
+  swiglu_backward_rows(gu, gu + I, 2 * I, dh, dgu, dgu + I, 2 * I, N, I, stream);
 }
 
 }  // namespace ds::ops::cuda

@@ -13,4 +13,13 @@ void swiglu_forward(const ds::cuda::bf16* gu, ds::cuda::bf16* h, int64_t N, int6
 void swiglu_backward(const ds::cuda::bf16* gu, const ds::cuda::bf16* dh, ds::cuda::bf16* dgu, int64_t N, int64_t I,
                      cudaStream_t stream);
 
+// The same math on gate and up given as two row-strided bf16 arrays: row t of gate / up at gate + t * ld_in,
+// up + t * ld_in (ld_in >= I), of dgate / dup at + t * ld_out (ld_out >= I); h, dh dense [N, I]. dgate / dup must
+// not overlap gate / up. (deltastack.torch passes gate and up as two tensors: ld = I.)
+void swiglu_forward_rows(const ds::cuda::bf16* gate, const ds::cuda::bf16* up, int64_t ld_in, ds::cuda::bf16* h,
+                         int64_t N, int64_t I, cudaStream_t stream);
+void swiglu_backward_rows(const ds::cuda::bf16* gate, const ds::cuda::bf16* up, int64_t ld_in,
+                          const ds::cuda::bf16* dh, ds::cuda::bf16* dgate, ds::cuda::bf16* dup, int64_t ld_out,
+                          int64_t N, int64_t I, cudaStream_t stream);
+
 }  // namespace ds::ops::cuda

@@ -12,7 +12,8 @@ using namespace check;
 
 Result check_swiglu(const SwigluCase& c) {
   Result r;
-  r.what = "swiglu [" + shape({c.N, c.I}) + "]" + (c.offset ? " offset " + std::to_string(c.offset) : "");
+  r.what = "swiglu [" + shape({c.N, c.I}) + "]" + (c.offset ? " offset " + std::to_string(c.offset) : "") +
+           (c.split ? " split" : "");
   Ctx ctx(c.seed);
   const int64_t N = c.N, I = c.I, n = N * I;
   const Vec gate = ctx.randn_bf16(n, 2.0), up = ctx.randn_bf16(n), dh = ctx.randn_bf16(n);
@@ -26,21 +27,34 @@ Result check_swiglu(const SwigluCase& c) {
 
   auto gu_d = ctx.up_bf16(gu, c.offset), dh_d = ctx.up_bf16(dh, c.offset);
   Buf<bf16> h_d(n, c.offset), dgu_d(2 * n, c.offset);
+  // split: the two halves in their own dense buffers (row stride I), as the torch extension passes them.
+  auto gate_d = ctx.up_bf16(gate, c.offset), up_d = ctx.up_bf16(up, c.offset);
+  Buf<bf16> dgate_d(n, c.offset), dup_d(n, c.offset);
   struct Out {
-    Bits h, dgu;
-    auto tie() const { return std::tie(h, dgu); }
+    Bits h, dgu, dgate, dup;
+    auto tie() const { return std::tie(h, dgu, dgate, dup); }
   };
   auto run = [&] {
-    ctx.poison(h_d), ctx.poison(dgu_d);
+    ctx.poison(h_d), ctx.poison(dgu_d), ctx.poison(dgate_d), ctx.poison(dup_d);
+    if (c.split) {
+      cuda::swiglu_forward_rows(gate_d.get(), up_d.get(), I, h_d.get(), N, I, ctx.s);
+      cuda::swiglu_backward_rows(gate_d.get(), up_d.get(), I, dh_d.get(), dgate_d.get(), dup_d.get(), I, N, I, ctx.s);
+      return Out{ctx.bits(h_d), {}, ctx.bits(dgate_d), ctx.bits(dup_d)};
+    }
     cuda::swiglu_forward(gu_d.get(), h_d.get(), N, I, ctx.s);
     cuda::swiglu_backward(gu_d.get(), dh_d.get(), dgu_d.get(), N, I, ctx.s);
-    return Out{ctx.bits(h_d), ctx.bits(dgu_d)};
+    return Out{ctx.bits(h_d), ctx.bits(dgu_d), {}, {}};
   };
   const Out a = run();
-  const Vec dgu = to_f32(a.dgu);
   r.add("h", rel_l2(bf16_view(a.h), h), kForward);
-  r.add("dgate", rel_l2(columns(dgu, 2 * I, 0, I), dgate), kGradient);
-  r.add("dup", rel_l2(columns(dgu, 2 * I, I, I), dup), kGradient);
+  if (c.split) {
+    r.add("dgate", rel_l2(bf16_view(a.dgate), dgate), kGradient);
+    r.add("dup", rel_l2(bf16_view(a.dup), dup), kGradient);
+  } else {
+    const Vec dgu = to_f32(a.dgu);
+    r.add("dgate", rel_l2(columns(dgu, 2 * I, 0, I), dgate), kGradient);
+    r.add("dup", rel_l2(columns(dgu, 2 * I, I, I), dup), kGradient);
+  }
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
   return r;
 }

@@ -10,13 +10,15 @@
 
 namespace ds::ops {
 
-// gu: the fused [N, 2I] gate | up projection output, bf16 (gate std 2, up std 1); dh: [N, I] bf16. Values: h
+// gu: the fused [N, 2I] gate | up projection output, bf16 (gate std 2, up std 1), or with split gate and up as two
+// [N, I] arrays; dh: [N, I] bf16. Values: h
 // (forward band); dgate, dup (the two halves of dgu, gradient band); with twice, two runs bitwise equal.
 struct SwigluCase {
   int64_t N = 64, I = 256;
   size_t offset = 0;  // bf16 pointer shift in elements (1: unaligned, the scalar path)
   uint64_t seed = 1;
   bool twice = true;
+  bool split = false;  // gate and up as two dense [N, I] arrays (swiglu_*_rows with stride I; deltastack.torch)
 };
 check::Result check_swiglu(const SwigluCase& c);
 // The start-up probe: N 64, I 256.
