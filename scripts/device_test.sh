@@ -145,13 +145,15 @@ fi
 if has torch; then
   # deltastack.torch (python/, docs/torch.md): the extension built against $BUILD's kernels library (the build stage
   # first; or TORCH_KERNELS_BUILD=DIR, e.g. a carried one) by the system's g++ (the image's CXX=/opt/gcc/bin/g++
-  # wrapper makes extensions that crash on any C++ exception: docs/torch.md), python/tests (pytest from .peers/site:
-  # scripts/fetch_peers.sh; TORCH_TESTS=0 skips them, TORCH_PYTEST_K selects), then transformers' step unpatched (fla
-  # from .peers/site when carried), with Liger, and patched: scripts/torch_step.py at TORCH_PRESETS (default 2b; or
-  # TORCH_CONFIG=FILE, an HF config.json), TORCH_SEQ x TORCH_MB, TORCH_WHICH (default all), TORCH_TIMEOUT s each.
+  # wrapper makes extensions that crash on any C++ exception: docs/torch.md; TORCH_BUILD=0 keeps a built one),
+  # python/tests (pytest from .peers/site: scripts/fetch_peers.sh; TORCH_TESTS=0 skips them, TORCH_PYTEST_K selects),
+  # then transformers' step unpatched (fla from .peers/site when carried), with Liger, and patched:
+  # scripts/torch_step.py at TORCH_PRESETS (default 2b; or TORCH_CONFIG=FILE, an HF config.json), TORCH_SEQ x
+  # TORCH_MB, TORCH_WHICH (default all; a comma list), TORCH_TIMEOUT s each.
   TPATH=$PWD/python:$PWD/.peers/site:${PYTHONPATH:-}
   TCXX=$(command -v /usr/bin/g++ || echo "${CXX:-g++}"); TCC=$(command -v /usr/bin/gcc || echo "${CC:-gcc}")
   t0=$(date +%s)
+  [ "${TORCH_BUILD:-1}" = 0 ] && ls python/deltastack/torch/_C*.so >/dev/null 2>&1 && echo "torch extension: kept" ||
   ( cd python && CXX=$TCXX CC=$TCC PKG_CONFIG="$PKGCONF" DELTASTACK_KERNELS_BUILD="${TORCH_KERNELS_BUILD:-$PWD/../$BUILD}" \
       python3 setup.py build_ext --inplace ) >"$OUT/torch_build.log" 2>&1 || { tail -30 "$OUT/torch_build.log"; status=1; }
   echo "torch extension built by $TCXX in $(( $(date +%s) - t0 )) s: $(grep -h 'exception check' "$OUT/torch_build.log")"

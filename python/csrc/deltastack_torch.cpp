@@ -84,6 +84,11 @@ cudaStream_t stream() { return at::cuda::getCurrentCUDAStream().stream(); }
 Tensor bytes(int64_t n, const Tensor& like) {
   return torch::empty({std::max<int64_t>(n, 1)}, like.options().dtype(torch::kUInt8));
 }
+// The forward's saved buffers are outputs of the op: zeroed, so that the bytes the kernels leave unwritten (padding
+// of partial chunks) are defined and two runs give equal outputs (torch.library.opcheck compares them).
+Tensor zero_bytes(int64_t n, const Tensor& like) {
+  return torch::zeros({std::max<int64_t>(n, 1)}, like.options().dtype(torch::kUInt8));
+}
 #endif
 
 // cu_seqlens for the packed layout: the given one (int32, on `device`), or [0, T, 2T, ..., B*T].
@@ -234,8 +239,8 @@ std::vector<Tensor> gdn_forward(const Tensor& q, const Tensor& k, const Tensor& 
   Tensor batch, saved;
   if (direct) {
     auto p = gdn_chunked(a);
-    batch = bytes(p.index_bytes(), q);
-    saved = bytes(p.saved_bytes(), q);
+    batch = zero_bytes(p.index_bytes(), q);
+    saved = zero_bytes(p.saved_bytes(), q);
     Tensor ws = bytes(p.workspace_bytes(), q);
     Tensor h0 = has(initial_state) ? f32(*initial_state) : Tensor();
     ds::ops::cuda::gdn_chunked_prepare(p, a.cu.data_ptr<int32_t>(), a.S, d.N, batch.data_ptr(), stream());
@@ -245,8 +250,8 @@ std::vector<Tensor> gdn_forward(const Tensor& q, const Tensor& k, const Tensor& 
                                        stream());
   } else {
     auto plan = ds::ops::cuda::make_gated_delta_rule_plan(gdn_limits(a, scale));
-    batch = bytes(plan->batch_bytes(), q);
-    saved = bytes(plan->saved_bytes(), q);
+    batch = zero_bytes(plan->batch_bytes(), q);
+    saved = zero_bytes(plan->saved_bytes(), q);
     Tensor ws = bytes(plan->workspace_bytes(), q);
     plan->prepare(a.cu.data_ptr<int32_t>(), d.N, a.S, batch.data_ptr(), stream());
     ds::ops::cuda::GdnForwardIO io{cbp(qb), cbp(kb), cbp(vb), a.Hv * a.dv, cfp(gf), cfp(bf), bp(o)};
