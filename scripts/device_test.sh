@@ -11,7 +11,8 @@
 # per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step;
 # profile-step, `bench step --profile` (ms per op family / role, gaps) beside the plain bench step (its overhead);
 # corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
-# train-bf16, the default run with --optimizer-state bf16: twice and resumed, bitwise). BUILD_TARGET builds one target.
+# train-bf16, the default run with --optimizer-state bf16: twice and resumed, bitwise; cpu-blas, the CPU engine's
+# OpenBLAS kernel choice on this host's CPU, 2 pinned cores). BUILD_TARGET builds one target.
 # With a source tree of an earlier commit in .base (e.g.
 # `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
 # (build-base) and `train` / `bench-step` compare against it: losses bitwise, step time.
@@ -177,6 +178,21 @@ if has torch; then
       echo "torch step $spec $w: $(( $(date +%s) - t0 )) s (rc ${PIPESTATUS[0]})"
     done
   done
+fi
+if has cpu-blas; then
+  # The CPU engine's OpenBLAS kernel choice on this host's CPU (docs/cpu_engine.md, issue 14's "both kinds of CPU"):
+  # the Debian 12 OpenBLAS of the sysroot, the tiny default run for 40 steps on 2 pinned cores, with the library's
+  # own pick (DELTASTACK_BLAS_CORETYPE=keep) and with deltastack's re-exec; the environment's OPENBLAS_CORETYPE unset.
+  { lscpu | grep -E "Model name|Vendor ID|^CPU\(s\)|Flags" | cut -c1-200
+    for mode in keep reexec; do
+      k=; [ "$mode" = keep ] && k=keep
+      env -u OPENBLAS_CORETYPE DELTASTACK_BLAS_CORETYPE=$k $BUILD/deltastack --version | grep -i "openblas"
+      rm -rf /tmp/ds_cpu_$mode; t0=$(date +%s%N)
+      env -u OPENBLAS_CORETYPE DELTASTACK_BLAS_CORETYPE=$k OMP_NUM_THREADS=2 timeout 600 taskset -c 0,1 $BUILD/deltastack \
+        train --device cpu --steps ${CPU_BLAS_STEPS:-40} --eval-interval 0 --out /tmp/ds_cpu_$mode >/tmp/ds_cpu_$mode.log 2>&1
+      rc=$?; ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+      echo "cpu-blas $mode: rc $rc in $ms ms; $(grep -iE "eval" /tmp/ds_cpu_$mode.log | tail -1)"
+    done; } 2>&1 | tee "$OUT/cpu_blas.txt"
 fi
 if has peer-step; then
   # Full training steps, ours against transformers' Qwen3.5 + fla (+ Liger) at one shape (scripts/peer_step.py;
