@@ -96,7 +96,11 @@ import importlib.util, sys
 import torch  # noqa: F401  (the extension links libtorch; importing torch first loads it as the package does)
 spec = importlib.util.spec_from_file_location("deltastack.torch._C", sys.argv[1])
 m = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(m)
+try:
+    spec.loader.exec_module(m)
+except Exception as e:  # not a crash: the extension does not load here (a missing library, ...)
+    print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(5)
 try:
     m._raise_check("deltastack exception check")
 except RuntimeError as e:
@@ -109,15 +113,22 @@ def _exception_check(path):
     """Imports the built extension in a fresh process and has it throw a c10::Error: it must arrive in Python as a
     RuntimeError. An extension whose C++ exceptions cannot cross into torch crashes on the first bad argument; on the
     H200 image an extension built by its CXX=/opt/gcc/bin/g++ wrapper did (a segmentation fault in any TORCH_CHECK),
-    one built by /usr/bin/g++ of the same GCC 13.3 did not. Exits with an error naming the compiler."""
+    one built by /usr/bin/g++ did not. A crash (or a wrong error) removes the built file and exits with an error
+    naming the compiler; an extension that cannot be imported in the build environment at all is only a warning."""
     r = subprocess.run([sys.executable, "-c", _EXCEPTION_CHECK, str(path)], capture_output=True, text=True)
     if r.returncode == 0:
         print(f"deltastack: exception check passed ({path})", flush=True)
         return
+    if r.returncode == 5:
+        print(f"deltastack: warning: the exception check could not import {path} here, so it did not run: "
+              f"{r.stderr.strip()[-400:]}", flush=True)
+        return
     cxx = os.environ.get("CXX", "c++ (the default)")
-    how = f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit status {r.returncode}"
-    sys.exit(f"deltastack: the built extension {path} cannot raise C++ errors into Python: a c10::Error thrown in it "
-             f"ended the process ({how}) instead of raising RuntimeError. It was compiled by CXX={cxx}. Rebuild with "
+    how = {3: "it raised RuntimeError without the message", 4: "it raised nothing"}.get(
+        r.returncode, f"killed by signal {-r.returncode}" if r.returncode < 0 else f"exit status {r.returncode}")
+    Path(path).unlink(missing_ok=True)  # a later import (or a kept build) must not load it
+    sys.exit(f"deltastack: the built extension {path} (now removed) cannot raise C++ errors into Python: a c10::Error "
+             f"thrown in it did not arrive as RuntimeError ({how}). It was compiled by CXX={cxx}. Rebuild with "
              f"the system compiler, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc (the compiler torch was built with; "
              f"docs/torch.md). stderr: {r.stderr.strip()[-400:]}")
 

@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step torch bench-step memory curves
+# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step torch cpu-blas bench-step memory curves
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs transformers + fla (+ Liger): scripts/peer_step.py, PEER_PRESETS;
 # torch, deltastack.torch: the extension, python/tests, scripts/torch_step.py (docs/torch.md);
@@ -154,10 +154,15 @@ if has torch; then
   TPATH=$PWD/python:$PWD/.peers/site:${PYTHONPATH:-}
   TCXX=$(command -v /usr/bin/g++ || echo "${CXX:-g++}"); TCC=$(command -v /usr/bin/gcc || echo "${CC:-gcc}")
   t0=$(date +%s)
-  [ "${TORCH_BUILD:-1}" = 0 ] && ls python/deltastack/torch/_C*.so >/dev/null 2>&1 && echo "torch extension: kept" ||
-  ( cd python && CXX=$TCXX CC=$TCC PKG_CONFIG="$PKGCONF" DELTASTACK_KERNELS_BUILD="${TORCH_KERNELS_BUILD:-$PWD/../$BUILD}" \
-      python3 setup.py build_ext --inplace ) >"$OUT/torch_build.log" 2>&1 || { tail -30 "$OUT/torch_build.log"; status=1; }
-  echo "torch extension built by $TCXX in $(( $(date +%s) - t0 )) s: $(grep -h 'exception check' "$OUT/torch_build.log")"
+  if [ "${TORCH_BUILD:-1}" = 0 ] && ls python/deltastack/torch/_C*.so >/dev/null 2>&1; then
+    echo "torch extension: kept"
+  elif ( cd python && CXX=$TCXX CC=$TCC PKG_CONFIG="$PKGCONF" \
+           DELTASTACK_KERNELS_BUILD="${TORCH_KERNELS_BUILD:-$PWD/../$BUILD}" python3 setup.py build_ext --inplace ) \
+         >"$OUT/torch_build.log" 2>&1; then
+    echo "torch extension built by $TCXX in $(( $(date +%s) - t0 )) s: $(grep -hs 'exception check' "$OUT/torch_build.log")"
+  else
+    echo "torch extension: build FAILED"; tail -30 "$OUT/torch_build.log"; status=1
+  fi
   if [ "${TORCH_TESTS:-1}" != 0 ]; then
     # -v names each test before it runs, so a crash still says where.
     t0=$(date +%s)
@@ -166,33 +171,36 @@ if has torch; then
     grep -E "FAILED|ERROR|Fatal|passed|failed" "$OUT/torch_tests.txt" | tail -25
     echo "python tests: $(( $(date +%s) - t0 )) s"
   fi
-  : >"$OUT/torch_step.txt"
-  if [ -n "${TORCH_CONFIG:-}" ]; then specs=("--config $TORCH_CONFIG"); else specs=(); for p in ${TORCH_PRESETS-2b}; do specs+=("--preset $p --deltastack $BUILD/deltastack"); done; fi
-  for spec in "${specs[@]}"; do
-    for w in $(echo "${TORCH_WHICH:-all}" | tr , ' '); do
-      [ "$w" = all ] && w=unpatched,liger,deltastack
+  # One source of the config: TORCH_CONFIG, else each of TORCH_PRESETS (TORCH_PRESETS= runs no step); each run of
+  # TORCH_WHICH (all = the three) gets its own process and its own TORCH_TIMEOUT. Appends: two invocations in one
+  # call keep both's lines.
+  runs=$(echo "${TORCH_WHICH:-all}" | sed 's/\ball\b/unpatched,liger,deltastack/' | tr , ' ')
+  if [ -n "${TORCH_CONFIG:-}" ]; then sources=(config); else sources=(${TORCH_PRESETS-2b}); fi
+  for src in "${sources[@]}"; do
+    if [ "$src" = config ]; then spec=(--config "$TORCH_CONFIG"); else spec=(--preset "$src" --deltastack "$BUILD/deltastack"); fi
+    for w in $runs; do
       t0=$(date +%s)
-      # shellcheck disable=SC2086
-      PYTHONPATH=$TPATH timeout ${TORCH_TIMEOUT:-1200} python3 scripts/torch_step.py $spec --seq-len ${TORCH_SEQ:-8192} \
-        --micro-batch ${TORCH_MB:-2} --which "$w" --bypass-640 2>&1 | grep -E "^torch step|^peer:|Error|error:" | tee -a "$OUT/torch_step.txt"
-      echo "torch step $spec $w: $(( $(date +%s) - t0 )) s (rc ${PIPESTATUS[0]})"
+      PYTHONPATH=$TPATH timeout "${TORCH_TIMEOUT:-1200}" python3 scripts/torch_step.py "${spec[@]}" --seq-len "${TORCH_SEQ:-8192}" \
+        --micro-batch "${TORCH_MB:-2}" --which "$w" --bypass-640 2>&1 | grep -E "^torch step|^torch_step:|^peer:|Error|error:" | tee -a "$OUT/torch_step.txt"
+      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=1
+      echo "torch step ${spec[*]} $w: $(( $(date +%s) - t0 )) s (rc $rc)"
     done
   done
 fi
 if has cpu-blas; then
   # The CPU engine's OpenBLAS kernel choice on this host's CPU (docs/cpu_engine.md, issue 14's "both kinds of CPU"):
-  # the Debian 12 OpenBLAS of the sysroot, the tiny default run for 40 steps on 2 pinned cores, with the library's
-  # own pick (DELTASTACK_BLAS_CORETYPE=keep) and with deltastack's re-exec; the environment's OPENBLAS_CORETYPE unset.
-  { lscpu | grep -E "Model name|Vendor ID|^CPU\(s\)|Flags" | cut -c1-200
-    for mode in keep reexec; do
-      k=; [ "$mode" = keep ] && k=keep
-      env -u OPENBLAS_CORETYPE DELTASTACK_BLAS_CORETYPE=$k $BUILD/deltastack --version | grep -i "openblas"
-      rm -rf /tmp/ds_cpu_$mode; t0=$(date +%s%N)
-      env -u OPENBLAS_CORETYPE DELTASTACK_BLAS_CORETYPE=$k OMP_NUM_THREADS=2 timeout 600 taskset -c 0,1 $BUILD/deltastack \
-        train --device cpu --steps ${CPU_BLAS_STEPS:-40} --eval-interval 0 --out /tmp/ds_cpu_$mode >/tmp/ds_cpu_$mode.log 2>&1
-      rc=$?; ms=$(( ($(date +%s%N) - t0) / 1000000 ))
-      echo "cpu-blas $mode: rc $rc in $ms ms; $(grep -iE "eval" /tmp/ds_cpu_$mode.log | tail -1)"
-    done; } 2>&1 | tee "$OUT/cpu_blas.txt"
+  # the Debian 12 OpenBLAS of the sysroot, the tiny default run for CPU_BLAS_STEPS (40) steps on 2 pinned cores, with
+  # the library's own pick (DELTASTACK_BLAS_CORETYPE=keep) and with deltastack's re-exec; OPENBLAS_CORETYPE unset.
+  lscpu | grep -E "Model name|Vendor ID|^CPU\(s\)|Flags" | cut -c1-200 | tee "$OUT/cpu_blas.txt"
+  for mode in keep reexec; do
+    k=; [ "$mode" = keep ] && k=keep
+    env -u OPENBLAS_CORETYPE DELTASTACK_BLAS_CORETYPE=$k $BUILD/deltastack --version | grep -i "openblas" | tee -a "$OUT/cpu_blas.txt"
+    rm -rf /tmp/ds_cpu_$mode; t0=$(date +%s%N)
+    env -u OPENBLAS_CORETYPE DELTASTACK_BLAS_CORETYPE=$k OMP_NUM_THREADS=2 timeout 600 taskset -c 0,1 $BUILD/deltastack \
+      train --device cpu --steps "${CPU_BLAS_STEPS:-40}" --eval-interval 0 --out /tmp/ds_cpu_$mode >/tmp/ds_cpu_$mode.log 2>&1
+    rc=$?; ms=$(( ($(date +%s%N) - t0) / 1000000 )); [ "$rc" = 0 ] || status=1
+    echo "cpu-blas $mode: rc $rc in $ms ms; $(grep -iE "eval" /tmp/ds_cpu_$mode.log | tail -1)" | tee -a "$OUT/cpu_blas.txt"
+  done
 fi
 if has peer-step; then
   # Full training steps, ours against transformers' Qwen3.5 + fla (+ Liger) at one shape (scripts/peer_step.py;

@@ -589,6 +589,11 @@ Tensor swiglu_forward(const Tensor& gate, const Tensor& up) {
 // Returns {dgate, dup}.
 std::vector<Tensor> swiglu_backward(const Tensor& gate, const Tensor& up, const Tensor& dh) {
   const char* op = "swiglu backward";
+  for (auto [t, n] : {std::pair{&gate, "gate"}, {&up, "up"}, {&dh, "grad h"}}) {
+    check_float(*t, op, n);
+    check_same_device(gate, *t, op, n);
+  }
+  TORCH_CHECK(gate.dim() >= 1 && gate.size(-1) > 0, op, ": gate must have a non-empty last dim, got ", gate.sizes());
   check_shape(up, gate.sizes(), op, "up");
   check_shape(dh, gate.sizes(), op, "grad h");
   if (gate.is_cpu()) {

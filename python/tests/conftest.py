@@ -30,7 +30,11 @@ if torch is not None:
         torch, _WHY = None, f"transformers has no Qwen3.5 ({e})"
     else:
         for _name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):
-            setattr(_M, _name, inspect.unwrap(getattr(_M, _name)))
+            _f = inspect.unwrap(getattr(_M, _name))
+            # A wrapper without __wrapped__ would stay a wrapper (and the reference fla again): refuse that.
+            assert inspect.getsourcefile(_f) == inspect.getsourcefile(_M) and _f.__name__ == _name, (
+                f"{_name}: transformers' torch function not found under its wrapper ({_f!r})")
+            setattr(_M, _name, _f)
 if torch is not None:
     try:
         import deltastack.torch as dt

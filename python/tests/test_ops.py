@@ -213,9 +213,10 @@ def test_gated_rms_norm(device):
 
 
 @pytest.mark.parametrize("device", devices())
-def test_swiglu(device):
-    gate = torch.randn(3, 11, 40, dtype=torch.float64) * 3
-    up = torch.randn(3, 11, 40, dtype=torch.float64)
+@pytest.mark.parametrize("width", [40, 37])  # CUDA: 8-wide loads, and the scalar path (37 % 8 != 0)
+def test_swiglu(device, width):
+    gate = torch.randn(3, 11, width, dtype=torch.float64) * 3
+    up = torch.randn(3, 11, width, dtype=torch.float64)
     dh = torch.randn_like(gate)
     gr_, ur = leaves(gate, up, dtype=torch.float64)
     act = M.ACT2FN["silu"]
@@ -323,6 +324,8 @@ def _opcheck_cases(device):
         ("rmsnorm_fwd", (x3, w, 1e-6, True)),
         ("gated_rmsnorm_fwd", (x3, torch.randn(2, 6, 8, device=device, requires_grad=True), w, 1e-6)),
         ("swiglu_fwd", (x3, torch.randn(2, 6, 8, device=device, requires_grad=True))),
+        # A backward op on its own too: its schema check catches outputs that alias each other or an input.
+        ("swiglu_bwd", tuple(torch.randn(2, 6, 8, device=device) for _ in range(3))),
         ("linear_ce_fwd", (torch.randn(6, 8, device=device, requires_grad=True),
                            torch.randn(5, 8, device=device, requires_grad=True),
                            torch.tensor([0, 1, 4, -100, 2, 3], device=device), -100, 0.0, True, True, 1024)),

@@ -1,4 +1,5 @@
-// CUDA SwiGLU over the fused [N, 2I] gate|up GEMM output (see cuda.h; math of swiglu.h / cpu.cpp):
+// CUDA SwiGLU over gate and up rows (the fused [N, 2I] gate|up GEMM output, or two arrays; see cuda.h; math of
+// swiglu.h / cpu.cpp):
 //   h = silu(g) * u;  dg = dh * u * s * (1 + g (1 - s)),  du = dh * g * s,  s = sigmoid(g).
 // One kernel pair takes gate and up as two row-strided arrays (the fused layout: gate = gu, up = gu + I, stride 2I;
 // the torch extension: two dense tensors, stride I).
@@ -70,10 +71,10 @@ void check_shape(const char* fn, int64_t N, int64_t I) {
 
 void swiglu_forward_rows(const bf16* gate, const bf16* up, int64_t ld_in, bf16* h, int64_t N, int64_t I,
                         cudaStream_t stream) {
-  check_shape("swiglu_forward", N, I);
+  check_shape("swiglu_forward_rows", N, I);
   if (N == 0) return;
-  DS_CUDA_REQUIRE(gate && up && h, "swiglu_forward: null pointer argument");
-  DS_CUDA_REQUIRE(ld_in >= I, "swiglu_forward: row stride " + std::to_string(ld_in) + " < I = " + std::to_string(I));
+  DS_CUDA_REQUIRE(gate && up && h, "swiglu_forward_rows: null pointer argument");
+  DS_CUDA_REQUIRE(ld_in >= I, "swiglu_forward_rows: row stride " + std::to_string(ld_in) + " < I = " + std::to_string(I));
   if (I % 8 == 0 && ld_in % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(h))
     swiglu_fwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I);
   else
@@ -83,10 +84,10 @@ void swiglu_forward_rows(const bf16* gate, const bf16* up, int64_t ld_in, bf16* 
 
 void swiglu_backward_rows(const bf16* gate, const bf16* up, int64_t ld_in, const bf16* dh, bf16* dgate, bf16* dup,
                           int64_t ld_out, int64_t N, int64_t I, cudaStream_t stream) {
-  check_shape("swiglu_backward", N, I);
+  check_shape("swiglu_backward_rows", N, I);
   if (N == 0) return;
-  DS_CUDA_REQUIRE(gate && up && dh && dgate && dup, "swiglu_backward: null pointer argument");
-  DS_CUDA_REQUIRE(ld_in >= I && ld_out >= I, "swiglu_backward: row strides " + std::to_string(ld_in) + ", " +
+  DS_CUDA_REQUIRE(gate && up && dh && dgate && dup, "swiglu_backward_rows: null pointer argument");
+  DS_CUDA_REQUIRE(ld_in >= I && ld_out >= I, "swiglu_backward_rows: row strides " + std::to_string(ld_in) + ", " +
                                                  std::to_string(ld_out) + " must be >= I = " + std::to_string(I));
   if (I % 8 == 0 && ld_in % 8 == 0 && ld_out % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(dh) &&
       aligned16(dgate) && aligned16(dup))

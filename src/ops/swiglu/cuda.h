@@ -1,5 +1,6 @@
-// CUDA SwiGLU h = silu(gate) * up; math of swiglu.h. gate and up are the two halves of one fused
-// [N, 2*I] GEMM output (row t: gate at [t*2I, t*2I+I), up at [t*2I+I, t*2I+2I)).
+// CUDA SwiGLU h = silu(gate) * up; math of swiglu.h. swiglu_forward / swiglu_backward take the engine's fused
+// [N, 2*I] gate|up GEMM output (row t: gate at [t*2I, t*2I+I), up at [t*2I+I, t*2I+2I)); the *_rows forms take
+// gate and up as two row-strided arrays.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -14,8 +15,8 @@ void swiglu_backward(const ds::cuda::bf16* gu, const ds::cuda::bf16* dh, ds::cud
                      cudaStream_t stream);
 
 // The same math on gate and up given as two row-strided bf16 arrays: row t of gate / up at gate + t * ld_in,
-// up + t * ld_in (ld_in >= I), of dgate / dup at + t * ld_out (ld_out >= I); h, dh dense [N, I]. dgate / dup must
-// not overlap gate / up. (deltastack.torch passes gate and up as two tensors: ld = I.)
+// up + t * ld_in (ld_in >= I), of dgate / dup at + t * ld_out (ld_out >= I); h, dh dense [N, I]. Outputs (h; dgate,
+// dup) must not overlap the inputs. (deltastack.torch passes gate and up as two tensors: ld = I.)
 void swiglu_forward_rows(const ds::cuda::bf16* gate, const ds::cuda::bf16* up, int64_t ld_in, ds::cuda::bf16* h,
                          int64_t N, int64_t I, cudaStream_t stream);
 void swiglu_backward_rows(const ds::cuda::bf16* gate, const ds::cuda::bf16* up, int64_t ld_in,
