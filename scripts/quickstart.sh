@@ -4,7 +4,7 @@
 # from the final checkpoint. Extra arguments go to `deltastack train`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/build.sh
+DELTASTACK_BUILD_TARGET=deltastack ./scripts/build.sh  # the tests are built by scripts/test.sh
 ./build/deltastack train --move-aside "$@"  # a rerun keeps the previous run in runs/default/previous-N
 last=$(ls -d runs/default/checkpoint-* 2>/dev/null | sort -t- -k2 -n | tail -n 1 || true)
 if [ -n "$last" ] && [ $# -eq 0 ]; then
