@@ -166,10 +166,9 @@ ds::ops::GdnDims gdn_dims(const GdnArgs& a, double scale) {
 bool has(const OptTensor& t) { return t.has_value() && t->defined(); }
 
 #ifdef DELTASTACK_TORCH_CUDA
-// Which CUDA path runs: with an initial state or a final state the chunked kernel's own API (it takes both; the
-// plan interface of the engine does not); otherwise the plan of the backend the op registry selected
+// Which CUDA path runs ("direct"): with an initial state or a final state the chunked kernel's own API (it takes
+// both; the plan interface of the engine does not); otherwise the plan of the backend the op registry selected
 // (DELTASTACK_GATED_DELTA_RULE; cuda-chunked or cuda-simple), exactly as the GPU engine runs it.
-bool gdn_cuda_direct(bool with_states) { return with_states; }
 
 ds::ops::cuda::GdnLimits gdn_limits(const GdnArgs& a, double scale) {
   ds::ops::cuda::GdnLimits l;
@@ -201,7 +200,7 @@ std::vector<int64_t> gdn_buffer_bytes(bool cuda, int64_t B, int64_t T, int64_t H
   if (!cuda) return {0, 0};
 #ifdef DELTASTACK_TORCH_CUDA
   GdnArgs a{B, T, Hk, Hv, dk, dv, num_seqs, {}};
-  if (gdn_cuda_direct(with_states)) {
+  if (with_states) {  // direct
     auto p = gdn_chunked(a);
     return {int64_t(p.index_bytes()), int64_t(p.saved_bytes())};
   }
@@ -235,7 +234,7 @@ std::vector<Tensor> gdn_forward(const Tensor& q, const Tensor& k, const Tensor& 
   const c10::cuda::CUDAGuard guard(q.device());
   Tensor qb = b16(q), kb = b16(k), vb = b16(v), gf = f32(g), bf = f32(beta);
   Tensor o = torch::empty({a.B, a.T, a.Hv, a.dv}, q.options().dtype(torch::kBFloat16));
-  const bool direct = gdn_cuda_direct(has(initial_state) || output_final_state);
+  const bool direct = has(initial_state) || output_final_state;
   Tensor batch, saved;
   if (direct) {
     auto p = gdn_chunked(a);
@@ -297,7 +296,7 @@ std::vector<Tensor> gdn_backward(const Tensor& q, const Tensor& k, const Tensor&
   Tensor dq = torch::empty({a.B, a.T, a.Hk, a.dk}, bopt), dk = torch::empty({a.B, a.T, a.Hk, a.dk}, bopt);
   Tensor dv = torch::empty({a.B, a.T, a.Hv, a.dv}, bopt);
   Tensor dg = torch::empty({a.B, a.T, a.Hv}, f32opt), db = torch::empty({a.B, a.T, a.Hv}, f32opt);
-  const bool direct = gdn_cuda_direct(with_h0 || output_final_state);
+  const bool direct = with_h0 || output_final_state;
   if (direct) {
     auto p = gdn_chunked(a);
     TORCH_CHECK(batch.numel() >= int64_t(p.index_bytes()) && saved.numel() >= int64_t(p.saved_bytes()), op,
@@ -641,9 +640,11 @@ std::vector<Tensor> linear_cross_entropy_forward(const Tensor& hidden, const Ten
               " must lie outside [0, V) (V = ", V, ")");
   Tensor lab = labels.to(torch::kLong);
   Tensor valid = lab.ne(ignore_index);
-  TORCH_CHECK(lab.ge(0).logical_and(lab.lt(V)).logical_or(valid.logical_not()).all().item<bool>(), op,
-              ": labels must be ignore_index (", ignore_index, ") or in [0, ", V, ")");
-  const int64_t num_valid = valid.sum().item<int64_t>();
+  Tensor bad = valid.logical_and(lab.lt(0).logical_or(lab.ge(V)));
+  Tensor counts = torch::stack({valid.sum(), bad.sum()}).to(torch::kCPU);  // one device-to-host copy
+  const int64_t num_valid = counts[0].item<int64_t>();
+  TORCH_CHECK(counts[1].item<int64_t>() == 0, op, ": labels must be ignore_index (", ignore_index, ") or in [0, ",
+              V, ")");
   ds::ops::LinearCeOptions opt;
   opt.ignore_index = ignore_index;
   opt.z_loss = z_loss;

@@ -122,7 +122,6 @@ def _gdn_setup(ctx, inputs, output):
     q, k, v, g, beta, scale, initial_state, cu_seqlens, output_final_state = inputs
     _, _, batch, saved = output
     ctx.scale, ctx.output_final_state = scale, output_final_state
-    ctx.has_h0, ctx.has_cu = initial_state is not None, cu_seqlens is not None
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, batch, saved)
 
 
@@ -133,9 +132,8 @@ def _gdn_backward(ctx, do, dfs, _dbatch, _dsaved):
     if not ctx.output_final_state or dfs is None or dfs.numel() == 0:
         dfs = None
     dq, dk, dv, dg, db, dh0 = torch.ops.deltastack.gdn_bwd(
-        q, k, v, g, beta, ctx.scale, h0 if ctx.has_h0 else None, cu if ctx.has_cu else None, batch, saved,
-        do.contiguous(), dfs, ctx.output_final_state)
-    dh0 = dh0.to(h0.dtype) if ctx.has_h0 else None
+        q, k, v, g, beta, ctx.scale, h0, cu, batch, saved, do.contiguous(), dfs, ctx.output_final_state)
+    dh0 = dh0.to(h0.dtype) if h0 is not None else None
     return dq, dk, dv, dg, db, None, dh0, None, None
 
 
@@ -240,14 +238,12 @@ def _(x, weight, cu_seqlens, dy):
 
 
 def _conv1d_setup(ctx, inputs, output):
-    x, weight, cu = inputs
-    ctx.has_cu = cu is not None
-    ctx.save_for_backward(x, weight, cu)
+    ctx.save_for_backward(*inputs)  # a None cu_seqlens comes back as None
 
 
 def _conv1d_backward(ctx, dy):
     x, w, cu = ctx.saved_tensors
-    dx, dw = torch.ops.deltastack.conv1d_bwd(x, w, cu if ctx.has_cu else None, dy.contiguous())
+    dx, dw = torch.ops.deltastack.conv1d_bwd(x, w, cu, dy.contiguous())
     return dx, dw, None
 
 

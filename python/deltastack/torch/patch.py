@@ -118,25 +118,38 @@ def ds_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwa
     return y.transpose(1, 2)
 
 
-def ds_rmsnorm_forward(self, hidden_states):
-    """Qwen3_5RMSNorm.forward on deltastack's zero-centered RMSNorm."""
-    if not _supported_device(hidden_states):
-        return type(self).forward(self, hidden_states)
-    return ops.rms_norm(hidden_states, self.weight, self.eps, zero_centered=True)
+# Each factory takes the forward it replaces (the fallback for what deltastack's op does not take) and returns the
+# replacement: bound per instance by patch(model), set on the class by patch_transformers().
 
 
-def ds_gated_rmsnorm_forward(self, hidden_states, gate=None):
-    """Qwen3_5RMSNormGated.forward on deltastack's gated RMSNorm."""
-    if gate is None or not _supported_device(hidden_states):
-        return type(self).forward(self, hidden_states, gate)
-    return ops.gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon)
+def _rmsnorm_forward(original):
+    def forward(self, hidden_states):
+        """Qwen3_5RMSNorm.forward on deltastack's zero-centered RMSNorm."""
+        if not _supported_device(hidden_states):
+            return original(self, hidden_states)
+        return ops.rms_norm(hidden_states, self.weight, self.eps, zero_centered=True)
+
+    return forward
 
 
-def ds_mlp_forward(self, x):
-    """Qwen3_5MLP.forward with deltastack's SwiGLU between the projections."""
-    if not _supported_device(x):
-        return type(self).forward(self, x)
-    return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+def _gated_rmsnorm_forward(original):
+    def forward(self, hidden_states, gate=None):
+        """Qwen3_5RMSNormGated.forward on deltastack's gated RMSNorm."""
+        if gate is None or not _supported_device(hidden_states):
+            return original(self, hidden_states, gate)
+        return ops.gated_rms_norm(hidden_states, gate, self.weight, self.variance_epsilon)
+
+    return forward
+
+
+def _mlp_forward(original):
+    def forward(self, x):
+        """Qwen3_5MLP.forward with deltastack's SwiGLU between the projections (hidden_act silu)."""
+        if getattr(self.config, "hidden_act", None) not in ("silu", "swish") or not _supported_device(x):
+            return original(self, x)
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    return forward
 
 
 def _make_causal_lm_forward(original):
@@ -189,19 +202,11 @@ _FUNCTIONS = (("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule", ds_torc
 
 
 def _class_forwards(M):
-    return (("rms_norm", M.Qwen3_5RMSNorm, ds_rmsnorm_forward),
-            ("gated_rms_norm", M.Qwen3_5RMSNormGated, ds_gated_rmsnorm_forward),
-            ("swiglu", M.Qwen3_5MLP, None),
-            ("linear_cross_entropy", M.Qwen3_5ForCausalLM, None))
-
-
-def _forward_for(op, cls, fn):
-    if op == "linear_cross_entropy":
-        original = cls.__dict__["forward"] if "forward" in cls.__dict__ else cls.forward
-        return _make_causal_lm_forward(original)
-    if op == "swiglu":
-        return ds_mlp_forward
-    return fn
+    """(op, class, factory of its replacement forward)."""
+    return (("rms_norm", M.Qwen3_5RMSNorm, _rmsnorm_forward),
+            ("gated_rms_norm", M.Qwen3_5RMSNormGated, _gated_rmsnorm_forward),
+            ("swiglu", M.Qwen3_5MLP, _mlp_forward),
+            ("linear_cross_entropy", M.Qwen3_5ForCausalLM, _make_causal_lm_forward))
 
 
 def _set_module_attr(owner, name, value, op, lines, what):
@@ -258,15 +263,16 @@ def patch(model: torch.nn.Module, enable: Optional[dict] = None) -> list:
     _module_users += 1
     saved: list = []
     counts: dict = {}
-    for op, cls, fn in _class_forwards(M):
+    for op, cls, factory in _class_forwards(M):
         if not _enabled(op, enable):
             continue
-        forward = _forward_for(op, cls, fn)
+        forwards: dict = {}  # per module type: its own forward is the fallback
         for mod in model.modules():
             if not isinstance(mod, cls):
                 continue
             if op == "swiglu" and getattr(mod.config, "hidden_act", None) not in ("silu", "swish"):
                 continue
+            forward = forwards.setdefault(type(mod), factory(type(mod).forward))
             saved.append((mod, "forward", "forward" in mod.__dict__, mod.__dict__.get("forward")))
             mod.forward = types.MethodType(forward, mod)
             counts[(op, cls.__name__)] = counts.get((op, cls.__name__), 0) + 1
@@ -319,42 +325,12 @@ def patch_transformers(enable: Optional[dict] = None) -> list:
     M = _qwen35()
     lines: list = []
     _patch_module_functions(enable, lines)
-    for op, cls, fn in _class_forwards(M):
+    for op, cls, factory in _class_forwards(M):
         if _enabled(op, enable) and (cls, "forward") not in _module_saved:
-            if op == "swiglu":
-                _set_module_attr(cls, "forward", _swiglu_class_forward(cls), op, lines, f"{cls.__name__}.forward -> deltastack")
-                continue
-            forward = _forward_for(op, cls, fn)
-            if op in ("rms_norm", "gated_rms_norm"):
-                forward = _class_level(forward, cls.__dict__["forward"])
-            _set_module_attr(cls, "forward", forward, op, lines, f"{cls.__name__}.forward -> deltastack")
+            _set_module_attr(cls, "forward", factory(cls.__dict__["forward"]), op, lines,
+                             f"{cls.__name__}.forward -> deltastack")
     _module_global = True
     return lines
-
-
-def _class_level(fn, original):
-    # At class level, the fallbacks of the per-instance forwards (type(self).forward) would call themselves: give
-    # them the original.
-    def forward(self, *args, **kwargs):
-        x = args[0] if args else next(iter(kwargs.values()))
-        if not _supported_device(x) or (fn is ds_gated_rmsnorm_forward and (len(args) < 2 and kwargs.get("gate") is None)):
-            return original(self, *args, **kwargs)
-        return fn(self, *args, **kwargs)
-
-    forward.__doc__ = fn.__doc__
-    return forward
-
-
-def _swiglu_class_forward(cls):
-    original = cls.__dict__["forward"]
-
-    def forward(self, x):
-        if getattr(self.config, "hidden_act", None) not in ("silu", "swish") or not _supported_device(x):
-            return original(self, x)
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
-
-    forward.__doc__ = ds_mlp_forward.__doc__
-    return forward
 
 
 def unpatch_transformers() -> list:
