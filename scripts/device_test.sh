@@ -2,12 +2,12 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step torch cpu-blas bench-step memory curves
+# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step torch cpu-blas bench-step memory curves fp8 curves-fp8
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs transformers + fla (+ Liger): scripts/peer_step.py, PEER_PRESETS;
 # torch, deltastack.torch: the extension, python/tests, scripts/torch_step.py (docs/torch.md);
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
-# (CURVE_DATA); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
+# (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_MODELS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
 # per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step;
 # profile-step, `bench step --profile` (ms per op family / role, gaps) beside the plain bench step (its overhead);
 # corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
@@ -302,16 +302,17 @@ if has curves; then
 fi
 if has corpus; then
   # A real-text corpus larger than the runs below read (no epoch repeats): the Python sources of the transformers
-  # package installed there (Apache-2.0), first 12 MB, as one .txt (paragraph documents).
-  python3 - <<'PY'
-import os, transformers
-root, out, n = os.path.dirname(transformers.__file__), open("/tmp/ds_corpus.txt", "w"), 0
-for d, _, fs in sorted(os.walk(root)):
-    for f in sorted(fs):
-        if f.endswith(".py") and n < 12_000_000:
-            t = open(os.path.join(d, f), encoding="utf-8", errors="replace").read()
-            out.write(t + "\n\n"); n += len(t)
-print(f"corpus: {n / 1e6:.1f} MB of transformers {transformers.__version__} sources in /tmp/ds_corpus.txt")
+  # and torch packages installed there (Apache-2.0, BSD), first CORPUS_MB (12) MB, as one .txt (paragraph documents).
+  CORPUS_MB=${CORPUS_MB:-12} python3 - <<'PY'
+import os, transformers, torch
+limit, out, n = int(os.environ["CORPUS_MB"]) * 1_000_000, open("/tmp/ds_corpus.txt", "w"), 0
+for root in (os.path.dirname(transformers.__file__), os.path.dirname(torch.__file__)):
+    for d, _, fs in sorted(os.walk(root)):
+        for f in sorted(fs):
+            if f.endswith(".py") and n < limit:
+                t = open(os.path.join(d, f), encoding="utf-8", errors="replace").read()
+                out.write(t + "\n\n"); n += len(t)
+print(f"corpus: {n / 1e6:.1f} MB of transformers {transformers.__version__} and torch {torch.__version__} sources in /tmp/ds_corpus.txt")
 PY
 fi
 if has train-9b; then
@@ -432,6 +433,45 @@ print(f"gpu train, --optimizer-state bf16: eval_loss {ev[0]:.4f} -> {ev[-1]:.4f}
       f"{'bitwise identical' if ok else 'DIFFERENT'}")
 raise SystemExit(0 if ok else 1)
 PY
+fi
+if has fp8; then
+  # --precision fp8 against bf16 (docs/fp8.md): bench step at FP8_RUNS (each line run in bf16 and in fp8, same call).
+  D=$BUILD/deltastack
+  while read -r args; do
+    [ -z "$args" ] && continue
+    for prec in bf16 fp8; do
+      timeout 300 $D bench step $args --precision $prec ${FP8_PROFILE:+--profile} 2>&1 | grep -vE "^\[deltastack\] (attention|gpu: --precision)" \
+        | sed "s|^|[$prec $args] |" | tee -a "$OUT/bench_fp8.txt"
+    done
+  done <<EOF2
+${FP8_RUNS:---preset 2b --seq-len 8192 --micro-batch 2
+--preset 9b --seq-len 8192 --micro-batch 1
+--preset 0.8b --seq-len 8192 --micro-batch 2}
+EOF2
+fi
+if has curves-fp8; then
+  # FP8 against bf16 on real text (the corpus stage's /tmp/ds_corpus.txt, no epoch repeats at these sizes): for each
+  # of CURVE_MODELS, the two runs side by side on the GPU with one seed, data and schedule; metrics to $OUT.
+  D=$BUILD/deltastack
+  [ -f /tmp/ds_corpus.txt ] || { echo "curves-fp8: no /tmp/ds_corpus.txt (run the corpus stage first)"; status=1; }
+  for model in ${CURVE_MODELS:-0.8b}; do
+    C="--model $model --device cuda --data /tmp/ds_corpus.txt --seq-len ${CURVE_SEQ:-1024} --micro-batch ${CURVE_MB:-4} \
+       --steps ${CURVE_STEPS:-1000} --lr ${CURVE_LR:-3e-4} --warmup 50 --eval-interval 50 --eval-batches 16 --val-fraction 0.005 \
+       --optimizer-state fp32 --recompute selective"
+    t0=$(date +%s)
+    for prec in bf16 fp8; do
+      rm -rf /tmp/ds_f_${model}_$prec
+      $D train $C --precision $prec --out /tmp/ds_f_${model}_$prec >/tmp/ds_f_${model}_$prec.txt 2>&1 &
+    done
+    wait
+    echo "curves-fp8 $model: $(( $(date +%s) - t0 )) s"
+    for prec in bf16 fp8; do
+      tail -1 /tmp/ds_f_${model}_$prec.txt
+      cp /tmp/ds_f_${model}_$prec/metrics.jsonl "$OUT/curve_fp8_${model}_$prec.jsonl" || status=1
+    done
+    python3 scripts/compare_curves.py "$OUT/curve_fp8_${model}_bf16.jsonl" "$OUT/curve_fp8_${model}_fp8.jsonl" --band 0.005 --after 100 \
+      | tee -a "$OUT/curves_fp8.txt" || status=1
+  done
 fi
 if has ncu-step; then
   # Every kernel of a 2B training step (seq 8192 x 2: one warm-up step + one timed) with its duration, for the

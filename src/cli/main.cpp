@@ -54,6 +54,9 @@ int main(int argc, char** argv) {
   bool overwrite = false;
   const char* overwrite_help = "Replace an existing output file (never an input or a checkpoint's file)";
   forward->add_flag("--overwrite", overwrite, overwrite_help);
+  const char* precision_help = "The decoder's matrix GEMMs: bf16, or fp8 (E4M3/E5M2, per-tensor scaling; docs/fp8.md)";
+  std::string precision = "bf16";
+  forward->add_option("--precision", precision, precision_help)->capture_default_str();
 
   auto* gen = app.add_subcommand("generate", "Sample text from a checkpoint");
   gen->add_option("--model", model_dir, "Checkpoint dir")->required();
@@ -83,6 +86,7 @@ int main(int argc, char** argv) {
   eval->add_option("--txt-split", txt_split, "paragraph, line or file")->capture_default_str();
   std::string eval_device = "auto";
   eval->add_option("--device", eval_device, "auto (GPU when present), cpu or cuda")->capture_default_str();
+  eval->add_option("--precision", precision, precision_help)->capture_default_str();
 
   auto* tokenize = app.add_subcommand("tokenize", "Tokenize a .jsonl of {\"text\"}, chat {\"messages\"} or {\"prompt\", \"completion\"} lines into {\"ids\"} (+ \"loss_mask\") lines");
   tokenize->add_option("--tokenizer", tokenizer, "HF tokenizer.json")->required();
@@ -125,6 +129,8 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     cmd->add_option("--optimizer-state", m.optimizer_state, "auto, fp32 or bf16")->capture_default_str();
     cmd->add_option("--recompute", m.recompute, "auto, none, selective or full")->capture_default_str();
+    cmd->add_option("--precision", m.precision, "bf16 or fp8 (the decoder's matrix GEMMs; docs/fp8.md)")
+        ->capture_default_str();
   };
   ds::cli::MemoryFlags bench_memory, plan_memory;
   add_memory_flags(bench_step, bench_memory);
@@ -218,11 +224,11 @@ int main(int argc, char** argv) {
     if (*forward) {
       DS_CHECK(forward_device == "cpu" || forward_device == "cuda", "--device must be cpu or cuda, got \"{}\"",
                forward_device);
-      return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device, overwrite);
+      return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device, overwrite, precision);
     }
     if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed, top_p, chat,
                                            gen_device);
-    if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device);
+    if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device, precision);
     if (*tokenize) {
       std::error_code ec;
       const bool to_file = output.ends_with(".jsonl") || std::filesystem::is_regular_file(output, ec);

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "dist/communicator.h"
+#include "model/gpu_fp8.h"
 #include "model/gpu_model.h"
 
 namespace ds {
@@ -471,6 +472,7 @@ class CudaEngine final : public Engine {
   size_t planned_bytes() const override { return gpu_->planned_bytes(); }
   OptimizerState optimizer_state() const override { return gpu_->optimizer_state(); }
   Recompute recompute() const override { return gpu_->recompute(); }
+  Precision precision() const override { return gpu_->precision(); }
   void set_profiler(cuda::StepProfiler* prof) override { gpu_->set_profiler(prof); }
 
  private:
@@ -531,6 +533,13 @@ Recompute parse_recompute(const std::string& s) {
   fail("--recompute must be auto, none, selective or full, got \"{}\"", s);
 }
 
+const char* precision_name(Precision p) { return p == Precision::Fp8 ? "fp8" : "bf16"; }
+Precision parse_precision(const std::string& s) {
+  for (Precision v : {Precision::Bf16, Precision::Fp8})
+    if (s == precision_name(v)) return v;
+  fail("--precision must be bf16 or fp8, got \"{}\"", s);
+}
+
 void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::string& optimizer_state,
                         const std::string& recompute) {
   DS_CHECK(memory == "auto" || memory == "fixed", "--memory must be auto or fixed, got \"{}\"", memory);
@@ -558,6 +567,7 @@ bool engine_knob(const char* name) {
 void check_engine_knobs() {
   engine_knob("DELTASTACK_ASYNC_OPTIMIZER");
   engine_knob("DELTASTACK_DP_OVERLAP");
+  Fp8Recipe::from_env();  // DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan) {
@@ -565,6 +575,7 @@ std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host,
   if (d == "cuda") return std::make_unique<CudaEngine>(std::move(host), plan);
   DS_CHECK(plan.optimizer_state != OptimizerState::Bf16, "--optimizer-state bf16 is a mode of the GPU engine; the CPU "
            "engine keeps fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)");
+  host.set_precision(plan.precision);
   return std::make_unique<CpuEngine>(std::move(host));
 }
 

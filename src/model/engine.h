@@ -46,6 +46,10 @@ const char* recompute_name(Recompute r);             // "auto" | "none" | "selec
 OptimizerState parse_optimizer_state(const std::string& s);  // ds::Error naming --optimizer-state
 Recompute parse_recompute(const std::string& s);             // ds::Error naming --recompute
 
+// Precision (`--precision`): model/model.h.
+const char* precision_name(Precision p);         // "bf16" | "fp8"
+Precision parse_precision(const std::string& s);  // ds::Error naming --precision
+
 // The memory flags into plan: `optimizer_state` and `recompute` as given ("auto" or a mode); with memory "fixed"
 // an "auto" one becomes fp32 / selective, with memory "auto" it stays Auto (the engine resolves it to fit the
 // device). ds::Error naming the flag for any other value.
@@ -62,6 +66,7 @@ struct GpuPlan {
   int64_t ce_chunk_tokens = 2048;  // fused-loss chunk
   OptimizerState optimizer_state = OptimizerState::Fp32;
   Recompute recompute = Recompute::Selective;
+  Precision precision = Precision::Bf16;
   // --shard optimizer on the GPU engine (ZeRO-1; docs/distributed.md): this rank of shard_world keeps and
   // updates only its even share of the flat parameters' AdamW state (model/gpu_params.h ParamShard);
   // shard_world 0: the whole state (no sharding).
@@ -168,6 +173,8 @@ class Engine {
   // The memory modes in use (resolved: never Auto). The CPU engine: fp32 state, nothing recomputed.
   virtual OptimizerState optimizer_state() const { return OptimizerState::Fp32; }
   virtual Recompute recompute() const { return Recompute::None; }
+  // The GEMM precision in use: the plan's, or bf16 where the FP8 backend failed its probe (one log line).
+  virtual Precision precision() const { return Precision::Bf16; }
   // Timed scopes of the step's ops on the compute stream, collected by the caller after each step (`bench step
   // --profile`; core/cuda/profile.h); null turns them off. The CUDA engine only; the CPU engine ignores it.
   virtual void set_profiler(cuda::StepProfiler* /*prof*/) {}

@@ -146,6 +146,15 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   op_scratch_bytes = s.op_scratch;
   op_scratch = a.bytes(s.op_scratch);
   ce_scratch = a.bytes(s.ce_scratch);
+  fp8 = GpuFp8Bufs{};
+  if (s.fp8) {
+    const GpuFp8Bufs::Sizes f = GpuFp8Bufs::sizes(c, N);
+    fp8.x = a.take<uint8_t>(f.x);
+    fp8.w = a.take<uint8_t>(f.w);
+    fp8.dy = a.take<uint8_t>(f.dy);
+    fp8.dyt = a.take<uint8_t>(f.dyt);
+    fp8.f = a.take<float>(8);
+  }
 }
 
 }  // namespace ds

@@ -19,6 +19,7 @@
 #include "core/cuda/cuda_utils.h"
 #include "model/config.h"
 #include "model/engine.h"
+#include "model/gpu_fp8.h"
 #include "model/gpu_memory.h"
 
 namespace ds {
@@ -67,12 +68,14 @@ struct GpuActivations {
   void* op_scratch = nullptr;  // shared by every op call (the largest need of any op or plan)
   size_t op_scratch_bytes = 0;
   void* ce_scratch = nullptr;
+  GpuFp8Bufs fp8;  // --precision fp8: the GEMM operands' casts (model/gpu_fp8.h); null otherwise
 
   struct Sizes {
     int64_t max_tokens = 0, max_seqs = 0;
     size_t gdn_saved = 0, gdn_batch = 0, attn_batch = 0;  // from the op plans
     size_t op_scratch = 0, ce_scratch = 0;                // the largest scratch of any op / the fused loss
     Recompute recompute = Recompute::Selective;           // resolved (not Auto)
+    bool fp8 = false;                                     // --precision fp8: reserve the FP8 casts' buffers
   };
   // Lays every buffer out in `a` for config c and the sizes.
   void reserve(Arena& a, const ModelConfig& c, const Sizes& s);

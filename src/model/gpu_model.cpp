@@ -9,6 +9,8 @@
 #include <cmath>
 #include <initializer_list>
 #include <memory>
+#include <optional>
+#include <utility>
 
 #include "core/cuda/cuda_utils.h"
 #include "core/cuda/device.h"
@@ -16,6 +18,7 @@
 #include "core/log.h"
 #include "model/dims.h"
 #include "model/gpu_activations.h"
+#include "model/gpu_fp8.h"
 #include "model/gpu_memory.h"
 #include "model/gpu_optimizer.h"
 #include "model/gpu_params.h"
@@ -64,6 +67,9 @@ struct GpuModel::Impl {
   std::unique_ptr<K::AttentionPlan> attn;      // null when the model has no attention layer
   std::unique_ptr<K::Conv1dPlan> conv;
   std::unique_ptr<K::LinearCrossEntropyPlan> ce;
+  // --precision fp8 (model/gpu_fp8.h): the decoder's matrix GEMMs in FP8; empty in bf16, or when the FP8 backend
+  // failed its probe (the engine then runs bf16 and says so once).
+  std::optional<GpuFp8Linear> f8;
   // the current micro-batch
   int64_t N = 0, S = 0, num_uniq = 0;
   double attn_pairs = 0;  // causal (query, key) pairs per head: sum over documents of len (len + 1) / 2
@@ -220,6 +226,48 @@ struct GpuModel::Impl {
   }
 
   // ---------------------------------------------------------------------------------------------------------
+  // The decoder's matrix GEMMs: linears that read the same input x [N, K], in FP8 when the precision is fp8 and
+  // every shape takes it (one cast of x for all of them), else bf16 (cuBLASLt).
+  struct LinOut {
+    const bf16* W;  // [n, K]
+    int64_t n;      // outputs
+    bf16* y;        // [N, n]
+  };
+  struct LinGrad {
+    const bf16* dy;  // [N, n]
+    const bf16* W;   // [n, K]
+    int64_t n;
+    float* dW;  // [n, K], accumulated
+  };
+  template <class L>
+  bool use_fp8(int64_t Kd, std::initializer_list<L> ls) const {
+    if (!f8) return false;
+    for (const L& l : ls)
+      if (!GpuFp8Linear::takes(Kd, l.n)) return false;
+    return true;
+  }
+  // y_j = x W_j^T for each output.
+  void linears_forward(const bf16* x, int64_t Kd, std::initializer_list<LinOut> outs) {
+    if (use_fp8(Kd, outs)) {
+      const K::Fp8Matrix qx = f8->input(x, N, Kd);
+      for (const LinOut& o : outs) f8->forward(qx, o.W, o.n, o.y, false);
+      return;
+    }
+    for (const LinOut& o : outs) K::linear_forward(x, o.W, o.y, N, Kd, o.n, false, stream);
+  }
+  // dx [N, K] = sum_j dy_j W_j (overwritten), dW_j += dy_j^T x.
+  void linears_backward(const bf16* x, int64_t Kd, bf16* dx, std::initializer_list<LinGrad> gs) {
+    bool acc = false;
+    if (use_fp8(Kd, gs)) {
+      const K::Fp8Matrix qxt = f8->input_t(x, N, Kd);
+      for (const LinGrad& g : gs) f8->backward(g.dy, N, g.W, qxt, g.n, dx, std::exchange(acc, true), g.dW);
+      return;
+    }
+    for (const LinGrad& g : gs) K::linear_backward_data(g.dy, g.W, dx, N, Kd, g.n, std::exchange(acc, true), stream);
+    for (const LinGrad& g : gs) K::linear_backward_weight(g.dy, x, g.dW, N, Kd, g.n, stream);
+  }
+
+  // ---------------------------------------------------------------------------------------------------------
   // Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, docs/model.md §2.6): xn1 -> tmpH.
   void gdn_forward(const GpuParamStore::Layer& p, GpuLayerActs& A) {
     const GdnParams<const bf16*>& w = p.compute.gdn;
@@ -229,9 +277,8 @@ struct GpuModel::Impl {
     const double n = static_cast<double>(N);
     {
       ProfScope ps = scope("gemm", "gdn in_proj", 2 * n * H * (CD + VD + 2 * Hv));
-      K::linear_forward(A.xn1, w.in_proj_qkv, A.mixed, N, H, CD, false, stream);
-      K::linear_forward(A.xn1, w.in_proj_z, A.z, N, H, VD, false, stream);
-      K::linear_forward(A.xn1, w.in_proj_ba, A.ab, N, H, 2 * Hv, false, stream);  // [b | a] per token
+      linears_forward(A.xn1, H, {{w.in_proj_qkv, CD, A.mixed}, {w.in_proj_z, VD, A.z}});
+      K::linear_forward(A.xn1, w.in_proj_ba, A.ab, N, H, 2 * Hv, false, stream);  // [b | a] per token: bf16
     }
     gdn_rebuildable(p, A);
     {
@@ -248,7 +295,7 @@ struct GpuModel::Impl {
                                stream);
     }
     ProfScope ps = scope("gemm", "gdn out_proj", 2 * n * VD * H);
-    K::linear_forward(A.y, w.out_proj, acts.tmpH, N, VD, H, false, stream);
+    linears_forward(A.y, VD, {{w.out_proj, H, acts.tmpH}});
   }
 
   // conv_out, qn, kn from mixed: the forward's ops, again in the backward when rebuilding.
@@ -309,8 +356,7 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("gemm", "gdn out_proj (bwd)", 4 * n * VD * H);
-      K::linear_backward_data(d.dh, w.out_proj, d.dy, N, VD, H, false, stream);
-      K::linear_backward_weight(d.dh, A.y, gw.out_proj, N, VD, H, stream);
+      linears_backward(A.y, VD, d.dy, {{d.dh, w.out_proj, H, gw.out_proj}});
     }
     {
       ProfScope ps = scope("norm", "gated rmsnorm (bwd)", 0, 10 * n * VD);  // core, z, dy -> dcore, dz
@@ -344,11 +390,8 @@ struct GpuModel::Impl {
       conv->backward(A.mixed, m.conv1d, d.dconv, B.seq_start, d.dmixed, gw.conv1d, N, scratch, stream);
     }
     ProfScope ps = scope("gemm", "gdn in_proj (bwd)", 4 * n * H * (CD + VD + 2 * Hv));
-    K::linear_backward_data(d.dmixed, w.in_proj_qkv, d.dxn, N, H, CD, false, stream);
-    K::linear_backward_data(d.dz, w.in_proj_z, d.dxn, N, H, VD, true, stream);
-    K::linear_backward_data(d.dab, w.in_proj_ba, d.dxn, N, H, 2 * Hv, true, stream);
-    K::linear_backward_weight(d.dmixed, A.xn1, gw.in_proj_qkv, N, H, CD, stream);
-    K::linear_backward_weight(d.dz, A.xn1, gw.in_proj_z, N, H, VD, stream);
+    linears_backward(A.xn1, H, d.dxn, {{d.dmixed, w.in_proj_qkv, CD, gw.in_proj_qkv}, {d.dz, w.in_proj_z, VD, gw.in_proj_z}});
+    K::linear_backward_data(d.dab, w.in_proj_ba, d.dxn, N, H, 2 * Hv, true, stream);  // b|a: bf16 at any precision
     K::linear_backward_weight(d.dab, A.xn1, gw.in_proj_ba, N, H, 2 * Hv, stream);
   }
 
@@ -360,19 +403,15 @@ struct GpuModel::Impl {
     const int64_t H = c.hidden_size, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
     const double n = static_cast<double>(N);
     {
-      ProfScope ps = scope("gemm", "attn qkv", 2 * n * H * Hq * 2 * hd);
-      K::linear_forward(A.xn1, w.q_proj, acts.qg, N, H, Hq * 2 * hd, false, stream);
+      ProfScope ps = scope("gemm", "attn qkv", 2 * n * H * (Hq * 2 + Hkv * 2) * hd);
+      linears_forward(A.xn1, H, {{w.q_proj, Hq * 2 * hd, acts.qg}, {w.k_proj, Hkv * hd, A.kraw},
+                                 {w.v_proj, Hkv * hd, A.vraw}});
     }
     {
       ProfScope ps = scope("elementwise", "copy_rows q/gate", 0, 8 * n * Hq * hd);  // qg -> qraw, graw (bf16)
       // per head: [query (hd) | gate (hd)]
       K::copy_rows(acts.qg, 2 * hd, A.qraw, hd, N * Hq, hd, stream);
       K::copy_rows(acts.qg + hd, 2 * hd, A.graw, hd, N * Hq, hd, stream);
-    }
-    {
-      ProfScope ps = scope("gemm", "attn qkv", 4 * n * H * Hkv * hd);
-      K::linear_forward(A.xn1, w.k_proj, A.kraw, N, H, Hkv * hd, false, stream);
-      K::linear_forward(A.xn1, w.v_proj, A.vraw, N, H, Hkv * hd, false, stream);
     }
     const float eps = static_cast<float>(c.rms_norm_eps);
     {
@@ -394,7 +433,7 @@ struct GpuModel::Impl {
       K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);
     }
     ProfScope ps = scope("gemm", "attn o_proj", 2 * n * Hq * hd * H);
-    K::linear_forward(A.og, w.o_proj, acts.tmpH, N, Hq * hd, H, false, stream);
+    linears_forward(A.og, Hq * hd, {{w.o_proj, H, acts.tmpH}});
   }
 
   // Causal attention forward FLOPs: QK^T and PV, 2 x 2 x hd per (query, key) pair and query head; the backward
@@ -418,8 +457,7 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("gemm", "attn o_proj (bwd)", 4 * n * Hq * hd * H);
-      K::linear_backward_data(d.dh, w.o_proj, d.dog, N, Hq * hd, H, false, stream);
-      K::linear_backward_weight(d.dh, A.og, gw.o_proj, N, Hq * hd, H, stream);
+      linears_backward(A.og, Hq * hd, d.dog, {{d.dh, w.o_proj, H, gw.o_proj}});
     }
     {
       ProfScope ps = scope("elementwise", "output gate (bwd)", 0, 10 * n * Hq * hd);  // ao, graw, dog -> dao, dgate
@@ -445,12 +483,8 @@ struct GpuModel::Impl {
       K::copy_rows(d.dgate, hd, d.dqg + hd, 2 * hd, N * Hq, hd, stream);
     }
     ProfScope ps = scope("gemm", "attn qkv (bwd)", 4 * n * H * (2 * Hq + 2 * Hkv) * hd);
-    K::linear_backward_data(d.dqg, w.q_proj, d.dxn, N, H, Hq * 2 * hd, false, stream);
-    K::linear_backward_data(d.dkr, w.k_proj, d.dxn, N, H, Hkv * hd, true, stream);
-    K::linear_backward_data(d.dvv, w.v_proj, d.dxn, N, H, Hkv * hd, true, stream);
-    K::linear_backward_weight(d.dqg, A.xn1, gw.q_proj, N, H, Hq * 2 * hd, stream);
-    K::linear_backward_weight(d.dkr, A.xn1, gw.k_proj, N, H, Hkv * hd, stream);
-    K::linear_backward_weight(d.dvv, A.xn1, gw.v_proj, N, H, Hkv * hd, stream);
+    linears_backward(A.xn1, H, d.dxn, {{d.dqg, w.q_proj, Hq * 2 * hd, gw.q_proj}, {d.dkr, w.k_proj, Hkv * hd, gw.k_proj},
+                                        {d.dvv, w.v_proj, Hkv * hd, gw.v_proj}});
   }
 
   // Decoder layer i (HF Qwen3_5DecoderLayer, docs/model.md §2.3): hs[i] -> hs[i+1].
@@ -477,7 +511,7 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("gemm", "mlp gate_up", 2 * n * H * 2 * I);
-      K::linear_forward(A.xn2, p.compute.mlp.gate_up, A.gu, N, H, 2 * I, false, stream);  // [gate | up] per token
+      linears_forward(A.xn2, H, {{p.compute.mlp.gate_up, 2 * I, A.gu}});  // [gate | up] per token
     }
     {
       ProfScope ps = scope("elementwise", "swiglu", 0, 6 * n * I);  // gu -> act
@@ -485,7 +519,7 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("gemm", "mlp down", 2 * n * I * H);
-      K::linear_forward(A.act, p.compute.mlp.down, tmpH, N, I, H, false, stream);
+      linears_forward(A.act, I, {{p.compute.mlp.down, H, tmpH}});
     }
     ProfScope ps = scope("elementwise", "residual add", 0, 6 * n * H);
     K::add(A.h_mid, tmpH, h_out, N * H, stream);
@@ -515,8 +549,7 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("gemm", "mlp down (bwd)", 4 * n * I * H);
-      K::linear_backward_data(d.dh, p.compute.mlp.down, d.dact, N, I, H, false, stream);
-      K::linear_backward_weight(d.dh, A.act, p.grad.mlp.down, N, I, H, stream);
+      linears_backward(A.act, I, d.dact, {{d.dh, p.compute.mlp.down, H, p.grad.mlp.down}});
     }
     {
       ProfScope ps = scope("elementwise", "swiglu (bwd)", 0, 10 * n * I);  // gu, dact -> dgu
@@ -524,8 +557,7 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("gemm", "mlp gate_up (bwd)", 4 * n * H * 2 * I);
-      K::linear_backward_data(d.dgu, p.compute.mlp.gate_up, d.dxn, N, H, 2 * I, false, stream);
-      K::linear_backward_weight(d.dgu, A.xn2, p.grad.mlp.gate_up, N, H, 2 * I, stream);
+      linears_backward(A.xn2, H, d.dxn, {{d.dgu, p.compute.mlp.gate_up, 2 * I, p.grad.mlp.gate_up}});
     }
     {
       ProfScope ps = scope("norm", "rmsnorm (bwd)", 0, 6 * n * H);  // x, dy -> dx
@@ -754,6 +786,16 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   real.base = m.arena_base;
   m.layout_memory(real);
   m.optimizer->zero_state(m.stream);
+  if (m.plan.precision == Precision::Fp8) {
+    if (ops::fp8_gemm_usable()) {
+      const Fp8Recipe recipe = Fp8Recipe::from_env();
+      m.f8.emplace(m.acts.fp8, recipe, m.stream);
+      log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({})", recipe.describe());
+    } else {
+      log_warn("gpu: --precision fp8: the FP8 GEMM backend failed its probe (`deltastack probe` shows it); the GEMMs "
+               "run in bf16");
+    }
+  }
   DS_CHECK(host.deferred() || static_cast<int64_t>(host.weights().size()) == m.P,
            "gpu: the host model holds {} weights, expected {} (released or not loaded)", host.weights().size(), m.P);
   m.store->upload([&](size_t k, float* dst) { host.fill_param(k, dst); }, m.stream);
@@ -938,6 +980,7 @@ void GpuModel::download_grads(std::vector<float>& out) const {
 size_t GpuModel::planned_bytes() const { return impl_->arena_bytes; }
 OptimizerState GpuModel::optimizer_state() const { return impl_->plan.optimizer_state; }
 Recompute GpuModel::recompute() const { return impl_->plan.recompute; }
+Precision GpuModel::precision() const { return impl_->f8 ? Precision::Fp8 : Precision::Bf16; }
 size_t GpuModel::peak_bytes() const { return impl_->peak; }
 
 }  // namespace ds
@@ -973,6 +1016,7 @@ double GpuModel::share_grad_sum_squares() { return 0; }
 size_t GpuModel::planned_bytes() const { return 0; }
 OptimizerState GpuModel::optimizer_state() const { return OptimizerState::Fp32; }
 Recompute GpuModel::recompute() const { return Recompute::Selective; }
+Precision GpuModel::precision() const { return Precision::Bf16; }
 size_t GpuModel::peak_bytes() const { return 0; }
 }  // namespace ds
 

@@ -116,6 +116,7 @@ class GpuModel {
   size_t planned_bytes() const;  // the single device allocation
   OptimizerState optimizer_state() const;  // the modes in use (GpuPlan's, Auto resolved)
   Recompute recompute() const;
+  Precision precision() const;  // the plan's, or bf16 where the FP8 backend failed its probe
   size_t peak_bytes() const;     // device memory in use by this process at its high point (cudaMemGetInfo)
 
  private:

@@ -71,6 +71,7 @@ void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, Gpu
                             ops.attn_workspace});
   sz.ce_scratch = ops.ce_workspace;
   sz.recompute = plan.recompute;
+  sz.fp8 = plan.precision == Precision::Fp8;
   acts.reserve(a, c, sz);
 }
 

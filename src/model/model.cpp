@@ -9,9 +9,11 @@
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/fp8.h"
 #include "core/log.h"
 #include "core/rng.h"
 #include "model/dims.h"
+#include "model/gpu_fp8.h"
 #include "ops/attention/attention.h"
 #include "ops/conv1d/conv1d.h"
 #include "ops/embedding/embedding.h"
@@ -366,7 +368,38 @@ struct Qwen35Model::Impl {
 
   Impl(Qwen35Model& model, const PackedBatch& b)
       : m(model), c(model.cfg_), batch(b), N(b.size()), H(model.cfg_.hidden_size),
-        I(model.cfg_.intermediate_size), num_seqs(static_cast<int64_t>(b.cu_seqlens.size()) - 1) {}
+        I(model.cfg_.intermediate_size), num_seqs(static_cast<int64_t>(b.cu_seqlens.size()) - 1),
+        fp8(model.precision_ == Precision::Fp8), grad_format(fp8 ? Fp8Recipe::from_env().grad : Fp8Format::E5M2) {}
+
+  // --- The matrix GEMMs (in_proj_qkv, in_proj_z, out_proj, q/k/v/o_proj, gate/up/down_proj). With `--precision
+  // fp8` (docs/fp8.md) each reads its operands as the GPU's FP8 GEMMs do (model/gpu_fp8.h, core/fp8.h): x and W
+  // cast to E4M3, an output gradient to the recipe's format, each with its own per-tensor scale, except that
+  // gate_proj and up_proj (one gate|up tensor on the GPU) share the amax of both (w_amax / dy_amax >= 0). The
+  // values are then multiplied in fp32 as in bf16 mode.
+  const bool fp8;
+  const Fp8Format grad_format;
+  const float* cast(const float* x, int64_t n, Fp8Format f, Buf& keep, float amax = -1) const {
+    if (!fp8) return x;
+    keep.assign(x, x + n);
+    fp8_fake_quantize(keep.data(), n, f, amax >= 0 ? amax : fp8_amax(x, n));
+    return keep.data();
+  }
+  float joint_amax(const float* a, const float* b, int64_t n) const {
+    return fp8 ? std::max(fp8_amax(a, n), fp8_amax(b, n)) : -1.0f;
+  }
+  // y [N, n] (= or +=) x [N, K] W[n, K]^T
+  void lin_fwd(const float* x, const float* W, float* y, int64_t K, int64_t n, bool acc = false, float w_amax = -1) {
+    Buf qx, qw;
+    ops::linear_forward(cast(x, N * K, Fp8Format::E4M3, qx), cast(W, n * K, Fp8Format::E4M3, qw, w_amax), y, N, K, n,
+                        acc);
+  }
+  // dx [N, K] (= or +=) dy W, dW += dy^T x
+  void lin_bwd(const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t K, int64_t n,
+               bool acc_dx = false, float w_amax = -1, float dy_amax = -1) {
+    Buf qx, qw, qdy;
+    ops::linear_backward(cast(x, N * K, Fp8Format::E4M3, qx), cast(W, n * K, Fp8Format::E4M3, qw, w_amax),
+                         cast(dy, N * n, grad_format, qdy, dy_amax), dx, dW, N, K, n, acc_dx);
+  }
 
   // The weights and gradients unit by unit (model.h: UnitSource): from the source when one is set, else views of
   // weights() / grads(). A unit's pointer is its first element; the layout's offsets are rebased to it.
@@ -400,8 +433,8 @@ struct Qwen35Model::Impl {
     s.zz.resize(N * VD);
     s.bb.resize(N * Hv);
     s.aa.resize(N * Hv);
-    ops::linear_forward(s.xn1.data(), w.gdn.in_proj_qkv, s.mixed.data(), N, H, CD);
-    ops::linear_forward(s.xn1.data(), w.gdn.in_proj_z, s.zz.data(), N, H, VD);
+    lin_fwd(s.xn1.data(), w.gdn.in_proj_qkv, s.mixed.data(), H, CD);
+    lin_fwd(s.xn1.data(), w.gdn.in_proj_z, s.zz.data(), H, VD);
     ops::linear_forward(s.xn1.data(), w.gdn.in_proj_ba, s.bb.data(), N, H, Hv);
     ops::linear_forward(s.xn1.data(), w.gdn.in_proj_a, s.aa.data(), N, H, Hv);
     s.conv_out.resize(N * CD);
@@ -451,7 +484,7 @@ struct Qwen35Model::Impl {
     s.y.resize(N * VD);
     ops::gated_rmsnorm_forward(s.core.data(), s.zz.data(), w.gdn.norm, s.y.data(), s.rstd_g.data(), rows_v, dv,
                                c.rms_norm_eps);
-    ops::linear_forward(s.y.data(), w.gdn.out_proj, out.data(), N, VD, H);
+    lin_fwd(s.y.data(), w.gdn.out_proj, out.data(), VD, H);
   }
 
   // dout: [N, H] gradient of the mixer output; dxn (out): [N, H] gradient of the normed input.
@@ -459,7 +492,7 @@ struct Qwen35Model::Impl {
     const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads;
     const int64_t K = c.linear_conv_kernel_dim, dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
     Buf dy(N * VD);
-    ops::linear_backward(s.y.data(), w.gdn.out_proj, dout.data(), dy.data(), gw.gdn.out_proj, N, VD, H);
+    lin_bwd(s.y.data(), w.gdn.out_proj, dout.data(), dy.data(), gw.gdn.out_proj, VD, H);
     Buf dcore(N * VD), dz(N * VD);
     ops::gated_rmsnorm_backward(s.core.data(), s.zz.data(), w.gdn.norm, s.rstd_g.data(), dy.data(), dcore.data(),
                                 dz.data(), gw.gdn.norm, N * Hv, dv);
@@ -485,8 +518,8 @@ struct Qwen35Model::Impl {
     Buf dmixed(N * CD);
     ops::conv1d_silu_backward(s.mixed.data(), w.gdn.conv1d, dconv.data(), batch.cu_seqlens.data(), num_seqs, N, CD, K,
                               dmixed.data(), gw.gdn.conv1d);
-    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_qkv, dmixed.data(), dxn.data(), gw.gdn.in_proj_qkv, N, H, CD, false);
-    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_z, dz.data(), dxn.data(), gw.gdn.in_proj_z, N, H, VD, true);
+    lin_bwd(s.xn1.data(), w.gdn.in_proj_qkv, dmixed.data(), dxn.data(), gw.gdn.in_proj_qkv, H, CD, false);
+    lin_bwd(s.xn1.data(), w.gdn.in_proj_z, dz.data(), dxn.data(), gw.gdn.in_proj_z, H, VD, true);
     ops::linear_backward(s.xn1.data(), w.gdn.in_proj_ba, db.data(), dxn.data(), gw.gdn.in_proj_ba, N, H, Hv, true);
     ops::linear_backward(s.xn1.data(), w.gdn.in_proj_a, da.data(), dxn.data(), gw.gdn.in_proj_a, N, H, Hv, true);
   }
@@ -495,7 +528,7 @@ struct Qwen35Model::Impl {
   void attn_forward(const LayerParams<float*>& w, LayerCache& s, Buf& out) {
     const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
     Buf qg(N * Hq * 2 * hd);
-    ops::linear_forward(s.xn1.data(), w.attn.q_proj, qg.data(), N, H, Hq * 2 * hd);
+    lin_fwd(s.xn1.data(), w.attn.q_proj, qg.data(), H, Hq * 2 * hd);
     s.qraw.resize(N * Hq * hd);
     s.graw.resize(N * Hq * hd);
     for (int64_t t = 0; t < N; ++t)
@@ -506,8 +539,8 @@ struct Qwen35Model::Impl {
       }
     s.kraw.resize(N * Hkv * hd);
     s.vraw.resize(N * Hkv * hd);
-    ops::linear_forward(s.xn1.data(), w.attn.k_proj, s.kraw.data(), N, H, Hkv * hd);
-    ops::linear_forward(s.xn1.data(), w.attn.v_proj, s.vraw.data(), N, H, Hkv * hd);
+    lin_fwd(s.xn1.data(), w.attn.k_proj, s.kraw.data(), H, Hkv * hd);
+    lin_fwd(s.xn1.data(), w.attn.v_proj, s.vraw.data(), H, Hkv * hd);
     s.qr.resize(N * Hq * hd);
     s.kr.resize(N * Hkv * hd);
     s.rstd_q.resize(N * Hq);
@@ -524,7 +557,7 @@ struct Qwen35Model::Impl {
                              batch.cu_seqlens.data(), s.ao.data(), s.lse.data());
     s.og.resize(N * Hq * hd);
     ops::output_gate_forward(s.ao.data(), s.graw.data(), s.og.data(), N * Hq * hd);
-    ops::linear_forward(s.og.data(), w.attn.o_proj, out.data(), N, Hq * hd, H);
+    lin_fwd(s.og.data(), w.attn.o_proj, out.data(), Hq * hd, H);
   }
 
   // Generation: these N tokens' keys and values appended to the layer's cache, then each query's causal softmax
@@ -567,7 +600,7 @@ struct Qwen35Model::Impl {
   void attn_backward(const LayerParams<float*>& w, const LayerParams<float*>& gw, LayerCache& s, const Buf& dout, Buf& dxn) {
     const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
     Buf dog(N * Hq * hd);
-    ops::linear_backward(s.og.data(), w.attn.o_proj, dout.data(), dog.data(), gw.attn.o_proj, N, Hq * hd, H);
+    lin_bwd(s.og.data(), w.attn.o_proj, dout.data(), dog.data(), gw.attn.o_proj, Hq * hd, H);
     Buf dao(N * Hq * hd), dgate(N * Hq * hd);
     ops::output_gate_backward(s.ao.data(), s.graw.data(), dog.data(), dao.data(), dgate.data(), N * Hq * hd);
     Buf dqr(N * Hq * hd), dkr(N * Hkv * hd), dvv(N * Hkv * hd);
@@ -586,9 +619,9 @@ struct Qwen35Model::Impl {
         std::copy(dq.data() + (t * Hq + h) * hd, dq.data() + (t * Hq + h + 1) * hd, dst);
         std::copy(dgate.data() + (t * Hq + h) * hd, dgate.data() + (t * Hq + h + 1) * hd, dst + hd);
       }
-    ops::linear_backward(s.xn1.data(), w.attn.q_proj, dqg.data(), dxn.data(), gw.attn.q_proj, N, H, Hq * 2 * hd, false);
-    ops::linear_backward(s.xn1.data(), w.attn.k_proj, dk.data(), dxn.data(), gw.attn.k_proj, N, H, Hkv * hd, true);
-    ops::linear_backward(s.xn1.data(), w.attn.v_proj, dvv.data(), dxn.data(), gw.attn.v_proj, N, H, Hkv * hd, true);
+    lin_bwd(s.xn1.data(), w.attn.q_proj, dqg.data(), dxn.data(), gw.attn.q_proj, H, Hq * 2 * hd, false);
+    lin_bwd(s.xn1.data(), w.attn.k_proj, dk.data(), dxn.data(), gw.attn.k_proj, H, Hkv * hd, true);
+    lin_bwd(s.xn1.data(), w.attn.v_proj, dvv.data(), dxn.data(), gw.attn.v_proj, H, Hkv * hd, true);
   }
 
   // --- Decoder layer (HF Qwen3_5DecoderLayer, docs/model.md §2.3): h_out = h_mid + mlp(norm2(h_mid)),
@@ -609,20 +642,22 @@ struct Qwen35Model::Impl {
     s.gate.resize(N * I);
     s.up.resize(N * I);
     s.act.resize(N * I);
-    ops::linear_forward(s.xn2.data(), w.mlp.gate_up, s.gate.data(), N, H, I);
-    ops::linear_forward(s.xn2.data(), w.mlp.up, s.up.data(), N, H, I);
+    const float gu_amax = joint_amax(w.mlp.gate_up, w.mlp.up, I * H);  // gate|up: one tensor on the GPU
+    lin_fwd(s.xn2.data(), w.mlp.gate_up, s.gate.data(), H, I, false, gu_amax);
+    lin_fwd(s.xn2.data(), w.mlp.up, s.up.data(), H, I, false, gu_amax);
     ops::swiglu_forward(s.gate.data(), s.up.data(), s.act.data(), N * I);
-    ops::linear_forward(s.act.data(), w.mlp.down, h.data(), N, I, H, /*accumulate=*/true);
+    lin_fwd(s.act.data(), w.mlp.down, h.data(), I, H, /*acc=*/true);
   }
 
   // dh: gradient of the layer output on entry, of the layer input on exit.
   // w, gw: the layer's weights and the gradients they get (added).
   void layer_backward(int64_t i, const LayerParams<float*>& w, const LayerParams<float*>& gw, LayerCache& s, Buf& dh) {
     Buf dact(N * I), dgate(N * I), dup(N * I), dxn(N * H), tmp(N * H);
-    ops::linear_backward(s.act.data(), w.mlp.down, dh.data(), dact.data(), gw.mlp.down, N, I, H);
+    lin_bwd(s.act.data(), w.mlp.down, dh.data(), dact.data(), gw.mlp.down, I, H);
     ops::swiglu_backward(s.gate.data(), s.up.data(), dact.data(), dgate.data(), dup.data(), N * I);
-    ops::linear_backward(s.xn2.data(), w.mlp.gate_up, dgate.data(), dxn.data(), gw.mlp.gate_up, N, H, I, false);
-    ops::linear_backward(s.xn2.data(), w.mlp.up, dup.data(), dxn.data(), gw.mlp.up, N, H, I, true);
+    const float gu_amax = joint_amax(w.mlp.gate_up, w.mlp.up, I * H), dgu_amax = joint_amax(dgate.data(), dup.data(), N * I);
+    lin_bwd(s.xn2.data(), w.mlp.gate_up, dgate.data(), dxn.data(), gw.mlp.gate_up, H, I, false, gu_amax, dgu_amax);
+    lin_bwd(s.xn2.data(), w.mlp.up, dup.data(), dxn.data(), gw.mlp.up, H, I, true, gu_amax, dgu_amax);
     ops::rmsnorm_backward(s.h_mid.data(), w.post_attention_layernorm, s.rstd2.data(), dxn.data(), tmp.data(), gw.post_attention_layernorm, N, H, true);
     add_into(dh, tmp);  // dh is now d h_mid
     if (c.is_full_attention(i)) attn_backward(w, gw, s, dh, dxn);

@@ -15,6 +15,12 @@
 
 namespace ds {
 
+// The decoder's matrix GEMMs (`--precision`; docs/fp8.md): bf16 (the exact mode; fp32 on the CPU engine), or FP8
+// (E4M3 / E5M2 with per-tensor current scaling: model/gpu_fp8.h on the GPU, core/fp8.h's casts emulated exactly on
+// the CPU). Lossy, opt-in.
+enum class Precision { Bf16, Fp8 };
+
+
 
 // One packed batch of documents, flattened to N tokens (batch rows are documents too).
 struct PackedBatch {
@@ -165,6 +171,11 @@ class Qwen35Model {
   // are then not used and may be released); null: weights() and grads() again. The source must outlive its use.
   // last_logits and decode read weights() only (ds::Error with a source set).
   void set_unit_source(UnitSource* s) { source_ = s; }
+  // The matrix GEMMs of forward_backward: Precision::Fp8 reads their operands through the FP8 casts the GPU's
+  // `--precision fp8` GEMMs use (core/fp8.h, emulated exactly; docs/fp8.md), Bf16 (the default) is the plain fp32
+  // reference (the name says what the GPU runs).
+  void set_precision(Precision p) { precision_ = p; }
+  Precision precision() const { return precision_; }
 
   void zero_grads();
   // Frees the host weight and gradient buffers (the GPU engine calls it after uploading the weights: a GPU run
@@ -202,6 +213,7 @@ class Qwen35Model {
   std::vector<float> weights_, grads_;
   std::vector<ParamUnit> units_;
   UnitSource* source_ = nullptr;
+  Precision precision_ = Precision::Bf16;
   std::function<void(size_t k, float* dst)> deferred_;  // set by defer_init / defer_load until materialize()
   static void init_param(const ModelConfig& cfg, const std::vector<ParamSpec>& params, size_t k, uint64_t seed,
                          float* dst);

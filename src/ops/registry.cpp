@@ -25,6 +25,7 @@
 #include "ops/gdn_gate/cuda_check.h"
 #include "ops/l2norm/cuda_check.h"
 #include "ops/linear/cuda_check.h"
+#include "ops/linear/fp8_check.h"
 #include "ops/linear_cross_entropy/cuda_check.h"
 #include "ops/rmsnorm/cuda_check.h"
 #include "ops/rope/cuda_check.h"
@@ -57,6 +58,7 @@ void add_cuda_backends(std::vector<OpEntry>& t) {
       {"embedding", &probe_cuda_embedding, 1e-2},
       {"rmsnorm", &probe_cuda_rmsnorm, 1e-2},
       {"linear", &probe_cuda_linear, 1e-2},
+      {"linear_fp8", &probe_cuda_linear_fp8, 1e-2},
       {"conv1d", &probe_cuda_conv1d, 1e-2},
       {"gdn_gate", &probe_cuda_gdn_gate, 2e-2},
       {"l2norm", &probe_cuda_l2norm, 1e-2},
@@ -111,6 +113,8 @@ std::vector<OpEntry> build_table() {
   ref_only("embedding");
   ref_only("rmsnorm");
   ref_only("linear");
+  // `--precision fp8`'s GEMMs: the CPU engine emulates the casts (core/fp8.h) around its fp32 GEMMs.
+  t.push_back({"linear_fp8", {Backend{"cpu-emulation", "cpu", true, {}, 0.0, {}}}});
   ref_only("conv1d");
   ref_only("gdn_gate");
   ref_only("l2norm");
@@ -291,6 +295,8 @@ std::vector<ProbeRow> probe_all() {
   return rows;
 }
 
+bool fp8_gemm_usable() { return cuda_compiled() && cuda_device_count() > 0 && !select_backend(kOptionalCudaOp, "cuda").reference; }
+
 void require_cuda_backends() {
   DS_CHECK(cuda_compiled(),
            "--device cuda: this build has no CUDA support (configure with -DDELTASTACK_CUDA=ON and nvcc on PATH)");
@@ -299,7 +305,8 @@ void require_cuda_backends() {
   {
     std::lock_guard<std::mutex> lk(g_mu);
     for (const OpEntry& e : table())
-      if (std::any_of(e.backends.begin(), e.backends.end(), [](const Backend& b) { return b.device == "cuda"; }))
+      if (e.name != kOptionalCudaOp &&
+          std::any_of(e.backends.begin(), e.backends.end(), [](const Backend& b) { return b.device == "cuda"; }))
         ops.push_back(e.name);
   }
   // Every op is selected (and probed) before failing, so each rejection gets its log line.

@@ -66,5 +66,11 @@ std::vector<ProbeRow> probe_all();
 // that resolves to its reference entry (probe error over the band, or DELTASTACK_<OP>=reference): the GPU engine
 // has no per-op CPU fallback. Also throws when the build has no CUDA support or no device is present.
 void require_cuda_backends();
+// The one op whose CUDA backend may fail without stopping the GPU engine: the FP8 GEMMs of `--precision fp8`,
+// which fall back to the bf16 GEMMs (the engine says so in one log line; model/gpu_fp8.h). require_cuda_backends()
+// does not select it; the engine asks fp8_gemm_usable() when the precision is fp8.
+inline constexpr const char* kOptionalCudaOp = "linear_fp8";
+// Whether the "linear_fp8" CUDA backend passed its probe (and DELTASTACK_LINEAR_FP8 does not say reference).
+bool fp8_gemm_usable();
 
 }  // namespace ds::ops

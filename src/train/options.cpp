@@ -136,6 +136,10 @@ const std::vector<TrainOption>& train_options() {
       opt("recompute", &O::recompute, "auto",
           "Activations the GPU backward rebuilds: none, selective, full (keeps only layer inputs) or auto",
           one_of({"auto", "none", "selective", "full"}), kResumable | kNewerKey | kNotSaved),
+      opt("precision", &O::precision, "bf16",
+          "The decoder's matrix GEMMs: bf16 (exact) or fp8 (E4M3/E5M2 with per-tensor current scaling; the CPU "
+          "engine emulates the casts; docs/fp8.md)",
+          one_of({"bf16", "fp8"}), kResumable | kNewerKey),
       opt("memory", &O::memory, "auto",
           "auto: the memory modes not given are chosen to fit the GPU (docs/memory.md); fixed: fp32 and selective",
           one_of({"auto", "fixed"}), kResumable | kNewerKey | kNotSaved),

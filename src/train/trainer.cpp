@@ -602,6 +602,7 @@ int train(TrainOptions cli) {
   // The GPU when there is one (auto), else the CPU reference engine.
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
   apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
+  plan.precision = parse_precision(opt.precision);
   if (opt.shard == "optimizer" && comm.on_device()) {  // the GPU engine plans its memory for this rank's share
     plan.shard_rank = comm.rank();
     plan.shard_world = comm.world();

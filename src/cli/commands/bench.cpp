@@ -32,6 +32,7 @@
 #include "ops/elementwise/random.h"
 #include "ops/gated_delta_rule/plan.h"
 #include "ops/linear/cuda.h"
+#include "ops/linear/fp8.h"
 #include "ops/linear_cross_entropy/cuda.h"
 #include "ops/rmsnorm/cuda.h"
 #include "ops/swiglu/cuda.h"
@@ -287,6 +288,63 @@ int cmd_bench_ops() {
                     fmt::format("{:.0f} / {:.0f} TFLOP/s", fl / (f * 1e-3) / 1e12, 2 * fl / (b * 1e-3) / 1e12),
                     3 * fl / ((f + b) * 1e-3) / kGemmRate});
   }
+  {  // FP8 GEMMs (--precision fp8; docs/fp8.md) beside bf16 at the decoder's shapes: tokens x in -> out
+    // (2B: seq 8192 x 2, gate|up and down; 9B: seq 8192 x 1, gate|up, down, in_proj_qkv). Per-tensor scaling with
+    // and without fast accumulation, and cuBLASLt's block scaling (1x128 activations, 128x128 weights; uniform
+    // scales: the rate does not depend on their values); then the casts themselves (amax + cast, transposed).
+    struct Shape {
+      const char* name;
+      int64_t M, K, N;
+    };
+    const Shape shapes[] = {{"2b gate|up", 16384, 2048, 12288}, {"2b down", 16384, 6144, 2048},
+                            {"9b gate|up", 8192, 4096, 24576}, {"9b down", 8192, 12288, 4096},
+                            {"9b in_proj_qkv", 8192, 4096, 8192}};
+    for (const Shape& sh : shapes) {
+      DevBuf d;
+      const int64_t M = sh.M, Kd = sh.K, N = sh.N;
+      bf16 *x = d.get<bf16>(M * Kd), *W = d.get<bf16>(N * Kd), *y = d.get<bf16>(M * N);
+      uint8_t *qx = d.get<uint8_t>(M * Kd), *qw = d.get<uint8_t>(N * Kd), *qt = d.get<uint8_t>(Kd * K::fp8_padded(M));
+      const int64_t sa = M * ((Kd + 127) / 128), sb = ((N + 127) / 128) * ((Kd + 127) / 128);
+      float *f = d.get<float>(8), *bsa = d.get<float>(sa), *bsb = d.get<float>(sb);
+      K::fill_uniform(x, M * Kd, 21, -1, 1, s);
+      K::fill_uniform(W, N * Kd, 22, -0.05f, 0.05f, s);
+      K::fill_uniform(bsa, sa, 23, 1, 1, s);
+      K::fill_uniform(bsb, sb, 24, 1, 1, s);
+      K::fp8_amax(x, M, Kd, Kd, f, s);
+      K::fp8_quantize(x, M, Kd, Kd, f, Fp8Format::E4M3, qx, Kd, f + 2, s);
+      K::fp8_amax(W, N, Kd, Kd, f + 1, s);
+      K::fp8_quantize(W, N, Kd, Kd, f + 1, Fp8Format::E4M3, qw, Kd, f + 3, s);
+      const double fl = 2.0 * M * Kd * N;
+      const std::string shape = fmt::format("{} {}x{}x{}", sh.name, M, Kd, N);
+      auto row = [&](const char* op, double ms) {
+        rows.push_back({op, shape, ms, ms, fmt::format("{:.0f} TFLOP/s", fl / (ms * 1e-3) / 1e12), fl / (ms * 1e-3) / kGemmRate});
+      };
+      row("gemm bf16", time_ms([&] { K::linear_forward(x, W, y, M, Kd, N, false, s); }));
+      const K::Fp8Matrix A{qx, M, Kd, Kd, Fp8Format::E4M3, f + 2}, B{qw, N, Kd, Kd, Fp8Format::E4M3, f + 3};
+      row("gemm fp8 tensor fast", time_ms([&] { K::gemm_fp8(A, B, y, false, N, 0.0f, true, s); }));
+      row("gemm fp8 tensor", time_ms([&] { K::gemm_fp8(A, B, y, false, N, 0.0f, false, s); }));
+      try {
+        const K::Fp8Matrix Ab{qx, M, Kd, Kd, Fp8Format::E4M3, bsa}, Bb{qw, N, Kd, Kd, Fp8Format::E4M3, bsb};
+        row("gemm fp8 block", time_ms([&] { K::gemm_fp8(Ab, Bb, y, false, N, 0.0f, false, s, K::Fp8ScaleMode::Block); }));
+      } catch (const std::exception& e) {
+        fmt::print("gemm fp8 block {}: unavailable: {}\n", shape, e.what());
+      }
+      // The casts: read bf16 (2 B), write fp8 (1 B); amax reads it once more.
+      const double cast_bytes = 5.0 * M * Kd;
+      const double c1 = time_ms([&] {
+        K::fp8_amax(x, M, Kd, Kd, f, s);
+        K::fp8_quantize(x, M, Kd, Kd, f, Fp8Format::E4M3, qx, Kd, f + 2, s);
+      });
+      const double c2 = time_ms([&] {
+        K::fp8_amax(x, M, Kd, Kd, f, s);
+        K::fp8_quantize_transpose(x, M, Kd, Kd, f, Fp8Format::E4M3, qt, K::fp8_padded(M), f + 2, s);
+      });
+      rows.push_back({"fp8 cast (amax+cast)", fmt::format("{} x {}x{}", sh.name, M, Kd), c1, c2,
+                      fmt::format("{:.2f} / {:.2f} TB/s (row / transposed)", cast_bytes / (c1 * 1e-3) / 1e12,
+                                  cast_bytes / (c2 * 1e-3) / 1e12),
+                      cast_bytes / (c2 * 1e-3) / kCopyBw});
+    }
+  }
   {  // fused linear + cross-entropy, 16384 tokens x 4096 x 248320 vocab
     DevBuf d;
     const int64_t N = 16384, H = 4096, V = 248320;
@@ -320,6 +378,7 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   // The flags first: a typo is an error at once, not after the model's weights are made (a minute at 9B).
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
+  plan.precision = parse_precision(memory.precision);
   DS_CHECK(seq_len >= 2 && micro_batch >= 1 && steps >= 1, "bench step: bad --seq-len/--micro-batch/--steps");
   DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");
   ModelConfig cfg = ModelConfig::resolve(preset);
@@ -386,8 +445,9 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   double attn = 6.0 * 2.0 * cfg.num_attention_heads * cfg.head_dim * (seq_len / 2.0) * n_full;
   double flops = (6.0 * matmul_params + attn) * tokens;
   fmt::print("bench step: preset {} ({:.2f}B params), seq {} x micro-batch {}, {} timed steps on {}; optimizer state "
-             "{}, recompute {}\n", preset, cfg.num_parameters() / 1e9, seq_len, micro_batch, steps, cuda_device_name(),
-             optimizer_state_name(gpu->optimizer_state()), recompute_name(gpu->recompute()));
+             "{}, recompute {}, precision {}\n", preset, cfg.num_parameters() / 1e9, seq_len, micro_batch, steps,
+             cuda_device_name(), optimizer_state_name(gpu->optimizer_state()), recompute_name(gpu->recompute()),
+             precision_name(gpu->precision()));
   fmt::print("  step {:.1f} ms (median) | {:.0f} tokens/s | MFU {:.1f}% of 989 TFLOP/s ({:.1f}% of the measured 699) | "
              "peak {:.1f} GiB (plan {:.1f} GiB) | loss {:.4f} grad_norm {:.3f}\n",
              1e3 * t, tokens / t, 100 * flops / t / 989e12, 100 * flops / t / 699e12, gpu->peak_bytes() / 1073741824.0,

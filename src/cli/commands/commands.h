@@ -25,9 +25,11 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
 // (mean over valid shifted labels; only with labels) and hidden_states_0..L fp32 [B, T, H] (HF
 // output_hidden_states). GRADS (needs labels) gets d loss / d parameter under HF names. device "cuda" runs the
 // bf16 GPU engine (fp32 master weights) instead of the fp32 CPU reference. OUT and GRADS never replace an input, each
-// other or a checkpoint's files, and replace an existing file only with `overwrite` (outputs.h).
+// other or a checkpoint's files, and replace an existing file only with `overwrite` (outputs.h). precision "fp8":
+// the decoder's matrix GEMMs in FP8 (the CPU engine emulates the casts exactly; docs/fp8.md).
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
-                const std::string& grads, const std::string& device = "cpu", bool overwrite = false);
+                const std::string& grads, const std::string& device = "cpu", bool overwrite = false,
+                const std::string& precision = "bf16");
 
 // `deltastack generate`: samples a continuation of `prompt` from a checkpoint (tokenizer.json from the
 // checkpoint dir unless given), printed as it comes (the prompt first, then each token's text). temperature 0 =
@@ -46,8 +48,10 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
 // `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows, as one
 // JSON object; a non-finite value is null, and a non-finite loss adds "error" and returns 1. device
 // "auto" (the GPU engine when a GPU is present), "cpu" (fp32 reference) or "cuda".
+// precision: "bf16" or "fp8" (the GEMMs of `--precision fp8`, emulated exactly on the CPU engine).
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
-             int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device = "auto");
+             int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device = "auto",
+             const std::string& precision = "bf16");
 
 // `deltastack plot`: an SVG of each run's metrics.jsonl (a run directory of `train`, or the file itself): loss, eval
 // loss, learning rate, grad norm and tokens/s against the step, five panels, every run a <polyline data-run="NAME">
@@ -69,6 +73,7 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
 // apply_memory_flags).
 struct MemoryFlags {
   std::string memory = "auto", optimizer_state = "auto", recompute = "auto";
+  std::string precision = "bf16";  // --precision: the decoder's GEMMs, bf16 or fp8 (model/engine.h Precision)
 };
 
 // `deltastack bench ops`: per op and shape, forward and forward+backward ms, rate and roofline fraction (GPU).

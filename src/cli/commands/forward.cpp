@@ -12,7 +12,8 @@
 namespace ds::cli {
 
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
-                const std::string& grads, const std::string& device, bool overwrite) {
+                const std::string& grads, const std::string& device, bool overwrite, const std::string& precision) {
+  const Precision prec = parse_precision(precision);
   check_outputs({{"--output", output}, {"--grads", grads}}, {inputs, model_dir}, overwrite);
   Qwen35Model model(ModelConfig::from_file(model_dir));
   model.load(model_dir);
@@ -62,7 +63,8 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
   cap.hidden_states = true;
   cap.logits = true;
   double scale = (!grads.empty() && valid > 0) ? 1.0 / static_cast<double>(valid) : 0.0;
-  GpuPlan plan;  // exactly this batch (the GPU engine's plan; the CPU engine ignores it)
+  GpuPlan plan;  // exactly this batch (the GPU engine's plan; the CPU engine reads only its precision)
+  plan.precision = prec;
   plan.max_tokens = batch.size();
   plan.max_seqs = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
   for (size_t i = 0; i + 1 < batch.cu_seqlens.size(); ++i)

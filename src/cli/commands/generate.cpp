@@ -126,8 +126,10 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
 }
 
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
-             int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device) {
+             int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device,
+             const std::string& precision) {
   chosen_device(device);
+  const Precision prec = parse_precision(precision);
   const ModelConfig cfg = ModelConfig::from_file(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
   DS_CHECK(seq_len >= 2 && seq_len <= cfg.max_position_embeddings,
@@ -137,7 +139,8 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   PackedDataset set(docs, seq_len);
   // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present and takes
   // the model; else the CPU engine.
-  const GpuPlan plan = GpuPlan::forward_windows(micro_batch, seq_len, set.max_docs_per_window());
+  GpuPlan plan = GpuPlan::forward_windows(micro_batch, seq_len, set.max_docs_per_window());
+  plan.precision = prec;
   std::unique_ptr<Engine> engine = gpu_engine(device, model_dir, plan, "eval");
   if (!engine) engine = make_engine("cpu", deferred_model(model_dir), plan);
   double sum = 0;

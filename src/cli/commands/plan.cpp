@@ -46,6 +46,7 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   constexpr double GiB = 1073741824.0;
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, docs_per_window);
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
+  plan.precision = parse_precision(memory.precision);
   const bool chosen_state = plan.optimizer_state == OptimizerState::Auto, chosen_rc = plan.recompute == Recompute::Auto;
   plan = resolve_memory_modes(cfg, plan, [&](const GpuMemoryPlan& q) { return q.total / GiB <= device_memory_gib; },
                               attention);
@@ -59,7 +60,8 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
                         : plan.recompute == Recompute::Selective ? "norm, SwiGLU, conv, l2norm, gated-norm and "
                                                                    "output-gate activations rebuilt"
                                                                  : "only layer inputs kept, each layer's forward rerun";
-  fmt::print("  modes: optimizer state {} ({}{}), recompute {} ({}{}); gated delta rule {}; attention {}\n",
+  fmt::print("  modes: precision {}{}, optimizer state {} ({}{}), recompute {} ({}{}); gated delta rule {}; attention {}\n",
+             precision_name(plan.precision), plan.precision == Precision::Fp8 ? " (FP8 casts of the GEMM operands in the workspace)" : "",
              optimizer_state_name(plan.optimizer_state), state_what, chosen_state ? "; chosen by --memory auto" : "",
              recompute_name(plan.recompute), rc_what, chosen_rc ? "; chosen by --memory auto" : "",
              p.gated_delta_rule.empty() ? "-" : p.gated_delta_rule, p.attention.empty() ? "-" : p.attention);

@@ -23,6 +23,7 @@
 #include <tuple>
 
 #include "ops/linear/cuda.h"
+#include "ops/linear/fp8.h"
 
 namespace ds::ops::cuda {
 namespace {
@@ -200,6 +201,109 @@ void linear_backward_data(const bf16* dy, const bf16* W, bf16* dx, int64_t M, in
 void linear_backward_weight(const bf16* dy, const bf16* x, float* dW, int64_t M, int64_t K, int64_t N,
                             cudaStream_t stream) {
   gemm(true, false, N, K, M, 1.0f, dy, N, x, K, 1.0f, dW, true, K, stream);
+}
+
+
+// ---------------------------------------------------------------------------------------------------------------
+// FP8 GEMMs (fp8.h). The same row-major to column-major mapping as gemm(): cuBLASLt's A is our B [N, K] (stored
+// column-major as [K, N]: op T), its B is our A [M, K] (column-major [K, M]: op N): the TN form Hopper's FP8 kernels
+// require. cuBLASLt's A scale is therefore B.scale and its B scale A.scale.
+namespace {
+
+// (device, M, N, K, lda, ldb, ldc, A format, B format, c_is_f32, beta_zero, fast_accum, scale mode)
+using Fp8Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool, bool, bool, int>;
+std::map<Fp8Key, Plan> g_fp8_plans;
+
+cudaDataType_t fp8_type(Fp8Format f) { return f == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+// Caller holds g_mu.
+const Plan& get_fp8_plan(const Fp8Key& key, cublasLtHandle_t handle, const void* placeholder_scale) {
+  auto it = g_fp8_plans.find(key);
+  if (it != g_fp8_plans.end()) return it->second;
+  const auto [dev, M, N, K, lda, ldb, ldc, fa, fb, c_f32, beta_zero, fast, mode] = key;
+  (void)dev;
+  (void)beta_zero;
+  Plan p;
+  DS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
+  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
+  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof(opN)));
+  const int8_t fast_accum = fast ? 1 : 0;
+  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)));
+  if (mode == static_cast<int>(Fp8ScaleMode::Block)) {
+    const int32_t weight_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, act_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &weight_mode, sizeof(weight_mode)));
+    DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &act_mode, sizeof(act_mode)));
+  }
+  // The scale pointers are set per call (they differ per operand); a placeholder (any device address) here lets the
+  // heuristic see an FP8 problem with scaled operands.
+  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder_scale,
+                                                 sizeof(placeholder_scale)));
+  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder_scale,
+                                                 sizeof(placeholder_scale)));
+  DS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, fp8_type(static_cast<Fp8Format>(fb)), K, N, ldb));
+  DS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, fp8_type(static_cast<Fp8Format>(fa)), K, M, lda));
+  DS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_f32 ? CUDA_R_32F : CUDA_R_16BF, N, M, ldc));
+  cublasLtMatmulPreference_t pref = nullptr;
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const uint64_t ws = kWorkspaceBytes;
+  const uint32_t reductions =
+      CUBLASLT_REDUCTION_SCHEME_INPLACE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
+                                                       sizeof(reductions)));
+  cublasLtMatmulHeuristicResult_t res{};
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS || found == 0 || res.state != CUBLAS_STATUS_SUCCESS) {
+    cublasLtMatmulDescDestroy(p.op);
+    cublasLtMatrixLayoutDestroy(p.a);
+    cublasLtMatrixLayoutDestroy(p.b);
+    cublasLtMatrixLayoutDestroy(p.c);
+    ds::cuda::throw_error("gemm_fp8: cuBLASLt found no algorithm for M=" + std::to_string(M) + " N=" +
+                          std::to_string(N) + " K=" + std::to_string(K) + " lda=" + std::to_string(lda) + " ldb=" +
+                          std::to_string(ldb) + " ldc=" + std::to_string(ldc) + " (" + cublasLtGetStatusName(st) + ")");
+  }
+  p.algo = res.algo;
+  p.workspace = res.workspaceSize;
+  return g_fp8_plans.emplace(key, p).first->second;
+}
+
+}  // namespace
+
+bool gemm_fp8_supported(const Fp8Matrix& A, const Fp8Matrix& B) {
+  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return A.cols == B.cols && A.cols % 16 == 0 && A.ld % 16 == 0 && B.ld % 16 == 0 && A.ld >= A.cols &&
+         B.ld >= B.cols && al16(A.data) && al16(B.data) &&
+         !(A.format == Fp8Format::E5M2 && B.format == Fp8Format::E5M2);
+}
+
+void gemm_fp8(const Fp8Matrix& A, const Fp8Matrix& B, void* C, bool c_is_f32, int64_t ldc, float beta,
+              bool fast_accum, cudaStream_t stream, Fp8ScaleMode mode) {
+  const int64_t M = A.rows, N = B.rows, K = A.cols;
+  if (M == 0 || N == 0) return;
+  DS_CUDA_REQUIRE(gemm_fp8_supported(A, B),
+                  "gemm_fp8: unsupported operands (K=" + std::to_string(K) + " lda=" + std::to_string(A.ld) +
+                      " ldb=" + std::to_string(B.ld) + "; K, lda, ldb must be multiples of 16, pointers 16-byte "
+                      "aligned, not both E5M2)");
+  DS_CUDA_REQUIRE(C != nullptr && ldc >= N, "gemm_fp8: C is null or ldc < N");
+  DS_CUDA_REQUIRE(A.scale != nullptr && B.scale != nullptr, "gemm_fp8: an operand has no scale");
+  int dev = 0;
+  DS_CUDA_CHECK(cudaGetDevice(&dev));
+  const Fp8Key key{dev, M, N, K, A.ld, B.ld, ldc, static_cast<int>(A.format), static_cast<int>(B.format),
+                   c_is_f32, beta == 0.f, fast_accum, static_cast<int>(mode)};
+  // The scale pointers live in the descriptor: set and used by the matmul enqueued under the lock.
+  std::lock_guard<std::mutex> lock(g_mu);
+  DeviceCtx& ctx = device_ctx(dev);
+  const Plan& plan = get_fp8_plan(key, ctx.handle, ctx.workspace);
+  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &B.scale,
+                                                 sizeof(B.scale)));
+  DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &A.scale,
+                                                 sizeof(A.scale)));
+  const float alpha = 1.0f;
+  DS_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C, plan.c, C,
+                                 plan.c, &plan.algo, ctx.workspace, plan.workspace, stream));
 }
 
 }  // namespace ds::ops::cuda

@@ -1,0 +1,170 @@
+// FP8 casts of bf16 tensors for the FP8 GEMMs (fp8.h): amax, row-major cast, transposed cast. The cast of one
+// element is core/fp8.h's fp8_encode(x * inv) through the hardware's cvt.rn.satfinite (cuda_fp8.h), which the GPU
+// tests check bit for bit against the CPU emulation.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <string>
+
+#include "ops/linear/fp8.h"
+
+namespace ds::ops::cuda {
+namespace {
+
+using ds::cuda::bf16;
+
+__device__ __forceinline__ uint8_t encode(float v, Fp8Format f) {
+  return static_cast<uint8_t>(
+      __nv_cvt_float_to_fp8(v, __NV_SATFINITE, f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+// |x| as ordered bits: for non-negative floats (NaN with the sign cleared included) the uint order is the float order
+// and NaN's bits exceed +inf's, so the max of the bits is the amax, NaN winning.
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+constexpr int kAmaxThreads = 256;
+
+// vec8: cols % 8 == 0, ld % 8 == 0 and x 16-byte aligned: each thread reads 8 bf16 at a time.
+template <bool kVec8>
+__global__ void __launch_bounds__(kAmaxThreads) amax_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols,
+                                                            int64_t ld, unsigned* __restrict__ out) {
+  unsigned m = 0;
+  const int64_t per_row = kVec8 ? cols / 8 : cols;
+  const int64_t total = rows * per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = i % per_row;
+    if constexpr (kVec8) {
+      const uint4 u = *reinterpret_cast<const uint4*>(x + r * ld + c * 8);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(h[k]);
+        m = max(m, max(abs_bits(f.x), abs_bits(f.y)));
+      }
+    } else {
+      m = max(m, abs_bits(__bfloat162float(x[r * ld + c])));
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  __shared__ unsigned warp_max[kAmaxThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kAmaxThreads / 32; ++w) m = max(m, warp_max[w]);
+    atomicMax(out, m);
+  }
+}
+
+__device__ __forceinline__ float inv_of(const float* amax, Fp8Format f) { return fp8_inv_scale(*amax, f); }
+
+// One thread casts 8 consecutive elements of a row (vec8) or one.
+template <bool kVec8>
+__global__ void quantize_kernel(const bf16* __restrict__ x, int64_t rows, int64_t cols, int64_t ld,
+                                const float* __restrict__ amax, Fp8Format f, uint8_t* __restrict__ q, int64_t ldq,
+                                float* __restrict__ scale) {
+  const float inv = inv_of(amax, f);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *scale = fp8_dequant_scale(inv);
+  const int64_t per_row = kVec8 ? cols / 8 : cols;
+  const int64_t total = rows * per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / per_row, c = i % per_row;
+    if constexpr (kVec8) {
+      const uint4 u = *reinterpret_cast<const uint4*>(x + r * ld + c * 8);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 v = __bfloat1622float2(h[k]);
+        const uint32_t pair = uint32_t(encode(v.x * inv, f)) | (uint32_t(encode(v.y * inv, f)) << 8);
+        if (k < 2) lo |= pair << (16 * k);
+        else hi |= pair << (16 * (k - 2));
+      }
+      *reinterpret_cast<uint2*>(q + r * ldq + c * 8) = make_uint2(lo, hi);
+    } else {
+      q[r * ldq + c] = encode(__bfloat162float(x[r * ld + c]) * inv, f);
+    }
+  }
+}
+
+// 64 x 64 tiles through shared memory: read rows of x (coalesced along c), write rows of qt (coalesced along r).
+constexpr int kTile = 64, kTThreads = 256;
+__global__ void __launch_bounds__(kTThreads) quantize_transpose_kernel(const bf16* __restrict__ x, int64_t rows,
+                                                                       int64_t cols, int64_t ld,
+                                                                       const float* __restrict__ amax, Fp8Format f,
+                                                                       uint8_t* __restrict__ qt, int64_t ldqt,
+                                                                       float* __restrict__ scale) {
+  __shared__ uint8_t tile[kTile][kTile + 4];
+  const float inv = inv_of(amax, f);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale = fp8_dequant_scale(inv);
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < kTile * kTile; i += kTThreads) {
+    const int rr = i / kTile, cc = i % kTile;
+    const int64_t r = r0 + rr, c = c0 + cc;
+    uint8_t v = 0;  // padding rows (rows <= r < ldqt) cast to zero
+    if (r < rows && c < cols) v = encode(__bfloat162float(x[r * ld + c]) * inv, f);
+    tile[rr][cc] = v;
+  }
+  __syncthreads();
+#pragma unroll 4
+  for (int i = threadIdx.x; i < kTile * kTile; i += kTThreads) {
+    const int cc = i / kTile, rr = i % kTile;
+    const int64_t r = r0 + rr, c = c0 + cc;
+    if (c < cols && r < ldqt) qt[c * ldqt + r] = tile[rr][cc];
+  }
+}
+
+int grid_for(int64_t work, int threads) {
+  int dev = 0, sms = 132;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(ds::cuda::ceil_div(work, threads), int64_t(sms) * 8)));
+}
+
+bool vec8_ok(const void* x, int64_t cols, int64_t ld, int64_t ldq) {
+  return cols % 8 == 0 && ld % 8 == 0 && ldq % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+}
+
+}  // namespace
+
+void fp8_amax(const bf16* x, int64_t rows, int64_t cols, int64_t ld, float* amax, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(rows >= 0 && cols >= 0 && ld >= cols, "fp8_amax: bad shape (rows " + std::to_string(rows) +
+                                                            ", cols " + std::to_string(cols) + ", ld " +
+                                                            std::to_string(ld) + ")");
+  DS_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  if (rows == 0 || cols == 0) return;
+  unsigned* out = reinterpret_cast<unsigned*>(amax);
+  if (vec8_ok(x, cols, ld, 8)) {
+    amax_kernel<true><<<grid_for(rows * cols / 8, kAmaxThreads), kAmaxThreads, 0, stream>>>(x, rows, cols, ld, out);
+  } else {
+    amax_kernel<false><<<grid_for(rows * cols, kAmaxThreads), kAmaxThreads, 0, stream>>>(x, rows, cols, ld, out);
+  }
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, int64_t ld, const float* amax, Fp8Format format,
+                  uint8_t* q, int64_t ldq, float* scale, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(rows >= 0 && cols >= 0 && ld >= cols && ldq >= cols, "fp8_quantize: bad shape");
+  const int threads = 256;
+  if (vec8_ok(x, cols, ld, ldq) && reinterpret_cast<uintptr_t>(q) % 8 == 0) {
+    quantize_kernel<true><<<grid_for(std::max<int64_t>(rows * cols / 8, 1), threads), threads, 0, stream>>>(
+        x, rows, cols, ld, amax, format, q, ldq, scale);
+  } else {
+    quantize_kernel<false><<<grid_for(std::max<int64_t>(rows * cols, 1), threads), threads, 0, stream>>>(
+        x, rows, cols, ld, amax, format, q, ldq, scale);
+  }
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+void fp8_quantize_transpose(const bf16* x, int64_t rows, int64_t cols, int64_t ld, const float* amax,
+                            Fp8Format format, uint8_t* qt, int64_t ldqt, float* scale, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(rows >= 0 && cols >= 0 && ld >= cols && ldqt >= rows, "fp8_quantize_transpose: bad shape");
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, ds::cuda::ceil_div(ldqt, kTile))),
+                  static_cast<unsigned>(std::max<int64_t>(1, ds::cuda::ceil_div(cols, kTile))));
+  DS_CUDA_REQUIRE(grid.y <= 65535, "fp8_quantize_transpose: too many columns");
+  quantize_transpose_kernel<<<grid, kTThreads, 0, stream>>>(x, rows, cols, ld, amax, format, qt, ldqt, scale);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace ds::ops::cuda

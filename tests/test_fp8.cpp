@@ -1,0 +1,270 @@
+// `--precision fp8` (docs/fp8.md). On the CPU (CI): the E4M3 / E5M2 casts of core/fp8.h against known codes, an
+// independent nearest-value search over every finite code (ties to the even code), NVIDIA's own host conversion
+// (cuda_fp8.h) where the build has CUDA, the per-tensor scale's edge cases; the CPU engine under Precision::Fp8
+// (deterministic, near the fp32 result, not equal to it). On a GPU: the hardware casts against the emulation for
+// every bf16 value in range, the FP8 linear layer's check (ops/linear/fp8_check.h), and the GPU engine in fp8
+// against the CPU engine's emulation.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/fp8.h"
+#include "core/rng.h"
+#include "model/config.h"
+#include "model/model.h"
+#include "test_util.h"
+
+#ifdef DELTASTACK_CUDA
+#include <cuda_fp8.h>
+
+#include "cuda_test_util.h"
+#include "model/gpu_model.h"
+#include "ops/linear/fp8.h"
+#include "ops/linear/fp8_check.h"
+#endif
+
+namespace {
+
+using ds::Fp8Format;
+using ds::fp8_decode;
+using ds::fp8_encode;
+constexpr Fp8Format E4 = Fp8Format::E4M3, E5 = Fp8Format::E5M2;
+
+TEST(Fp8, KnownCodes) {
+  // E4M3: 1 = 0.0111.000; 448 the largest finite; 464 halfway to the next binade step rounds to even (448);
+  // anything larger, infinities included, saturates; 2^-9 the smallest subnormal, 2^-10 a tie that rounds to 0.
+  EXPECT_EQ(fp8_encode(1.0f, E4), 0x38);
+  EXPECT_EQ(fp8_encode(-1.0f, E4), 0xb8);
+  EXPECT_EQ(fp8_encode(448.0f, E4), 0x7e);
+  EXPECT_EQ(fp8_encode(464.0f, E4), 0x7e);
+  EXPECT_EQ(fp8_encode(1e30f, E4), 0x7e);
+  EXPECT_EQ(fp8_encode(std::numeric_limits<float>::infinity(), E4), 0x7e);
+  EXPECT_EQ(fp8_encode(-std::numeric_limits<float>::infinity(), E4), 0xfe);
+  EXPECT_EQ(fp8_encode(std::numeric_limits<float>::quiet_NaN(), E4), 0x7f);
+  EXPECT_EQ(fp8_encode(std::ldexp(1.0f, -9), E4), 0x01);
+  EXPECT_EQ(fp8_encode(std::ldexp(1.0f, -10), E4), 0x00);
+  EXPECT_EQ(fp8_encode(std::ldexp(3.0f, -11), E4), 0x01);       // 0.75 of the subnormal step
+  EXPECT_EQ(fp8_encode(std::ldexp(3.0f, -10), E4), 0x02);       // 1.5 steps: tie to the even code 2
+  EXPECT_EQ(fp8_encode(1.0625f, E4), 0x38);                     // halfway between 1 and 1.125: even (1)
+  EXPECT_EQ(fp8_encode(1.1875f, E4), 0x3a);                     // halfway between 1.125 and 1.25: even (1.25)
+  EXPECT_EQ(fp8_encode(-0.0f, E4), 0x80);
+  EXPECT_FLOAT_EQ(fp8_decode(0x7e, E4), 448.0f);
+  EXPECT_FLOAT_EQ(fp8_decode(0x01, E4), std::ldexp(1.0f, -9));
+  EXPECT_TRUE(std::isnan(fp8_decode(0x7f, E4)));
+  EXPECT_TRUE(std::isnan(fp8_decode(0xff, E4)));
+  // E5M2: 1 = 0.01111.00; 57344 the largest finite; 61440 (a tie between 57344 and 65536) rounds to the even
+  // 65536, which saturates; 2^-16 the smallest subnormal; exponent 31 holds the infinities and NaNs.
+  EXPECT_EQ(fp8_encode(1.0f, E5), 0x3c);
+  EXPECT_EQ(fp8_encode(57344.0f, E5), 0x7b);
+  EXPECT_EQ(fp8_encode(61440.0f, E5), 0x7b);
+  EXPECT_EQ(fp8_encode(std::numeric_limits<float>::infinity(), E5), 0x7b);
+  EXPECT_EQ(fp8_encode(std::ldexp(1.0f, -16), E5), 0x01);
+  EXPECT_EQ(fp8_encode(std::ldexp(1.0f, -17), E5), 0x00);
+  EXPECT_TRUE(std::isinf(fp8_decode(0x7c, E5)));
+  EXPECT_TRUE(std::isnan(fp8_decode(0x7d, E5)));
+  EXPECT_FLOAT_EQ(fp8_decode(0x7b, E5), 57344.0f);
+}
+
+// Every finite code decodes to a value that encodes back to it; and for random values over the whole range the
+// code is the nearest finite value by an exhaustive search in double (ties: the even code), saturated.
+TEST(Fp8, NearestEvenAgainstExhaustiveSearch) {
+  for (Fp8Format f : {E4, E5}) {
+    std::vector<std::pair<double, uint8_t>> finite;  // non-negative finite values and their codes
+    for (int c = 0; c < 256; ++c) {
+      const float v = fp8_decode(static_cast<uint8_t>(c), f);
+      if (!std::isfinite(v)) continue;
+      if (c != 0x80) EXPECT_EQ(fp8_encode(v, f), c) << ds::fp8_format_name(f) << " code " << c;
+      if (c < 0x80) finite.emplace_back(v, static_cast<uint8_t>(c));
+    }
+    ds::Rng rng(5);
+    const double maxv = ds::fp8_max(f);
+    for (int i = 0; i < 200000; ++i) {
+      // log-uniform magnitudes over the format's range and beyond, some exactly halfway between two codes
+      const double mag = std::ldexp(1.0, static_cast<int>(rng.below(40)) - 24) * (1.0 + rng.uniform());
+      float x = static_cast<float>(mag);
+      if (i % 7 == 0) {
+        const size_t k = rng.below(finite.size() - 1);
+        x = static_cast<float>((finite[k].first + finite[k + 1].first) / 2);
+      }
+      double best = -1;
+      uint8_t code = 0;
+      for (const auto& [v, c] : finite) {
+        const double d = std::fabs(v - x), bd = std::fabs(best - x);
+        if (best < 0 || d < bd || (d == bd && (c & 1) == 0)) best = v, code = c;
+      }
+      if (x > maxv) code = static_cast<uint8_t>(f == E4 ? 0x7e : 0x7b);
+      ASSERT_EQ(fp8_encode(x, f), code) << ds::fp8_format_name(f) << " x " << x;
+      ASSERT_EQ(fp8_encode(-x, f), code | 0x80) << ds::fp8_format_name(f) << " x " << -x;
+    }
+  }
+}
+
+TEST(Fp8, PerTensorScale) {
+  EXPECT_EQ(ds::fp8_inv_scale(0.0f, E4), 1.0f);  // all zeros: any scale; 1 keeps them zero
+  EXPECT_EQ(ds::fp8_inv_scale(448.0f, E4), 1.0f);
+  EXPECT_EQ(ds::fp8_inv_scale(2.0f, E5), 28672.0f);
+  EXPECT_TRUE(std::isnan(ds::fp8_inv_scale(std::numeric_limits<float>::quiet_NaN(), E4)));
+  EXPECT_TRUE(std::isnan(ds::fp8_inv_scale(std::numeric_limits<float>::infinity(), E4)));
+  EXPECT_EQ(ds::fp8_inv_scale(1e-44f, E4), 3.402823466e38f);  // a subnormal amax: the largest finite multiplier
+  // The amax lands on the largest finite value, a NaN anywhere makes the whole cast NaN.
+  std::vector<float> x = {0.5f, -3.0f, 1e-3f, 2.25f};
+  const float amax = ds::fp8_amax(x.data(), 4);
+  EXPECT_EQ(amax, 3.0f);
+  ds::fp8_fake_quantize(x.data(), 4, E4, amax);
+  EXPECT_FLOAT_EQ(x[1], -3.0f);
+  EXPECT_NE(x[2], 1e-3f);  // 1e-3 * 448 / 3 is not an E4M3 value
+  EXPECT_NEAR(x[2], 1e-3f, 1e-3f * 0.07f);
+  std::vector<float> y = {1.0f, std::numeric_limits<float>::quiet_NaN()};
+  EXPECT_TRUE(std::isnan(ds::fp8_amax(y.data(), 2)));
+  ds::fp8_fake_quantize(y.data(), 2, E4, ds::fp8_amax(y.data(), 2));
+  EXPECT_TRUE(std::isnan(y[0]));
+}
+
+#ifdef DELTASTACK_CUDA
+// NVIDIA's own conversion (cuda_fp8.h, its host path here) agrees with the emulation code for code, over every
+// bf16 value and a sweep of fp32 values around each code's rounding boundaries.
+TEST(Fp8, MatchesCudaFp8HostConversion) {
+  auto nv = [](float x, Fp8Format f) {
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, f == E4 ? __NV_E4M3 : __NV_E5M2));
+  };
+  for (Fp8Format f : {E4, E5}) {
+    for (uint32_t b = 0; b < 65536; ++b) {
+      const float x = ds::bf16_bits_to_f32(static_cast<uint16_t>(b));
+      if (std::isnan(x)) continue;  // both give a NaN code (tested in KnownCodes)
+      ASSERT_EQ(fp8_encode(x, f), nv(x, f)) << ds::fp8_format_name(f) << " x " << x;
+    }
+    for (int c = 0; c < 0x7f; ++c) {
+      const float v = fp8_decode(static_cast<uint8_t>(c), f), w = fp8_decode(static_cast<uint8_t>(c + 1), f);
+      if (!std::isfinite(v) || !std::isfinite(w)) continue;
+      const float mid = (v + w) / 2;
+      for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e9f)})
+        ASSERT_EQ(fp8_encode(x, f), nv(x, f)) << ds::fp8_format_name(f) << " x " << x;
+    }
+  }
+}
+#endif
+
+// The CPU engine's emulation: deterministic, close to the fp32 model, and really different from it.
+TEST(Fp8, CpuEngineEmulatesTheCasts) {
+  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  c.vocab_size = 512;
+  ds::Qwen35Model m(c);
+  m.init_weights(3);
+  ds::PackedBatch b;
+  ds::Rng rng(9);
+  b.cu_seqlens = {0, 40, 64};
+  for (int t = 0; t < 64; ++t) b.input_ids.push_back(static_cast<int32_t>(rng.below(512)));
+  for (int t = 0; t < 64; ++t) b.targets.push_back(t == 39 || t == 63 ? -100 : b.input_ids[t + 1]);
+  b.finalize("fp8 test batch");
+  auto run = [&](ds::Precision p) {
+    m.set_precision(p);
+    m.zero_grads();
+    const double loss = m.forward_backward(b, 1.0 / 62).loss_sum / 62;
+    return std::make_pair(loss, m.grads());
+  };
+  const auto ref = run(ds::Precision::Bf16);
+  const auto a = run(ds::Precision::Fp8), a2 = run(ds::Precision::Fp8);
+  EXPECT_EQ(a.first, a2.first);
+  EXPECT_TRUE(a.second == a2.second);
+  EXPECT_NE(a.first, ref.first);
+  EXPECT_LE(std::abs(a.first - ref.first) / ref.first, 5e-3);
+  const double g = ds::test::rel_l2(a.second, ref.second);
+  EXPECT_GT(g, 1e-4);
+  std::printf("[ measured ] cpu fp8 emulation vs fp32: loss rel %.3e, grads rel L2 %.3e\n", std::abs(a.first - ref.first) / ref.first, g);
+  EXPECT_LT(g, 0.3);
+}
+
+#ifdef DELTASTACK_CUDA
+// The hardware cast (cvt.rn.satfinite through fp8_quantize) against the emulation for every finite bf16 value up
+// to the format's largest: a tensor whose amax is the largest finite value casts with scale 1, so each code is
+// fp8_encode(x) itself.
+TEST(CudaFp8, HardwareCastMatchesEmulationForEveryBf16) {
+  DS_SKIP_WITHOUT_GPU();
+  using namespace ds::ops::check;
+  for (Fp8Format f : {E4, E5}) {
+    std::vector<float> xs;
+    for (uint32_t b = 0; b < 65536; ++b) {
+      const float x = ds::bf16_bits_to_f32(static_cast<uint16_t>(b));
+      if (std::isfinite(x) && std::fabs(x) <= ds::fp8_max(f)) xs.push_back(x);
+    }
+    xs.push_back(ds::fp8_max(f));
+    while (xs.size() % 16) xs.push_back(0.0f);
+    Ctx ctx(1);
+    auto x_d = ctx.up_bf16(xs);
+    Buf<uint8_t> q(xs.size());
+    Buf<float> amax(1), scale(1);
+    const int64_t cols = 16, rows = static_cast<int64_t>(xs.size()) / cols;
+    ds::ops::cuda::fp8_amax(x_d.get(), rows, cols, cols, amax.get(), ctx.s);
+    ds::ops::cuda::fp8_quantize(x_d.get(), rows, cols, cols, amax.get(), f, q.get(), cols, scale.get(), ctx.s);
+    const std::vector<uint8_t> got = ctx.down(q);
+    EXPECT_EQ(ctx.down(amax)[0], ds::fp8_max(f));
+    EXPECT_EQ(ctx.down(scale)[0], 1.0f);
+    size_t bad = 0;
+    for (size_t i = 0; i < xs.size(); ++i)
+      if (got[i] != fp8_encode(xs[i], f) && bad++ < 5)
+        ADD_FAILURE() << ds::fp8_format_name(f) << " x " << xs[i] << ": gpu " << int(got[i]) << " cpu "
+                      << int(fp8_encode(xs[i], f));
+    EXPECT_EQ(bad, 0u);
+  }
+}
+
+TEST(CudaFp8, LinearLayerMatchesEmulation) {
+  DS_SKIP_WITHOUT_GPU();
+  using ds::ops::LinearFp8Case;
+  ds::test::cuda::expect_ok(ds::ops::check_linear_fp8, ds::ops::linear_fp8_probe_cases());
+  ds::test::cuda::expect_ok(ds::ops::check_linear_fp8,
+                            std::vector<LinearFp8Case>{{.M = 1000, .K = 512, .N = 384, .grad = E5, .x_scale = 0.01},
+                                                       {.M = 333, .K = 1024, .N = 256, .grad = E4, .x_scale = 3000,
+                                                        .accumulate = false, .fast_accum = true}});
+}
+
+// The GPU engine with --precision fp8 against the CPU engine's emulation of the same casts (bf16 activations on the
+// GPU move some values across an fp8 rounding boundary: a wider band than bf16's), deterministic, and really FP8
+// (not the bf16 engine's result).
+TEST(CudaFp8, EngineMatchesCpuEmulation) {
+  DS_SKIP_WITHOUT_GPU();
+  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  c.vocab_size = 4096;
+  ds::Qwen35Model cpu(c);
+  cpu.init_weights(11);
+  ds::PackedBatch b;
+  ds::Rng rng(4);
+  b.cu_seqlens = {0, 100, 101, 256};
+  for (int t = 0; t < 256; ++t) b.input_ids.push_back(static_cast<int32_t>(rng.below(4096)));
+  for (int t = 0; t < 256; ++t) b.targets.push_back(t == 99 || t == 100 || t == 255 ? -100 : b.input_ids[t + 1]);
+  b.finalize("fp8 engine batch");
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  cpu.set_precision(ds::Precision::Fp8);
+  cpu.zero_grads();
+  const ds::LossResult ref = cpu.forward_backward(b, scale);
+  const std::vector<float> g_ref = cpu.grads();
+  auto gpu_run = [&](ds::Precision p) {
+    ds::GpuPlan plan;
+    plan.max_tokens = b.size();
+    plan.max_seqs = 3;
+    plan.precision = p;
+    ds::GpuModel gpu(cpu, plan);
+    EXPECT_EQ(gpu.precision(), p);
+    const ds::LossResult r = gpu.forward_backward(b, scale);
+    std::vector<float> g;
+    gpu.download_grads(g);
+    return std::make_pair(r.loss_sum, g);
+  };
+  const auto f1 = gpu_run(ds::Precision::Fp8), f2 = gpu_run(ds::Precision::Fp8), bf = gpu_run(ds::Precision::Bf16);
+  std::printf("[ measured ] fp8 engine: loss rel diff vs CPU emulation %.3e, grads rel L2 %.3e; vs bf16 engine "
+              "loss %.3e grads %.3e\n", std::abs(f1.first - ref.loss_sum) / ref.loss_sum, ds::test::rel_l2(f1.second, g_ref),
+              std::abs(f1.first - bf.first) / bf.first, ds::test::rel_l2(f1.second, bf.second));
+  EXPECT_LE(std::abs(f1.first - ref.loss_sum) / ref.loss_sum, 1e-2);
+  EXPECT_LE(ds::test::rel_l2(f1.second, g_ref), 8e-2);
+  EXPECT_EQ(f1.first, f2.first);
+  EXPECT_TRUE(f1.second == f2.second);
+  EXPECT_NE(f1.first, bf.first);
+}
+#endif
+
+}  // namespace
