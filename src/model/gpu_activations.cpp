@@ -153,7 +153,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     fp8.w = a.take<uint8_t>(f.w);
     fp8.dy = a.take<uint8_t>(f.dy);
     fp8.dyt = a.take<uint8_t>(f.dyt);
-    fp8.f = a.take<float>(8);
+    fp8.f = a.take<float>(8 * ops::cuda::kFp8Slot);
   }
 }
 

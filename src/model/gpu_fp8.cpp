@@ -40,6 +40,7 @@ namespace ds {
 
 namespace K = ds::ops::cuda;
 using K::Fp8Matrix;
+using K::kFp8Slot;
 
 GpuFp8Bufs::Sizes GpuFp8Bufs::sizes(const ModelConfig& c, int64_t max_tokens) {
   const int64_t H = c.hidden_size, I = c.intermediate_size, CD = c.conv_dim(), VD = c.value_dim(),
@@ -62,24 +63,24 @@ GpuFp8Bufs::Sizes GpuFp8Bufs::sizes(const ModelConfig& c, int64_t max_tokens) {
 }
 
 Fp8Matrix GpuFp8Linear::input(const bf16* x, int64_t M, int64_t K) {
-  K::fp8_amax(x, M, K, K, b_.f + 0, s_);
-  K::fp8_quantize(x, M, K, K, b_.f + 0, Fp8Format::E4M3, b_.x, K, b_.f + 3, s_);
-  return Fp8Matrix{b_.x, M, K, K, Fp8Format::E4M3, b_.f + 3};
+  K::fp8_amax(x, M, K, K, b_.f, s_);
+  K::fp8_quantize(x, M, K, K, b_.f, Fp8Format::E4M3, b_.x, K, b_.f + 3 * kFp8Slot, s_);
+  return Fp8Matrix{b_.x, M, K, K, Fp8Format::E4M3, b_.f + 3 * kFp8Slot};
 }
 
 void GpuFp8Linear::forward(const Fp8Matrix& qx, const bf16* W, int64_t N, bf16* y, bool accumulate) {
   const int64_t Kd = qx.cols;
-  K::fp8_amax(W, N, Kd, Kd, b_.f + 1, s_);
-  K::fp8_quantize(W, N, Kd, Kd, b_.f + 1, Fp8Format::E4M3, b_.w, Kd, b_.f + 4, s_);
-  const Fp8Matrix qw{b_.w, N, Kd, Kd, Fp8Format::E4M3, b_.f + 4};
+  K::fp8_amax(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, s_);
+  K::fp8_quantize(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, Fp8Format::E4M3, b_.w, Kd, b_.f + 4 * kFp8Slot, s_);
+  const Fp8Matrix qw{b_.w, N, Kd, Kd, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
   K::gemm_fp8(qx, qw, y, false, N, accumulate ? 1.0f : 0.0f, r_.fast_accum_forward, s_);
 }
 
 Fp8Matrix GpuFp8Linear::input_t(const bf16* x, int64_t M, int64_t K) {
   const int64_t Mp = K::fp8_padded(M);
-  K::fp8_amax(x, M, K, K, b_.f + 0, s_);
-  K::fp8_quantize_transpose(x, M, K, K, b_.f + 0, Fp8Format::E4M3, b_.x, Mp, b_.f + 3, s_);
-  return Fp8Matrix{b_.x, K, Mp, Mp, Fp8Format::E4M3, b_.f + 3};
+  K::fp8_amax(x, M, K, K, b_.f, s_);
+  K::fp8_quantize_transpose(x, M, K, K, b_.f, Fp8Format::E4M3, b_.x, Mp, b_.f + 3 * kFp8Slot, s_);
+  return Fp8Matrix{b_.x, K, Mp, Mp, Fp8Format::E4M3, b_.f + 3 * kFp8Slot};
 }
 
 void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8Matrix& qxt, int64_t N, bf16* dx,
@@ -87,16 +88,16 @@ void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8M
   const int64_t Kd = qxt.rows, Mp = qxt.cols;
   DS_CHECK(Mp == K::fp8_padded(M), "fp8 backward: the input was cast over {} rows, the gradient has {}", Mp, M);
   // dy's amax once for both of its casts.
-  K::fp8_amax(dy, M, N, N, b_.f + 2, s_);
+  K::fp8_amax(dy, M, N, N, b_.f + 2 * kFp8Slot, s_);
   // dgrad: dx[M, K] = q(dy)[M, N] . q(W^T)[K, N]^T
-  K::fp8_quantize(dy, M, N, N, b_.f + 2, r_.grad, b_.dy, N, b_.f + 5, s_);
-  K::fp8_amax(W, N, Kd, Kd, b_.f + 1, s_);
-  K::fp8_quantize_transpose(W, N, Kd, Kd, b_.f + 1, Fp8Format::E4M3, b_.w, N, b_.f + 4, s_);
-  const Fp8Matrix qdy{b_.dy, M, N, N, r_.grad, b_.f + 5}, qwt{b_.w, Kd, N, N, Fp8Format::E4M3, b_.f + 4};
+  K::fp8_quantize(dy, M, N, N, b_.f + 2 * kFp8Slot, r_.grad, b_.dy, N, b_.f + 5 * kFp8Slot, s_);
+  K::fp8_amax(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, s_);
+  K::fp8_quantize_transpose(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, Fp8Format::E4M3, b_.w, N, b_.f + 4 * kFp8Slot, s_);
+  const Fp8Matrix qdy{b_.dy, M, N, N, r_.grad, b_.f + 5 * kFp8Slot}, qwt{b_.w, Kd, N, N, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
   K::gemm_fp8(qdy, qwt, dx, false, Kd, accumulate_dx ? 1.0f : 0.0f, r_.fast_accum_backward, s_);
   // wgrad: dW[N, K] += q(dy^T)[N, Mp] . qxt[K, Mp]^T (the padding columns are zeros in both)
-  K::fp8_quantize_transpose(dy, M, N, N, b_.f + 2, r_.grad, b_.dyt, Mp, b_.f + 6, s_);
-  const Fp8Matrix qdyt{b_.dyt, N, Mp, Mp, r_.grad, b_.f + 6};
+  K::fp8_quantize_transpose(dy, M, N, N, b_.f + 2 * kFp8Slot, r_.grad, b_.dyt, Mp, b_.f + 6 * kFp8Slot, s_);
+  const Fp8Matrix qdyt{b_.dyt, N, Mp, Mp, r_.grad, b_.f + 6 * kFp8Slot};
   K::gemm_fp8(qdyt, qxt, dW, true, Kd, 1.0f, r_.fast_accum_backward, s_);
 }
 

@@ -40,7 +40,7 @@ namespace ds {
 // The FP8 scratch of the activation plan (null when the precision is bf16).
 struct GpuFp8Bufs {
   uint8_t *x = nullptr, *w = nullptr, *dy = nullptr, *dyt = nullptr;
-  float* f = nullptr;  // [8]: amax x, amax w, amax dy, then scales x, w, dy, dyt
+  float* f = nullptr;  // 8 slots kFp8Slot floats apart: amax x, amax w, amax dy, then scales x, w, dy, dyt
   // Bytes of each buffer for config c and micro-batches of max_tokens tokens.
   struct Sizes {
     size_t x = 0, w = 0, dy = 0, dyt = 0;

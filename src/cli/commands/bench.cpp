@@ -305,22 +305,22 @@ int cmd_bench_ops() {
       bf16 *x = d.get<bf16>(M * Kd), *W = d.get<bf16>(N * Kd), *y = d.get<bf16>(M * N);
       uint8_t *qx = d.get<uint8_t>(M * Kd), *qw = d.get<uint8_t>(N * Kd), *qt = d.get<uint8_t>(Kd * K::fp8_padded(M));
       const int64_t sa = M * ((Kd + 127) / 128), sb = ((N + 127) / 128) * ((Kd + 127) / 128);
-      float *f = d.get<float>(8), *bsa = d.get<float>(sa), *bsb = d.get<float>(sb);
+      float *f = d.get<float>(8 * K::kFp8Slot), *bsa = d.get<float>(sa), *bsb = d.get<float>(sb);
       K::fill_uniform(x, M * Kd, 21, -1, 1, s);
       K::fill_uniform(W, N * Kd, 22, -0.05f, 0.05f, s);
       K::fill_uniform(bsa, sa, 23, 1, 1, s);
       K::fill_uniform(bsb, sb, 24, 1, 1, s);
       K::fp8_amax(x, M, Kd, Kd, f, s);
-      K::fp8_quantize(x, M, Kd, Kd, f, Fp8Format::E4M3, qx, Kd, f + 2, s);
-      K::fp8_amax(W, N, Kd, Kd, f + 1, s);
-      K::fp8_quantize(W, N, Kd, Kd, f + 1, Fp8Format::E4M3, qw, Kd, f + 3, s);
+      K::fp8_quantize(x, M, Kd, Kd, f, Fp8Format::E4M3, qx, Kd, f + 2 * K::kFp8Slot, s);
+      K::fp8_amax(W, N, Kd, Kd, f + 1 * K::kFp8Slot, s);
+      K::fp8_quantize(W, N, Kd, Kd, f + 1 * K::kFp8Slot, Fp8Format::E4M3, qw, Kd, f + 3 * K::kFp8Slot, s);
       const double fl = 2.0 * M * Kd * N;
       const std::string shape = fmt::format("{} {}x{}x{}", sh.name, M, Kd, N);
       auto row = [&](const char* op, double ms) {
         rows.push_back({op, shape, ms, ms, fmt::format("{:.0f} TFLOP/s", fl / (ms * 1e-3) / 1e12), fl / (ms * 1e-3) / kGemmRate});
       };
       row("gemm bf16", time_ms([&] { K::linear_forward(x, W, y, M, Kd, N, false, s); }));
-      const K::Fp8Matrix A{qx, M, Kd, Kd, Fp8Format::E4M3, f + 2}, B{qw, N, Kd, Kd, Fp8Format::E4M3, f + 3};
+      const K::Fp8Matrix A{qx, M, Kd, Kd, Fp8Format::E4M3, f + 2 * K::kFp8Slot}, B{qw, N, Kd, Kd, Fp8Format::E4M3, f + 3 * K::kFp8Slot};
       row("gemm fp8 tensor fast", time_ms([&] { K::gemm_fp8(A, B, y, false, N, 0.0f, true, s); }));
       row("gemm fp8 tensor", time_ms([&] { K::gemm_fp8(A, B, y, false, N, 0.0f, false, s); }));
       try {
@@ -333,11 +333,11 @@ int cmd_bench_ops() {
       const double cast_bytes = 5.0 * M * Kd;
       const double c1 = time_ms([&] {
         K::fp8_amax(x, M, Kd, Kd, f, s);
-        K::fp8_quantize(x, M, Kd, Kd, f, Fp8Format::E4M3, qx, Kd, f + 2, s);
+        K::fp8_quantize(x, M, Kd, Kd, f, Fp8Format::E4M3, qx, Kd, f + 2 * K::kFp8Slot, s);
       });
       const double c2 = time_ms([&] {
         K::fp8_amax(x, M, Kd, Kd, f, s);
-        K::fp8_quantize_transpose(x, M, Kd, Kd, f, Fp8Format::E4M3, qt, K::fp8_padded(M), f + 2, s);
+        K::fp8_quantize_transpose(x, M, Kd, Kd, f, Fp8Format::E4M3, qt, K::fp8_padded(M), f + 2 * K::kFp8Slot, s);
       });
       rows.push_back({"fp8 cast (amax+cast)", fmt::format("{} x {}x{}", sh.name, M, Kd), c1, c2,
                       fmt::format("{:.2f} / {:.2f} TB/s (row / transposed)", cast_bytes / (c1 * 1e-3) / 1e12,

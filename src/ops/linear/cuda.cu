@@ -21,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "ops/linear/cuda.h"
 #include "ops/linear/fp8.h"
@@ -210,20 +211,30 @@ void linear_backward_weight(const bf16* dy, const bf16* x, float* dW, int64_t M,
 // require. cuBLASLt's A scale is therefore B.scale and its B scale A.scale.
 namespace {
 
-// (device, M, N, K, lda, ldb, ldc, A format, B format, c_is_f32, beta_zero, fast_accum, scale mode)
-using Fp8Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool, bool, bool, int>;
-std::map<Fp8Key, Plan> g_fp8_plans;
+// (device, M, N, K, lda, ldb, ldc, A format, B format, c_is_f32, beta_zero, fast_accum, scale mode, alignments
+// of A, B, C)
+using Fp8Key = std::tuple<int, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, bool, bool, bool, int,
+                          uint32_t, uint32_t, uint32_t>;
+// The heuristic's candidates in its order; `chosen` is the first that cuBLASLt ran for this problem (-1 until the
+// first call), used from then on: one algorithm per problem, so the results are reproducible.
+struct Fp8Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulHeuristicResult_t algos[8] = {};
+  int n_algos = 0, chosen = -1;
+};
+std::map<Fp8Key, Fp8Plan> g_fp8_plans;
 
 cudaDataType_t fp8_type(Fp8Format f) { return f == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 
 // Caller holds g_mu.
-const Plan& get_fp8_plan(const Fp8Key& key, cublasLtHandle_t handle, const void* placeholder_scale) {
+Fp8Plan& get_fp8_plan(const Fp8Key& key, cublasLtHandle_t handle, const void* placeholder_scale) {
   auto it = g_fp8_plans.find(key);
   if (it != g_fp8_plans.end()) return it->second;
-  const auto [dev, M, N, K, lda, ldb, ldc, fa, fb, c_f32, beta_zero, fast, mode] = key;
+  const auto [dev, M, N, K, lda, ldb, ldc, fa, fb, c_f32, beta_zero, fast, mode, alA, alB, alC] = key;
   (void)dev;
   (void)beta_zero;
-  Plan p;
+  Fp8Plan p;
   DS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
   DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof(opT)));
@@ -235,8 +246,8 @@ const Plan& get_fp8_plan(const Fp8Key& key, cublasLtHandle_t handle, const void*
     DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &weight_mode, sizeof(weight_mode)));
     DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &act_mode, sizeof(act_mode)));
   }
-  // The scale pointers are set per call (they differ per operand); a placeholder (any device address) here lets the
-  // heuristic see an FP8 problem with scaled operands.
+  // The scale pointers are set per call (they differ per operand); a placeholder (any 256-byte aligned device
+  // address) here lets the heuristic see an FP8 problem with scaled operands.
   DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &placeholder_scale,
                                                  sizeof(placeholder_scale)));
   DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &placeholder_scale,
@@ -252,11 +263,17 @@ const Plan& get_fp8_plan(const Fp8Key& key, cublasLtHandle_t handle, const void*
   DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reductions,
                                                        sizeof(reductions)));
-  cublasLtMatmulHeuristicResult_t res{};
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &alB, sizeof(alB)));
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &alA, sizeof(alA)));
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &alC, sizeof(alC)));
+  DS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &alC, sizeof(alC)));
+  cublasLtMatmulHeuristicResult_t res[8] = {};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, p.op, p.a, p.b, p.c, p.c, pref, 1, &res, &found);
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle, p.op, p.a, p.b, p.c, p.c, pref, 8, res, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (st != CUBLAS_STATUS_SUCCESS || found == 0 || res.state != CUBLAS_STATUS_SUCCESS) {
+  for (int i = 0; st == CUBLAS_STATUS_SUCCESS && i < found; ++i)
+    if (res[i].state == CUBLAS_STATUS_SUCCESS) p.algos[p.n_algos++] = res[i];
+  if (p.n_algos == 0) {
     cublasLtMatmulDescDestroy(p.op);
     cublasLtMatrixLayoutDestroy(p.a);
     cublasLtMatrixLayoutDestroy(p.b);
@@ -265,8 +282,6 @@ const Plan& get_fp8_plan(const Fp8Key& key, cublasLtHandle_t handle, const void*
                           std::to_string(N) + " K=" + std::to_string(K) + " lda=" + std::to_string(lda) + " ldb=" +
                           std::to_string(ldb) + " ldc=" + std::to_string(ldc) + " (" + cublasLtGetStatusName(st) + ")");
   }
-  p.algo = res.algo;
-  p.workspace = res.workspaceSize;
   return g_fp8_plans.emplace(key, p).first->second;
 }
 
@@ -292,18 +307,40 @@ void gemm_fp8(const Fp8Matrix& A, const Fp8Matrix& B, void* C, bool c_is_f32, in
   int dev = 0;
   DS_CUDA_CHECK(cudaGetDevice(&dev));
   const Fp8Key key{dev, M, N, K, A.ld, B.ld, ldc, static_cast<int>(A.format), static_cast<int>(B.format),
-                   c_is_f32, beta == 0.f, fast_accum, static_cast<int>(mode)};
+                   c_is_f32, beta == 0.f, fast_accum, static_cast<int>(mode), alignment_of(A.data),
+                   alignment_of(B.data), alignment_of(C)};
   // The scale pointers live in the descriptor: set and used by the matmul enqueued under the lock.
   std::lock_guard<std::mutex> lock(g_mu);
   DeviceCtx& ctx = device_ctx(dev);
-  const Plan& plan = get_fp8_plan(key, ctx.handle, ctx.workspace);
+  Fp8Plan& plan = get_fp8_plan(key, ctx.handle, ctx.workspace);
   DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &B.scale,
                                                  sizeof(B.scale)));
   DS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &A.scale,
                                                  sizeof(A.scale)));
   const float alpha = 1.0f;
-  DS_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C, plan.c, C,
-                                 plan.c, &plan.algo, ctx.workspace, plan.workspace, stream));
+  auto run = [&](int i) {
+    const cublasLtMatmulHeuristicResult_t& r = plan.algos[i];
+    return cublasLtMatmul(ctx.handle, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C, plan.c, C, plan.c,
+                          &r.algo, ctx.workspace, r.workspaceSize, stream);
+  };
+  if (plan.chosen >= 0) {
+    DS_CUBLAS_CHECK(run(plan.chosen));
+    return;
+  }
+  // First call of this problem: the heuristic's candidates in order, the first that runs is kept (a candidate
+  // cuBLASLt refuses at run time returns before launching anything).
+  cublasStatus_t st = CUBLAS_STATUS_NOT_SUPPORTED;
+  for (int i = 0; i < plan.n_algos; ++i) {
+    st = run(i);
+    if (st == CUBLAS_STATUS_SUCCESS) {
+      plan.chosen = i;
+      return;
+    }
+    if (st != CUBLAS_STATUS_NOT_SUPPORTED) break;
+  }
+  ds::cuda::throw_error(std::string("gemm_fp8: cuBLASLt ran none of its ") + std::to_string(plan.n_algos) +
+                        " algorithms for M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" +
+                        std::to_string(K) + ": " + cublasLtGetStatusName(st));
 }
 
 }  // namespace ds::ops::cuda

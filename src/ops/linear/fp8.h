@@ -44,6 +44,10 @@ void fp8_quantize(const ds::cuda::bf16* x, int64_t rows, int64_t cols, int64_t l
 void fp8_quantize_transpose(const ds::cuda::bf16* x, int64_t rows, int64_t cols, int64_t ld, const float* amax,
                             Fp8Format format, uint8_t* qt, int64_t ldqt, float* scale, cudaStream_t stream);
 
+// Distance in floats between two amax / scale values in one buffer: each on its own 256-byte boundary, the alignment
+// cuBLASLt's scale pointers get from an allocation of their own.
+inline constexpr int64_t kFp8Slot = 64;
+
 // Leading dimension of a transposed cast over `rows` rows: rows rounded up to 16 (cuBLASLt's FP8 alignment).
 inline int64_t fp8_padded(int64_t rows) { return (rows + 15) / 16 * 16; }
 

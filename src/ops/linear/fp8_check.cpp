@@ -83,7 +83,7 @@ Result check_linear_fp8(const LinearFp8Case& c) {
 
   auto x_d = ctx.up_bf16(x), W_d = ctx.up_bf16(W), dy_d = ctx.up_bf16(dy);
   Buf<uint8_t> qx(M * K), qxt(K * Mp), qwt(K * N), qw(N * K), qdy(M * N), qdyt(N * Mp);
-  Buf<float> f(8);
+  Buf<float> f(8 * cuda::kFp8Slot);
   Buf<bf16> y_d(M * N), dx_d(M * K);
   Buf<float> dW_d(N * K);
   struct Out {
@@ -101,27 +101,29 @@ Result check_linear_fp8(const LinearFp8Case& c) {
     else ctx.poison(dx_d);
     ctx.upload(dW_d, dW0);
     float* F = f.get();
+    using cuda::kFp8Slot;
     const Fp8Format E4 = Fp8Format::E4M3;
     // forward: q(x) . q(W)^T
-    cuda::fp8_amax(x_d.get(), M, K, K, F + 0, ctx.s);
-    cuda::fp8_quantize(x_d.get(), M, K, K, F + 0, E4, qx.get(), K, F + 3, ctx.s);
-    cuda::fp8_amax(W_d.get(), N, K, K, F + 1, ctx.s);
-    cuda::fp8_quantize(W_d.get(), N, K, K, F + 1, E4, qw.get(), K, F + 4, ctx.s);
-    cuda::gemm_fp8({qx.get(), M, K, K, E4, F + 3}, {qw.get(), N, K, K, E4, F + 4}, y_d.get(), false, N, 0.0f,
+    cuda::fp8_amax(x_d.get(), M, K, K, F, ctx.s);
+    cuda::fp8_quantize(x_d.get(), M, K, K, F, E4, qx.get(), K, F + 3 * kFp8Slot, ctx.s);
+    cuda::fp8_amax(W_d.get(), N, K, K, F + 1 * kFp8Slot, ctx.s);
+    cuda::fp8_quantize(W_d.get(), N, K, K, F + 1 * kFp8Slot, E4, qw.get(), K, F + 4 * kFp8Slot, ctx.s);
+    cuda::gemm_fp8({qx.get(), M, K, K, E4, F + 3 * kFp8Slot}, {qw.get(), N, K, K, E4, F + 4 * kFp8Slot}, y_d.get(), false, N, 0.0f,
                    c.fast_accum, ctx.s);
     // dgrad: q(dy) . q(W^T)^T
-    cuda::fp8_amax(dy_d.get(), M, N, N, F + 2, ctx.s);
-    cuda::fp8_quantize(dy_d.get(), M, N, N, F + 2, c.grad, qdy.get(), N, F + 5, ctx.s);
-    cuda::fp8_quantize_transpose(W_d.get(), N, K, K, F + 1, E4, qwt.get(), N, F + 7, ctx.s);
-    cuda::gemm_fp8({qdy.get(), M, N, N, c.grad, F + 5}, {qwt.get(), K, N, N, E4, F + 7}, dx_d.get(), false, K,
+    cuda::fp8_amax(dy_d.get(), M, N, N, F + 2 * kFp8Slot, ctx.s);
+    cuda::fp8_quantize(dy_d.get(), M, N, N, F + 2 * kFp8Slot, c.grad, qdy.get(), N, F + 5 * kFp8Slot, ctx.s);
+    cuda::fp8_quantize_transpose(W_d.get(), N, K, K, F + 1 * kFp8Slot, E4, qwt.get(), N, F + 7 * kFp8Slot, ctx.s);
+    cuda::gemm_fp8({qdy.get(), M, N, N, c.grad, F + 5 * kFp8Slot}, {qwt.get(), K, N, N, E4, F + 7 * kFp8Slot}, dx_d.get(), false, K,
                    c.accumulate ? 1.0f : 0.0f, c.fast_accum, ctx.s);
     // wgrad: q(dy^T) . q(x^T)^T, padded reduction
-    cuda::fp8_quantize_transpose(dy_d.get(), M, N, N, F + 2, c.grad, qdyt.get(), Mp, F + 6, ctx.s);
-    cuda::fp8_quantize_transpose(x_d.get(), M, K, K, F + 0, E4, qxt.get(), Mp, F + 3, ctx.s);
-    cuda::gemm_fp8({qdyt.get(), N, Mp, Mp, c.grad, F + 6}, {qxt.get(), K, Mp, Mp, E4, F + 3}, dW_d.get(), true, K,
+    cuda::fp8_quantize_transpose(dy_d.get(), M, N, N, F + 2 * kFp8Slot, c.grad, qdyt.get(), Mp, F + 6 * kFp8Slot, ctx.s);
+    cuda::fp8_quantize_transpose(x_d.get(), M, K, K, F, E4, qxt.get(), Mp, F + 3 * kFp8Slot, ctx.s);
+    cuda::gemm_fp8({qdyt.get(), N, Mp, Mp, c.grad, F + 6 * kFp8Slot}, {qxt.get(), K, Mp, Mp, E4, F + 3 * kFp8Slot}, dW_d.get(), true, K,
                    1.0f, c.fast_accum, ctx.s);
     o.qx = ctx.down(qx), o.qxt = ctx.down(qxt), o.qw = ctx.down(qwt), o.qdy = ctx.down(qdy), o.qdyt = ctx.down(qdyt);
-    o.f = ctx.down(f);
+    const std::vector<float> all = ctx.down(f);
+    for (int k = 0; k < 8; ++k) o.f.push_back(all[static_cast<size_t>(k * cuda::kFp8Slot)]);
     o.y = ctx.bits(y_d), o.dx = ctx.bits(dx_d), o.dW = ctx.down(dW_d);
     return o;
   };
