@@ -157,8 +157,9 @@ FLA_CALLS = {"chunk_gated_delta_rule": 0, "causal_conv1d": 0, "FusedRMSNormGated
 
 def install_fla_kernels():
     """fla's gated delta rule, causal conv1d and gated RMSNorm in transformers' Qwen3.5 module (before the model is
-    built: the gated norm is built from the module's class). Returns the stack's description. Needs fla >= 0.5
-    (grouped value heads: 9B's 16 key heads for 32 value heads)."""
+    built: the gated norm is built from the module's class). Returns the stack's description and bind(model), which
+    puts the functions on a built model's instances too. Needs fla >= 0.5 (grouped value heads: 9B's 16 key heads for
+    32 value heads)."""
     import fla
     from fla.modules import FusedRMSNormGated
     from fla.modules.conv import causal_conv1d
@@ -196,7 +197,18 @@ def install_fla_kernels():
     m.torch_chunk_gated_delta_rule = gated_delta_rule
     m.causal_conv1d_fn = conv1d
     m.Qwen3_5RMSNormGated = GatedRMSNorm
-    return f"fla {version_of(fla, 'fla-core')} chunk_gated_delta_rule + causal_conv1d + FusedRMSNormGated"
+
+    def bind(model):
+        """The same functions on a built model's GatedDeltaNet instances, for transformers versions that keep
+        references to them as instance attributes set at init."""
+        for mod in model.modules():
+            if isinstance(mod, m.Qwen3_5GatedDeltaNet):
+                for attr, fn in (("chunk_gated_delta_rule", gated_delta_rule),
+                                 ("torch_chunk_gated_delta_rule", gated_delta_rule), ("causal_conv1d_fn", conv1d)):
+                    if callable(mod.__dict__.get(attr)):
+                        setattr(mod, attr, fn)
+
+    return f"fla {version_of(fla, 'fla-core')} chunk_gated_delta_rule + causal_conv1d + FusedRMSNormGated", bind
 
 
 def liger_patch():
@@ -317,10 +329,15 @@ def peer_stack(args):
     (description, prepare, check). args: optimizer_state ('bf16' | 'fp32'), bypass_640, max_grad_norm."""
     import transformers
 
-    stack = [f"transformers {transformers.__version__}", f"torch {torch.__version__}", install_fla_kernels()]
+    fla_desc, bind_fla = install_fla_kernels()
+    stack = [f"transformers {transformers.__version__}", f"torch {torch.__version__}", fla_desc]
     if args.bypass_640 and bypass_fla_640():
         stack.append("fla #640 guard lifted (timing only)")
-    liger_desc, prepare = liger_patch()
+    liger_desc, apply_liger = liger_patch()
+
+    def prepare(model):
+        bind_fla(model)
+        apply_liger(model)
 
     def check():
         missing = [k for k, n in FLA_CALLS.items() if n == 0]
