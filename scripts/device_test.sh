@@ -4,7 +4,7 @@
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
 # Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step torch cpu-blas bench-step memory curves fp8 curves-fp8
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
-# peer-step, full training steps, ours vs transformers + fla (+ Liger): scripts/peer_step.py, PEER_PRESETS;
+# peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # torch, deltastack.torch: the extension, python/tests, scripts/torch_step.py (docs/torch.md);
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
 # (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_MODELS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
@@ -148,9 +148,9 @@ if has torch; then
   # first; or TORCH_KERNELS_BUILD=DIR, e.g. a carried one) by the system's g++ (the image's CXX=/opt/gcc/bin/g++
   # wrapper makes extensions that crash on any C++ exception: docs/torch.md; TORCH_BUILD=0 keeps a built one),
   # python/tests (pytest from .peers/site: scripts/fetch_peers.sh; TORCH_TESTS=0 skips them, TORCH_PYTEST_K selects),
-  # then transformers' step unpatched (fla from .peers/site when carried), with Liger, and patched:
+  # then transformers' step with the strongest peer's kernels (fla and Liger from .peers/site) and patched:
   # scripts/torch_step.py at TORCH_PRESETS (default 2b; or TORCH_CONFIG=FILE, an HF config.json), TORCH_SEQ x
-  # TORCH_MB, TORCH_WHICH (default all; a comma list), TORCH_TIMEOUT s each.
+  # TORCH_MB, TORCH_WHICH (default all = peer,deltastack; a comma list), TORCH_TIMEOUT s each.
   TPATH=$PWD/python:$PWD/.peers/site:${PYTHONPATH:-}
   TCXX=$(command -v /usr/bin/g++ || echo "${CXX:-g++}"); TCC=$(command -v /usr/bin/gcc || echo "${CC:-gcc}")
   t0=$(date +%s)
@@ -174,14 +174,14 @@ if has torch; then
   # One source of the config: TORCH_CONFIG, else each of TORCH_PRESETS (TORCH_PRESETS= runs no step); each run of
   # TORCH_WHICH (all = the three) gets its own process and its own TORCH_TIMEOUT. Appends: two invocations in one
   # call keep both's lines.
-  runs=$(echo "${TORCH_WHICH:-all}" | sed 's/\ball\b/unpatched,liger,deltastack/' | tr , ' ')
+  runs=$(echo "${TORCH_WHICH:-all}" | sed 's/\ball\b/peer,deltastack/' | tr , ' ')
   if [ -n "${TORCH_CONFIG:-}" ]; then sources=(config); else sources=(${TORCH_PRESETS-2b}); fi
   for src in "${sources[@]}"; do
     if [ "$src" = config ]; then spec=(--config "$TORCH_CONFIG"); else spec=(--preset "$src" --deltastack "$BUILD/deltastack"); fi
     for w in $runs; do
       t0=$(date +%s)
       PYTHONPATH=$TPATH timeout "${TORCH_TIMEOUT:-1200}" python3 scripts/torch_step.py "${spec[@]}" --seq-len "${TORCH_SEQ:-8192}" \
-        --micro-batch "${TORCH_MB:-2}" --which "$w" --bypass-640 2>&1 | grep -E "^torch step|^torch_step:|^peer:|Error|error:" | tee -a "$OUT/torch_step.txt"
+        --micro-batch "${TORCH_MB:-2}" --which "$w" --bypass-640 2>&1 | grep -E "^torch step|^torch_step:|^peer:|^peer_step:|^step_result|Error|error:" | tee -a "$OUT/torch_step.txt"
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || status=1
       echo "torch step ${spec[*]} $w: $(( $(date +%s) - t0 )) s (rc $rc)"
     done
@@ -203,52 +203,61 @@ if has cpu-blas; then
   done
 fi
 if has peer-step; then
-  # Full training steps, ours against transformers' Qwen3.5 + fla (+ Liger) at one shape (scripts/peer_step.py;
-  # fla and liger_kernel from .peers/site, carried: scripts/fetch_peers.sh). The model config comes from our own
-  # binary (`plan --hf-config`), so both run the same preset. PEER_PRESETS, PEER_SEQ x PEER_MB, PEER_TIMEOUT (s, each).
-  PS="--seq-len ${PEER_SEQ:-8192} --micro-batch ${PEER_MB:-2}"
+  # Full training steps, ours (`bench step`) against the strongest PyTorch peer (scripts/peer_step.py: transformers'
+  # Qwen3.5 with fla's GDN, conv1d and gated RMSNorm and Liger's fused linear CE, RMSNorm and SwiGLU; fla and
+  # liger_kernel from .peers/site, carried: scripts/fetch_peers.sh), the model config from our own binary (`plan
+  # --hf-config`), so both run the same preset. PEER_RUNS: space-separated PRESET:SEQ:MB[:ROWS] (default
+  # "2b:8192:2 0.8b:8192:2", or each of PEER_PRESETS at PEER_SEQ x PEER_MB); ROWS, a comma list of peer_step's rows,
+  # defaults to PEER_ROWS (peer-bf16,peer-fp32master), each row its own process with PEER_TIMEOUT s (300).
+  # PEER_OURS=0 skips our runs; PEER_ARGS, more peer_step.py flags. Lines: "[ours P SxB] ...", "[peer P SxB ROW] ...".
   : >"$OUT/peer_step.txt"
-  if [ ! -d .peers/site/fla ]; then
-    echo "peer-step: .peers/site/fla not carried (scripts/fetch_peers.sh)" | tee -a "$OUT/peer_step.txt"
-  fi
-  for preset in ${PEER_PRESETS:-2b 0.8b}; do
-    timeout ${PEER_TIMEOUT:-300} $BUILD/deltastack bench step --preset $preset $PS 2>&1 | sed "s/^/[ours $preset] /" |
-      tee -a "$OUT/peer_step.txt"
-    [ -d .peers/site/fla ] || continue
-    for liger in off on; do
-      [ $liger = on ] && [ ! -d .peers/site/liger_kernel ] && { echo "peer-step: .peers/site/liger_kernel not carried"; continue; }
-      PYTHONPATH=$PWD/.peers/site timeout ${PEER_TIMEOUT:-300} python3 scripts/peer_step.py --preset $preset $PS \
-        --deltastack $BUILD/deltastack --liger $liger --bypass-640 ${PEER_ARGS:-} 2>&1 | grep -v "Warning" |
-        sed "s/^/[peer $preset liger-$liger] /" | tee -a "$OUT/peer_step.txt"
-      [ "${PIPESTATUS[0]}" = 124 ] && echo "[peer $preset liger-$liger] timed out after ${PEER_TIMEOUT:-300} s" | tee -a "$OUT/peer_step.txt"
+  runs=${PEER_RUNS:-$(for p in ${PEER_PRESETS:-2b 0.8b}; do printf '%s ' "$p:${PEER_SEQ:-8192}:${PEER_MB:-2}"; done)}
+  peers=1
+  for d in fla liger_kernel; do
+    [ -d .peers/site/$d ] || { echo "peer-step: .peers/site/$d not carried (scripts/fetch_peers.sh)" | tee -a "$OUT/peer_step.txt"; peers=0; }
+  done
+  for run in $runs; do
+    IFS=: read -r preset seq mb rows <<<"$run"
+    tag="$preset ${seq}x$mb"
+    if [ "${PEER_OURS:-1}" != 0 ]; then
+      timeout ${PEER_TIMEOUT:-300} $BUILD/deltastack bench step --preset $preset --seq-len $seq --micro-batch $mb 2>&1 |
+        sed "s/^/[ours $tag] /" | tee -a "$OUT/peer_step.txt"
+    fi
+    [ $peers = 1 ] || continue
+    for row in $(echo "${rows:-${PEER_ROWS:-peer-bf16,peer-fp32master}}" | tr , ' '); do
+      PYTHONPATH=$PWD/.peers/site timeout ${PEER_TIMEOUT:-300} python3 scripts/peer_step.py --preset $preset --seq-len $seq \
+        --micro-batch $mb --rows $row --deltastack $BUILD/deltastack ${PEER_ARGS:-} 2>&1 | grep -v "Warning" |
+        sed "s/^/[peer $tag $row] /" | tee -a "$OUT/peer_step.txt"
+      rc=${PIPESTATUS[0]}
+      [ "$rc" = 124 ] && echo "[peer $tag $row] timed out after ${PEER_TIMEOUT:-300} s" | tee -a "$OUT/peer_step.txt"
+      [ "$rc" = 0 ] || status=1
     done
   done
   python3 - "$OUT/peer_step.txt" <<'PY'
-import re, sys
+import json, re, sys
 ours, peers, last = {}, {}, {}
 for line in open(sys.argv[1]):
-    m = re.match(r"\[ours (\S+)\]\s+step ([\d.]+) ms \(median\) \| (\d+) tokens/s .*?peak ([\d.]+) GiB", line)
+    m = re.match(r"\[ours (\S+ \S+)\]\s+step ([\d.]+) ms \(median\) \| (\d+) tokens/s .*?peak ([\d.]+) GiB", line)
     if m:
         ours[m[1]] = (float(m[3]), float(m[4]))
-    m = re.match(r"\[peer (\S+) liger-(\w+)\] (.*)", line)
+    m = re.match(r"\[peer (\S+ \S+) (\S+)\] (.*)", line)
     if m:
         last[m[1], m[2]] = m[3].strip()
-        r = re.match(r"peer step \S+ seq \S+ x \S+: (.*)", m[3])
-        if r:
-            peers[m[1], m[2]] = r[1].strip()
-print("peer-step summary (tokens/s ratio = ours / peer):")
-for preset, (tok, peak) in ours.items():
-    print(f"  {preset}: ours {tok:.0f} tokens/s, peak {peak:.1f} GiB")
-for (preset, liger), tail in last.items():
-    what = "HF+fla" + ("+Liger" if liger == "on" else "")
-    rest = peers.get((preset, liger))
-    m = rest and re.match(r"[\d.]+ ms/step, (\d+) tokens/s, peak ([\d.]+) GiB", rest)
-    if m and preset in ours:
-        t, p = float(m[1]), float(m[2])
-        print(f"  {preset} vs {what}: {t:.0f} tokens/s, peak {p:.1f} GiB -> ours/peer {ours[preset][0] / t:.2f}x "
-              f"tokens/s, {ours[preset][1] / p:.2f}x memory")
+        if m[3].startswith("step_result "):
+            peers[m[1], m[2]] = json.loads(m[3][len("step_result "):])
+print("peer-step summary (ratios = ours / peer):")
+for run, (tok, peak) in ours.items():
+    print(f"  {run}: ours {tok:.0f} tokens/s, peak {peak:.1f} GiB")
+for (run, row), tail in last.items():
+    r = peers.get((run, row))
+    if r and r["status"] == "ok":
+        vs = (f" -> ours/peer {ours[run][0] / r['tokens_per_s']:.2f}x tokens/s, {ours[run][1] / r['peak_gib']:.2f}x memory"
+              if run in ours else "")
+        print(f"  {run} {row}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']} tokens/s, peak {r['peak_gib']:.1f} GiB{vs}")
+    elif r:
+        print(f"  {run} {row}: {r['status']} ({r['peak_gib']:.1f} GiB peak)")
     else:
-        print(f"  {preset} vs {what}: {(rest or 'no result: ' + tail)[:200]}")
+        print(f"  {run} {row}: no result: {tail[:200]}")
 PY
 fi
 if has bench-step; then

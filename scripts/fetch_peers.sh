@@ -2,8 +2,11 @@
 # Downloads (here, where PyPI is reached) the peer stacks' pure-Python packages into .peers/site, which git ignores
 # and the device tool carries (`carry: [".peers"]`); scripts/device_test.sh stages `peer` and `peer-step` put it on
 # PYTHONPATH (the device machine has torch, triton and transformers, and no network).
-#   liger_kernel   liger-kernel's wheel (LIGER_VERSION, default 0.8.5: has apply_liger_kernel_to_qwen3_5)
-#   fla            fla-core's wheel (fla.ops, fla.modules: what transformers' Qwen3.5 uses), FLA_VERSION (default
+# The strongest peer (scripts/peer_step.py) needs these two (and einops, fetched with fla), beside the device's torch, triton and transformers:
+#   liger_kernel   liger-kernel's wheel (LIGER_VERSION, default 0.8.5: has apply_liger_kernel_to_qwen3_5: fused
+#                  linear CE, RMSNorm, SwiGLU)
+#   fla            fla-core's wheel (fla.ops' chunk_gated_delta_rule, fla.modules' causal_conv1d and
+#                  FusedRMSNormGated: the peer's GDN layers; >= 0.5 for grouped value heads), FLA_VERSION (default
 #                  0.5.2, the version of the 2026-12-01 peer numbers), only when .peers/site/fla is not there already
 #                  (a source tree put there by hand is kept; FLA_REFETCH=1 replaces it), with einops, which it imports
 #   pytest         pytest, pluggy, iniconfig, exceptiongroup: for python/tests on the device (stage `torch`)

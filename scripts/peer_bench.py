@@ -1,13 +1,21 @@
 #!/usr/bin/env python3
 """Times the peer's kernels at the shapes `deltastack bench ops` times ours, for a same-run ratio.
 
-The peer is flash-linear-attention (fla), run from its source on PYTHONPATH (scripts/device_test.sh stage
-`peer` puts a carried copy in .peers/site there). Rows (bf16 inputs, CUDA events, median of --iters runs after
-warm-up; "fwd+bwd" is one forward then one backward):
+The peer is the strongest PyTorch stack's kernels (the ones scripts/peer_step.py installs): flash-linear-attention
+(fla) for the Gated DeltaNet ops and liger-kernel for the norms, SwiGLU and the loss, run from PYTHONPATH
+(scripts/device_test.sh stage `peer` puts the carried .peers/site there: scripts/fetch_peers.sh). Rows (bf16
+inputs, CUDA events, median of --iters runs after warm-up; "fwd+bwd" is one forward then one backward):
   gated_delta_rule  fla.ops.gated_delta_rule.chunk_gated_delta_rule, q/k already l2-normalised (as ours receives
                     them), scale dk^-0.5, packed documents via cu_seqlens; shapes T32768 Hk16 Hv32, B2xT8192
                     Hk16 Hv16, and the 8-document packing of bench ops.
   conv1d+silu       fla.modules.conv.causal_conv1d(activation='silu', backend='triton'), T32768 C8192 K4.
+  rmsnorm           Liger's RMSNorm as its Qwen3.5 patch runs it (zero-centered: offset 1, gemma casting), N32768 x
+                    H 2560 / 4096 / 5120.
+  swiglu            Liger's silu(gate) * up (LigerSiLUMulFunction), 16384 x I 9216 / 12288 / 17408.
+  linear_cross_entropy  Liger's fused linear cross-entropy (LigerFusedLinearCrossEntropyLoss, mean over 16384
+                    tokens), 16384 x 4096 x 248,320; fwd without gradients, fwd+bwd with (Liger computes the input
+                    and weight gradients inside its forward).
+A missing liger-kernel skips its rows with a line saying so.
 fla refuses its gated backward on Hopper with Triton 3.4 .. 3.7.0 (its issue #640: wrong results there); for
 timing only, --bypass-640 lifts that guard, and the row is marked so. Its values are not checked here.
 Output: one line per row, `peer <op> <shape> fwd <ms> fwd+bwd <ms> (<note>)`.
@@ -106,6 +114,64 @@ def conv_rows(iters):
     print(f"peer conv1d+silu T{T} C{C} K{K} fwd {f:.3f} fwd+bwd {fb:.3f} (fla causal_conv1d, triton)", flush=True)
 
 
+def liger_rows(iters):
+    try:
+        import liger_kernel
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError as e:
+        print(f"peer liger rows: skipped, liger-kernel is not importable ({e})", flush=True)
+        return
+    note = f"liger {getattr(liger_kernel, '__version__', '?')}"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return ((torch.rand(*shape, generator=gen, device="cuda") * 2 - 1) * scale).bfloat16().requires_grad_()
+
+    for H in (2560, 4096, 5120):
+        x, w, dy = rand(32768, H), rand(H, scale=0.1), rand(32768, H)
+
+        def fwd():
+            with torch.no_grad():
+                return LigerRMSNormFunction.apply(x, w, 1e-6, 1.0, "gemma", False)
+
+        def fwd_bwd():
+            torch.autograd.backward(LigerRMSNormFunction.apply(x, w, 1e-6, 1.0, "gemma", False), dy, inputs=[x, w])
+
+        print(f"peer rmsnorm 32768x{H} fwd {time_ms(fwd, iters):.3f} fwd+bwd {time_ms(fwd_bwd, iters):.3f} "
+              f"({note} LigerRMSNormFunction, offset 1, gemma casting)", flush=True)
+    for inner in (9216, 12288, 17408):
+        g, u, dy = rand(16384, inner), rand(16384, inner), rand(16384, inner)
+
+        def fwd():
+            with torch.no_grad():
+                return LigerSiLUMulFunction.apply(g, u)
+
+        def fwd_bwd():
+            torch.autograd.backward(LigerSiLUMulFunction.apply(g, u), dy, inputs=[g, u])
+
+        print(f"peer swiglu 16384x{inner} fwd {time_ms(fwd, iters):.3f} fwd+bwd {time_ms(fwd_bwd, iters):.3f} "
+              f"({note} LigerSiLUMulFunction)", flush=True)
+    N, H, V = 16384, 4096, 248320
+    h, w = rand(N, H), rand(V, H, scale=0.02)
+    y = torch.randint(0, V, (N,), generator=gen, device="cuda")
+    loss_fn = LigerFusedLinearCrossEntropyLoss()
+
+    def fwd():
+        with torch.no_grad():
+            return loss_fn(w, h, y)
+
+    def fwd_bwd():
+        loss_fn(w, h, y).backward(inputs=[h, w])
+
+    torch.cuda.reset_peak_memory_stats()
+    f, fb = time_ms(fwd, max(1, iters // 3)), time_ms(fwd_bwd, max(1, iters // 3))
+    print(f"peer linear_cross_entropy {N}x{H}x{V} fwd {f:.3f} fwd+bwd {fb:.3f} ({note} "
+          f"LigerFusedLinearCrossEntropyLoss; peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB with the "
+          f"inputs and gradients)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=10)
@@ -121,6 +187,7 @@ def main():
           f"{torch.cuda.get_device_name()}", flush=True)
     gdn_rows(args.iters, args.bypass_640)
     conv_rows(args.iters)
+    liger_rows(args.iters)
 
 
 if __name__ == "__main__":

@@ -1,30 +1,43 @@
 #!/usr/bin/env python3
-"""Times full training steps of the PyTorch stack at the shapes `deltastack bench step` times ours, for a ratio.
+"""Times full training steps of the strongest PyTorch stack at the shapes `deltastack bench step` times ours.
 
-The peer is Hugging Face transformers' own Qwen3.5 text model (Qwen3_5ForCausalLM, model_type qwen3_5_text) with
-flash-linear-attention (fla) for its Gated DeltaNet layers (transformers 5.17 takes fla's chunk_gated_delta_rule when
-`import fla` works, else its torch reference code; its conv1d comes from the causal_conv1d package when installed,
-else torch's conv1d; its gated RMSNorm is torch's; the line names what was picked; scripts/device_test.sh stage
-`peer-step` puts fla in .peers/site on PYTHONPATH: scripts/fetch_peers.sh), attention by PyTorch SDPA, and with
---liger on, liger-kernel's Qwen3.5 patch (fused linear cross-entropy, RMSNorm, SwiGLU; or its fused linear
-cross-entropy alone where it has no qwen3_5 patch).
+The peer is Hugging Face transformers' own Qwen3.5 text model (Qwen3_5ForCausalLM, model_type qwen3_5_text), run the
+way its users get the most from it (the configuration measured on the H200 on 2026-12-02):
+  gated delta rule  fla's chunk_gated_delta_rule (q/k l2norm in the kernel), in place of transformers' module function
+  short conv        fla's causal_conv1d (Triton) with SiLU, in place of transformers' causal_conv1d_fn
+  gated RMSNorm     fla's FusedRMSNormGated (silu gate), in place of transformers' Qwen3_5RMSNormGated
+  loss, norms, MLP  liger-kernel's Qwen3.5 patch: fused linear cross-entropy (no logits), RMSNorm, SwiGLU
+  attention         PyTorch SDPA
+  optimizer         torch.optim.AdamW(fused=True), lr 1e-5, weight decay 0.1; no gradient checkpointing
+Rows (each in its own process, so one's memory or out-of-memory does not touch the other):
+  peer-bf16         bf16 parameters, gradients and AdamW state (measured 2026-12-02: 2B seq 8192 x 2 460.9 ms/step,
+                    44.9 GiB; 9B seq 8192 x 1 825.6 ms/step, 94.9 GiB)
+  peer-fp32master   fp32 parameters, gradients and AdamW state, bf16 torch.autocast (deltastack's default state)
+The kernels are installed into transformers' modeling_qwen3_5 before the model is built (the GatedDeltaNet forward
+looks the two functions up at call time and builds its gated norm from the module's class); Liger's patch is applied
+to the built model. Each installed kernel counts its calls, and a row whose first step did not call all three stops
+with an error: a peer that silently fell back to transformers' torch code is never reported.
+fla refuses its gated backward on Hopper with Triton 3.4 .. 3.7.0 (its issue #640): the guard is lifted by default
+for timing only (scripts/peer_common.py; the gradients are the ones #640 says are wrong) and the line says so;
+--no-bypass-640 keeps it.
 The model is deltastack's own: --preset P runs `deltastack plan --model P --hf-config FILE` and builds the model
 from that file (or --config FILE, e.g. one written so), so the two configurations cannot drift apart; with --preset
 the transformers model's parameter count must equal deltastack's (checked on the meta device before anything runs).
-One step, as bench step's: zero_grad(set_to_none=True), forward on random token ids [B, S] (seed 0, one document per
-row, no attention mask) with labels = the inputs (transformers shifts them), loss.backward(), grad-norm clip at 1.0
-(HF Trainer's default; ours computes the norm too), AdamW (lr 1e-5, weight decay 0.1, fused) step.
---optimizer-state fp32: fp32 weights, gradients and AdamW state, bf16 compute by torch.autocast (our default, "bf16
-compute, fp32 master"); bf16: weights, gradients and AdamW state in bf16 (what people do to fit 9B).
-Timing: 2 warm-up steps, then --steps timed steps, each between two CUDA events; the median is reported. Peak is
-torch.cuda.max_memory_allocated() over the whole run (warm-up included, no reset), i.e. PyTorch's allocations, not
-the CUDA context.
-fla refuses its gated backward on Hopper with Triton 3.4 .. 3.7.0 (its issue #640): --bypass-640 lifts that guard
-for timing only (scripts/peer_common.py), and the line says so.
-Output: `peer step <preset> seq S x B: <ms> ms/step, <tok/s> tokens/s, peak <GiB> GiB (<stack>)`, or
-`peer step <preset> seq S x B: out of memory (<GiB> GiB peak) (<stack>)` with exit 0 when the step does not fit.
---dry-run: builds the model on --device (cpu works; --tiny shrinks it to 2 layers of width 64 keeping the layer
-kinds and head dims) and runs one step without CUDA events, for testing this script without a GPU.
+One step: forward on random token ids [B, S] (seed 0, one document per row, no attention mask, use_cache=False)
+with labels = the inputs (transformers shifts them), loss.backward(), optional grad-norm clip (--max-grad-norm; off,
+as measured on 2026-12-02), optimizer step, zero_grad(set_to_none=True).
+Timing: --warmup steps (2), then --steps timed steps (5), each between two CUDA events; the median is reported.
+Peak is torch.cuda.max_memory_allocated() from just before the first step (the model and the optimizer built) to
+the end, i.e. PyTorch's allocations, not the CUDA context.
+Output per row: `peer step <preset> seq S x B <row>: <ms> ms/step, <tok/s> tokens/s, peak <GiB> GiB (<stack>)` (or
+`... <row>: out of memory (<GiB> GiB peak) (<stack>)`, exit 0), and one machine-readable line
+`step_result {"label": ..., "row": ..., "ms_per_step": ..., "tokens_per_s": ..., "peak_gib": ..., ...}` (JSON;
+status "ok" or "out of memory").
+--dry-run builds the model and runs one step without timing (with --tiny: 2 layers of width 64 keeping the layer
+kinds and head dims), on CUDA: the peer's kernels are Triton kernels.
+
+  python3 scripts/peer_step.py --preset 2b --seq-len 8192 --micro-batch 2      # both rows
+  python3 scripts/peer_step.py --preset 9b --seq-len 8192 --micro-batch 1 --rows peer-bf16
 """
 import argparse
 import json
@@ -44,6 +57,7 @@ import torch  # noqa: E402
 from peer_common import bypass_fla_640  # noqa: E402  scripts/peer_common.py
 
 GiB = float(1 << 30)
+ROWS = {"peer-bf16": "bf16", "peer-fp32master": "fp32"}  # row -> optimizer state (parameters, gradients, AdamW)
 
 
 def find_deltastack(given):
@@ -75,7 +89,7 @@ def preset_config(preset, binary):
 
 
 def tiny(cfg):
-    """The same kinds of layer at a CPU-sized width: 2 layers (the first GDN, the last full attention), width 64."""
+    """The same kinds of layer at a small width: 2 layers (the first GDN, the last full attention), width 64."""
     cfg = dict(cfg)
     cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -98,57 +112,131 @@ def build_config(cfg_dict):
     return config, sorted(set(cfg_dict) - known)
 
 
-def kernel_modules():
-    """The modules of the implementations transformers' Qwen3.5 picked for its gated delta rule and its conv1d."""
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+def resolve_config(args, prog):
+    """The HF config file of --preset (written by `deltastack plan --hf-config` into a temporary file, checked against
+    deltastack's parameter count) or --config, as (path, name, temporary path to delete or None)."""
+    if args.config:
+        return os.path.abspath(args.config), os.path.basename(args.config), None
+    cfg, want = preset_config(args.preset, find_deltastack(args.deltastack))
+    if want is not None:  # the same model as ours: parameter counts equal (on the meta device: no memory)
+        from transformers import Qwen3_5ForCausalLM
 
-    def impl(fn, depth=0):  # the `implementation` its hub-kernel fallback wrapper closes over
-        code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
-        if code is None or depth > 4:
-            return None
-        free = dict(zip(code.co_freevars, cells))
-        if "implementation" in free:
-            return free["implementation"].cell_contents
-        for c in cells:
-            try:
-                v = c.cell_contents
-            except ValueError:
-                continue
-            if callable(v) and (r := impl(v, depth + 1)) is not None:
-                return r
-        return None
-
-    out = []
-    for fn in (m.torch_chunk_gated_delta_rule, m.causal_conv1d_fn):
-        f = impl(fn)
-        out.append("?" if f is None else f"{f.__module__}.{f.__name__}")
-    return out
+        with torch.device("meta"):
+            got = sum(p.numel() for p in Qwen3_5ForCausalLM(build_config(cfg)[0]).parameters())
+        if got != want:
+            sys.exit(f"{prog}: transformers' model of {args.preset} has {got} parameters, deltastack's {want}")
+    fd, tmp = tempfile.mkstemp(suffix=".json", prefix=f"{prog}_")
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg, f)
+    return tmp, args.preset, tmp
 
 
-def apply_liger():
-    """Liger's Qwen3.5 patch (before the model is built); else its fused linear cross-entropy alone (our loss)."""
-    import liger_kernel
-    from liger_kernel.transformers import monkey_patch
+def each_in_own_process(script, argv, flag, values):
+    """Runs `python3 script argv flag value` for each value, one process each, in order; the OR of their exit codes."""
+    rc = 0
+    for v in values:
+        rc |= subprocess.run([sys.executable, os.path.abspath(script)] + argv + [flag, v]).returncode
+    return rc
 
-    ver = getattr(liger_kernel, "__version__", None)
+
+def version_of(module, dist):
+    """A package's version: module.__version__, else its installed distribution's metadata, else '?'."""
+    ver = getattr(module, "__version__", None)
     if ver is None:
         try:
             from importlib.metadata import version
-            ver = version("liger-kernel")
+            ver = version(dist)
         except Exception:
             ver = "?"
+    return ver
+
+
+# Calls of the installed fla kernels (install_fla_kernels): a row checks each is non-zero after its first step.
+FLA_CALLS = {"chunk_gated_delta_rule": 0, "causal_conv1d": 0, "FusedRMSNormGated": 0}
+
+
+def install_fla_kernels():
+    """fla's gated delta rule, causal conv1d and gated RMSNorm in transformers' Qwen3.5 module (before the model is
+    built: the gated norm is built from the module's class). Returns the stack's description and bind(model), which
+    puts the functions on a built model's instances too. Needs fla >= 0.5 (grouped value heads: 9B's 16 key heads for
+    32 value heads)."""
+    import fla
+    from fla.modules import FusedRMSNormGated
+    from fla.modules.conv import causal_conv1d
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    def gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                         use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        # transformers' arguments: q, k [B, T, Hk, dk], v [B, T, Hv, dv], g, beta [B, T, Hv]; scale dk^-0.5 (fla's
+        # default, as transformers' own code). chunk_size is fla's own (64).
+        FLA_CALLS["chunk_gated_delta_rule"] += 1
+        return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                                      output_final_state=output_final_state,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+
+    def conv1d(hidden_states, weight, bias=None, activation=None, **kwargs):
+        # transformers passes x [B, C, T] and the depthwise weight [C, K]; fla takes x [B, T, C] and returns
+        # (y, final state). The weight is cast to x's dtype, as torch.autocast casts a conv's weight (a no-op in bf16).
+        FLA_CALLS["causal_conv1d"] += 1
+        y = causal_conv1d(hidden_states.transpose(1, 2), weight=weight.to(hidden_states.dtype),
+                          bias=None if bias is None else bias.to(hidden_states.dtype), activation=activation)
+        y = y[0] if isinstance(y, tuple) else y
+        return y.transpose(1, 2)
+
+    class GatedRMSNorm(FusedRMSNormGated):
+        """fla's fused RMSNorm(x) * weight * silu(gate) with transformers' Qwen3_5RMSNormGated constructor."""
+
+        def __init__(self, hidden_size, eps=1e-6, **kwargs):
+            super().__init__(hidden_size, eps=eps, activation="silu")
+
+        def forward(self, x, gate):
+            FLA_CALLS["FusedRMSNormGated"] += 1
+            return super().forward(x, gate)
+
+    m.torch_chunk_gated_delta_rule = gated_delta_rule
+    m.causal_conv1d_fn = conv1d
+    m.Qwen3_5RMSNormGated = GatedRMSNorm
+
+    def bind(model):
+        """The same functions on a built model's GatedDeltaNet instances, for transformers versions that keep
+        references to them as instance attributes set at init."""
+        for mod in model.modules():
+            if isinstance(mod, m.Qwen3_5GatedDeltaNet):
+                for attr, fn in (("chunk_gated_delta_rule", gated_delta_rule),
+                                 ("torch_chunk_gated_delta_rule", gated_delta_rule), ("causal_conv1d_fn", conv1d)):
+                    if callable(mod.__dict__.get(attr)):
+                        setattr(mod, attr, fn)
+
+    return f"fla {version_of(fla, 'fla-core')} chunk_gated_delta_rule + causal_conv1d + FusedRMSNormGated", bind
+
+
+def liger_patch():
+    """liger-kernel's Qwen3.5 patch: (description, apply(model)) where apply patches the built model with fused linear
+    cross-entropy, RMSNorm (offset 1) and SwiGLU, and exits when the patch did not take. Exits at once when this
+    liger-kernel has no Qwen3.5 patch (before 0.8.5: scripts/fetch_peers.sh fetches 0.8.5)."""
+    import liger_kernel
+    from liger_kernel.transformers import monkey_patch
+
+    ver = version_of(liger_kernel, "liger-kernel")
     fn = getattr(monkey_patch, "apply_liger_kernel_to_qwen3_5", None)
-    if fn is not None:
-        fn(rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True)
-        return f"liger {ver}: fused linear CE, RMSNorm, SwiGLU", None
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-    return f"liger {ver}: fused linear CE only (no qwen3_5 patch)", LigerFusedLinearCrossEntropyLoss()
+    if fn is None:
+        sys.exit(f"peer_step: liger-kernel {ver} has no apply_liger_kernel_to_qwen3_5 (scripts/fetch_peers.sh: 0.8.5)")
+
+    def apply(model):
+        fn(rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=True, swiglu=True, model=model)
+        if not getattr(getattr(model.forward, "__func__", None), "__module__", "").startswith("liger_kernel"):
+            sys.exit("peer_step: Liger's fused linear cross-entropy forward is not on the model after its patch")
+
+    return f"liger {ver}: fused linear CE, RMSNorm, SwiGLU", apply
 
 
-def run(args, config, own_loss, label, desc, mark, prepare=None):
-    """Builds the model and the optimizer on args.device and times the steps (or, with --dry-run, runs one).
-    prepare(model), when given, runs on the built model before the optimizer is made (scripts/torch_step.py: the
-    deltastack.torch patch)."""
+def run(args, config, label, desc, prepare=None, check=None):
+    """Builds the model and the optimizer on args.device, times the steps (or, with --dry-run, runs one) and prints
+    the result lines. args: device, optimizer_state ('bf16' | 'fp32'), micro_batch, seq_len, steps, warmup,
+    max_grad_norm (0: no clip), dry_run, row. prepare(model) runs on the built model before the optimizer is made
+    (Liger's patch; scripts/torch_step.py: the deltastack.torch patch); check() runs after the first step (raises
+    or exits when what should have run did not)."""
     from transformers import Qwen3_5ForCausalLM
 
     cuda = args.device.startswith("cuda")
@@ -170,8 +258,6 @@ def run(args, config, own_loss, label, desc, mark, prepare=None):
     model.train()
     if prepare is not None:
         prepare(model)
-    if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, fused=cuda, foreach=None if cuda else True)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -180,45 +266,93 @@ def run(args, config, own_loss, label, desc, mark, prepare=None):
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=not bf16_state)
 
     def step():
-        opt.zero_grad(set_to_none=True)
         with autocast:
-            if own_loss is None:
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-            else:  # Liger's fused linear CE on the final hidden states: no logits
-                h = model.model(input_ids=ids, use_cache=False).last_hidden_state
-                loss = own_loss(model.lm_head.weight, h[:, :-1].reshape(-1, h.shape[-1]), ids[:, 1:].reshape(-1))
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if args.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         opt.step()
-        return loss, norm
+        opt.zero_grad(set_to_none=True)
+        return loss
 
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    result = {"label": label, "row": args.row, "seq_len": S, "micro_batch": B, "params": n_params,
+              "optimizer_state": args.optimizer_state, "stack": desc}
     if args.dry_run:
-        loss, norm = step()
-        grads = sum(p.grad is not None for p in model.parameters())
+        loss = step()
+        if check is not None:
+            check()
         print(f"{label}: dry run on {dev}: {n_params / 1e9:.4f}B parameters ({dtype}), {config.num_hidden_layers} "
               f"layers {''.join('A' if t == 'full_attention' else 'L' for t in config.layer_types)}, loss "
-              f"{loss.item():.4f}, grad norm {norm.item():.4f}, {grads} gradients, built and stepped in "
-              f"{time.time() - t0:.1f} s ({desc})", flush=True)
+              f"{loss.item():.4f}, built and stepped in {time.time() - t0:.1f} s ({desc})", flush=True)
         return
-
     print(f"peer: {type(model).__name__} {n_params / 1e9:.2f}B parameters, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}; built in {time.time() - t0:.1f} s", flush=True)
-    for _ in range(2):
-        loss, _ = step()
+    for i in range(args.warmup):
+        loss = step()
+        if i == 0 and check is not None:
+            check()
     torch.cuda.synchronize()
     times = []
     for _ in range(args.steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        loss, norm = step()
+        loss = step()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / GiB
-    print(f"peer: last step loss {loss.item():.4f} grad_norm {norm.item():.3f}; steps (ms) "
-          f"{' '.join(f'{t:.1f}' for t in times)}", flush=True)
-    print(f"{label}: {ms:.1f} ms/step, {B * S / (ms / 1e3):.0f} tokens/s, peak {peak:.1f} GiB ({desc}){mark}", flush=True)
+    print(f"peer: last step loss {loss.item():.4f}; steps (ms) {' '.join(f'{t:.1f}' for t in times)}", flush=True)
+    print(f"{label}: {ms:.1f} ms/step, {B * S / (ms / 1e3):.0f} tokens/s, peak {peak:.1f} GiB ({desc})", flush=True)
+    result.update(status="ok", ms_per_step=round(ms, 2), tokens_per_s=round(B * S / (ms / 1e3)),
+                  peak_gib=round(peak, 2), steps=args.steps, warmup=args.warmup, loss=round(loss.item(), 4))
+    print("step_result " + json.dumps(result), flush=True)
+
+
+def run_or_report_oom(args, config, label, desc, prepare=None, check=None):
+    """run(), with an out-of-memory (building the model, or a step) reported in both forms instead of raised."""
+    try:
+        run(args, config, label, desc, prepare, check)
+    except torch.cuda.OutOfMemoryError:
+        peak = torch.cuda.max_memory_allocated() / GiB
+        print(f"{label}: out of memory ({peak:.1f} GiB peak) ({desc})", flush=True)
+        print("step_result " + json.dumps({"label": label, "row": args.row, "seq_len": args.seq_len,
+                                           "micro_batch": args.micro_batch, "status": "out of memory",
+                                           "peak_gib": round(peak, 2), "stack": desc}), flush=True)
+
+
+def peer_stack(args):
+    """Installs the peer's kernels (fla's now, Liger's on the built model through the returned prepare) and returns
+    (description, prepare, check). args: optimizer_state ('bf16' | 'fp32'), bypass_640, max_grad_norm."""
+    import transformers
+
+    fla_desc, bind_fla = install_fla_kernels()
+    stack = [f"transformers {transformers.__version__}", f"torch {torch.__version__}", fla_desc]
+    if args.bypass_640 and bypass_fla_640():
+        stack.append("fla #640 guard lifted (timing only)")
+    liger_desc, apply_liger = liger_patch()
+
+    def prepare(model):
+        bind_fla(model)
+        apply_liger(model)
+
+    def check():
+        missing = [k for k, n in FLA_CALLS.items() if n == 0]
+        if missing:
+            sys.exit(f"peer_step: the first step did not call fla's {', '.join(missing)} (calls {FLA_CALLS}): "
+                     "transformers' Qwen3.5 no longer looks these up where install_fla_kernels puts them")
+
+    return ", ".join(stack + [liger_desc] + step_desc(args)), prepare, check
+
+
+def step_desc(args):
+    """What every row shares, for its line: attention, optimizer, state layout, clip."""
+    return (["sdpa", "fused AdamW", "bf16 parameters + AdamW state" if args.optimizer_state == "bf16"
+             else "fp32 master + AdamW state, bf16 autocast"]
+            + ([f"clip {args.max_grad_norm:g}"] if args.max_grad_norm > 0 else []))
 
 
 def main():
@@ -227,86 +361,64 @@ def main():
     src.add_argument("--preset", choices=["0.8b", "2b", "9b"], help="deltastack's preset (its config via plan --hf-config)")
     src.add_argument("--config", help="an HF config.json deltastack wrote (`deltastack plan --model P --hf-config FILE`)")
     ap.add_argument("--deltastack", help="the deltastack binary for --preset (default: $DELTASTACK, build-device/, build/)")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)} (default: both, in order)")
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
-    ap.add_argument("--liger", nargs="?", choices=["on", "off"], default="off", const="on",
-                    help="liger-kernel's Qwen3.5 kernels (--liger alone: on)")
-    ap.add_argument("--optimizer-state", choices=["fp32", "bf16"], default="fp32",
-                    help="fp32: fp32 master weights and AdamW state, bf16 autocast; bf16: all in bf16")
-    ap.add_argument("--grad-checkpointing", action="store_true", help="transformers' gradient checkpointing (per layer)")
-    ap.add_argument("--bypass-640", action="store_true", help="lift fla's #640 guard (timing only)")
-    ap.add_argument("--allow-torch-fallback", action="store_true",
-                    help="run without fla (transformers' torch GDN: slow, and out of memory at long sequences)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    ap.add_argument("--max-grad-norm", type=float, default=0.0,
+                    help="clip the gradient norm to this (HF Trainer's default is 1.0); 0: no clip, as measured")
+    ap.add_argument("--bypass-640", action=argparse.BooleanOptionalAction, default=True,
+                    help="lift fla's #640 Hopper guard, timing only (default: lifted)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dry-run", action="store_true", help="build the model and run one step, no timing (CPU works)")
+    ap.add_argument("--dry-run", action="store_true", help="build the model and run one step, no timing")
     ap.add_argument("--tiny", action="store_true", help="with --dry-run: a 2-layer width-64 model of the same kinds")
+    ap.add_argument("--config-file", help=argparse.SUPPRESS)  # internal: the resolved config for the row processes
+    ap.add_argument("--name", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    name = args.preset or os.path.basename(args.config)
-    label = f"peer step {name} seq {args.seq_len} x {args.micro_batch}"
-    cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        sys.exit("peer_step: no CUDA device (--device cpu --dry-run tests the script without one)")
-    if not args.dry_run and not cuda:
-        sys.exit("peer_step: timing needs --device cuda (use --dry-run on a CPU)")
+    rows = args.rows.split(",")
+    bad = [r for r in rows if r not in ROWS]
+    if bad or not args.rows:
+        ap.error(f"--rows: {', '.join(bad) or 'empty'}: not one of {', '.join(ROWS)}")
+    if args.steps < 1 or args.warmup < 1:
+        ap.error("--steps and --warmup must be at least 1 (the first warm-up step checks the kernels ran)")
+    if not args.device.startswith("cuda"):
+        ap.error("--device: the peer's kernels (fla, Liger) are Triton kernels: cuda only")
+    if not torch.cuda.is_available():
+        sys.exit("peer_step: no CUDA device")
     if args.tiny and not args.dry_run:
-        sys.exit("peer_step: --tiny is for --dry-run only")
-
+        ap.error("--tiny is for --dry-run only")
     os.environ.setdefault("FLA_TILELANG", "0")
-    import transformers
 
-    if args.config:
-        with open(args.config) as f:
-            cfg_dict = json.load(f)
-        want = None
+    tmp = None
+    if args.config_file:
+        cfg_path, name = args.config_file, args.name
     else:
-        cfg_dict, want = preset_config(args.preset, find_deltastack(args.deltastack))
-    if want is not None:  # the same model as ours: parameter counts equal (on the meta device: no memory)
-        from transformers import Qwen3_5ForCausalLM
-
-        with torch.device("meta"):
-            got = sum(p.numel() for p in Qwen3_5ForCausalLM(build_config(cfg_dict)[0]).parameters())
-        if got != want:
-            sys.exit(f"peer_step: transformers' model of {args.preset} has {got} parameters, deltastack's {want}")
-    if args.tiny:
-        cfg_dict = tiny(cfg_dict)
-    config, unknown = build_config(cfg_dict)
-    if unknown:
-        print(f"peer_step: keys transformers' {type(config).__name__} does not know: {', '.join(unknown)}", flush=True)
-
-    # The stack: transformers takes chunk_gated_delta_rule from fla when `import fla` works (else its torch reference
-    # code), causal_conv1d_fn from Dao's causal_conv1d package when installed (else torch's conv1d).
-    gdn, conv = kernel_modules()
-    stack = [f"transformers {transformers.__version__}"]
-    if gdn.startswith("fla"):
-        import fla
-        stack.append(f"fla {getattr(fla, '__version__', '?')} GDN")
-    elif args.allow_torch_fallback:
-        stack.append("torch GDN (no fla)")
-    else:
-        sys.exit("peer_step: flash-linear-attention (fla) is not importable: transformers would silently run its torch "
-                 "Gated DeltaNet, which runs out of memory at these shapes (put fla on PYTHONPATH, e.g. .peers/site; "
-                 "or --allow-torch-fallback)")
-    stack.append("causal_conv1d conv" if conv.startswith("causal_conv1d") else "torch conv1d")
-    stack.append("sdpa")
-    own_loss = None
-    if args.liger == "on":
-        what, own_loss = apply_liger()
-        stack.append(what)
-    bypassed = bool(args.bypass_640 and gdn.startswith("fla") and bypass_fla_640())
-    bf16_state = args.optimizer_state == "bf16"
-    stack.append("bf16 weights + AdamW state" if bf16_state else "fp32 master + AdamW state, bf16 autocast")
-    if args.grad_checkpointing:
-        stack.append("gradient checkpointing")
-    stack.append("peak over the whole run")
-
-    desc = ", ".join(stack)
-    mark = " (#640 guard bypassed: timing only)" if bypassed else ""
+        cfg_path, name, tmp = resolve_config(args, "peer_step")
     try:
-        run(args, config, own_loss, label, desc, mark)
-    except torch.cuda.OutOfMemoryError:  # building the model, or a step
-        peak = torch.cuda.max_memory_allocated() / GiB
-        print(f"{label}: out of memory ({peak:.1f} GiB peak) ({desc}){mark}", flush=True)
+        if len(rows) > 1:  # each row in its own process
+            argv = ["--config", cfg_path, "--config-file", cfg_path, "--name", name, "--seq-len", str(args.seq_len),
+                    "--micro-batch", str(args.micro_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                    "--max-grad-norm", str(args.max_grad_norm), "--device", args.device,
+                    "--bypass-640" if args.bypass_640 else "--no-bypass-640"]
+            argv += (["--dry-run"] if args.dry_run else []) + (["--tiny"] if args.tiny else [])
+            sys.exit(each_in_own_process(__file__, argv, "--rows", rows))
+        args.row = rows[0]
+        args.optimizer_state = ROWS[args.row]
+        with open(cfg_path) as f:
+            cfg_dict = json.load(f)
+        if args.tiny:
+            cfg_dict = tiny(cfg_dict)
+        config, unknown = build_config(cfg_dict)
+        if unknown:
+            print(f"peer_step: keys transformers' {type(config).__name__} does not know: {', '.join(unknown)}",
+                  flush=True)
+        desc, prepare, check = peer_stack(args)
+        label = f"peer step {name} seq {args.seq_len} x {args.micro_batch} {args.row}"
+        run_or_report_oom(args, config, label, desc, prepare, check)
+    finally:
+        if tmp:
+            os.unlink(tmp)
 
 
 if __name__ == "__main__":

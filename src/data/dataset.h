@@ -10,9 +10,9 @@
 #include <string_view>
 #include <vector>
 
+#include "data/batch.h"
 #include "data/chat.h"
 #include "data/tokenizer.h"
-#include "model/model.h"
 
 namespace ds {
 

@@ -180,7 +180,7 @@ struct GpuModel::Impl {
     S = static_cast<int64_t>(b.cu_seqlens.size()) - 1;
     DS_CHECK(N <= plan.max_tokens && S <= plan.max_seqs,
              "gpu: batch of {} tokens / {} documents exceeds the plan ({} / {})", N, S, plan.max_tokens, plan.max_seqs);
-    b.check(c);
+    b.check(batch_limits(c));
     const GpuBatchBufs& d = acts.batch;
     std::vector<int32_t> ss(static_cast<size_t>(N));
     for (int64_t s = 0; s < S; ++s)

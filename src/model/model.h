@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "data/batch.h"
 #include "model/config.h"
 #include "model/params.h"
 #include "model/safetensors.h"
@@ -20,22 +21,10 @@ namespace ds {
 // the CPU). Lossy, opt-in.
 enum class Precision { Bf16, Fp8 };
 
-
-
-// One packed batch of documents, flattened to N tokens (batch rows are documents too).
-struct PackedBatch {
-  std::vector<int32_t> input_ids;   // [N]
-  std::vector<int32_t> targets;     // [N]: the token position t must predict, or -100 (already shifted)
-  std::vector<int32_t> cu_seqlens;  // [num_seqs + 1], 0 .. N
-  std::vector<int32_t> positions;   // [N]: position inside its document (RoPE), derived by finalize()
-  int64_t size() const { return static_cast<int64_t>(input_ids.size()); }
-  // Fills positions from cu_seqlens and checks the shapes; throws ds::Error with `what` in the message.
-  void finalize(const std::string& what = "batch");
-  int64_t num_targets() const;  // targets != -100
-  // Checks the batch against a model: token ids and targets inside the vocabulary, documents no longer than
-  // max_position_embeddings, positions set. Throws ds::Error naming the position. Both engines call it.
-  void check(const ModelConfig& c) const;
-};
+// The limits a batch is checked against for this model (PackedBatch::check, data/batch.h).
+inline BatchLimits batch_limits(const ModelConfig& c) {
+  return {.vocab_size = c.vocab_size, .max_position_embeddings = c.max_position_embeddings};
+}
 
 // What a forward pass can hand back to tools (`deltastack forward`): HF output_hidden_states and logits.
 struct ForwardCapture {
