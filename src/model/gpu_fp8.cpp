@@ -89,14 +89,15 @@ void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8M
   DS_CHECK(Mp == K::fp8_padded(M), "fp8 backward: the input was cast over {} rows, the gradient has {}", Mp, M);
   // dy's amax once for both of its casts.
   K::fp8_amax(dy, M, N, N, b_.f + 2 * kFp8Slot, s_);
+  // dy cast into both layouts in one pass: q(dy) for the dgrad, q(dy^T) for the wgrad
+  K::fp8_quantize_both(dy, M, N, N, b_.f + 2 * kFp8Slot, r_.grad, b_.dy, N, b_.dyt, Mp, b_.f + 6 * kFp8Slot,
+                       b_.f + 5 * kFp8Slot, s_);
   // dgrad: dx[M, K] = q(dy)[M, N] . q(W^T)[K, N]^T
-  K::fp8_quantize(dy, M, N, N, b_.f + 2 * kFp8Slot, r_.grad, b_.dy, N, b_.f + 5 * kFp8Slot, s_);
   K::fp8_amax(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, s_);
   K::fp8_quantize_transpose(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, Fp8Format::E4M3, b_.w, N, b_.f + 4 * kFp8Slot, s_);
   const Fp8Matrix qdy{b_.dy, M, N, N, r_.grad, b_.f + 5 * kFp8Slot}, qwt{b_.w, Kd, N, N, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
   K::gemm_fp8(qdy, qwt, dx, false, Kd, accumulate_dx ? 1.0f : 0.0f, r_.fast_accum_backward, s_);
   // wgrad: dW[N, K] += q(dy^T)[N, Mp] . qxt[K, Mp]^T (the padding columns are zeros in both)
-  K::fp8_quantize_transpose(dy, M, N, N, b_.f + 2 * kFp8Slot, r_.grad, b_.dyt, Mp, b_.f + 6 * kFp8Slot, s_);
   const Fp8Matrix qdyt{b_.dyt, N, Mp, Mp, r_.grad, b_.f + 6 * kFp8Slot};
   K::gemm_fp8(qdyt, qxt, dW, true, Kd, 1.0f, r_.fast_accum_backward, s_);
 }

@@ -115,6 +115,53 @@ __global__ void __launch_bounds__(kTThreads) quantize_transpose_kernel(const bf1
   }
 }
 
+// The fast path of the transposed cast (cols % 8 == 0, ld % 8 == 0, x 16-byte aligned, ldqt % 4 == 0): a 64 x 64
+// tile per block, each thread loading two runs of 8 bf16 (16 bytes) and, when `q` is set, writing their codes
+// row-major as 8 bytes (the row-major cast in the same pass); the transposed codes go out as 4-byte words, each the
+// codes of 4 consecutive rows in one column. Padding rows (rows <= r < ldqt) are zero codes.
+__global__ void __launch_bounds__(kTThreads) quantize_both_kernel(const bf16* __restrict__ x, int64_t rows,
+                                                                  int64_t cols, int64_t ld,
+                                                                  const float* __restrict__ amax, Fp8Format f,
+                                                                  uint8_t* __restrict__ q, int64_t ldq,
+                                                                  uint8_t* __restrict__ qt, int64_t ldqt,
+                                                                  float* __restrict__ scale) {
+  __shared__ __align__(16) uint8_t tile[kTile][kTile + 8];  // rows 8-byte aligned for the 8-byte stores
+  const float inv = inv_of(amax, f);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale = fp8_dequant_scale(inv);
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int v = threadIdx.x + k * kTThreads;  // one of the tile's 64 rows x 8 runs
+    const int rr = v / 8, cc = (v % 8) * 8;
+    const int64_t r = r0 + rr, c = c0 + cc;
+    uint32_t lo = 0, hi = 0;
+    if (r < rows && c < cols) {
+      const uint4 u = *reinterpret_cast<const uint4*>(x + r * ld + c);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 w = __bfloat1622float2(h[j]);
+        const uint32_t pair = uint32_t(encode(w.x * inv, f)) | (uint32_t(encode(w.y * inv, f)) << 8);
+        if (j < 2) lo |= pair << (16 * j);
+        else hi |= pair << (16 * (j - 2));
+      }
+      if (q) *reinterpret_cast<uint2*>(q + r * ldq + c) = make_uint2(lo, hi);
+    }
+    *reinterpret_cast<uint2*>(&tile[rr][cc]) = make_uint2(lo, hi);  // rows past `rows`: zero codes
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int v = threadIdx.x + k * kTThreads;  // one of the tile's 64 columns x 16 words of 4 rows
+    const int cc = v / 16, w = v % 16;
+    const int64_t c = c0 + cc, r = r0 + 4 * w;
+    if (c >= cols || r >= ldqt) continue;
+    const uint32_t word = uint32_t(tile[4 * w][cc]) | (uint32_t(tile[4 * w + 1][cc]) << 8) |
+                          (uint32_t(tile[4 * w + 2][cc]) << 16) | (uint32_t(tile[4 * w + 3][cc]) << 24);
+    *reinterpret_cast<uint32_t*>(qt + c * ldqt + r) = word;
+  }
+}
+
 int grid_for(int64_t work, int threads) {
   int dev = 0, sms = 132;
   cudaGetDevice(&dev);
@@ -159,12 +206,34 @@ void fp8_quantize(const bf16* x, int64_t rows, int64_t cols, int64_t ld, const f
 
 void fp8_quantize_transpose(const bf16* x, int64_t rows, int64_t cols, int64_t ld, const float* amax,
                             Fp8Format format, uint8_t* qt, int64_t ldqt, float* scale, cudaStream_t stream) {
-  DS_CUDA_REQUIRE(rows >= 0 && cols >= 0 && ld >= cols && ldqt >= rows, "fp8_quantize_transpose: bad shape");
+  fp8_quantize_both(x, rows, cols, ld, amax, format, nullptr, 0, qt, ldqt, scale, nullptr, stream);
+}
+
+void fp8_quantize_both(const bf16* x, int64_t rows, int64_t cols, int64_t ld, const float* amax, Fp8Format format,
+                       uint8_t* q, int64_t ldq, uint8_t* qt, int64_t ldqt, float* scale_t, float* scale,
+                       cudaStream_t stream) {
+  DS_CUDA_REQUIRE(rows >= 0 && cols >= 0 && ld >= cols && ldqt >= rows && (!q || ldq >= cols),
+                  "fp8_quantize_transpose: bad shape");
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, ds::cuda::ceil_div(ldqt, kTile))),
                   static_cast<unsigned>(std::max<int64_t>(1, ds::cuda::ceil_div(cols, kTile))));
   DS_CUDA_REQUIRE(grid.y <= 65535, "fp8_quantize_transpose: too many columns");
-  quantize_transpose_kernel<<<grid, kTThreads, 0, stream>>>(x, rows, cols, ld, amax, format, qt, ldqt, scale);
+  const bool fast = vec8_ok(x, cols, ld, q ? ldq : 8) && ldqt % 4 == 0 && reinterpret_cast<uintptr_t>(qt) % 4 == 0 &&
+                    (!q || reinterpret_cast<uintptr_t>(q) % 8 == 0);
+  if (fast) {
+    quantize_both_kernel<<<grid, kTThreads, 0, stream>>>(x, rows, cols, ld, amax, format, q, ldq, qt, ldqt, scale_t);
+  } else {
+    quantize_transpose_kernel<<<grid, kTThreads, 0, stream>>>(x, rows, cols, ld, amax, format, qt, ldqt, scale_t);
+    if (q) {
+      DS_CUDA_LAUNCH_CHECK();
+      fp8_quantize(x, rows, cols, ld, amax, format, q, ldq, scale ? scale : scale_t, stream);
+      return;
+    }
+  }
   DS_CUDA_LAUNCH_CHECK();
+  // The row-major cast's scale: the same value (one amax); written by the first block of the fast kernel into
+  // scale_t, copied here for a caller that keeps the two apart.
+  if (q && scale && scale != scale_t)
+    DS_CUDA_CHECK(cudaMemcpyAsync(scale, scale_t, sizeof(float), cudaMemcpyDeviceToDevice, stream));
 }
 
 }  // namespace ds::ops::cuda

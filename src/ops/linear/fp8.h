@@ -48,6 +48,12 @@ void fp8_quantize_transpose(const ds::cuda::bf16* x, int64_t rows, int64_t cols,
 // cuBLASLt's scale pointers get from an allocation of their own.
 inline constexpr int64_t kFp8Slot = 64;
 
+// Both casts of x in one pass (one read of x): q (row-major, ldq; skipped when null) and qt (transposed, ldqt, its
+// zero padding), as fp8_quantize and fp8_quantize_transpose write them; *scale_t (and *scale when not null) = 1 / inv.
+void fp8_quantize_both(const ds::cuda::bf16* x, int64_t rows, int64_t cols, int64_t ld, const float* amax,
+                       Fp8Format format, uint8_t* q, int64_t ldq, uint8_t* qt, int64_t ldqt, float* scale_t,
+                       float* scale, cudaStream_t stream);
+
 // Leading dimension of a transposed cast over `rows` rows: rows rounded up to 16 (cuBLASLt's FP8 alignment).
 inline int64_t fp8_padded(int64_t rows) { return (rows + 15) / 16 * 16; }
 

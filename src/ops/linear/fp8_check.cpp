@@ -112,12 +112,13 @@ Result check_linear_fp8(const LinearFp8Case& c) {
                    c.fast_accum, ctx.s);
     // dgrad: q(dy) . q(W^T)^T
     cuda::fp8_amax(dy_d.get(), M, N, N, F + 2 * kFp8Slot, ctx.s);
-    cuda::fp8_quantize(dy_d.get(), M, N, N, F + 2 * kFp8Slot, c.grad, qdy.get(), N, F + 5 * kFp8Slot, ctx.s);
+    // dy in both layouts in one pass (the engine's backward), its transpose for the wgrad below
+    cuda::fp8_quantize_both(dy_d.get(), M, N, N, F + 2 * kFp8Slot, c.grad, qdy.get(), N, qdyt.get(), Mp,
+                            F + 6 * kFp8Slot, F + 5 * kFp8Slot, ctx.s);
     cuda::fp8_quantize_transpose(W_d.get(), N, K, K, F + 1 * kFp8Slot, E4, qwt.get(), N, F + 7 * kFp8Slot, ctx.s);
     cuda::gemm_fp8({qdy.get(), M, N, N, c.grad, F + 5 * kFp8Slot}, {qwt.get(), K, N, N, E4, F + 7 * kFp8Slot}, dx_d.get(), false, K,
                    c.accumulate ? 1.0f : 0.0f, c.fast_accum, ctx.s);
     // wgrad: q(dy^T) . q(x^T)^T, padded reduction
-    cuda::fp8_quantize_transpose(dy_d.get(), M, N, N, F + 2 * kFp8Slot, c.grad, qdyt.get(), Mp, F + 6 * kFp8Slot, ctx.s);
     cuda::fp8_quantize_transpose(x_d.get(), M, K, K, F, E4, qxt.get(), Mp, F + 3 * kFp8Slot, ctx.s);
     cuda::gemm_fp8({qdyt.get(), N, Mp, Mp, c.grad, F + 6 * kFp8Slot}, {qxt.get(), K, Mp, Mp, E4, F + 3 * kFp8Slot}, dW_d.get(), true, K,
                    1.0f, c.fast_accum, ctx.s);
