@@ -229,7 +229,7 @@ TEST(AdamW8bitState, StepsTrackFp64AdamW) {
 // The case a v code without small values gets wrong: one element of the block had a large gradient (the block's
 // r = sqrt(v) scale stays large, r decays by sqrt(b2) a step) while the others have gradients 10^-9 of it; their
 // true r is then far below the smallest code (3.25e-7 of the scale), but their m, next to m's fast-decaying scale,
-// is not. Rounded to 0, v would give updates of m / eps = 100 lr once their gradient stops. Here r rounds up to the
+// is not. Rounded to 0, v would give updates of m / eps, 10.1 lr, once their gradient stops. Here r rounds up to the
 // smallest code instead and every update stays below 2 lr (fp64 AdamW's are at most about 1 lr).
 TEST(AdamW8bitState, ATinySecondMomentNeverBlowsUpTheUpdate) {
   const int64_t n = 256;
