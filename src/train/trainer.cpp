@@ -534,7 +534,7 @@ int train(TrainOptions cli) {
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
              "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",
              opt.recompute);
-    const bool gpu_state = opt.optimizer_state == "bf16" || opt.optimizer_state == "8bit";
+    const bool gpu_state = bf16_weights(parse_optimizer_state(opt.optimizer_state));  // bf16, 8bit
     DS_CHECK(!resumed || opt.was_given("optimizer-state") || !gpu_state,
              "{} is a checkpoint of a run with --optimizer-state {}, a mode of the GPU engine; to continue it on "
              "the CPU, give --optimizer-state fp32 (its bf16 weights widen exactly, its moments are stored fp32 or "
