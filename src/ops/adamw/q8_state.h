@@ -20,9 +20,10 @@
 // thresholds (fp32 means of neighbouring values) strictly below |x|, a binary search that both sides run with the
 // same comparisons. r's first threshold is 0, so a positive r never quantizes to 0: a dequantized v is 0 only where
 // v was, and where the true r is below the smallest code it is rounded up to 3.25e-7 * absmax (a floor like eps),
-// so m / sqrt(v) cannot blow up (docs/memory.md gives the bound). A block whose absmax is below kMinAbsmax (2^-40)
-// is stored as zero: every dequantized m and v (= r * r) is then a normal fp32 number, which re-quantizes to the same
-// code (the checkpoint round trip below), and such a moment moves its weight by at most step_size * 1e-12 / eps.
+// so m / sqrt(v) cannot blow up (AdamW8bitState.ATinySecondMomentNeverBlowsUpTheUpdate). A block whose absmax is
+// below kMinAbsmax (2^-40) is stored as zero: every dequantized m and v (= r * r) is then a normal fp32 number, which
+// re-quantizes to the same code (the checkpoint round trip below), and such a moment moves its weight by at most
+// step_size * 1e-12 / eps.
 // NaN quantizes to 0 (the trainer skips steps with non-finite gradients before they reach the update).
 //
 // One step (update_element + the block's absmax + encode): per element, with k from bf16_state::consts:
