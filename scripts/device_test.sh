@@ -11,7 +11,7 @@
 # per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step;
 # profile-step, `bench step --profile` (ms per op family / role, gaps) beside the plain bench step (its overhead);
 # corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
-# train-bf16, the default run with --optimizer-state bf16: twice and resumed, bitwise; cpu-blas, the CPU engine's
+# train-bf16 / train-8bit, the default run with --optimizer-state bf16 / 8bit: twice and resumed, bitwise; cpu-blas, the CPU engine's
 # OpenBLAS kernel choice on this host's CPU, 2 pinned cores). BUILD_TARGET builds one target.
 # With a source tree of an earlier commit in .base (e.g.
 # `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
@@ -413,36 +413,37 @@ raise SystemExit(0 if a == b else 1)" /tmp/ds_n_$shard/metrics.jsonl $shard || s
     grep -E "done:" /tmp/ds_train_nccl_$shard.txt | tail -1
   done
 fi
-if has train-bf16; then
+for ST in bf16 8bit; do
+  has train-$ST || continue
   D=$BUILD/deltastack
-  # The bf16 optimizer state: two runs bitwise equal, a resume from step 100 bitwise, eval loss close to fp32's.
-  rm -rf /tmp/ds_b1 /tmp/ds_b2 /tmp/ds_b3
-  $D train --device cuda --optimizer-state bf16 --save-interval 100 --out /tmp/ds_b1 >/tmp/ds_train_b1.txt 2>&1 || { tail -3 /tmp/ds_train_b1.txt; status=1; }
-  $D train --device cuda --optimizer-state bf16 --out /tmp/ds_b2 >/tmp/ds_train_b2.txt 2>&1 || status=1
-  $D train --resume /tmp/ds_b1/checkpoint-100 --out /tmp/ds_b3 >/tmp/ds_train_b3.txt 2>&1 || status=1
-  python3 - <<'PY' || status=1
-import json
+  # A lean optimizer state: two runs bitwise equal, a resume from step 100 bitwise, eval loss close to fp32's.
+  rm -rf /tmp/ds_${ST}_1 /tmp/ds_${ST}_2 /tmp/ds_${ST}_3
+  $D train --device cuda --optimizer-state $ST --save-interval 100 --out /tmp/ds_${ST}_1 >/tmp/ds_train_${ST}_1.txt 2>&1 || { tail -3 /tmp/ds_train_${ST}_1.txt; status=1; }
+  $D train --device cuda --optimizer-state $ST --out /tmp/ds_${ST}_2 >/tmp/ds_train_${ST}_2.txt 2>&1 || status=1
+  $D train --resume /tmp/ds_${ST}_1/checkpoint-100 --out /tmp/ds_${ST}_3 >/tmp/ds_train_${ST}_3.txt 2>&1 || status=1
+  ST=$ST python3 - <<'PY' || status=1
+import json, os
+st = os.environ["ST"]
 def rows(p):
     return [j for j in map(json.loads, open(p))]
 def losses(p):
     return {j["step"]: j["loss"] for j in rows(p) if "loss" in j}
-a, b, c = (losses(f"/tmp/ds_b{i}/metrics.jsonl") for i in (1, 2, 3))
-ev = [j["eval_loss"] for j in rows("/tmp/ds_b1/metrics.jsonl") if "eval_loss" in j]
-import os
+a, b, c = (losses(f"/tmp/ds_{st}_{i}/metrics.jsonl") for i in (1, 2, 3))
+ev = [j["eval_loss"] for j in rows(f"/tmp/ds_{st}_1/metrics.jsonl") if "eval_loss" in j]
 ef = [j["eval_loss"] for j in rows("/tmp/ds_g1/metrics.jsonl") if "eval_loss" in j] if os.path.exists("/tmp/ds_g1/metrics.jsonl") else [float("nan")]
 import collections, struct
 def dtypes(f):
     h = open(f, "rb"); n = struct.unpack("<Q", h.read(8))[0]
     return collections.Counter(v["dtype"] for k, v in json.loads(h.read(n)).items() if k != "__metadata__")
-print("checkpoint-100 dtypes: model", dict(dtypes("/tmp/ds_b1/checkpoint-100/model.safetensors")), "optimizer",
-      dict(dtypes("/tmp/ds_b1/checkpoint-100/optimizer.safetensors")))
+print("checkpoint-100 dtypes: model", dict(dtypes(f"/tmp/ds_{st}_1/checkpoint-100/model.safetensors")), "optimizer",
+      dict(dtypes(f"/tmp/ds_{st}_1/checkpoint-100/optimizer.safetensors")))
 ok = a == b and all(a[s] == c[s] for s in c) and len(c) == 100
-print(f"gpu train, --optimizer-state bf16: eval_loss {ev[0]:.4f} -> {ev[-1]:.4f} (fp32 state: {ef[-1]:.4f}, "
+print(f"gpu train, --optimizer-state {st}: eval_loss {ev[0]:.4f} -> {ev[-1]:.4f} (fp32 state: {ef[-1]:.4f}, "
       f"{100 * (ev[-1] / ef[-1] - 1):+.2f}%); same seed twice and resume from step 100: "
       f"{'bitwise identical' if ok else 'DIFFERENT'}")
 raise SystemExit(0 if ok else 1)
 PY
-fi
+done
 if has fp8; then
   # --precision fp8 against bf16 (docs/fp8.md): bench step at FP8_RUNS (each line run in bf16 and in fp8, same call).
   D=$BUILD/deltastack

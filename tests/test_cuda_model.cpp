@@ -34,6 +34,8 @@
 #include "model/config.h"
 #include "model/gpu_model.h"
 #include "model/model.h"
+#include "ops/adamw/adamw.h"
+#include "ops/adamw/q8_state.h"
 #include "test_util.h"
 
 namespace {
@@ -152,25 +154,29 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
 // The bf16 optimizer state (ops/adamw/bf16_state.h): the same first forward as the fp32 state (both run the
 // round-to-nearest bf16 of the host weights), then a close loss curve; and its checkpoint tensors (fp32, widened
 // exactly) restore the run bitwise in a new engine.
-TEST(CudaEngine, Bf16StateTracksFp32AndRestoresBitwise) {
-  DS_SKIP_WITHOUT_GPU();
-  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
-  c.vocab_size = 4096;
-  ds::Qwen35Model host(c);
-  host.init_weights(12);
-  const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 32);
-  const double scale = 1.0 / static_cast<double>(b.num_targets());
-  auto plan_for = [&](ds::OptimizerState s) {
+namespace {
+// What the optimizer-state tests train: the tiny model (vocab 4096) on one batch of three documents, AdamW with lr
+// 3e-3 and weight decay 0.1; plan_for(s) plans that batch in state s, steps() runs steps first..last and returns
+// their losses (mean per target).
+struct StateRun {
+  ds::ModelConfig c = [] {
+    ds::ModelConfig x = ds::ModelConfig::preset("tiny");
+    x.vocab_size = 4096;
+    return x;
+  }();
+  ds::Qwen35Model host{c};
+  ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 32);
+  double scale = 1.0 / static_cast<double>(b.num_targets());
+  ds::ops::AdamWParams ap{3e-3, 0.9, 0.95, 1e-8, 0.1, 1, 1.0};
+  StateRun() { host.init_weights(12); }
+  ds::GpuPlan plan_for(ds::OptimizerState s) const {
     ds::GpuPlan plan;
     plan.max_tokens = b.size();
     plan.max_seqs = 3;
     plan.optimizer_state = s;
     return plan;
-  };
-  ds::ops::AdamWParams ap;
-  ap.lr = 3e-3;
-  ap.weight_decay = 0.1;
-  auto steps = [&](ds::GpuModel& gpu, int64_t first, int64_t last) {
+  }
+  std::vector<double> steps(ds::GpuModel& gpu, int64_t first, int64_t last) {
     std::vector<double> losses;
     for (int64_t t = first; t <= last; ++t) {
       gpu.zero_grads();
@@ -179,42 +185,127 @@ TEST(CudaEngine, Bf16StateTracksFp32AndRestoresBitwise) {
       gpu.adamw_step(ap, ap.weight_decay);
     }
     return losses;
-  };
-  ds::GpuModel f32(host, plan_for(ds::OptimizerState::Fp32)), b16(host, plan_for(ds::OptimizerState::Bf16));
+  }
+  std::vector<float> weights(const ds::GpuModel& g) const {  // flat, fp32
+    std::vector<float> w(static_cast<size_t>(host.num_parameters()));
+    for (const ds::ParamSpec& p : host.params()) g.read(ds::GpuModel::Buffer::Weights, p.offset, p.numel, w.data() + p.offset);
+    return w;
+  }
+  void read_moments(ds::GpuModel& g, std::vector<float>& m, std::vector<float>& v) const {  // flat, fp32
+    m.assign(static_cast<size_t>(host.num_parameters()), 0.0f);
+    v.assign(m.size(), 0.0f);
+    for (const ds::ParamSpec& p : host.params()) {
+      g.read_optimizer_state(0, p.offset, p.numel, m.data() + p.offset);
+      g.read_optimizer_state(1, p.offset, p.numel, v.data() + p.offset);
+    }
+  }
+  void write_moments(ds::GpuModel& g, const std::vector<float>& m, const std::vector<float>& v) const {
+    for (const ds::ParamSpec& p : host.params()) {
+      g.write_optimizer_state(0, p.offset, p.numel, m.data() + p.offset);
+      g.write_optimizer_state(1, p.offset, p.numel, v.data() + p.offset);
+    }
+  }
+  // A checkpoint's round trip: `trained`'s weights into `again` and its moments (fp32) into a new engine of state s
+  // built from `again`, which reads them back unchanged; three more steps (21..23) in both give bitwise the same
+  // losses and weights. m, v: the moments.
+  void expect_resumes_bitwise(ds::GpuModel& trained, ds::OptimizerState s, ds::Qwen35Model& again,
+                              std::vector<float>& m, std::vector<float>& v) {
+    const std::vector<float> w = weights(trained);
+    std::copy(w.begin(), w.end(), again.weights().begin());
+    read_moments(trained, m, v);
+    ds::GpuModel resumed(again, plan_for(s));
+    write_moments(resumed, m, v);
+    std::vector<float> m2, v2;
+    read_moments(resumed, m2, v2);
+    EXPECT_TRUE(m2 == m);
+    EXPECT_TRUE(v2 == v);
+    const std::vector<double> la = steps(trained, 21, 23), lr = steps(resumed, 21, 23);
+    EXPECT_EQ(la, lr);
+    EXPECT_TRUE(weights(trained) == weights(resumed));
+  }
+};
+}  // namespace
+
+TEST(CudaEngine, Bf16StateTracksFp32AndRestoresBitwise) {
+  DS_SKIP_WITHOUT_GPU();
+  StateRun run;
+  ds::GpuModel f32(run.host, run.plan_for(ds::OptimizerState::Fp32));
+  ds::GpuModel b16(run.host, run.plan_for(ds::OptimizerState::Bf16));
   EXPECT_EQ(b16.optimizer_state(), ds::OptimizerState::Bf16);
-  const std::vector<double> lf = steps(f32, 1, 20), lb = steps(b16, 1, 20);
+  const std::vector<double> lf = run.steps(f32, 1, 20), lb = run.steps(b16, 1, 20);
   EXPECT_EQ(lf[0], lb[0]);
   EXPECT_LT(lb.back(), 0.8 * lb.front());  // it learns this batch
   for (size_t i = 0; i < lf.size(); ++i) EXPECT_NEAR(lb[i], lf[i], 2e-2 * lf[i]) << "step " << i + 1;
 
   // Checkpoint round trip: weights and both moments out as fp32, into a new bf16 engine, 3 more steps each.
-  const int64_t P = host.num_parameters();
-  ds::Qwen35Model again(c);
-  again.init_weights(99);  // overwritten below
-  for (const ds::ParamSpec& p : again.params())
-    b16.read(ds::GpuModel::Buffer::Weights, p.offset, p.numel, again.weights().data() + p.offset);
-  std::vector<float> m(static_cast<size_t>(P)), v(m.size());
-  for (const ds::ParamSpec& p : again.params()) {
-    b16.read_optimizer_state(0, p.offset, p.numel, m.data() + p.offset);
-    b16.read_optimizer_state(1, p.offset, p.numel, v.data() + p.offset);
-  }
-  ds::GpuModel resumed(again, plan_for(ds::OptimizerState::Bf16));
-  for (const ds::ParamSpec& p : again.params()) {
-    resumed.write_optimizer_state(0, p.offset, p.numel, m.data() + p.offset);
-    resumed.write_optimizer_state(1, p.offset, p.numel, v.data() + p.offset);
-  }
-  const std::vector<double> la = steps(b16, 21, 23), lr = steps(resumed, 21, 23);
-  EXPECT_EQ(la, lr);
-  std::vector<float> wa(static_cast<size_t>(P)), wr(wa.size());
-  for (const ds::ParamSpec& p : again.params()) {
-    b16.read(ds::GpuModel::Buffer::Weights, p.offset, p.numel, wa.data() + p.offset);
-    resumed.read(ds::GpuModel::Buffer::Weights, p.offset, p.numel, wr.data() + p.offset);
-  }
-  EXPECT_TRUE(wa == wr);
+  ds::Qwen35Model again(run.c);
+  again.init_weights(99);  // overwritten
+  std::vector<float> m, v;
+  run.expect_resumes_bitwise(b16, ds::OptimizerState::Bf16, again, m, v);
+  std::vector<float> wa = run.weights(b16);
   // A bf16-only weight read back is a bf16 value; a range across two parameters is refused.
   const ds::ParamSpec& emb = again.params().front();
   EXPECT_EQ(wa[5], ds::round_bf16(wa[5]));
   EXPECT_THROW(b16.read(ds::GpuModel::Buffer::Weights, emb.numel - 1, 2, wa.data()), ds::Error);
+}
+
+// The 8bit optimizer state (ops/adamw/q8_state.h): the same first forward as the fp32 state, a close loss curve
+// (its own: not the bf16 state's), and its checkpoint tensors (the moments dequantized to fp32) restore the run
+// bitwise in a new engine. Across states: an 8bit state loads into the fp32 state exactly (its fp32 values), and
+// the fp32 state's moments load into the 8bit state as their quantization (ops::quantize_moment_8bit, blocks of
+// the flat offsets), the small parameters' exactly.
+TEST(CudaEngine, EightBitStateTracksFp32AndRestoresBitwise) {
+  DS_SKIP_WITHOUT_GPU();
+  StateRun run;
+  ds::GpuModel f32(run.host, run.plan_for(ds::OptimizerState::Fp32));
+  ds::GpuModel b16(run.host, run.plan_for(ds::OptimizerState::Bf16));
+  ds::GpuModel q8(run.host, run.plan_for(ds::OptimizerState::EightBit));
+  EXPECT_EQ(q8.optimizer_state(), ds::OptimizerState::EightBit);
+  const std::vector<double> lf = run.steps(f32, 1, 20), lb = run.steps(b16, 1, 20), lq = run.steps(q8, 1, 20);
+  EXPECT_EQ(lf[0], lq[0]);
+  EXPECT_EQ(lb[1], lq[1]);  // step 1's update from zero moments is the bf16 state's
+  EXPECT_NE(lb, lq);
+  EXPECT_LT(lq.back(), 0.8 * lq.front());  // it learns this batch
+  for (size_t i = 0; i < lf.size(); ++i) EXPECT_NEAR(lq[i], lf[i], 5e-2 * lf[i]) << "step " << i + 1;
+
+  // 8bit -> 8bit: bitwise the same next steps and weights (the weights of `again` are those before them).
+  ds::Qwen35Model again(run.c);
+  again.init_weights(99);  // overwritten
+  std::vector<float> m, v, m2, v2;
+  run.expect_resumes_bitwise(q8, ds::OptimizerState::EightBit, again, m, v);
+  const double after = run.steps(q8, 24, 24).front();
+  // 8bit -> fp32: the fp32 values exactly; it trains on close to the 8bit state.
+  ds::GpuModel to_f32(again, run.plan_for(ds::OptimizerState::Fp32));
+  run.write_moments(to_f32, m, v);
+  run.read_moments(to_f32, m2, v2);
+  EXPECT_TRUE(m2 == m);
+  EXPECT_TRUE(v2 == v);
+  EXPECT_NEAR(run.steps(to_f32, 21, 24).back(), after, 5e-2 * after);
+  // fp32 -> 8bit: each GEMM weight's moments quantized in the flat-offset blocks; a half-block write is refused.
+  std::vector<float> mf, vf;
+  run.read_moments(f32, mf, vf);
+  ds::GpuModel from_f32(again, run.plan_for(ds::OptimizerState::EightBit));
+  run.write_moments(from_f32, mf, vf);
+  run.read_moments(from_f32, m2, v2);
+  for (const ds::ParamSpec& p : run.host.params()) {
+    std::vector<float> want_m(mf.begin() + p.offset, mf.begin() + p.offset + p.numel);
+    std::vector<float> want_v(vf.begin() + p.offset, vf.begin() + p.offset + p.numel);
+    if (ds::is_matrix(p)) {
+      const int64_t nb = ds::ops::q8_state::num_blocks(p.offset, p.numel);
+      std::vector<uint8_t> code(static_cast<size_t>(p.numel));
+      std::vector<float> absmax(static_cast<size_t>(nb));
+      for (std::vector<float>* w : {&want_m, &want_v}) {
+        const int which = w == &want_m ? 0 : 1;
+        ds::ops::quantize_moment_8bit(which, w->data(), p.numel, p.offset, code.data(), absmax.data());
+        ds::ops::dequantize_moment_8bit(which, code.data(), absmax.data(), p.numel, p.offset, w->data());
+      }
+    }
+    EXPECT_TRUE(std::equal(want_m.begin(), want_m.end(), m2.begin() + p.offset)) << p.name;
+    EXPECT_TRUE(std::equal(want_v.begin(), want_v.end(), v2.begin() + p.offset)) << p.name;
+  }
+  const ds::ParamSpec& emb = run.host.params().front();
+  ASSERT_TRUE(ds::is_matrix(emb));
+  EXPECT_THROW(from_f32.write_optimizer_state(0, emb.offset + 100, 300, mf.data() + emb.offset + 100), ds::Error);
 }
 
 // The optimizer step overlapped with the next step (GpuModel::set_async_optimizer): the update on a side stream unit
@@ -229,7 +320,7 @@ TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
   const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 33), e = make_batch({90, 90}, c.vocab_size, 34);
   const double scale = 1.0 / static_cast<double>(b.num_targets());
   const int64_t P = host.num_parameters();
-  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16})
+  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16, ds::OptimizerState::EightBit})
     for (const ds::Recompute rc : {ds::Recompute::Selective, ds::Recompute::Full}) {
       SCOPED_TRACE(std::string(ds::optimizer_state_name(st)) + " / " + ds::recompute_name(rc));
       struct Run {
@@ -297,7 +388,7 @@ TEST(CudaEngine, ThreeShardsTakeThePlainSteps) {
   const double scale = 1.0 / static_cast<double>(b.num_targets());
   const int64_t P = host.num_parameters();
   constexpr int W = 3;
-  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16}) {
+  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16, ds::OptimizerState::EightBit}) {
     SCOPED_TRACE(ds::optimizer_state_name(st));
     auto plan_for = [&](int rank, int world) {
       ds::GpuPlan plan;

@@ -215,6 +215,16 @@ TEST(CudaOps, AdamWBf16State) {
   expect_ok(check_adamw_bf16({.n = 3}));                  // shorter than a vector
 }
 
+// The 8-bit state: kernel bitwise the CPU reference over three steps (ops/adamw/q8_state.h).
+TEST(CudaOps, AdamW8bitState) {
+  DS_SKIP_WITHOUT_GPU();
+  expect_ok(check_adamw_8bit({.n = 1000003}));              // many blocks, partial first and last
+  expect_ok(check_adamw_8bit({.n = 9000011, .seed = 2}));   // more blocks than the grid: grid-stride
+  expect_ok(check_adamw_8bit({.n = 1001, .offset = 1}));    // unaligned pointers (byte codes, no vector path)
+  expect_ok(check_adamw_8bit({.n = 3}));                    // one short block
+  expect_ok(check_adamw_8bit({.n = 256, .seed = 24}));      // index0 1024: exactly one whole block
+}
+
 // ------------------------------------------------------------------------------------------------ elementwise
 
 TEST(CudaOps, Elementwise) {

@@ -53,14 +53,15 @@ TEST(Plan, CategoriesAddUpAndScale) {
 }
 
 // --shard optimizer on the GPU engine (model/gpu_params.h ParamShard): each of N ranks plans only its share of the
-// moments; the flat buffers grow by at most the padding to N · 128 elements.
+// moments; the flat buffers grow by at most the padding to N · 128 elements (N · 256 in the 8bit state).
 TEST(Plan, ShardedOptimizerStateIsEachRanksShare) {
   if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
   const ds::ModelConfig c = ds::ModelConfig::preset("2b");
   const double P = static_cast<double>(c.num_parameters());
   const auto use = [](const ds::GpuMemoryPlan& p, ds::MemoryUse u) { return static_cast<double>(p.by_use[static_cast<size_t>(u)]); };
-  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16}) {
+  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16, ds::OptimizerState::EightBit}) {
     ds::GpuPlan plan = ds::GpuPlan::windows(2, 8192, 1);
+    const double align = static_cast<double>(ds::share_align(st));
     plan.optimizer_state = st;
     const ds::GpuMemoryPlan whole = ds::plan_gpu_memory(c, plan);
     for (int world : {1, 3, 8}) {
@@ -70,10 +71,10 @@ TEST(Plan, ShardedOptimizerStateIsEachRanksShare) {
         plan.shard_world = world;
         const ds::GpuMemoryPlan p = ds::plan_gpu_memory(c, plan);
         optimizer += use(p, ds::MemoryUse::Optimizer);
-        EXPECT_NEAR(use(p, ds::MemoryUse::Gradients), 4 * P, 4.0 * 128 * world + 1e4);
-        EXPECT_NEAR(use(p, ds::MemoryUse::Parameters), use(whole, ds::MemoryUse::Parameters), 6.0 * 128 * world + 1e4);
-        // Rank r's moments: about 1/world of the whole (fp32: 8 B per element of the share; bf16: 4 B, plus the
-        // small parameters' fp32 moments of its range).
+        EXPECT_NEAR(use(p, ds::MemoryUse::Gradients), 4 * P, 4.0 * align * world + 1e4);
+        EXPECT_NEAR(use(p, ds::MemoryUse::Parameters), use(whole, ds::MemoryUse::Parameters), 6.0 * align * world + 1e4);
+        // Rank r's moments: about 1/world of the whole (fp32: 8 B per element of the share; bf16: 4 B; 8bit: 2 B
+        // and the scales of its blocks; plus the small parameters' fp32 moments of its range).
         EXPECT_NEAR(use(p, ds::MemoryUse::Optimizer), use(whole, ds::MemoryUse::Optimizer) / world,
                     0.02 * use(whole, ds::MemoryUse::Optimizer) / world + 1e4)
             << "rank " << r << " of " << world;
@@ -91,14 +92,17 @@ TEST(Plan, ShardsTileTheParameters) {
   const std::vector<ds::ParamSpec> params = ds::qwen35_params(c);
   const ds::ParamLayout layout(c, params);
   const int64_t P = params.back().offset + params.back().numel;
-  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16})
+  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16, ds::OptimizerState::EightBit})
     for (int world : {1, 2, 3, 7}) {
       int64_t next = 0, next32 = 0;
+      const int64_t align = ds::share_align(st);  // 256 in the 8bit state: shares hold whole quantization blocks
+      EXPECT_EQ(align, st == ds::OptimizerState::EightBit ? 256 : 128);
       for (int r = 0; r < world; ++r) {
         const ds::GpuParamStore s(layout, params, st, ds::ParamShard{r, world});
-        EXPECT_EQ(s.padded_size() % (128 * world), 0);
+        EXPECT_EQ(s.padded_size() % (align * world), 0);
+        EXPECT_EQ(s.share_lo() % align, 0);
         EXPECT_GE(s.padded_size(), P);
-        EXPECT_LT(s.padded_size(), P + 128 * world);
+        EXPECT_LT(s.padded_size(), P + align * world);
         EXPECT_EQ(s.share_size() * world, s.padded_size());
         EXPECT_EQ(s.share_lo(), next) << "rank " << r << " of " << world;
         next = s.share_hi();
@@ -133,7 +137,10 @@ TEST(Plan, CommandEndsWithTheVerdictAndExitsZero) {
   EXPECT_EQ(ds::test::run("plan --model 2b --attention flash", &out), 1);
   EXPECT_NE(out.find("attention"), std::string::npos) << out;
   EXPECT_EQ(ds::test::run("plan --model 2b --optimizer-state fp16", &out), 1);
-  EXPECT_NE(out.find("--optimizer-state must be auto, fp32 or bf16"), std::string::npos) << out;
+  EXPECT_NE(out.find("--optimizer-state must be auto, fp32, bf16 or 8bit"), std::string::npos) << out;
+  ASSERT_EQ(ds::test::run("plan --model 2b --seq-len 8192 --micro-batch 2 --optimizer-state 8bit", &out), 0) << out;
+  EXPECT_NE(out.find("optimizer state 8bit (bf16 GEMM weights with stochastic rounding, 8-bit blockwise moments)"),
+            std::string::npos) << out;
   EXPECT_EQ(ds::test::run("plan --model 2b --recompute some", &out), 1);
   EXPECT_NE(out.find("--recompute must be"), std::string::npos) << out;
   // bench step checks the same flags before it looks for a GPU or makes the model
@@ -216,6 +223,29 @@ TEST(Plan, Bf16StateTakesTenBytesPerParameter) {
   EXPECT_NEAR(static_cast<double>(f.total - b.total), 8 * P - 12 * small, slack);
 }
 
+// The 8bit state: the bf16 state's weights and gradients, and 1-byte codes of m and sqrt(v) per parameter plus one
+// fp32 scale each per block (256 flat elements cut at parameter ends): about 8 bytes per parameter.
+TEST(Plan, EightBitStateTakesEightBytesPerParameter) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  using ds::MemoryUse;
+  const ds::ModelConfig c = ds::ModelConfig::preset("2b");
+  double P = static_cast<double>(c.num_parameters()), small = 0, blocks = 0;
+  for (const ds::ParamSpec& p : ds::qwen35_params(c)) {
+    if (!ds::is_matrix(p)) small += static_cast<double>(p.numel);
+    else blocks += static_cast<double>((p.offset + p.numel + 255) / 256 - p.offset / 256);
+  }
+  EXPECT_NEAR(blocks, P / 256, 0.01 * P / 256);
+  const ds::GpuMemoryPlan q = plan_modes("2b", 8192, 2, ds::OptimizerState::EightBit, ds::Recompute::Selective);
+  const ds::GpuMemoryPlan b = plan_modes("2b", 8192, 2, ds::OptimizerState::Bf16, ds::Recompute::Selective);
+  const double slack = 256.0 * 10;  // per-buffer alignment
+  EXPECT_NEAR(use(q, MemoryUse::Parameters), use(b, MemoryUse::Parameters), slack);
+  EXPECT_NEAR(use(q, MemoryUse::Gradients), use(b, MemoryUse::Gradients), slack);
+  EXPECT_NEAR(use(q, MemoryUse::Optimizer), 2 * P + 8 * blocks + 8 * small, slack);
+  EXPECT_NEAR(static_cast<double>(use(q, MemoryUse::Parameters) + use(q, MemoryUse::Gradients) +
+                                  use(q, MemoryUse::Optimizer)) / P, 8.03, 0.01);
+  EXPECT_NEAR(static_cast<double>(b.total - q.total), 2 * P - 8 * blocks, 256.0 * 1000);
+}
+
 TEST(Plan, RecomputePoliciesOrderTheActivationMemory) {
   if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
   using ds::MemoryUse;
@@ -242,14 +272,17 @@ TEST(Plan, AutoPicksExactModesBeforeLossyAndCheapRecomputeBeforeFull) {
   using ds::OptimizerState;
   using ds::Recompute;
   const auto all = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto);
-  ASSERT_EQ(all.size(), 6u);
+  ASSERT_EQ(all.size(), 9u);
   EXPECT_EQ(all.front(), std::make_pair(OptimizerState::Fp32, Recompute::None));
   EXPECT_EQ(all[1], std::make_pair(OptimizerState::Fp32, Recompute::Selective));  // exact before lossy
   EXPECT_EQ(all[2], std::make_pair(OptimizerState::Bf16, Recompute::None));
-  EXPECT_EQ(all[4], std::make_pair(OptimizerState::Fp32, Recompute::Full));
-  EXPECT_EQ(all.back(), std::make_pair(OptimizerState::Bf16, Recompute::Full));
+  EXPECT_EQ(all[4], std::make_pair(OptimizerState::EightBit, Recompute::None));  // 8-bit moments after bf16 ones
+  EXPECT_EQ(all[5], std::make_pair(OptimizerState::EightBit, Recompute::Selective));
+  EXPECT_EQ(all[6], std::make_pair(OptimizerState::Fp32, Recompute::Full));
+  EXPECT_EQ(all.back(), std::make_pair(OptimizerState::EightBit, Recompute::Full));
   EXPECT_EQ(ds::memory_candidates(OptimizerState::Fp32, Recompute::Auto).size(), 3u);  // a given mode is kept
   EXPECT_EQ(ds::memory_candidates(OptimizerState::Bf16, Recompute::Full).size(), 1u);
+  EXPECT_EQ(ds::memory_candidates(OptimizerState::EightBit, Recompute::Auto).size(), 3u);
   const ds::ModelConfig c = ds::ModelConfig::preset("2b");
   auto pick = [&](double gib) {
     ds::GpuPlan plan = ds::GpuPlan::windows(2, 8192, 1);
@@ -261,8 +294,9 @@ TEST(Plan, AutoPicksExactModesBeforeLossyAndCheapRecomputeBeforeFull) {
   EXPECT_EQ(pick(140), std::make_pair(OptimizerState::Fp32, Recompute::None));
   EXPECT_EQ(pick(64), std::make_pair(OptimizerState::Fp32, Recompute::Selective));  // 61.6 GiB; fp32 + none 75.5
   EXPECT_EQ(pick(50), std::make_pair(OptimizerState::Bf16, Recompute::Selective));  // 47.5 GiB
+  EXPECT_EQ(pick(45), std::make_pair(OptimizerState::EightBit, Recompute::Selective));  // 44.1 GiB; fp32 + full 41.9
   EXPECT_EQ(pick(40), std::make_pair(OptimizerState::Bf16, Recompute::Full));
-  EXPECT_EQ(pick(1), std::make_pair(OptimizerState::Bf16, Recompute::Full));  // nothing fits: the leanest
+  EXPECT_EQ(pick(1), std::make_pair(OptimizerState::EightBit, Recompute::Full));  // nothing fits: the leanest
   // the 9B shape of the issue fits an H200 only with the bf16 state
   std::string out;
   ASSERT_EQ(ds::test::run("plan --model 9b --seq-len 8192 --micro-batch 1", &out), 0) << out;

@@ -409,6 +409,8 @@ TEST(Train, NanGuardAndBadInputs) {
   expect_error("train " + args + " --steps 1 --memory lots --out " + dir + "/x", "--memory");
   expect_error("train " + args + " --steps 1 --device cpu --optimizer-state bf16 --out " + dir + "/x",
                "--optimizer-state bf16 is a mode of the GPU engine");
+  expect_error("train " + args + " --steps 1 --device cpu --optimizer-state 8bit --out " + dir + "/x",
+               "--optimizer-state 8bit is a mode of the GPU engine");
   expect_error("train " + args + " --steps 1 --device cpu --recompute full --out " + dir + "/x",
                "--recompute full is a mode of the GPU engine");
   // --resume keeps the checkpoint's options: --steps defaults to the saved total, run-defining flags are refused.

@@ -127,7 +127,7 @@ int main(int argc, char** argv) {
   auto add_memory_flags = [](CLI::App* cmd, ds::cli::MemoryFlags& m) {
     cmd->add_option("--memory", m.memory, "auto (choose the modes not given to fit) or fixed (fp32, selective)")
         ->capture_default_str();
-    cmd->add_option("--optimizer-state", m.optimizer_state, "auto, fp32 or bf16")->capture_default_str();
+    cmd->add_option("--optimizer-state", m.optimizer_state, "auto, fp32, bf16 or 8bit")->capture_default_str();
     cmd->add_option("--recompute", m.recompute, "auto, none, selective or full")->capture_default_str();
     cmd->add_option("--precision", m.precision, "bf16 or fp8 (the decoder's matrix GEMMs; docs/fp8.md)")
         ->capture_default_str();

@@ -446,7 +446,7 @@ class CudaEngine final : public Engine {
         for (int k = 0; k < gpu->optimizer_state_count(); ++k)
           out.push_back(make_tensor_f32_view(gpu->optimizer_state_name(k, p), p.shape,
                                              full_state_[static_cast<size_t>(k)].data() + p.offset,
-                                             bf16_only(p) ? DType::BF16 : DType::F32));
+                                             moments_dtype(p)));
       return out;
     }
     for (const ParamSpec& p : params_)
@@ -455,7 +455,7 @@ class CudaEngine final : public Engine {
         out.push_back(make_tensor_f32_reader(gpu->optimizer_state_name(k, p), p.shape,
                                              [gpu, k, base](int64_t first, int64_t count, float* dst) {
                                                gpu->read_optimizer_state(k, base + first, count, dst);
-                                             }, bf16_only(p) ? DType::BF16 : DType::F32));
+                                             }, moments_dtype(p)));
       }
     return out;
   }
@@ -476,9 +476,14 @@ class CudaEngine final : public Engine {
   void set_profiler(cuda::StepProfiler* prof) override { gpu_->set_profiler(prof); }
 
  private:
-  // A parameter whose weights and moments the engine keeps in bf16 only (stored BF16 in checkpoints: lossless).
+  // A parameter whose weights the engine keeps in bf16 only (stored BF16 in checkpoints: lossless).
   bool bf16_only(const ParamSpec& p) const {
-    return gpu_->optimizer_state() == OptimizerState::Bf16 && is_matrix(p);
+    return bf16_weights(gpu_->optimizer_state()) && is_matrix(p);
+  }
+  // The dtype that stores a parameter's moments losslessly: BF16 for the bf16 state's bf16 moments; F32 otherwise
+  // (the 8-bit state's moments dequantized: they re-quantize bitwise, ops/adamw/q8_state.h).
+  DType moments_dtype(const ParamSpec& p) const {
+    return gpu_->optimizer_state() == OptimizerState::Bf16 && is_matrix(p) ? DType::BF16 : DType::F32;
   }
   // Checkpoint entries whose values are copied from a device buffer slab by slab while the file is written;
   // lossless: BF16 for bf16-only weights, `dtype` (F32) for the others.
@@ -510,6 +515,7 @@ const char* optimizer_state_name(OptimizerState s) {
     case OptimizerState::Auto: return "auto";
     case OptimizerState::Fp32: return "fp32";
     case OptimizerState::Bf16: return "bf16";
+    case OptimizerState::EightBit: return "8bit";
   }
   return "?";
 }
@@ -523,9 +529,9 @@ const char* recompute_name(Recompute r) {
   return "?";
 }
 OptimizerState parse_optimizer_state(const std::string& s) {
-  for (OptimizerState v : {OptimizerState::Auto, OptimizerState::Fp32, OptimizerState::Bf16})
+  for (OptimizerState v : {OptimizerState::Auto, OptimizerState::Fp32, OptimizerState::Bf16, OptimizerState::EightBit})
     if (s == optimizer_state_name(v)) return v;
-  fail("--optimizer-state must be auto, fp32 or bf16, got \"{}\"", s);
+  fail("--optimizer-state must be auto, fp32, bf16 or 8bit, got \"{}\"", s);
 }
 Recompute parse_recompute(const std::string& s) {
   for (Recompute v : {Recompute::Auto, Recompute::None, Recompute::Selective, Recompute::Full})
@@ -573,8 +579,9 @@ void check_engine_knobs() {
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan) {
   const std::string d = resolve_device(device);
   if (d == "cuda") return std::make_unique<CudaEngine>(std::move(host), plan);
-  DS_CHECK(plan.optimizer_state != OptimizerState::Bf16, "--optimizer-state bf16 is a mode of the GPU engine; the CPU "
-           "engine keeps fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)");
+  DS_CHECK(!bf16_weights(plan.optimizer_state), "--optimizer-state {} is a mode of the GPU engine; the CPU engine "
+           "keeps fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)",
+           optimizer_state_name(plan.optimizer_state));
   host.set_precision(plan.precision);
   return std::make_unique<CpuEngine>(std::move(host));
 }

@@ -31,8 +31,18 @@ class Communicator;  // dist/communicator.h
 //   bf16: the GEMM weights (is_matrix) in bf16 only, updated with stochastic rounding, bf16 AdamW moments, fp32
 //         gradients; the small fp32-read parameters (norms, conv taps, A_log, dt_bias) stay fp32 with fp32 moments
 //         (10 bytes per parameter; ops/adamw/bf16_state.h);
-//   auto: the first of fp32, bf16 whose plan fits the device (resolved when the engine is built).
-enum class OptimizerState { Auto, Fp32, Bf16 };
+//   8bit: the bf16 state's weights and update, with the GEMM weights' AdamW moments m and sqrt(v) in 8-bit
+//         blockwise dynamic codes (one fp32 scale per 256 elements; ops/adamw/q8_state.h): about 8 bytes per
+//         parameter; lossy beyond the bf16 state (docs/memory.md);
+//   auto: the first of the memory_candidates() (model/gpu_plan.h) whose plan fits the device (resolved when the
+//         engine is built).
+enum class OptimizerState { Auto, Fp32, Bf16, EightBit };
+// Whether the state keeps the GEMM weights (is_matrix) in bf16 only, with an fp32 master for the small parameters
+// only (bf16 and 8bit; model/gpu_params.h).
+inline bool bf16_weights(OptimizerState s) { return s == OptimizerState::Bf16 || s == OptimizerState::EightBit; }
+// Elements a --shard optimizer share of the GPU engine is a multiple of (model/gpu_params.h ParamShard): 128 (256
+// bytes of bf16), 256 in the 8bit state (whole quantization blocks, ops/adamw/q8_state.h).
+inline int64_t share_align(OptimizerState s) { return s == OptimizerState::EightBit ? 256 : 128; }
 // Which activations the backward rebuilds instead of keeping (`--recompute`; docs/memory.md):
 //   none: every activation kept per layer;
 //   selective: the cheap ones rebuilt (norm outputs, SwiGLU output, conv output, q/k l2norm, gated-norm output,
@@ -41,7 +51,7 @@ enum class OptimizerState { Auto, Fp32, Bf16 };
 //   auto: chosen with the optimizer state to fit the device (the order of memory_candidates(), model/gpu_plan.h).
 // Every policy computes bitwise the same losses and gradients (the rebuilt values are the forward's own bits).
 enum class Recompute { Auto, None, Selective, Full };
-const char* optimizer_state_name(OptimizerState s);  // "auto" | "fp32" | "bf16"
+const char* optimizer_state_name(OptimizerState s);  // "auto" | "fp32" | "bf16" | "8bit"
 const char* recompute_name(Recompute r);             // "auto" | "none" | "selective" | "full"
 OptimizerState parse_optimizer_state(const std::string& s);  // ds::Error naming --optimizer-state
 Recompute parse_recompute(const std::string& s);             // ds::Error naming --recompute
@@ -157,10 +167,11 @@ class Engine {
   // (no copy of the whole state in host memory). The engine must outlive the write.
   //   weight_tensors: the parameters with HF names (A_log and linear_attn.norm.weight stay F32 whatever dtype);
   //   optimizer_tensors: the optimizer's own state ("exp_avg.<name>", "exp_avg_sq.<name>" for AdamW; F32, or
-  //   BF16 where the moments live in bf16: lossless either way).
+  //   BF16 where the moments live in bf16: lossless either way; the 8-bit state's moments dequantized to F32,
+  //   which re-quantize to the same codes and scales).
   virtual std::vector<SaveTensor> weight_tensors(DType dtype = DType::F32) = 0;
   // The weights as a checkpoint keeps them: lossless in the smallest dtype (F32; BF16 for a weight that lives in
-  // bf16 only, OptimizerState::Bf16).
+  // bf16 only, bf16_weights(OptimizerState)).
   virtual std::vector<SaveTensor> checkpoint_weight_tensors() { return weight_tensors(DType::F32); }
   virtual std::vector<SaveTensor> optimizer_tensors() = 0;
   // Restores the optimizer state that optimizer_tensors() wrote (names as there), one tensor at a time.

@@ -778,7 +778,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   }
   DS_CHECK(m.arena_bytes + (512u << 20) < free_b,
            "gpu: the memory plan (optimizer state {}, recompute {}) needs {:.2f} GiB but only {:.2f} GiB is free; lower "
-           "--micro-batch or --seq-len, or choose leaner modes (--optimizer-state bf16, --recompute full; "
+           "--micro-batch or --seq-len, or choose leaner modes (--optimizer-state bf16 or 8bit, --recompute full; "
            "`deltastack plan` shows each)", ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_name(m.plan.recompute),
            m.arena_bytes / 1073741824.0, free_b / 1073741824.0);
   DS_CUDA_CHECK(cudaMalloc(&m.arena_base, m.arena_bytes));
@@ -836,12 +836,14 @@ void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
   ops::AdamWParams q = p;
   q.weight_decay = weight_decay;
   // Bytes per element: fp32 state reads master, grad, m, v and writes master, m, v (4 B each) and the bf16 copy
-  // (2 B): 30; bf16 state reads the bf16 weight, m, v (2 B) and the fp32 grad, writes weight, m, v: 16.
+  // (2 B): 30; bf16 state reads the bf16 weight, m, v (2 B) and the fp32 grad, writes weight, m, v: 16; 8bit
+  // state: the bf16 weight (2 B), the grad (4 B), two codes (1 B each) read, weight and codes written: 12.
   double bytes = 0;
   if (impl_->prof) {
     const std::vector<ParamSpec>& specs = impl_->store->params();
+    const double low = impl_->store->state() == OptimizerState::EightBit ? 12.0 : 16.0;
     for (size_t k = 0; k < specs.size(); ++k)
-      bytes += (impl_->store->fp32_offset(k) >= 0 ? 30.0 : 16.0) * static_cast<double>(specs[k].numel);
+      bytes += (impl_->store->fp32_offset(k) >= 0 ? 30.0 : low) * static_cast<double>(specs[k].numel);
   }
   impl_->join_side();
   if (impl_->async_optimizer && !impl_->prof) return impl_->async_adamw_step(q);

@@ -1,5 +1,5 @@
 // The Qwen3.5 model on one CUDA GPU (the "cuda" engine of model/engine.h): bf16 activations and compute weights,
-// fp32 gradients, and fp32 or bf16 master weights and AdamW moments (OptimizerState; numerics:
+// fp32 gradients, and fp32 or bf16 master weights and fp32, bf16 or 8-bit AdamW moments (OptimizerState; numerics:
 // docs/cuda_backend.md, memory modes: docs/memory.md). Its parts:
 //   - the parameter store (model/gpu_params.h): master / compute / gradient buffers and typed per-layer views;
 //   - the optimizer (model/gpu_optimizer.h): its state layout, update and checkpoint tensors;

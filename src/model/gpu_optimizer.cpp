@@ -4,27 +4,52 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "ops/adamw/adamw.h"
 #include "ops/adamw/cuda.h"
+#include "ops/adamw/q8_state.h"
 
 namespace ds {
 
 namespace K = ds::ops::cuda;
 
+namespace Q = ds::ops::q8_state;
+
+std::pair<int64_t, int64_t> GpuAdamW::piece(size_t k) const {
+  const ParamSpec& s = store_.params()[k];
+  return {std::max(s.offset, store_.share_lo()), std::min(s.offset + s.numel, store_.share_hi())};
+}
+
 // The moments of this rank's share only (model/gpu_params.h ParamShard; the whole state unsharded): fp32 moments
-// of the fp32-master elements in the share (indexed by master offset − the share's first), bf16 moments of the
-// share's flat elements (bf16 layout; indexed by flat offset − share_lo).
+// of the fp32-master elements in the share (indexed by master offset − the share's first), bf16 moments (bf16
+// state) or 8-bit codes (8bit state) of the share's flat elements (indexed by flat offset − share_lo), and the 8bit
+// state's block scales, parameter after parameter.
 void GpuAdamW::reserve(Arena& a) {
   a.use = MemoryUse::Optimizer;
+  const OptimizerState st = store_.state();
   const auto [f0, f1] = store_.fp32_range_of(store_.shard().rank);
   f0_ = f0;
-  n32_ = store_.sharded() || store_.state() == OptimizerState::Bf16 ? f1 - f0 : store_.fp32_size();
+  n32_ = store_.sharded() || bf16_weights(st) ? f1 - f0 : store_.fp32_size();
   if (!store_.sharded()) f0_ = 0;
   m_ = a.take<float>(n32_);
   v_ = a.take<float>(n32_);
-  if (store_.state() == OptimizerState::Bf16) {
-    nb_ = store_.share_hi() - store_.share_lo();
+  nb_ = store_.share_hi() - store_.share_lo();
+  if (st == OptimizerState::Bf16) {
     mb_ = a.take<bf16>(nb_);
     vb_ = a.take<bf16>(nb_);
+  }
+  if (st == OptimizerState::EightBit) {
+    q0_.assign(store_.params().size(), -1);
+    nq_ = 0;
+    for (size_t k = 0; k < q0_.size(); ++k) {
+      const auto [x, y] = piece(k);
+      if (x >= y || store_.fp32_offset(k) >= 0) continue;
+      q0_[k] = nq_;
+      nq_ += Q::num_blocks(x, y - x);
+    }
+    mq_ = a.take<uint8_t>(nb_);
+    vq_ = a.take<uint8_t>(nb_);
+    ma_ = a.take<float>(nq_);
+    va_ = a.take<float>(nq_);
   }
 }
 
@@ -34,6 +59,12 @@ void GpuAdamW::zero_state(cudaStream_t stream) {
   if (mb_) {
     DS_CUDA_CHECK(cudaMemsetAsync(mb_, 0, nb_ * sizeof(bf16), stream));
     DS_CUDA_CHECK(cudaMemsetAsync(vb_, 0, nb_ * sizeof(bf16), stream));
+  }
+  if (mq_) {  // code 0 with scale 0: the moments 0
+    DS_CUDA_CHECK(cudaMemsetAsync(mq_, 0, nb_, stream));
+    DS_CUDA_CHECK(cudaMemsetAsync(vq_, 0, nb_, stream));
+    DS_CUDA_CHECK(cudaMemsetAsync(ma_, 0, nq_ * sizeof(float), stream));
+    DS_CUDA_CHECK(cudaMemsetAsync(va_, 0, nq_ * sizeof(float), stream));
   }
 }
 
@@ -58,6 +89,9 @@ void GpuAdamW::step_params(GpuParamStore& store, const ops::AdamWParams& p, size
     if (o >= 0)
       K::adamw_update(store.master(k) + in, store.grads() + a, m_ + (o + in - f0_), v_ + (o + in - f0_),
                       store.compute(k) + in, b - a, q, stream);
+    else if (mq_)
+      K::adamw_update_8bit(store.compute(k) + in, store.grads() + a, mq_ + (a - lo), vq_ + (a - lo), ma_ + q0_[k],
+                           va_ + q0_[k], b - a, q, a, stream);
     else
       K::adamw_update_bf16(store.compute(k) + in, store.grads() + a, mb_ + (a - lo), vb_ + (a - lo), b - a, q, a,
                            stream);
@@ -78,6 +112,8 @@ void GpuAdamW::read_state(int which, int64_t first, int64_t count, float* dst, c
     const float* src = (which == 0 ? m_ : v_) + o + (first - store_.params()[k].offset) - f0_;
     DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  } else if (mq_) {
+    read_q8(which, k, first, count, dst, stream);
   } else {
     download_bf16_as_f32((which == 0 ? mb_ : vb_) + (first - store_.share_lo()), count, dst, stream);
   }
@@ -94,8 +130,60 @@ void GpuAdamW::write_state(int which, int64_t first, int64_t count, const float*
     float* dst = (which == 0 ? m_ : v_) + o + (a - store_.params()[k].offset) - f0_;
     DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyHostToDevice, stream));
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  } else if (mq_) {
+    write_q8(which, k, a, n, src, stream);
   } else {
     upload_f32_as_bf16(src, n, (which == 0 ? mb_ : vb_) + (a - store_.share_lo()), stream);
+  }
+}
+
+namespace {
+constexpr int64_t kQ8Stage = int64_t{1} << 22;  // elements per host staging round (a multiple of the block)
+}
+
+// In rounds of at most kQ8Stage elements ending on block boundaries: the codes and their blocks' scales to the host,
+// dequantized there (ops::dequantize_moment_8bit, the kernel's own decode).
+void GpuAdamW::read_q8(int which, size_t k, int64_t first, int64_t count, float* dst, cudaStream_t stream) const {
+  const int64_t a = piece(k).first, lo = store_.share_lo();
+  std::vector<uint8_t> code;
+  std::vector<float> scale;
+  for (int64_t x = first; x < first + count;) {
+    const int64_t y = std::min(first + count, x / Q::kBlock * Q::kBlock + kQ8Stage);
+    const int64_t nb = Q::num_blocks(x, y - x), b0 = q0_[k] + (x / Q::kBlock - a / Q::kBlock);
+    code.resize(static_cast<size_t>(y - x));
+    scale.resize(static_cast<size_t>(nb));
+    DS_CUDA_CHECK(cudaMemcpyAsync(code.data(), (which == 0 ? mq_ : vq_) + (x - lo), y - x, cudaMemcpyDeviceToHost,
+                                  stream));
+    DS_CUDA_CHECK(cudaMemcpyAsync(scale.data(), (which == 0 ? ma_ : va_) + b0, nb * sizeof(float),
+                                  cudaMemcpyDeviceToHost, stream));
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    ops::dequantize_moment_8bit(which, code.data(), scale.data(), y - x, x, dst + (x - first));
+    x = y;
+  }
+}
+
+// Whole blocks only (a block's scale depends on all of its elements): the slab must start and end on a block
+// boundary of the parameter (its ends, or multiples of 256, which every share boundary is).
+void GpuAdamW::write_q8(int which, size_t k, int64_t first, int64_t count, const float* src, cudaStream_t stream) {
+  const ParamSpec& p = store_.params()[k];
+  const int64_t a = piece(k).first, lo = store_.share_lo(), end = first + count;
+  DS_CHECK((first == p.offset || first % Q::kBlock == 0) && (end == p.offset + p.numel || end % Q::kBlock == 0),
+           "adamw: the 8-bit state of {} is written in whole {}-element blocks; [{}, {}) cuts one", p.name, Q::kBlock,
+           first - p.offset, end - p.offset);
+  std::vector<uint8_t> code;
+  std::vector<float> scale;
+  for (int64_t x = first; x < end;) {
+    const int64_t y = std::min(end, x / Q::kBlock * Q::kBlock + kQ8Stage);
+    const int64_t nb = Q::num_blocks(x, y - x), b0 = q0_[k] + (x / Q::kBlock - a / Q::kBlock);
+    code.resize(static_cast<size_t>(y - x));
+    scale.resize(static_cast<size_t>(nb));
+    ops::quantize_moment_8bit(which, src + (x - first), y - x, x, code.data(), scale.data());
+    DS_CUDA_CHECK(cudaMemcpyAsync((which == 0 ? mq_ : vq_) + (x - lo), code.data(), y - x, cudaMemcpyHostToDevice,
+                                  stream));
+    DS_CUDA_CHECK(cudaMemcpyAsync((which == 0 ? ma_ : va_) + b0, scale.data(), nb * sizeof(float),
+                                  cudaMemcpyHostToDevice, stream));
+    DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+    x = y;
   }
 }
 

@@ -2,14 +2,17 @@
 // checkpoint tensors. AdamW (decoupled weight decay, bias-corrected; ops/adamw/adamw.h) in the store's layout
 // (model/gpu_params.h): parameters with an fp32 master get fp32 moments (exp_avg, exp_avg_sq) at their master
 // offsets; bf16-only parameters (the bf16 layout's GEMM weights) get bf16 moments at their flat offsets and the
-// stochastic-rounding update of ops/adamw/bf16_state.h. Checkpoints hold fp32 either way (bf16 widened exactly;
-// an fp32 value loaded into a bf16 moment is rounded to nearest), so a run may resume in the other layout.
+// stochastic-rounding update of ops/adamw/bf16_state.h, or in the 8bit state 8-bit codes of m and sqrt(v) at their
+// flat offsets with one fp32 scale per block (ops/adamw/q8_state.h). Checkpoints hold fp32 values in every state
+// (bf16 widened exactly, 8-bit codes dequantized; an fp32 value loaded into a bf16 moment is rounded to nearest,
+// into an 8-bit one quantized, which gives back a saved 8-bit state bitwise), so a run may resume in another state.
 #pragma once
 #ifdef DELTASTACK_CUDA
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "model/gpu_memory.h"
@@ -58,8 +61,19 @@ class GpuAdamW final : public GpuOptimizer {
   using bf16 = ds::cuda::bf16;
   const GpuParamStore& store_;
   float *m_ = nullptr, *v_ = nullptr;   // fp32 moments [n32_] of the master offsets [f0_, f0_ + n32_)
-  bf16 *mb_ = nullptr, *vb_ = nullptr;  // bf16 moments [nb_] of the share's flat elements (bf16 layout only)
-  int64_t f0_ = 0, n32_ = 0, nb_ = 0;
+  bf16 *mb_ = nullptr, *vb_ = nullptr;  // bf16 moments [nb_] of the share's flat elements (bf16 state only)
+  // The 8bit state: codes of m and sqrt(v) [nb_] of the share's flat elements, and the scales [nq_] of the share's
+  // blocks of GEMM weights, parameter by parameter; q0_[k]: the scale index of the block holding parameter k's first
+  // element in the share (-1: none there, or not 8-bit).
+  uint8_t *mq_ = nullptr, *vq_ = nullptr;
+  float *ma_ = nullptr, *va_ = nullptr;
+  std::vector<int64_t> q0_;
+  int64_t f0_ = 0, n32_ = 0, nb_ = 0, nq_ = 0;
+  // Parameter k's elements in the share, [a, b) (a >= b: none).
+  std::pair<int64_t, int64_t> piece(size_t k) const;
+  // The 8-bit state's slab [first, first + count) of parameter k (inside the share) to / from fp32 on the host.
+  void read_q8(int which, size_t k, int64_t first, int64_t count, float* dst, cudaStream_t stream) const;
+  void write_q8(int which, size_t k, int64_t first, int64_t count, const float* src, cudaStream_t stream);
 };
 
 }  // namespace ds

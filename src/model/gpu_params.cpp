@@ -37,20 +37,20 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
       shard_(shard),
       fp32_offset_(fp32_offsets(params, state)),
       master_layout_(layout) {
-  DS_CHECK(state == OptimizerState::Fp32 || state == OptimizerState::Bf16,
-           "gpu: the optimizer state must be resolved to fp32 or bf16 before the store is built");
+  DS_CHECK(state == OptimizerState::Fp32 || bf16_weights(state),
+           "gpu: the optimizer state must be resolved to fp32, bf16 or 8bit before the store is built");
   DS_CHECK(!params.empty(), "gpu: no parameters");
   DS_CHECK(shard.world >= 0 && (shard.world == 0 || (shard.rank >= 0 && shard.rank < shard.world)),
            "gpu: shard rank {} of {}", shard.rank, shard.world);
   P_ = params.back().offset + params.back().numel;
-  const int64_t unit = int64_t{128} * std::max(1, shard.world);
+  const int64_t unit = share_align(state) * std::max(1, shard.world);
   Ppad_ = shard.world == 0 ? P_ : (P_ + unit - 1) / unit * unit;
   S_ = shard.world == 0 ? P_ : Ppad_ / shard.world;
   std::tie(lo_, hi_) = share_range(shard.rank);
   for (size_t k = 0; k < params.size(); ++k)
     if (fp32_offset_[k] >= 0) P32_ = std::max(P32_, fp32_offset_[k] + params[k].numel);
   if (state == OptimizerState::Fp32) P32_ = Ppad_;  // flat, padded like the other flat buffers
-  if (state == OptimizerState::Bf16)
+  if (bf16_weights(state))
     master_layout_ = layout.remapped([this](int64_t off) -> int64_t {
       const size_t k = param_at(off, 0);
       return fp32_offset_[k] < 0 ? -1 : fp32_offset_[k] + (off - params_[k].offset);

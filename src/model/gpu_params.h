@@ -1,8 +1,9 @@
 // The GPU engine's parameter store: the weights, their bf16 compute copy and the fp32 gradients, with typed
 // per-layer views (model/params.h). Two layouts (OptimizerState, model/engine.h):
 //   fp32: fp32 master [P] + bf16 compute copy [P] + fp32 gradients [P], flat in ParamSpec order;
-//   bf16: bf16 weights [P] (the GEMM weights' only copy) + fp32 gradients [P] + an fp32 master of the small
-//         parameters only (!is_matrix: norms, conv taps, A_log, dt_bias), compacted in ParamSpec order.
+//   bf16 (the bf16 and 8bit states): bf16 weights [P] (the GEMM weights' only copy) + fp32 gradients [P] + an
+//         fp32 master of the small parameters only (!is_matrix: norms, conv taps, A_log, dt_bias), compacted in
+//         ParamSpec order.
 // The decoder reads GEMM weights from `compute` and the small parameters from `master` in both layouts (in the
 // bf16 layout the master views of GEMM weights are nullptr).
 //
@@ -25,9 +26,10 @@
 namespace ds {
 
 // This rank's share of the flat parameters under --shard optimizer (ZeRO-1; docs/distributed.md). The flat
-// buffers (fp32 gradients, bf16 weights, the fp32 layout's master) are padded to P_pad, a multiple of world · 128
-// elements, so every rank's share is S = P_pad / world elements, 256-byte aligned, and NCCL's equal-count
-// reduce-scatter and all-gather work in place on them. Rank r owns the flat range [lo, hi) = [r·S, min((r+1)·S, P))
+// buffers (fp32 gradients, bf16 weights, the fp32 layout's master) are padded to P_pad, a multiple of
+// world · share_align(state) elements, so every rank's share is S = P_pad / world elements, 256-byte aligned (and in
+// the 8bit state a whole number of its 256-element quantization blocks, ops/adamw/q8_state.h), and NCCL's
+// equal-count reduce-scatter and all-gather work in place on them. Rank r owns the flat range [lo, hi) = [r·S, min((r+1)·S, P))
 // (a share may cut through a tensor). world 0 (not sharded) and world 1 own everything, P_pad = P for world 0.
 struct ParamShard {
   int rank = 0, world = 0;
@@ -36,7 +38,7 @@ struct ParamShard {
 class GpuParamStore {
  public:
   using bf16 = ds::cuda::bf16;
-  // state: Fp32 or Bf16 (resolved). params: the ParamSpec table (outlives the store).
+  // state: Fp32, Bf16 or EightBit (resolved; the last two have the same layout). params: the ParamSpec table (outlives the store).
   GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
                 ParamShard shard = {});
 

@@ -129,11 +129,13 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
 
 std::vector<std::pair<OptimizerState, Recompute>> memory_candidates(OptimizerState s, Recompute r) {
   // Exact modes before lossy ones, cheap recompute before expensive: the fp32 state with no or selective recompute
-  // (bitwise the same results), then the bf16 state with those, then full recompute (one more forward per step).
+  // (bitwise the same results), then the bf16 state with those, then the 8bit state (lossier: its moments carry
+  // 8-bit codes), then full recompute (one more forward per step, +25 %) in the same state order.
   using OS = OptimizerState;
   using RC = Recompute;
-  const std::pair<OS, RC> order[] = {{OS::Fp32, RC::None}, {OS::Fp32, RC::Selective}, {OS::Bf16, RC::None},
-                                     {OS::Bf16, RC::Selective}, {OS::Fp32, RC::Full}, {OS::Bf16, RC::Full}};
+  const std::pair<OS, RC> order[] = {{OS::Fp32, RC::None},     {OS::Fp32, RC::Selective},     {OS::Bf16, RC::None},
+                                     {OS::Bf16, RC::Selective}, {OS::EightBit, RC::None},      {OS::EightBit, RC::Selective},
+                                     {OS::Fp32, RC::Full},      {OS::Bf16, RC::Full},          {OS::EightBit, RC::Full}};
   std::vector<std::pair<OptimizerState, Recompute>> out;
   for (const auto& [st, rc] : order)
     if ((r == Recompute::Auto || r == rc) && (s == OptimizerState::Auto || s == st)) out.emplace_back(st, rc);

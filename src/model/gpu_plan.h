@@ -67,8 +67,9 @@ struct GpuMemoryPlan {
 GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan, const std::string& attention = "cudnn");
 
 // The (optimizer state, recompute) pairs that `auto` chooses among, in the order tried: fp32 with none, then
-// selective recompute (both bitwise the results of any policy), bf16 with none, then selective, then full
-// recompute with fp32, then bf16 (full costs one more forward per step); a mode that is not Auto keeps its value.
+// selective recompute (both bitwise the results of any policy), bf16 with none, then selective, 8bit with none,
+// then selective, then full recompute with fp32, bf16, 8bit (full costs one more forward per step); a mode that is
+// not Auto keeps its value.
 std::vector<std::pair<OptimizerState, Recompute>> memory_candidates(OptimizerState s, Recompute r);
 // plan with its Auto modes replaced by the first candidate whose plan `fits` (the last, leanest one when none
 // does: the caller reports what it needs). Modes already given are kept.

@@ -130,8 +130,8 @@ const std::vector<TrainOption>& train_options() {
       // `auto` could pick bf16 and change the run's numerics.
       older_reads(opt("optimizer-state", &O::optimizer_state, "auto",
                       "GPU weights and AdamW state: fp32 (18 bytes per parameter), bf16 (stochastic rounding, 10 "
-                      "bytes) or auto",
-                      one_of({"auto", "fp32", "bf16"}), kResumable | kNewerKey),
+                      "bytes), 8bit (bf16 weights, 8-bit blockwise moments, 8 bytes) or auto",
+                      one_of({"auto", "fp32", "bf16", "8bit"}), kResumable | kNewerKey),
                   std::string("fp32")),
       opt("recompute", &O::recompute, "auto",
           "Activations the GPU backward rebuilds: none, selective, full (keeps only layer inputs) or auto",

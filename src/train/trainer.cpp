@@ -534,11 +534,13 @@ int train(TrainOptions cli) {
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
              "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",
              opt.recompute);
-    DS_CHECK(!resumed || opt.was_given("optimizer-state") || opt.optimizer_state != "bf16",
-             "{} is a checkpoint of a run with --optimizer-state bf16, a mode of the GPU engine; to continue it on "
-             "the CPU, give --optimizer-state fp32 (its bf16 weights and moments widen exactly)", opt.resume);
-    DS_CHECK(opt.optimizer_state != "bf16", "--optimizer-state bf16 is a mode of the GPU engine; the CPU engine keeps "
-             "fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)");
+    const bool gpu_state = bf16_weights(parse_optimizer_state(opt.optimizer_state));  // bf16, 8bit
+    DS_CHECK(!resumed || opt.was_given("optimizer-state") || !gpu_state,
+             "{} is a checkpoint of a run with --optimizer-state {}, a mode of the GPU engine; to continue it on "
+             "the CPU, give --optimizer-state fp32 (its bf16 weights widen exactly, its moments are stored fp32 or "
+             "bf16)", opt.resume, opt.optimizer_state);
+    DS_CHECK(!gpu_state, "--optimizer-state {} is a mode of the GPU engine; the CPU engine keeps fp32 weights and "
+             "moments (use --device cuda, or --optimizer-state auto / fp32)", opt.optimizer_state);
   }
   // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
   // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).

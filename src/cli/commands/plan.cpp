@@ -53,9 +53,10 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   const GpuMemoryPlan p = plan_gpu_memory(cfg, plan, attention);
   fmt::print("plan: {} ({:.2f}B parameters), seq {} x micro-batch {} = {} tokens, up to {} documents per window\n",
              model, cfg.num_parameters() / 1e9, seq_len, micro_batch, plan.max_tokens, docs_per_window);
-  const char* state_what = plan.optimizer_state == OptimizerState::Fp32
-                               ? "fp32 master weights + bf16 copy, fp32 AdamW moments"
-                               : "bf16 GEMM weights and moments, stochastic rounding";
+  const char* state_what = plan.optimizer_state == OptimizerState::Fp32 ? "fp32 master weights + bf16 copy, fp32 AdamW moments"
+                           : plan.optimizer_state == OptimizerState::Bf16
+                               ? "bf16 GEMM weights and moments, stochastic rounding"
+                               : "bf16 GEMM weights with stochastic rounding, 8-bit blockwise moments";
   const char* rc_what = plan.recompute == Recompute::None        ? "every activation kept"
                         : plan.recompute == Recompute::Selective ? "norm, SwiGLU, conv, l2norm, gated-norm and "
                                                                    "output-gate activations rebuilt"

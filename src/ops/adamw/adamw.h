@@ -21,6 +21,21 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
 void adamw_update_bf16(uint16_t* param, const float* grad, uint16_t* m, uint16_t* v, int64_t n, const AdamWParams& p,
                        int64_t index0);
 
+// The 8-bit state's AdamW (q8_state.h): param bf16 bits [n] updated in place with stochastic rounding (the bf16
+// state's), grad fp32 [n]; m_code, v_code: the codes [n] of m and sqrt(v); m_absmax, v_absmax: their scales, one per
+// block of the flat range [index0, index0 + n) (q8_state::num_blocks of them: blocks are the 256-aligned chunks of
+// the flat index, cut at index0 and index0 + n, so the range must be one parameter or a share's part of it).
+// Bitwise what ops::cuda::adamw_update_8bit computes.
+void adamw_update_8bit(uint16_t* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
+                       float* v_absmax, int64_t n, const AdamWParams& p, int64_t index0);
+// The 8-bit state's moments to and from fp32 (q8_state.h), blocks as adamw_update_8bit's. which 0: exp_avg (m,
+// signed code); 1: exp_avg_sq (v >= 0; stored as the code of sqrt(v), dequantized as r * r). quantize: x [n] fp32
+// -> code [n], absmax [num_blocks]; [index0, index0 + n) must hold whole blocks. dequantize: code [n] of flat
+// elements [index0, index0 + n) with the scales of their blocks (absmax[0]: the block holding index0) -> x [n].
+// dequantize then quantize gives back the codes and scales bitwise.
+void quantize_moment_8bit(int which, const float* x, int64_t n, int64_t index0, uint8_t* code, float* absmax);
+void dequantize_moment_8bit(int which, const uint8_t* code, const float* absmax, int64_t n, int64_t index0, float* x);
+
 // Sum of squares of grad[0..n) in double, reduced in a fixed order (independent of thread count).
 double sum_squares(const float* grad, int64_t n);
 

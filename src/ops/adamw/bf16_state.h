@@ -109,15 +109,24 @@ inline Consts consts(const AdamWParams& p) {
   return k;
 }
 
+// The new moments from the old ones (fp32) and the gradient g (grad_scale not yet applied).
+DS_ADAM_HD float new_exp_avg(float m, float g, const Consts& k) { return fmaf(k.b1, m, k.one_minus_b1 * (g * k.grad_scale)); }
+DS_ADAM_HD float new_exp_avg_sq(float v, float g, const Consts& k) {
+  g = g * k.grad_scale;
+  return fmaf(k.b2, v, (k.one_minus_b2 * g) * g);
+}
+// The bf16 weight p after the step with the new moments mm, vv, rounded stochastically with the 16 bits r16.
+DS_ADAM_HD uint16_t new_weight(uint16_t p, float mm, float vv, const Consts& k, uint32_t r16) {
+  float pp = mul_rn(widen(p), k.decay);
+  pp = pp - (k.step_size * mm) / fmaf(sqrtf(vv), k.inv_sqrt_bc2, k.eps);
+  return round_stochastic(pp, r16);
+}
+
 // One element: p, m, v bf16 bits in place; index is the element's flat parameter index (the random stream).
 DS_ADAM_HD void update(uint16_t& p, float g, uint16_t& m, uint16_t& v, const Consts& k, uint64_t index) {
-  g = g * k.grad_scale;
-  float pp = mul_rn(widen(p), k.decay);
-  const float mm = fmaf(k.b1, widen(m), k.one_minus_b1 * g);
-  const float vv = fmaf(k.b2, widen(v), (k.one_minus_b2 * g) * g);
-  pp = pp - (k.step_size * mm) / fmaf(sqrtf(vv), k.inv_sqrt_bc2, k.eps);
+  const float mm = new_exp_avg(widen(m), g, k), vv = new_exp_avg_sq(widen(v), g, k);
   const uint64_t r = element_bits(k.key, index);
-  p = round_stochastic(pp, static_cast<uint32_t>(r));
+  p = new_weight(p, mm, vv, k, static_cast<uint32_t>(r));
   m = round_stochastic(mm, static_cast<uint32_t>(r >> 16));
   v = round_stochastic(vv, static_cast<uint32_t>(r >> 32));
 }

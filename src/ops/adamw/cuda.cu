@@ -13,6 +13,7 @@
 #include "core/cuda/kernel_utils.cuh"
 #include "ops/adamw/bf16_state.h"
 #include "ops/adamw/cuda.h"
+#include "ops/adamw/q8_state.h"
 
 namespace ds::ops::cuda {
 namespace {
@@ -97,6 +98,59 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads)
     bf16_state::update(param[i], grad[i], m[i], v[i], k, static_cast<uint64_t>(index0 + i));
+}
+
+// The 8-bit state (q8_state.h): one CUDA block per quantization block (kThreads == q8_state::kBlock), thread t on
+// element t of its chunk; the tables in shared memory; the block's new absmax of m and r by a shuffle / shared-memory
+// max (exact in any order).
+static_assert(kThreads == q8_state::kBlock, "one thread per element of a quantization block");
+__constant__ float c_q8_m_mag[128] = {DS_Q8_M_MAGNITUDES};
+__constant__ float c_q8_m_thr[127] = {DS_Q8_M_THRESHOLDS};
+__constant__ float c_q8_r_val[256] = {DS_Q8_R_VALUES};
+__constant__ float c_q8_r_thr[255] = {DS_Q8_R_THRESHOLDS};
+
+__global__ void __launch_bounds__(kThreads)
+    adamw_8bit_kernel(uint16_t* __restrict__ param, const float* __restrict__ grad, uint8_t* __restrict__ m_code,
+                      uint8_t* __restrict__ v_code, float* __restrict__ m_absmax, float* __restrict__ v_absmax,
+                      int64_t n, int64_t index0, int64_t nblocks, bf16_state::Consts k) {
+  namespace Q = q8_state;
+  __shared__ float m_mag[128], m_thr[127], r_val[256], r_thr[255];
+  __shared__ float red_m[kThreads / 32], red_r[kThreads / 32];
+  const int t = threadIdx.x;
+  if (t < 128) m_mag[t] = c_q8_m_mag[t];
+  if (t < 127) m_thr[t] = c_q8_m_thr[t];
+  r_val[t] = c_q8_r_val[t];
+  if (t < 255) r_thr[t] = c_q8_r_thr[t];
+  __syncthreads();
+  const Q::Tables tab{m_mag, m_thr, r_val, r_thr};
+  const int64_t c0 = index0 / Q::kBlock;
+  for (int64_t b = blockIdx.x; b < nblocks; b += gridDim.x) {
+    const int64_t i = (c0 + b) * Q::kBlock + t - index0;  // this thread's element of the range
+    const bool active = i >= 0 && i < n;
+    float mm = 0.0f, rr = 0.0f;
+    if (active) {
+      const float m_old = Q::dequantize_m(m_code[i], m_absmax[b], tab);
+      const float r_old = Q::dequantize_r(v_code[i], v_absmax[b], tab);
+      Q::update_element(param[i], grad[i], m_old, r_old, k, static_cast<uint64_t>(index0 + i), mm, rr);
+    }
+    float am = fabsf(mm), ar = rr;
+    for (int o = 16; o > 0; o >>= 1) {
+      am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+      ar = fmaxf(ar, __shfl_xor_sync(0xffffffffu, ar, o));
+    }
+    if ((t & 31) == 0) red_m[t >> 5] = am, red_r[t >> 5] = ar;
+    __syncthreads();  // also: every thread has read the old absmax before thread 0 writes the new one
+    am = red_m[0], ar = red_r[0];
+    for (int w = 1; w < kThreads / 32; ++w) am = fmaxf(am, red_m[w]), ar = fmaxf(ar, red_r[w]);
+    am = Q::block_scale(am);
+    ar = Q::block_scale(ar);
+    if (active) {
+      m_code[i] = Q::encode_m(Q::normalized(mm, am), tab);
+      v_code[i] = Q::encode_r(Q::normalized(rr, ar), tab);
+    }
+    if (t == 0) m_absmax[b] = am, v_absmax[b] = ar;
+    __syncthreads();  // red_m / red_r are reused by the next block
+  }
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -233,6 +287,19 @@ void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16*
     adamw_bf16_scalar_kernel<<<grid_for(n - begin), kThreads, 0, stream>>>(pu, grad, mu, vu, begin, n, index0, k);
     DS_CUDA_LAUNCH_CHECK();
   }
+}
+
+void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
+                       float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(n >= 0 && index0 >= 0, "adamw_update_8bit: n and index0 must be >= 0");
+  DS_CUDA_REQUIRE(p.step >= 1, "adamw_update_8bit: step must be >= 1 (1-based), got " + std::to_string(p.step));
+  if (n == 0) return;
+  DS_CUDA_REQUIRE(param && grad && m_code && v_code && m_absmax && v_absmax, "adamw_update_8bit: null pointer argument");
+  const int64_t nb = q8_state::num_blocks(index0, n);
+  const unsigned grid = static_cast<unsigned>(nb < kMaxBlocks * 8 ? nb : kMaxBlocks * 8);
+  adamw_8bit_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(param), grad, m_code, v_code, m_absmax,
+                                                   v_absmax, n, index0, nb, bf16_state::consts(p));
+  DS_CUDA_LAUNCH_CHECK();
 }
 
 void widen_bf16(const ds::cuda::bf16* x, float* y, int64_t n, cudaStream_t stream) {

@@ -15,6 +15,10 @@ void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda:
 // with stochastic rounding, grad fp32 [n]; index0 = flat parameter index of element 0 (the random stream).
 void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16* m, ds::cuda::bf16* v, int64_t n,
                        const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream);
+// The 8-bit state's AdamW (ops/adamw/q8_state.h; bitwise ops::adamw_update_8bit, whose comment gives the layout):
+// param bf16 [n] in place, grad fp32 [n], m_code / v_code uint8 [n], m_absmax / v_absmax fp32 [num_blocks].
+void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
+                       float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream);
 // bf16 -> fp32 (exact).
 void widen_bf16(const ds::cuda::bf16* x, float* y, int64_t n, cudaStream_t stream);
 // Converts fp32 -> bf16 (round to nearest even).

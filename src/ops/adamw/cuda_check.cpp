@@ -4,6 +4,7 @@
 #ifdef DELTASTACK_CUDA
 #include "core/bf16.h"
 #include "ops/adamw/cuda.h"
+#include "ops/adamw/q8_state.h"
 #include "ops/check/device.h"
 
 namespace ds::ops {
@@ -92,6 +93,69 @@ Result check_adamw_bf16(const AdamwCase& c) {
   r.exact("param bitwise the CPU reference's", same_bits(a.p, p));
   r.exact("exp_avg bitwise the CPU reference's", same_bits(a.m, m));
   r.exact("exp_avg_sq bitwise the CPU reference's", same_bits(a.v, v));
+  r.add("param update", rel_l2(minus(to_f32(a.p), to_f32(p0)), minus(to_f32(p), to_f32(p0))), kForward);
+  if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
+  return r;
+}
+
+Result check_adamw_8bit(const AdamwCase& c) {
+  Result r;
+  const int64_t n = c.n, index0 = 1000 + static_cast<int64_t>(c.seed);  // a partial first block
+  r.what = "adamw 8-bit state n " + std::to_string(n) + " from flat index " + std::to_string(index0) +
+           (c.offset ? " offset " + std::to_string(c.offset) : "");
+  Ctx ctx(c.seed);
+  const int64_t nb = q8_state::num_blocks(index0, n);
+  Bits p0(static_cast<size_t>(n));
+  const Vec w = ctx.randn(n, 0.02);
+  for (int64_t i = 0; i < n; ++i) p0[static_cast<size_t>(i)] = f32_to_bf16_bits(w[static_cast<size_t>(i)]);
+  // The starting state: random moments quantized (the scales span decades), then `steps` updates with new gradients.
+  const Vec m_init = ctx.randn(n, 1e-3), v_init = ctx.uniform(n, 0, 1e-6);
+  using U8 = std::vector<uint8_t>;
+  U8 mq0(static_cast<size_t>(n)), vq0(mq0.size());
+  Vec ma0(static_cast<size_t>(nb)), va0(ma0.size());
+  quantize_moment_8bit(0, m_init.data(), n, index0, mq0.data(), ma0.data());
+  quantize_moment_8bit(1, v_init.data(), n, index0, vq0.data(), va0.data());
+  constexpr int kSteps = 3;
+  std::vector<Vec> grads;
+  for (int s = 0; s < kSteps; ++s) grads.push_back(ctx.randn(n, s == 1 ? 1e-5 : 1e-3));
+  Bits p = p0;
+  U8 mq = mq0, vq = vq0;
+  Vec ma = ma0, va = va0;
+  AdamWParams hp = c.hp;
+  timed(&r.cpu_seconds, [&] {
+    for (int s = 0; s < kSteps; ++s) {
+      hp.step = c.hp.step + s;
+      adamw_update_8bit(p.data(), grads[static_cast<size_t>(s)].data(), mq.data(), vq.data(), ma.data(), va.data(), n,
+                        hp, index0);
+    }
+  });
+  Buf<bf16> p_d(n, c.offset);
+  Buf<uint8_t> mq_d(n, c.offset), vq_d(n, c.offset);
+  Buf<float> ma_d(nb), va_d(nb);
+  std::vector<Buf<float>> g_d;
+  for (const Vec& g : grads) g_d.push_back(ctx.up(g, c.offset));
+  struct Out {
+    Bits p;
+    U8 mq, vq;
+    Vec ma, va;
+    auto tie() const { return std::tie(p, mq, vq, ma, va); }
+  };
+  auto run = [&] {
+    DS_CUDA_CHECK(cudaMemcpyAsync(p_d.get(), p0.data(), p_d.bytes(), cudaMemcpyHostToDevice, ctx.s));
+    ctx.upload(mq_d, mq0), ctx.upload(vq_d, vq0), ctx.upload(ma_d, ma0), ctx.upload(va_d, va0);
+    for (int s = 0; s < kSteps; ++s) {
+      hp.step = c.hp.step + s;
+      cuda::adamw_update_8bit(p_d.get(), g_d[static_cast<size_t>(s)].get(), mq_d.get(), vq_d.get(), ma_d.get(),
+                              va_d.get(), n, hp, index0, ctx.s);
+    }
+    return Out{ctx.bits(p_d), ctx.down(mq_d), ctx.down(vq_d), ctx.down(ma_d), ctx.down(va_d)};
+  };
+  const Out a = run();
+  r.exact("param bitwise the CPU reference's", same_bits(a.p, p));
+  r.exact("exp_avg codes bitwise the CPU reference's", same_bits(a.mq, mq));
+  r.exact("exp_avg_sq codes bitwise the CPU reference's", same_bits(a.vq, vq));
+  r.exact("exp_avg block scales bitwise the CPU reference's", same_bits(a.ma, ma));
+  r.exact("exp_avg_sq block scales bitwise the CPU reference's", same_bits(a.va, va));
   r.add("param update", rel_l2(minus(to_f32(a.p), to_f32(p0)), minus(to_f32(p), to_f32(p0))), kForward);
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
   return r;

@@ -27,6 +27,10 @@ check::Result check_adamw(const AdamwCase& c);
 // The lean mode's kernel (adamw_update_bf16: bf16 param / m / v with stochastic rounding) against its CPU
 // reference: bitwise equal (same fp32 operations, same random stream), two runs bitwise equal. with_bf16 unused.
 check::Result check_adamw_bf16(const AdamwCase& c);
+// The 8-bit state's kernel (adamw_update_8bit) against its CPU reference, three steps (the second with gradients
+// 100x smaller, so scales shrink) from random quantized moments, over the flat range [1000 + seed, + n) (a partial
+// first block): weights, codes and block scales bitwise equal; two runs bitwise equal. with_bf16 unused.
+check::Result check_adamw_8bit(const AdamwCase& c);
 // The start-up probe: n 5003 (a vector body and a scalar tail).
 std::vector<AdamwCase> adamw_probe_cases();
 // The registry's probe: check::probe("adamw", adamw_probe_cases(), check_adamw).
