@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "core/cu_seqlens.h"
 #include "core/error.h"
 #include "core/files.h"
 #include "core/log.h"
@@ -35,18 +36,15 @@ using Buf = std::vector<float>;
 void PackedBatch::finalize(const std::string& what) {
   const int64_t N = size();
   DS_CHECK(static_cast<int64_t>(targets.size()) == N, "{}: {} targets for {} tokens", what, targets.size(), N);
-  DS_CHECK(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == N,
-           "{}: cu_seqlens must start at 0 and end at the token count {}", what, N);
+  check_cu_seqlens(cu_seqlens.data(), cu_seqlens.size(), N, what);
   positions.assign(static_cast<size_t>(N), 0);
-  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
-    DS_CHECK(cu_seqlens[s + 1] >= cu_seqlens[s], "{}: cu_seqlens must be non-decreasing (entry {})", what, s + 1);
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s)
     for (int32_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) positions[static_cast<size_t>(t)] = t - cu_seqlens[s];
-  }
 }
 
 void PackedBatch::check(const ModelConfig& c) const {
   const int64_t N = size();
-  DS_CHECK(cu_seqlens.size() >= 2, "batch: cu_seqlens needs at least two entries");
+  check_cu_seqlens(cu_seqlens.data(), cu_seqlens.size(), N, "batch");
   DS_CHECK(static_cast<int64_t>(positions.size()) == N && static_cast<int64_t>(targets.size()) == N,
            "batch: positions or targets not set (call finalize())");
   for (int64_t t = 0; t < N; ++t) {
@@ -255,6 +253,8 @@ CheckpointWeights::CheckpointWeights(const std::string& path, const ModelConfig&
     const TensorInfo& info = ck_.info(name);
     DS_CHECK(info.shape == p.shape, "{}: tensor \"{}\" has shape [{}] but the config needs [{}]", path, name,
              fmt::join(info.shape, ", "), fmt::join(p.shape, ", "));
+    DS_CHECK(is_float_dtype(info.dtype), "{}: tensor \"{}\" has dtype {}, but a parameter must be stored as a float "
+             "dtype (F32, BF16, F16 or F64)", path, name, dtype_name(info.dtype));
   }
   // Tensors of the text model that the config has no place for (more layers, a GDN tensor in an attention
   // layer, ...) mean config and weights disagree: an error, never silently dropped. Vision and MTP tensors
