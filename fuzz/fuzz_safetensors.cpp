@@ -1,7 +1,7 @@
 // libFuzzer target for the safetensors reader (see fuzz/README.md for the build command).
 // Each input is parsed in memory with SafetensorsReader::from_bytes. Rejection must be a ds::Error, never a
 // crash, sanitizer report or other exception. Accepted inputs must be self-consistent: every tensor readable
-// through every accessor with numel() values, and serialize -> parse must reproduce names, dtypes, shapes,
+// through the accessors of its kind (integer or float) with numel() values, refused by the others, and serialize -> parse must reproduce names, dtypes, shapes,
 // payload bytes and metadata exactly.
 #include <cstddef>
 #include <cstdint>
@@ -39,17 +39,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       const auto n = static_cast<size_t>(t.numel());
       const std::string_view raw = r.raw_bytes(t.name);
       if (raw.size() != t.end - t.begin || raw.size() != n * ds::dtype_size(t.dtype)) bug("raw size");
-      if (r.read_f32(t.name).size() != n) bug("read_f32 size");
-      if (r.read_f64(t.name).size() != n) bug("read_f64 size");
-      if (is_int(t.dtype)) {
-        if (r.read_i64(t.name).size() != n) bug("read_i64 size");
-      } else {
+      // Each dtype is readable through its own accessors only: ints through read_i64, floats through read_f32
+      // and read_f64; the others must refuse with a ds::Error.
+      const bool i = is_int(t.dtype);
+      if ((i ? r.read_i64(t.name).size() : r.read_f32(t.name).size()) != n) bug("read size");
+      if (!i && r.read_f64(t.name).size() != n) bug("read_f64 size");
+      const auto refuses = [&](auto read) {
         try {
-          r.read_i64(t.name);
-          bug("read_i64 accepted a float dtype");
+          read();
+          return false;
         } catch (const ds::Error&) {
+          return true;
         }
-      }
+      };
+      if (i && (!refuses([&] { r.read_f32(t.name); }) || !refuses([&] { r.read_f64(t.name); })))
+        bug("read_f32 / read_f64 accepted an integer dtype");
+      if (!i && !refuses([&] { r.read_i64(t.name); })) bug("read_i64 accepted a float dtype");
       if (t.name.empty()) serializable = false;  // the writer rejects empty names; the reader tolerates them
       ds::SaveTensor s;
       s.name = t.name;

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "data/tokenizer.h"
 #include "model/config.h"
+#include "test_util.h"
 
 namespace {
 
@@ -217,6 +218,24 @@ TEST(FuzzRegressions, TokenizerStringSplitPatternLoadsAndSplits) {
   EXPECT_EQ(t.encode("he.hex"), (std::vector<int32_t>{'h', 'e', '.', 256, 'x'}));
   EXPECT_EQ(t.encode("heXhe"), (std::vector<int32_t>{256, 'X', 256}));
   EXPECT_EQ(t.decode(t.encode("he.hex")), "he.hex");
+}
+
+// Issue 25 (a breaker's find, not a fuzzer's): two tokens on one id were accepted; encoding gave both that id and
+// decoding only one of them.
+TEST(FuzzRegressions, TokenizerDuplicateIdsAreRejected) {
+  json j = tiny_tokenizer();
+  j["model"]["vocab"]["zz"] = 256;  // "he" has 256
+  const std::string e = ds::test::error_of([&] { load(j); });
+  EXPECT_NE(e.find("regress.json: field \"model.vocab\": tokens "), std::string::npos) << e;
+  EXPECT_NE(e.find(" both have id 256 (each id names one token)"), std::string::npos) << e;
+  EXPECT_TRUE(e.find("\"he\"") != std::string::npos && e.find("\"zz\"") != std::string::npos) << e;
+  // Added tokens: one id for two contents is refused; the same content listed twice is what HF tolerates.
+  j = tiny_tokenizer();
+  j["added_tokens"] = json::array({{{"id", 257}, {"content", "<a>"}}, {{"id", 257}, {"content", "<b>"}}});
+  expect_error([&] { load(j); }, {"field \"added_tokens[1].id\": id 257 is also the id of added_tokens[0] (\"<a>\"), "
+                                  "a different token \"<b>\""});
+  j["added_tokens"][1]["content"] = "<a>";
+  EXPECT_EQ(load(j).vocab_size(), 258);
 }
 
 }  // namespace

@@ -271,7 +271,14 @@ TEST(Plot, DefaultsAndErrors) {
   fs::create_directories(dir + "/huge");
   ds::write_file_atomic(dir + "/huge/metrics.jsonl", "{\"step\": 1, \"loss\": 1e308}\n{\"step\": 2, \"loss\": -1e308}\n"
                                                      "{\"step\": 3, \"loss\": 2.5}\n");
+  ::testing::internal::CaptureStderr();
   ASSERT_EQ(ds::cli::cmd_plot({dir + "/huge"}, dir + "/h.svg"), 0);
+  // ... and said so (issue 25: they were dropped silently).
+  const std::string warned = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(warned.find(dir + "/huge/metrics.jsonl: 2 value(s) beyond ±1e300 (a diverged run?) are not plotted, the "
+                        "first on line 1"),
+            std::string::npos)
+      << warned;
   const std::string h = ds::read_file(dir + "/h.svg");
   EXPECT_EQ(h.find("nan"), std::string::npos);
   EXPECT_EQ(h.find("inf"), std::string::npos);

@@ -131,8 +131,9 @@ TEST_F(SafetensorsTmp, RoundTripF32Bf16I64Metadata) {
 
   EXPECT_EQ(r.read_i64("c.i64"), i64);
   EXPECT_EQ(r.find("c.i64")->dtype, ds::DType::I64);
-  auto fc = r.read_f32("c.i64");  // ints convert to float too
-  EXPECT_EQ(fc[2], 42.f);
+  // Integers are not float values (issue 25: a weight relabelled I32 was read as numbers).
+  expect_error([&] { r.read_f32("c.i64"); }, {p, "c.i64", "I64", "expected a float dtype"});
+  expect_error([&] { r.read_f64("c.i64"); }, {p, "c.i64", "I64", "expected a float dtype"});
 
   EXPECT_TRUE(r.find("d.scalar")->shape.empty());
   EXPECT_EQ(r.read_f32("d.scalar"), std::vector<float>{7.f});
@@ -276,7 +277,7 @@ TEST_F(SafetensorsTmp, ReadsOtherDtypes) {
   EXPECT_EQ(r.read_i64("i8"), (std::vector<int64_t>{-128, 127}));
   EXPECT_EQ(r.read_i64("u8"), (std::vector<int64_t>{0, 255}));
   EXPECT_EQ(r.read_i64("b"), (std::vector<int64_t>{0, 1, 1}));
-  EXPECT_EQ(r.read_f32("i32")[0], -7.f);
+  for (const char* n : {"i32", "i16", "i8", "u8", "b"}) expect_error([&] { r.read_f32(n); }, {p, n, "float dtype"});
   expect_error([&] { r.read_i64("f16"); }, {p, "f16"});
   EXPECT_STREQ(ds::dtype_name(ds::DType::BF16), "BF16");
   EXPECT_EQ(ds::dtype_size(ds::DType::F64), 8u);

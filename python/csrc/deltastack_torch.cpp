@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "core/cu_seqlens.h"
 #include "ops/conv1d/conv1d.h"
 #include "ops/gated_delta_rule/dispatch.h"
 #include "ops/gated_rmsnorm/gated_rmsnorm.h"
@@ -92,7 +93,7 @@ Tensor zero_bytes(int64_t n, const Tensor& like) {
 #endif
 
 // cu_seqlens for the packed layout: the given one (int32, on `device`), or [0, T, 2T, ..., B*T].
-// Checks that it runs from 0 to N and never decreases (on the host: it is small).
+// Checked on the host (it is small) by ds::check_cu_seqlens, the check every entry point shares.
 Tensor make_cu_seqlens(const OptTensor& cu, int64_t B, int64_t T, const torch::Device& device, const char* op) {
   Tensor c;
   if (cu.has_value() && cu->defined()) {
@@ -101,12 +102,12 @@ Tensor make_cu_seqlens(const OptTensor& cu, int64_t B, int64_t T, const torch::D
                 cu->sizes());
     TORCH_CHECK(cu->scalar_type() == torch::kInt || cu->scalar_type() == torch::kLong, op,
                 ": cu_seqlens must be int32 or int64, got ", cu->scalar_type());
-    Tensor h = cu->to(torch::kCPU, torch::kLong);
-    auto a = h.accessor<int64_t, 1>();
-    TORCH_CHECK(a[0] == 0 && a[h.numel() - 1] == T, op, ": cu_seqlens must run from 0 to the number of tokens ", T,
-                ", got ", a[0], " .. ", a[h.numel() - 1]);
-    for (int64_t i = 1; i < h.numel(); ++i)
-      TORCH_CHECK(a[i] >= a[i - 1], op, ": cu_seqlens must not decrease (index ", i, ")");
+    Tensor h = cu->to(torch::kCPU, torch::kLong).contiguous();
+    try {
+      ds::check_cu_seqlens(h.data_ptr<int64_t>(), static_cast<size_t>(h.numel()), T, op);
+    } catch (const ds::Error& e) {
+      TORCH_CHECK(false, e.what());
+    }
     c = h.to(torch::kInt);
   } else {
     c = torch::arange(0, B + 1, torch::kLong).mul(T).to(torch::kInt);

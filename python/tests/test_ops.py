@@ -285,7 +285,12 @@ def test_bf16_on_cpu_keeps_dtype():
     (lambda: dt.causal_conv1d(torch.randn(2, 5, 8), torch.randn(8, 4), cu_seqlens=torch.tensor([0, 5])),
      "batch size 1"),
     (lambda: dt.causal_conv1d(torch.randn(1, 5, 8), torch.randn(8, 4), cu_seqlens=torch.tensor([0, 4])),
-     "cu_seqlens must run from 0"),
+     r"cu_seqlens\[1\] = 4, the last entry, must be the token count 5"),
+    # An interior entry past T (issue 25): refused before any entry is used as an index.
+    (lambda: dt.causal_conv1d(torch.randn(1, 5, 8), torch.randn(8, 4), cu_seqlens=torch.tensor([0, 100000, 5])),
+     r"cu_seqlens\[1\] = 100000 is outside \[0, 5\]"),
+    (lambda: dt.chunk_gated_delta_rule(*gdn_inputs(1, 8, 2, 2, 16, 16), cu_seqlens=torch.tensor([0, -5, 8])),
+     r"cu_seqlens\[1\] = -5 is outside \[0, 8\]"),
     (lambda: dt.chunk_gated_delta_rule(*gdn_inputs(1, 8, 2, 2, 16, 16)[:4], torch.rand(1, 8, 3)), "beta"),
     (lambda: dt.chunk_gated_delta_rule(*gdn_inputs(1, 8, 2, 3, 16, 16)), "multiple of the key heads"),
     (lambda: dt.chunk_gated_delta_rule(*gdn_inputs(1, 8, 2, 2, 16, 16), initial_state=torch.zeros(2, 2, 16, 16)),

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/cu_seqlens.h"
 #include "core/error.h"
 
 namespace ds {
@@ -9,18 +10,15 @@ namespace ds {
 void PackedBatch::finalize(const std::string& what) {
   const int64_t N = size();
   DS_CHECK(static_cast<int64_t>(targets.size()) == N, "{}: {} targets for {} tokens", what, targets.size(), N);
-  DS_CHECK(cu_seqlens.size() >= 2 && cu_seqlens.front() == 0 && cu_seqlens.back() == N,
-           "{}: cu_seqlens must start at 0 and end at the token count {}", what, N);
+  check_cu_seqlens(cu_seqlens.data(), cu_seqlens.size(), N, what);
   positions.assign(static_cast<size_t>(N), 0);
-  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s) {
-    DS_CHECK(cu_seqlens[s + 1] >= cu_seqlens[s], "{}: cu_seqlens must be non-decreasing (entry {})", what, s + 1);
+  for (size_t s = 0; s + 1 < cu_seqlens.size(); ++s)
     for (int32_t t = cu_seqlens[s]; t < cu_seqlens[s + 1]; ++t) positions[static_cast<size_t>(t)] = t - cu_seqlens[s];
-  }
 }
 
 void PackedBatch::check(const BatchLimits& c) const {
   const int64_t N = size();
-  DS_CHECK(cu_seqlens.size() >= 2, "batch: cu_seqlens needs at least two entries");
+  check_cu_seqlens(cu_seqlens.data(), cu_seqlens.size(), N, "batch");
   DS_CHECK(static_cast<int64_t>(positions.size()) == N && static_cast<int64_t>(targets.size()) == N,
            "batch: positions or targets not set (call finalize())");
   for (int64_t t = 0; t < N; ++t) {

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <map>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -275,20 +276,44 @@ MappedTokenStore::MappedTokenStore(const std::string& dir) : dir_(dir) {
   const int64_t want_shards = (num_tokens_ + shard_ - 1) / shard_;
   DS_CHECK(static_cast<int64_t>(shards.size()) == want_shards, "{}: field \"shards\" lists {} shards, but "
            "num_tokens {} in shards of {} needs {}", ix, shards.size(), num_tokens_, shard_, want_shards);
+  // Every file is named by one field only: a shard listed twice would read another shard's tokens (or a token
+  // file as labels) in place of the corpus written.
+  std::map<std::string, std::string> named_by;  // file -> the field naming it
+  const auto file = [&](const json& j, const char* key, const std::string& where) {
+    std::string f = name(j, key, ix, where);
+    const auto [it, fresh] = named_by.emplace(f, where + key);
+    DS_CHECK(fresh, "{}: field \"{}{}\" names \"{}\", which field \"{}\" names too: each file of the dataset is "
+             "listed once", ix, where, key, f, it->second);
+    return f;
+  };
+  // Without "masked", every token is a target: label files left next to it mean the flag was edited, and training
+  // would learn the prompt tokens the labels exclude.
+  if (!masked) {
+    for (size_t i = 0; i < shards.size(); ++i)
+      DS_CHECK(!(shards[i].is_object() && shards[i].contains("labels")), "{}: field \"masked\" is false, but field "
+               "\"shards[{}].labels\" names a label file (set \"masked\" to true, or remove the labels)", ix, i);
+    DS_CHECK(!index_.contains("masked_documents"), "{}: field \"masked\" is false, but field \"masked_documents\" is "
+             "present (set \"masked\" to true, or remove it)", ix);
+    for (const std::string& f : {std::string("masked.bin"), shard_name("labels", 0)}) {
+      std::error_code ec;
+      DS_CHECK(!fs::exists(dir + "/" + f, ec), "{}: field \"masked\" is false, but {}/{} exists: the dataset was "
+               "written with loss masks (set \"masked\" to true, or delete the label files)", ix, dir, f);
+    }
+  }
   for (size_t i = 0; i < shards.size(); ++i) {
     const std::string where = fmt::format("shards[{}].", i);
     const int64_t n = count(shards[i], "num_tokens", ix, where);
     const int64_t want = std::min(shard_, num_tokens_ - static_cast<int64_t>(i) * shard_);
     DS_CHECK(n == want, "{}: field \"{}num_tokens\" is {}, expected {}", ix, where, n, want);
-    const std::string tf = name(shards[i], "tokens", ix, where);
+    const std::string tf = file(shards[i], "tokens", where);
     token_files_.push_back(dir + "/" + tf);
     token_shards_.push_back(
         static_cast<const int32_t*>(map(tf, static_cast<size_t>(n) * sizeof(int32_t), where + "tokens")));
     if (masked)
       label_shards_.push_back(
-          static_cast<const uint8_t*>(map(name(shards[i], "labels", ix, where), static_cast<size_t>(n), where + "labels")));
+          static_cast<const uint8_t*>(map(file(shards[i], "labels", where), static_cast<size_t>(n), where + "labels")));
   }
-  const std::string df = name(index_, "documents", ix);
+  const std::string df = file(index_, "documents", "");
   const auto* offs = static_cast<const int64_t*>(map(df, static_cast<size_t>(ndocs + 1) * sizeof(int64_t), "documents"));
   num_docs_ = ndocs;
   doc_starts_ = offs;  // read in place: no copy of a corpus' worth of offsets
@@ -300,7 +325,7 @@ MappedTokenStore::MappedTokenStore(const std::string& dir) : dir_(dir) {
     if (d % (int64_t{1} << 23) == 0) release_pages();  // 64 MB of offsets
   }
   if (masked) {
-    const std::string mf = name(index_, "masked_documents", ix);
+    const std::string mf = file(index_, "masked_documents", "");
     doc_masked_ = static_cast<const uint8_t*>(map(mf, static_cast<size_t>(ndocs), "masked_documents"));
   }
   release_pages();

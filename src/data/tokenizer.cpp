@@ -926,6 +926,10 @@ Tokenizer Tokenizer::from_json_string(std::string text, const std::string& path)
   im.id_to_tok.assign(static_cast<size_t>(max_id + 1), std::string());
   im.id_present.assign(static_cast<size_t>(max_id + 1), 0);
   for (const auto& [tokstr, id] : im.vocab) {
+    // Two tokens on one id: encoding would give that id for both, decoding only one of them.
+    if (im.id_present[id])
+      fail("{}: field \"model.vocab\": tokens {:?} and {:?} both have id {} (each id names one token)", path,
+           im.id_to_tok[id], tokstr, id);
     im.id_to_tok[id] = tokstr;
     im.id_present[id] = 1;
   }
@@ -998,6 +1002,9 @@ Tokenizer Tokenizer::from_json_string(std::string text, const std::string& path)
       t.rstrip = get_bool(a, "rstrip", false, where, path);
       t.normalized = get_bool(a, "normalized", true, where, path);
       t.special = get_bool(a, "special", false, where, path);
+      if (auto same = im.added_by_id.find(t.id); same != im.added_by_id.end() && im.added[same->second].content != t.content)
+        fail("{}: field \"{}id\": id {} is also the id of added_tokens[{}] ({:?}), a different token {:?}", path,
+             where, t.id, same->second, im.added[same->second].content, t.content);
       im.added_by_content[t.content] = t.id;
       im.added_by_id[t.id] = static_cast<int>(im.added.size());
       max_id = std::max<int64_t>(max_id, t.id);

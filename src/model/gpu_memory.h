@@ -7,6 +7,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/checked.h"
+
 namespace ds {
 
 // What each byte of the engine's allocation is for (`deltastack plan` prints one row per category).
@@ -39,13 +41,15 @@ struct Arena {
   size_t off = 0;        // bytes reserved so far
   MemoryUse use = MemoryUse::Workspace;  // the category the next take() counts under
   std::array<size_t, static_cast<size_t>(MemoryUse::kCount)> by_use{};  // bytes per category (alignment included)
-  // n elements of T, 256-byte aligned (every buffer starts on its own 256-byte boundary).
+  // n elements of T, 256-byte aligned (every buffer starts on its own 256-byte boundary). ds::Error when the
+  // plan passes 2^64 bytes (n from a negative count included), rather than a total that wrapped.
   template <typename T>
   T* take(size_t n) {
+    constexpr const char* kWhat = "memory plan: more than 2^64 bytes (the model and batch shape fit no device)";
     const size_t start = off;
-    off = (off + 255) / 256 * 256;
+    off = checked_add<size_t>(off, 255, kWhat) / 256 * 256;
     T* p = reinterpret_cast<T*>(base + off);
-    off += n * sizeof(T);
+    off = checked_add(off, checked_mul(n, sizeof(T), kWhat), kWhat);
     by_use[static_cast<size_t>(use)] += off - start;
     return base ? p : nullptr;
   }

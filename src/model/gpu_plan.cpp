@@ -1,5 +1,6 @@
 #include "model/gpu_plan.h"
 
+#include "core/checked.h"
 #include "core/error.h"
 
 #ifdef DELTASTACK_CUDA
@@ -107,13 +108,17 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
     out.attention = "cuda-simple";
     if (attention == "cudnn") {
       const K::AttnLimits b = attn_limits(c, plan);
+      constexpr const char* kWhat = "plan: the cuDNN attention workspace is more than 2^64 bytes";
       size_t dp = 0, entries = 0;
       for (const ops::cudnn::BucketShape& bk : ops::cudnn::attention_buckets(b)) {
-        dp = std::max(dp, static_cast<size_t>(bk.bmax * b.Hq * bk.S * bk.S) * 2);
-        entries += static_cast<size_t>(bk.bmax);
+        size_t bytes = 2;  // bf16 dP of bmax x Hq x S x S
+        for (int64_t f : {bk.bmax, int64_t{b.Hq}, int64_t{bk.S}, int64_t{bk.S}})
+          bytes = checked_mul(bytes, static_cast<size_t>(f), kWhat);
+        dp = std::max(dp, bytes);
+        entries = checked_add(entries, static_cast<size_t>(bk.bmax), kWhat);
       }
-      ops.attn_workspace = std::max(ops.attn_workspace, dp + dp / 8);
-      ops.attn_batch = entries * 8 * sizeof(int32_t);  // lengths and ragged offsets per entry
+      ops.attn_workspace = std::max(ops.attn_workspace, checked_add(dp, dp / 8, kWhat));
+      ops.attn_batch = checked_mul(entries, 8 * sizeof(int32_t), kWhat);  // lengths and ragged offsets per entry
       out.attention = "cudnn (fused SDPA, workspace estimated)";
     }
   }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "core/cu_seqlens.h"
 #include "core/error.h"
 #include "core/files.h"
 #include "core/fp8.h"
@@ -222,6 +223,8 @@ CheckpointWeights::CheckpointWeights(const std::string& path, const ModelConfig&
     const TensorInfo& info = ck_.info(name);
     DS_CHECK(info.shape == p.shape, "{}: tensor \"{}\" has shape [{}] but the config needs [{}]", path, name,
              fmt::join(info.shape, ", "), fmt::join(p.shape, ", "));
+    DS_CHECK(is_float_dtype(info.dtype), "{}: tensor \"{}\" has dtype {}, but a parameter must be stored as a float "
+             "dtype (F32, BF16, F16 or F64)", path, name, dtype_name(info.dtype));
   }
   // Tensors of the text model that the config has no place for (more layers, a GDN tensor in an attention
   // layer, ...) mean config and weights disagree: an error, never silently dropped. Vision and MTP tensors

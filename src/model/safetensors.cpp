@@ -182,6 +182,8 @@ void convert(DType t, const char* src, size_t n, Out* dst) {
 
 }  // namespace
 
+bool is_float_dtype(DType t) { return t == DType::F64 || t == DType::F32 || t == DType::F16 || t == DType::BF16; }
+
 const char* dtype_name(DType t) {
   for (const auto& d : kDTypes)
     if (d.type == t) return d.name;
@@ -359,8 +361,16 @@ std::string_view SafetensorsReader::raw_bytes(const std::string& name) const {
   return it->second;
 }
 
-std::vector<float> SafetensorsReader::read_f32(const std::string& name) const {
+const TensorInfo& SafetensorsReader::get_float(const std::string& name) const {
   const TensorInfo& t = get(name);
+  if (!is_float_dtype(t.dtype))
+    fail("{}: tensor '{}' has dtype {}, expected a float dtype (F64, F32, F16 or BF16)", path_, name,
+         dtype_name(t.dtype));
+  return t;
+}
+
+std::vector<float> SafetensorsReader::read_f32(const std::string& name) const {
+  const TensorInfo& t = get_float(name);
   const size_t n = (t.end - t.begin) / dtype_size(t.dtype);
   std::vector<float> out(n);
   std::string buf;
@@ -369,7 +379,7 @@ std::vector<float> SafetensorsReader::read_f32(const std::string& name) const {
 }
 
 std::vector<double> SafetensorsReader::read_f64(const std::string& name) const {
-  const TensorInfo& t = get(name);
+  const TensorInfo& t = get_float(name);
   const size_t n = (t.end - t.begin) / dtype_size(t.dtype);
   std::vector<double> out(n);
   std::string buf;
@@ -638,9 +648,15 @@ CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
   if (fs::is_directory(st)) {
     const fs::path idx = fs::path(path) / "model.safetensors.index.json";
     const fs::path one = fs::path(path) / "model.safetensors";
-    if (fs::is_regular_file(idx, ec)) {
+    const bool has_idx = fs::is_regular_file(idx, ec), has_one = fs::is_regular_file(one, ec);
+    // Both: which one holds the weights is a guess (transformers loads model.safetensors first), and guessing wrong
+    // loads another model's weights without a word.
+    if (has_idx && has_one)
+      fail("{}: holds both model.safetensors and model.safetensors.index.json, so which one is the checkpoint is "
+           "ambiguous; move the stale one out of the directory", path);
+    if (has_idx) {
       index_path = idx.string();
-    } else if (fs::is_regular_file(one, ec)) {
+    } else if (has_one) {
       single_path = one.string();
     } else {
       fail("{}: checkpoint directory has neither model.safetensors nor model.safetensors.index.json", path);

@@ -24,6 +24,7 @@ namespace ds {
 enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL };
 const char* dtype_name(DType t);        // "F32", "BF16", ...
 size_t dtype_size(DType t);             // bytes per element
+bool is_float_dtype(DType t);           // F64, F32, F16, BF16 (the dtypes a float parameter may be stored in)
 
 struct TensorInfo {
   std::string name;
@@ -47,7 +48,8 @@ class SafetensorsReader {
   bool has(const std::string& name) const { return find(name) != nullptr; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
-  // Values converted to fp32 / fp64 (from F64, F32, F16, BF16, or integer types). Throws if `name` is absent.
+  // Values converted to fp32 / fp64 (from F64, F32, F16 or BF16). Throws if `name` is absent or has an integer
+  // dtype (a weight relabelled I32 must not be read as numbers).
   std::vector<float> read_f32(const std::string& name) const;
   std::vector<double> read_f64(const std::string& name) const;
   // Integer values (from I64, I32, I16, I8, U8, BOOL). Throws for float dtypes or if absent.
@@ -71,6 +73,7 @@ class SafetensorsReader {
   std::map<std::string, size_t> index_;
   std::map<std::string, std::string> metadata_;
   const TensorInfo& get(const std::string& name) const;
+  const TensorInfo& get_float(const std::string& name) const;  // get(), ds::Error for an integer dtype
 };
 
 // One tensor to write. Build with the helpers below; bytes holds the little-endian payload, or, for a view
@@ -118,7 +121,7 @@ void write_safetensors_sharded(const std::string& dir, const std::string& base, 
                                int64_t max_shard_bytes, const std::map<std::string, std::string>& metadata = {});
 
 // A Hugging Face checkpoint directory: either model.safetensors, or model.safetensors.index.json
-// ({"weight_map": {name: shard file}}) with its shards (the index wins if both exist). Also accepts a path to a
+// ({"weight_map": {name: shard file}}) with its shards (both in one directory: ds::Error, as ambiguous). Also accepts a path to a
 // single .safetensors file or to a *.index.json file. Shard names must be relative paths without "..";
 // each shard is opened once. Only the names in the weight map are exposed (extra tensors in shards ignored).
 // Missing shards, names mapped to shards that lack them, and bad index JSON are ds::Errors naming the file.
@@ -129,7 +132,7 @@ class CheckpointReader {
   std::vector<std::string> names() const;                   // all tensor names, sorted
   bool has(const std::string& name) const;
   const TensorInfo& info(const std::string& name) const;    // throws if absent
-  std::vector<float> read_f32(const std::string& name) const;
+  std::vector<float> read_f32(const std::string& name) const;    // float dtypes only (see SafetensorsReader)
   std::vector<int64_t> read_i64(const std::string& name) const;  // integer dtypes only (see SafetensorsReader)
 
  private:

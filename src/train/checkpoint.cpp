@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <random>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -106,7 +107,9 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
   // optimizer.safetensors, or optimizer.safetensors.index.json with its shards.
   const fs::path index = fs::path(dir) / "optimizer.safetensors.index.json";
   CheckpointReader os(fs::exists(index) ? index.string() : (fs::path(dir) / "optimizer.safetensors").string());
+  std::set<std::string> ours;  // the names this engine reads
   engine.load_optimizer([&](const std::string& name, int64_t numel) {
+    ours.insert(name);
     std::vector<float> x = os.read_f32(name);
     DS_CHECK(static_cast<int64_t>(x.size()) == numel, "{}: optimizer state {} has {} values, expected {}", os.path(),
              name, x.size(), numel);
@@ -118,6 +121,10 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
                second_moment ? "a second moment must be finite and >= 0" : "it must be finite");
     return x;
   });
+  // Every tensor must belong to this model: an extra one means the state is another run's (a larger model's).
+  for (const std::string& name : os.names())
+    DS_CHECK(ours.count(name), "{}: optimizer state {} has no parameter in this model: the file belongs to another "
+             "run or model", os.path(), name);
 }
 
 Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id, std::string tokenizer_json,

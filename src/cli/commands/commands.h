@@ -20,8 +20,9 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
                          int64_t shard_tokens = 16 << 20, bool overwrite = false, int64_t block_bytes = 0);
 
 // `deltastack forward`: HF-parity forward (and backward) on a safetensors input file. IN holds input_ids
-// (int [B, T]) and optionally labels (int [B, T], HF convention: shifted inside, -100 ignored) and cu_seqlens
-// (int [S+1], packed documents in a single row, B must be 1). OUT gets logits fp32 [B, T, V], loss fp32 [1]
+// (int [B, T]) and optionally labels (int [B, T], HF convention: shifted inside, -100 ignored), cu_seqlens
+// (int [S+1], packed documents in a single row, B must be 1), position_ids and an all-ones attention_mask
+// (model/forward_inputs.h reads and checks them all). OUT gets logits fp32 [B, T, V], loss fp32 [1]
 // (mean over valid shifted labels; only with labels) and hidden_states_0..L fp32 [B, T, H] (HF
 // output_hidden_states). GRADS (needs labels) gets d loss / d parameter under HF names. device "cuda" runs the
 // bf16 GPU engine (fp32 master weights) instead of the fp32 CPU reference. OUT and GRADS never replace an input, each

@@ -33,6 +33,9 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
            "plan: --seq-len, --micro-batch and --docs-per-window must be at least 1");
   DS_CHECK(std::isfinite(device_memory_gib) && device_memory_gib > 0 && device_memory_gib <= 1e6,
            "plan: --device-memory must be a positive number of GiB (at most 1e6), got {}", device_memory_gib);
+  // A document holds at least one token.
+  DS_CHECK(docs_per_window <= seq_len, "plan: --docs-per-window {} is more than --seq-len {}: a window of {} tokens "
+           "holds at most {} documents", docs_per_window, seq_len, seq_len, seq_len);
   // One micro-batch holds fewer than 2^31 tokens and documents (int32 indices in the kernels).
   constexpr int64_t kMax = (int64_t{1} << 31) - 1;
   DS_CHECK(seq_len <= kMax / micro_batch, "plan: --seq-len {} x --micro-batch {} is more than {} tokens per micro-batch",

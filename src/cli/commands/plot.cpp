@@ -2,7 +2,8 @@
 //
 // Input: each run's metrics.jsonl (train/trainer.cpp writes it: training lines with step, loss, grad_norm, lr,
 // tokens_per_s; evaluation lines with step and eval_loss; skipped steps without a loss). A value that is missing,
-// null (a non-finite number) or not a number is no point. Output: five panels (loss, eval loss, learning rate, grad
+// null (a non-finite number) or not a number is no point; one beyond ±1e300 is no point either, with a warning
+// that counts them. Output: five panels (loss, eval loss, learning rate, grad
 // norm, tokens/s against the step), one <polyline data-run="NAME"> per run in every panel (empty when the run has
 // no such value), a legend, written atomically.
 #include <fmt/format.h>
@@ -57,6 +58,8 @@ Run read_run(const std::string& arg) {
   if (r.name.empty() || r.name == ".") r.name = fs::absolute(p).lexically_normal().filename().string();
   const std::string text = read_file(r.file);
   size_t pos = 0, line_no = 0;
+  int64_t off_axis = 0;  // numbers beyond ±1e300, left out of the plot
+  size_t first_off_axis = 0;
   while (pos < text.size()) {
     const size_t nl = text.find('\n', pos);
     const std::string line = text.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
@@ -81,10 +84,16 @@ Run read_run(const std::string& arg) {
       if (v == j.end() || !v->is_number()) continue;
       const double x = step->get<double>(), y = v->get<double>();
       // finite and within ±1e300 (the axis ranges of larger values overflow double)
-      if (std::isfinite(x) && std::isfinite(y) && std::fabs(x) < 1e300 && std::fabs(y) < 1e300)
+      if (std::isfinite(x) && std::isfinite(y) && std::fabs(x) < 1e300 && std::fabs(y) < 1e300) {
         r.series[m].push_back({x, y});
+      } else if (off_axis++ == 0) {
+        first_off_axis = line_no;
+      }
     }
   }
+  if (off_axis > 0)
+    log_warn("{}: {} value(s) beyond ±1e300 (a diverged run?) are not plotted, the first on line {}", r.file,
+             off_axis, first_off_axis);
   return r;
 }
 
