@@ -76,7 +76,7 @@ if has build; then
   [ -n "${BASE_PID:-}" ] && wait "$BASE_PID"
 fi
 if has test-gpu; then
-  ( cd $BUILD && timeout 300 ./deltastack_tests --gtest_filter='Cuda*:Cudnn*:DistNccl*:-CudaRealShapes*' >"$OUT/tests_gpu.log" 2>&1 ) || status=1
+  ( cd $BUILD && timeout 300 ./deltastack_tests --gtest_filter="${GPU_TEST_FILTER:-Cuda*:Cudnn*:DistNccl*:-CudaRealShapes*}" >"$OUT/tests_gpu.log" 2>&1 ) || status=1
   grep -E "^\[  (PASSED|FAILED|SKIPPED)|^\[==========\]" "$OUT/tests_gpu.log" | tail -20
 fi
 if has test; then
@@ -449,7 +449,7 @@ if has fp8; then
   D=$BUILD/deltastack
   while read -r args; do
     [ -z "$args" ] && continue
-    for prec in bf16 fp8; do
+    for prec in ${FP8_PRECISIONS:-bf16 fp8}; do
       timeout 300 $D bench step $args --precision $prec ${FP8_PROFILE:+--profile} 2>&1 | grep -vE "^\[deltastack\] (attention|gpu: --precision)" \
         | sed "s|^|[$prec $args] |" | tee -a "$OUT/bench_fp8.txt"
     done
@@ -460,25 +460,31 @@ ${FP8_RUNS:---preset 2b --seq-len 8192 --micro-batch 2
 EOF2
 fi
 if has curves-fp8; then
-  # FP8 against bf16 on real text (the corpus stage's /tmp/ds_corpus.txt, no epoch repeats at these sizes): for each
-  # of CURVE_MODELS, the two runs side by side on the GPU with one seed, data and schedule; metrics to $OUT.
+  # FP8 against bf16 on real text (the corpus stage's /tmp/ds_corpus.txt, no epoch repeats at these sizes): every
+  # run of CURVE_RUNS (MODEL:SEQ:MB) in bf16 and in fp8 with one seed, data and schedule, all side by side on the GPU
+  # (CURVE_TIMEOUT s at most each: a run stopped early keeps the metrics it wrote); metrics to $OUT.
   D=$BUILD/deltastack
   [ -f /tmp/ds_corpus.txt ] || { echo "curves-fp8: no /tmp/ds_corpus.txt (run the corpus stage first)"; status=1; }
-  for model in ${CURVE_MODELS:-0.8b}; do
-    C="--model $model --device cuda --data /tmp/ds_corpus.txt --seq-len ${CURVE_SEQ:-1024} --micro-batch ${CURVE_MB:-4} \
-       --steps ${CURVE_STEPS:-1000} --lr ${CURVE_LR:-3e-4} --warmup 50 --eval-interval 50 --eval-batches 16 --val-fraction 0.005 \
-       --optimizer-state fp32 --recompute selective"
-    t0=$(date +%s)
+  t0=$(date +%s)
+  for spec in ${CURVE_RUNS:-0.8b:1024:4}; do
+    IFS=: read -r model seq mb <<<"$spec"
     for prec in bf16 fp8; do
       rm -rf /tmp/ds_f_${model}_$prec
-      $D train $C --precision $prec --out /tmp/ds_f_${model}_$prec >/tmp/ds_f_${model}_$prec.txt 2>&1 &
+      timeout ${CURVE_TIMEOUT:-600} $D train --model $model --device cuda --data /tmp/ds_corpus.txt --seq-len $seq \
+        --micro-batch $mb --steps ${CURVE_STEPS:-1000} --lr ${CURVE_LR:-3e-4} --warmup 50 --eval-interval 100 \
+        --eval-batches 16 --val-fraction 0.005 --optimizer-state fp32 --recompute selective --precision $prec \
+        --out /tmp/ds_f_${model}_$prec >/tmp/ds_f_${model}_$prec.txt 2>&1 &
     done
-    wait
-    echo "curves-fp8 $model: $(( $(date +%s) - t0 )) s"
+  done
+  wait
+  echo "curves-fp8: $(( $(date +%s) - t0 )) s"
+  for spec in ${CURVE_RUNS:-0.8b:1024:4}; do
+    model=${spec%%:*}
     for prec in bf16 fp8; do
       tail -1 /tmp/ds_f_${model}_$prec.txt
       cp /tmp/ds_f_${model}_$prec/metrics.jsonl "$OUT/curve_fp8_${model}_$prec.jsonl" || status=1
     done
+    echo "== $spec: fp8 against bf16" | tee -a "$OUT/curves_fp8.txt"
     python3 scripts/compare_curves.py "$OUT/curve_fp8_${model}_bf16.jsonl" "$OUT/curve_fp8_${model}_fp8.jsonl" --band 0.005 --after 100 \
       | tee -a "$OUT/curves_fp8.txt" || status=1
   done
