@@ -107,8 +107,14 @@ void replace_checked(const std::string& from, const std::string& to, const FileI
     try {
       check_old(from);
     } catch (const Error&) {
-      if (!rename2(from, to, RENAME_EXCHANGE))
-        log_warn("{}: could not swap {} back ({}); it is at {}", what, to, std::strerror(errno), from);
+      if (!rename2(from, to, RENAME_EXCHANGE)) {
+        const int err = errno;
+        // The caller removes `from` after a failure: what came out of `to` must not stay there.
+        const std::string kept = to + ".kept." + std::to_string(::getpid());
+        const bool moved = rename2(from, kept, RENAME_NOREPLACE);
+        fail("{}: {} changed while this command ran, and could not be swapped back ({}); what was there is now at "
+             "{}", what, to, std::strerror(err), moved ? kept : from);
+      }
       throw;
     }
     remove_entry(from);

@@ -36,13 +36,15 @@ RunDirectory::RunDirectory(const std::string& out) : path_(out) {
   // Never through a link planted at the lock's name (the pid would overwrite what it points at, and the
   // checkpoints would follow the lock into the link target's directory), nor into a file shared with another name.
   fd_ = open_no_follow(lock, O_RDWR | O_CREAT, 0644, "--out " + out + ": the lock file");
-  struct stat st;
+  struct stat st {};
   if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1) {
     const bool regular = S_ISREG(st.st_mode);
     ::close(fd_);
     fd_ = -1;
-    fail("--out {}: the lock file {} is {}; deltastack writes its pid there. Remove it", out, lock,
-         regular ? "hard-linked to another name (writing it would change that file too)" : "not a regular file");
+    DS_CHECK(!regular, "--out {}: its lock file {} has {} hard links (a hard-linked copy of a run directory, `cp "
+             "-al`?): the lock would be shared with the other name, and the pid written into it. Remove this name "
+             "of it (the run creates a lock file of its own)", out, lock, st.st_nlink);
+    fail("--out {}: the lock file {} is not a regular file. Remove it", out, lock);
   }
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
