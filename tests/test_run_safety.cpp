@@ -753,22 +753,24 @@ TEST(RunSafety, FailedSaveRemovesItsTempDir) {
   fs::remove_all(dir);
 }
 
-// 8. A checkpoint that does not fit on the disk (the free space the check sees set by a test hook) stops before any
-// byte is written: exit 1, an error with both sizes, no temp dir, and the metrics of every step trained.
+// 8. A checkpoint that does not fit on the disk (the free space the check sees set by a test hook) stops the run
+// before it trains (issue 25 item 6: with the default end-only save, a long run trained to its end and then exited 1
+// with no checkpoint): exit 1, an error with both sizes, no temp dir, no step trained.
 TEST(RunSafety, SaveRefusedWhenTheDiskIsTooSmall) {
   const std::string dir = tmpdir("diskfull");
   const std::string out = dir + "/o";
-  ::setenv("DELTASTACK_TEST_DISK_FREE_BYTES", "1000000", 1);
   std::string log;
-  const int rc = run("train " + small_setup(dir) + " --threads 1 --steps 2 --save-interval 1 --out " + out, &log);
-  ::unsetenv("DELTASTACK_TEST_DISK_FREE_BYTES");
+  int rc;
+  {
+    const ScopedEnv env({{"DELTASTACK_TEST_DISK_FREE_BYTES", "1000000"}});
+    rc = run("train " + small_setup(dir) + " --threads 1 --steps 2 --out " + out, &log);
+  }
   EXPECT_EQ(rc, 1) << log;
-  EXPECT_TRUE(contains(log, "cannot save checkpoint-1: it needs")) << log;
+  EXPECT_TRUE(contains(log, "not training: checkpoint-2 (due at step 2) needs")) << log;
   EXPECT_TRUE(contains(log, "GiB but only 0.00 GiB is free")) << log;
-  EXPECT_FALSE(fs::exists(out + "/.checkpoint-1.tmp"));
-  EXPECT_FALSE(fs::exists(out + "/checkpoint-1"));
-  const std::string metrics = read_or_empty(out + "/metrics.jsonl");
-  EXPECT_TRUE(contains(metrics, "\"step\":1,")) << metrics;
+  EXPECT_FALSE(fs::exists(out + "/.checkpoint-2.tmp"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-2"));
+  EXPECT_FALSE(contains(read_or_empty(out + "/metrics.jsonl"), "\"loss\"")) << "a step was trained";
   fs::remove_all(dir);
 }
 
@@ -907,5 +909,248 @@ TEST(RunSafety, AFailedResumeMovesNoCheckpoint) {
   EXPECT_TRUE(fs::exists(dir + "/l/checkpoint-4/trainer_state.json"));
   EXPECT_FALSE(fs::exists(dir + "/l/abandoned-1"));
   EXPECT_EQ(ds::read_file(dir + "/l/metrics.jsonl"), metrics);
+  fs::remove_all(dir);
+}
+
+// ---- Issue 25, data loss: one policy for what deltastack writes into a user's directories (core/fs_safety.h).
+
+namespace {
+
+// `deltastack <args>` started with DELTASTACK_TEST_REPLACE_GATE=<gate>: it stops before its final replace (the
+// rename of its output into place) until release_gate(gate), so a test changes the destination at that point.
+pid_t spawn_gated(const std::string& args, const std::string& log, const std::string& gate) {
+  const ScopedEnv env({{"DELTASTACK_TEST_REPLACE_GATE", gate.c_str()}});
+  return spawn(args, log);
+}
+bool gate_reached(const std::string& gate) { return wait_for([&] { return fs::exists(gate + ".reached"); }); }
+void release_gate(const std::string& gate) { ds::write_file_atomic(gate, ""); }
+
+// `tokenize` of a small corpus written into `dir` (add --output and --format).
+std::string tokenize_args(const std::string& dir) {
+  ds::write_file_atomic(dir + "/corpus.txt", "One paragraph.\n\nAnother one, a little longer.\n");
+  return "tokenize --tokenizer " + ds::test::data_path("qwen3_tokenizer/tokenizer.json") + " --input " + dir +
+         "/corpus.txt";
+}
+
+}  // namespace
+
+// Item 2: `tokenize --overwrite` replaces only a dataset it wrote: a directory with an index.json of its own (the
+// issue's `--output .`), or a dataset with anything beside its files, is refused and left whole.
+TEST(Issue25, TokenizeOverwriteReplacesOnlyADatasetItWrote) {
+  const std::string dir = tmpdir("i25_overwrite");
+  const std::string tok = tokenize_args(dir);
+  const std::string work = dir + "/work", ds_dir = dir + "/ds";
+  fs::create_directories(work);
+  ds::write_file_atomic(work + "/index.json", "{\"pages\": [\"home\"]}");
+  ds::write_file_atomic(work + "/notes.txt", "mine");
+  std::string log;
+  EXPECT_EQ(run(tok + " --output " + work + " --format dataset --overwrite", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "is not a dataset")) << log;
+  EXPECT_EQ(read_or_empty(work + "/notes.txt"), "mine");
+  EXPECT_EQ(read_or_empty(work + "/index.json"), "{\"pages\": [\"home\"]}");
+  // A real dataset with a file of the user's put beside its files: refused, both kept.
+  ASSERT_EQ(run(tok + " --output " + ds_dir + " --format dataset", &log), 0) << log;
+  const std::string index = ds::read_file(ds_dir + "/index.json");
+  ds::write_file_atomic(ds_dir + "/notes.txt", "mine");
+  EXPECT_EQ(run(tok + " --output " + ds_dir + " --format dataset --overwrite", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "also holds notes.txt")) << log;
+  EXPECT_EQ(read_or_empty(ds_dir + "/notes.txt"), "mine");
+  EXPECT_EQ(read_or_empty(ds_dir + "/index.json"), index);
+  // A link among its files (to an input here) is no file of the dataset either.
+  fs::remove(ds_dir + "/notes.txt");
+  fs::create_symlink(dir + "/corpus.txt", ds_dir + "/tokens-00007.bin");
+  EXPECT_EQ(run(tok + " --output " + ds_dir + " --format dataset --overwrite", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "also holds tokens-00007.bin")) << log;
+  // Only its own files: replaced.
+  fs::remove(ds_dir + "/tokens-00007.bin");
+  EXPECT_EQ(run(tok + " --output " + ds_dir + " --format dataset --overwrite", &log), 0) << log;
+  EXPECT_EQ(read_or_empty(ds_dir + "/index.json"), index);
+  fs::remove_all(dir);
+}
+
+// Item 3: a symbolic link planted at OUT/.deltastack.lock is refused with a clear error: before, the run truncated
+// the link's target and wrote its pid there, then saved its checkpoints into the target's directory.
+TEST(Issue25, APlantedLockLinkIsRefused) {
+  const std::string dir = tmpdir("i25_locklink");
+  const std::string out = dir + "/o", victim = dir + "/victim";
+  fs::create_directories(out);
+  fs::create_directories(victim);
+  ds::write_file_atomic(victim + "/precious.txt", "precious");
+  fs::create_symlink(victim + "/precious.txt", out + "/" + ds::RunDirectory::kLockName);
+  std::string log;
+  EXPECT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 1 --out " + out, &log), 1) << log;
+  EXPECT_TRUE(contains(log, ".deltastack.lock: is a symbolic link")) << log;
+  EXPECT_EQ(read_or_empty(victim + "/precious.txt"), "precious");
+  EXPECT_FALSE(fs::exists(victim + "/checkpoint-1"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-1"));
+  fs::remove_all(dir);
+}
+
+// Item 4: tokenize replaces at its end only what it checked at its start. Two tokenizes into one dataset: the one
+// that finishes second fails and the first one's output stays (before, both exited 0 and one output was lost); a
+// file written at a jsonl output meanwhile stays too, also with --overwrite.
+TEST(Issue25, TokenizeReplacesOnlyWhatItChecked) {
+  const std::string dir = tmpdir("i25_tokrace");
+  const std::string tok = tokenize_args(dir);
+  const std::string ds_dir = dir + "/ds", gate = dir + "/gate";
+  const pid_t first = spawn_gated(tok + " --output " + ds_dir + " --format dataset", dir + "/log1", gate);
+  ASSERT_TRUE(gate_reached(gate)) << read_or_empty(dir + "/log1");
+  std::string log;
+  ASSERT_EQ(run(tok + " --output " + ds_dir + " --format dataset --shard-tokens 5", &log), 0) << log;
+  const std::string second = ds::read_file(ds_dir + "/index.json");
+  release_gate(gate);
+  EXPECT_EQ(wait_exit(first), 1) << read_or_empty(dir + "/log1");
+  EXPECT_TRUE(contains(read_or_empty(dir + "/log1"), "appeared while this command ran")) << read_or_empty(dir + "/log1");
+  EXPECT_EQ(read_or_empty(ds_dir + "/index.json"), second);
+  EXPECT_FALSE(fs::exists(ds_dir + ".tmp." + std::to_string(first)));
+
+  // --format jsonl: a file written at the output while it runs (nothing was there at its start) stays.
+  ds::write_file_atomic(dir + "/in.jsonl", "{\"text\": \"hello\"}\n");
+  const std::string jtok = "tokenize --tokenizer " + ds::test::data_path("qwen3_tokenizer/tokenizer.json") +
+                           " --input " + dir + "/in.jsonl --output " + dir + "/ids.jsonl";
+  fs::remove(gate);
+  fs::remove(gate + ".reached");
+  const pid_t j1 = spawn_gated(jtok, dir + "/log2", gate);
+  ASSERT_TRUE(gate_reached(gate)) << read_or_empty(dir + "/log2");
+  ds::write_file_atomic(dir + "/ids.jsonl", "mine\n");
+  release_gate(gate);
+  EXPECT_EQ(wait_exit(j1), 1) << read_or_empty(dir + "/log2");
+  EXPECT_EQ(read_or_empty(dir + "/ids.jsonl"), "mine\n");
+  // With --overwrite it replaces the file it checked, not another one put there meanwhile.
+  fs::remove(gate);
+  fs::remove(gate + ".reached");
+  const pid_t j2 = spawn_gated(jtok + " --overwrite", dir + "/log3", gate);
+  ASSERT_TRUE(gate_reached(gate)) << read_or_empty(dir + "/log3");
+  ds::write_file_atomic(dir + "/ids.jsonl", "mine, again\n");  // a new file (another inode) at the name
+  release_gate(gate);
+  EXPECT_EQ(wait_exit(j2), 1) << read_or_empty(dir + "/log3");
+  EXPECT_TRUE(contains(read_or_empty(dir + "/log3"), "was replaced by something else")) << read_or_empty(dir + "/log3");
+  EXPECT_EQ(read_or_empty(dir + "/ids.jsonl"), "mine, again\n");
+  EXPECT_FALSE(fs::exists(dir + "/ids.jsonl.tmp." + std::to_string(j2)));
+  // Untouched, it is replaced.
+  EXPECT_EQ(run(jtok + " --overwrite", &log), 0) << log;
+  EXPECT_TRUE(contains(read_or_empty(dir + "/ids.jsonl"), "\"ids\"")) << read_or_empty(dir + "/ids.jsonl");
+  fs::remove_all(dir);
+}
+
+// Item 5: a directory that appears at OUT/checkpoint-N while the run trains is kept: the save fails naming it
+// (before, it was swapped out and deleted; the same state at the start is refused by claim()).
+TEST(Issue25, ACheckpointDirectoryMadeDuringTheRunIsKept) {
+  const std::string dir = tmpdir("i25_ckptrace");
+  const std::string out = dir + "/o", gate = dir + "/gate";
+  const pid_t pid = spawn_gated("train " + small_setup(dir) + " --threads 1 --steps 2 --out " + out, dir + "/log", gate);
+  ASSERT_TRUE(gate_reached(gate)) << read_or_empty(dir + "/log");
+  fs::create_directories(out + "/checkpoint-2");
+  ds::write_file_atomic(out + "/checkpoint-2/mine.txt", "mine");
+  release_gate(gate);
+  EXPECT_EQ(wait_exit(pid), 1) << read_or_empty(dir + "/log");
+  const std::string log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "cannot save " + out + "/checkpoint-2")) << log;
+  EXPECT_TRUE(contains(log, "appeared while this command ran")) << log;
+  EXPECT_EQ(read_or_empty(out + "/checkpoint-2/mine.txt"), "mine");
+  EXPECT_TRUE(fs::exists(out + "/.checkpoint-2.tmp/trainer_state.json")) << "the new checkpoint is kept, named";
+  fs::remove_all(dir);
+}
+
+// Item 6: the free space is re-checked after each save: a disk that fills while the run trains stops it at once,
+// with its last checkpoint complete and the resume command, instead of training to the next save and failing there.
+TEST(Issue25, TheFreeSpaceIsCheckedBeforeEachSaveInterval) {
+  const std::string dir = tmpdir("i25_diskinterval");
+  const std::string out = dir + "/o", gate = dir + "/gate", free_file = dir + "/free";
+  ds::write_file_atomic(free_file, "100000000000");
+  const std::string hook = "@" + free_file;
+  pid_t pid;
+  {
+    const ScopedEnv env({{"DELTASTACK_TEST_DISK_FREE_BYTES", hook.c_str()}});
+    pid = spawn_gated("train " + small_setup(dir) + " --threads 1 --steps 6 --save-interval 2 --out " + out,
+                      dir + "/log", gate);
+  }
+  ASSERT_TRUE(gate_reached(gate)) << read_or_empty(dir + "/log");  // checkpoint-2 is being put in place
+  ds::write_file_atomic(free_file, "1000000");
+  release_gate(gate);
+  EXPECT_EQ(wait_exit(pid), 1) << read_or_empty(dir + "/log");
+  const std::string log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "stopping after step 2: checkpoint-4 (due at step 4) needs")) << log;
+  EXPECT_TRUE(contains(log, "deltastack train --resume " + out + "/checkpoint-2")) << log;
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-2/trainer_state.json"));
+  EXPECT_EQ(last_step(out + "/metrics.jsonl"), 2);
+  fs::remove_all(dir);
+}
+
+// Item 12: two exports to one destination: each builds in a temporary directory of its own, and the one that
+// finishes second fails instead of leaving the destination without config.json (they shared a fixed temp name).
+TEST(Issue25, TwoExportsToOneDestination) {
+  const std::string dir = tmpdir("i25_export");
+  const std::string src = ds::test::fixture("hf_qwen35_tiny_a"), dst = dir + "/exp", gate = dir + "/gate";
+  const pid_t first = spawn_gated("export " + src + " " + dst, dir + "/log", gate);
+  ASSERT_TRUE(gate_reached(gate)) << read_or_empty(dir + "/log");
+  std::string log;
+  ASSERT_EQ(run("export " + src + " " + dst, &log), 0) << log;
+  const std::string config = ds::read_file(dst + "/config.json");
+  release_gate(gate);
+  EXPECT_EQ(wait_exit(first), 1) << read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(read_or_empty(dir + "/log"), "appeared while this command ran")) << read_or_empty(dir + "/log");
+  EXPECT_EQ(read_or_empty(dst + "/config.json"), config);
+  EXPECT_TRUE(fs::exists(dst + "/model.safetensors"));
+  EXPECT_FALSE(fs::exists(dst + "/" + ds::TempDir::kTempMarker));
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().filename().string().find(".export.tmp"), std::string::npos) << e.path();
+  fs::remove_all(dir);
+}
+
+// Item 16: SIGINT during tokenize removes its temporary directory and says so (exit 130); one that SIGKILL left is
+// removed by the next tokenize into the same output, but only when provably ours: our name, our marker, this host,
+// a dead pid.
+TEST(Issue25, AnInterruptedTokenizeLeavesNoTemporaryDirectory) {
+  const std::string dir = tmpdir("i25_toksignal");
+  const std::string tok = tokenize_args(dir) + " --format dataset --output " + dir + "/ds";
+  const std::string gate = dir + "/gate";
+  const pid_t a = spawn_gated(tok, dir + "/log1", gate);
+  ASSERT_TRUE(gate_reached(gate)) << read_or_empty(dir + "/log1");
+  const std::string tmp_a = dir + "/ds.tmp." + std::to_string(a);
+  ASSERT_TRUE(fs::exists(tmp_a + "/index.json"));
+  ::kill(a, SIGINT);
+  EXPECT_EQ(wait_exit(a), 130) << read_or_empty(dir + "/log1");
+  EXPECT_TRUE(contains(read_or_empty(dir + "/log1"), "stopped by SIGINT; removed the partial output " + tmp_a))
+      << read_or_empty(dir + "/log1");
+  EXPECT_FALSE(fs::exists(tmp_a));
+  EXPECT_FALSE(fs::exists(dir + "/ds"));
+
+  const std::string gate2 = dir + "/gate2";
+  const pid_t b = spawn_gated(tok, dir + "/log2", gate2);
+  ASSERT_TRUE(gate_reached(gate2)) << read_or_empty(dir + "/log2");
+  ::kill(b, SIGKILL);
+  EXPECT_EQ(wait_exit(b), -SIGKILL);
+  const std::string tmp_b = dir + "/ds.tmp." + std::to_string(b);
+  ASSERT_TRUE(fs::exists(tmp_b + "/" + ds::TempDir::kTempMarker));
+  // Not ours to remove: the same name without the marker, and one whose marker names a live process (this one).
+  const std::string plain = dir + "/ds.tmp.123456789", alive = dir + "/ds.tmp." + std::to_string(::getpid());
+  fs::create_directories(plain);
+  fs::create_directories(alive);
+  std::string marker = ds::read_file(tmp_b + "/" + ds::TempDir::kTempMarker);
+  marker.replace(marker.find("pid " + std::to_string(b)), 4 + std::to_string(b).size(),
+                 "pid " + std::to_string(::getpid()));
+  ds::write_file_atomic(alive + "/" + ds::TempDir::kTempMarker, marker);
+  std::string log;
+  EXPECT_EQ(run(tok, &log), 0) << log;
+  EXPECT_TRUE(contains(log, "removing " + tmp_b)) << log;
+  EXPECT_FALSE(fs::exists(tmp_b));
+  EXPECT_TRUE(fs::exists(plain));
+  EXPECT_TRUE(fs::exists(alive + "/" + ds::TempDir::kTempMarker));
+  EXPECT_TRUE(fs::exists(dir + "/ds/index.json"));
+  EXPECT_FALSE(fs::exists(dir + "/ds/" + ds::TempDir::kTempMarker));
+  fs::remove_all(dir);
+}
+
+// The atomic writer's temporary file is created new: a link planted at "<path>.tmp.<pid>" is not followed (its
+// target was truncated and written).
+TEST(Issue25, TheAtomicWritersTemporaryFileFollowsNoLink) {
+  const std::string dir = tmpdir("i25_tmplink");
+  ds::write_file_atomic(dir + "/victim.txt", "precious");
+  fs::create_symlink(dir + "/victim.txt", dir + "/out.txt.tmp." + std::to_string(::getpid()));
+  ds::write_file_atomic(dir + "/out.txt", "new");
+  EXPECT_EQ(ds::read_file(dir + "/victim.txt"), "precious");
+  EXPECT_EQ(ds::read_file(dir + "/out.txt"), "new");
+  EXPECT_FALSE(fs::is_symlink(dir + "/out.txt"));
   fs::remove_all(dir);
 }

@@ -58,6 +58,16 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
+void write_stderr_in_signal_handler(const char* s) {
+  size_t n = std::strlen(s);
+  while (n > 0) {
+    const ssize_t w = ::write(2, s, n);
+    if (w <= 0) return;
+    s += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
 bool file_exists(const std::string& path) {
   struct stat st;
   return ::stat(path.c_str(), &st) == 0;
@@ -72,7 +82,8 @@ void fsync_dir(const std::string& dir) {
 
 AtomicFileWriter::AtomicFileWriter(std::string path) : path_(std::move(path)) {
   tmp_ = path_ + ".tmp." + std::to_string(::getpid());
-  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ::unlink(tmp_.c_str());  // a stale one of a killed process with this pid, or a link planted there
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
   if (fd_ < 0) fail("{}: cannot write ({}; temporary file {})", path_, std::strerror(errno), tmp_);
 }
 
@@ -106,7 +117,14 @@ void AtomicFileWriter::commit() {
     ::unlink(tmp_.c_str());
     fail("{}: fsync/close failed ({}; temporary file {})", path_, std::strerror(e), tmp_);
   }
-  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+  if (checked_) {
+    try {
+      replace_checked(tmp_, path_, expected_, path_);
+    } catch (...) {
+      ::unlink(tmp_.c_str());
+      throw;
+    }
+  } else if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
     int e = errno;
     ::unlink(tmp_.c_str());
     fail("{}: rename failed ({})", path_, std::strerror(e));

@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "core/fs_safety.h"
+
 namespace ds {
 
 // Reads a whole file. Throws ds::Error naming the path if it is missing or unreadable.
@@ -15,7 +17,7 @@ inline void write_file_atomic(const std::string& path, const std::string& data) 
   write_file_atomic(path, data.data(), data.size());
 }
 // The same for a file written piece by piece (no copy of the whole image in memory): bytes go to
-// "<path>.tmp.<pid>"; commit() fsyncs, renames over <path> and fsyncs the directory. Destroyed without commit()
+// "<path>.tmp.<pid>" (created new: a link planted at that name is removed, never followed); commit() fsyncs, renames over <path> and fsyncs the directory. Destroyed without commit()
 // (an exception on the way), the temporary file is removed and <path> is untouched. Throws ds::Error naming the
 // path on any failure.
 class AtomicFileWriter {
@@ -24,12 +26,17 @@ class AtomicFileWriter {
   ~AtomicFileWriter();
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+  // commit() then replaces <path> only if it is still `expected` (taken when the command checked its output:
+  // absent, or that very file), through ds::replace_checked (fs_safety.h); else a ds::Error and <path> untouched.
+  void replace_only(const FileIdentity& expected) { expected_ = expected, checked_ = true; }
   void write(const void* data, size_t size);
   void commit();
 
  private:
   std::string path_, tmp_;
   int fd_ = -1;
+  FileIdentity expected_;
+  bool checked_ = false;
 };
 
 // fsync a directory (after renames inside it).

@@ -14,6 +14,9 @@ namespace detail {
 inline void log_line(const std::string& s) { std::fwrite(s.data(), 1, s.size(), stderr); }
 }  // namespace detail
 
+// Writes the NUL-terminated `s` to stderr with write(2) alone: async-signal-safe, for signal handlers.
+void write_stderr_in_signal_handler(const char* s);
+
 enum class LogLevel { Quiet = 0, Info = 1, Debug = 2 };
 LogLevel log_level();
 void set_log_level(LogLevel level);

@@ -2,11 +2,10 @@
 
 #include <cmath>
 
-#include <fcntl.h>  // AT_FDCWD
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>  // renameat2, RENAME_EXCHANGE (glibc >= 2.28)
 #include <cstdlib>
 #include <filesystem>
 #include <random>
@@ -17,6 +16,7 @@
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/fs_safety.h"
 #include "core/log.h"
 #include "model/model.h"
 #include "model/safetensors.h"
@@ -29,23 +29,37 @@ namespace ds {
 
 namespace {
 
-// Moves the complete checkpoint in tmp_dir to final_dir. Replacing a checkpoint of the same step (a resume from an
-// earlier one into the same --out) swaps the two directories in one atomic rename, so final_dir never goes missing.
-void rename_into_place(const std::string& tmp_dir, const std::string& final_dir) {
-  DS_CHECK(!fs::exists(final_dir) || fs::is_directory(final_dir),
-           "{} exists and is not a directory: not replacing it (the new checkpoint is in {})", final_dir, tmp_dir);
-  if (!fs::exists(final_dir)) {
-    fs::rename(tmp_dir, final_dir);
-  } else if (::renameat2(AT_FDCWD, tmp_dir.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
-    fs::remove_all(tmp_dir);  // the old checkpoint
-  } else {  // filesystem without RENAME_EXCHANGE: a short window where only checkpoint-N.old exists
-    const std::string old = final_dir + ".old";
-    fs::remove_all(old);
-    fs::rename(final_dir, old);
-    fs::rename(tmp_dir, final_dir);
-    fs::remove_all(old);
-  }
+// The names a checkpoint directory holds (save_model_dir's config.json and model shards, the optimizer shards,
+// tokenizer.json, trainer_state.json): a directory with anything else is not only a checkpoint.
+bool is_checkpoint_file(const std::string& n) {
+  return n == "config.json" || n == "tokenizer.json" || n == "trainer_state.json" || n == "generation_config.json" ||
+         ((n.starts_with("model") || n.starts_with("optimizer")) &&
+          (n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json")));
 }
+
+// Moves the complete checkpoint in tmp_dir to final_dir. Replacing a checkpoint of the same step (a resume from an
+// earlier one into the same --out) swaps the two directories in one atomic rename, so final_dir never goes missing;
+// what is replaced must be the entry that was there when the save began (none, or that directory), and a checkpoint of
+// run `run_id` holding only checkpoint files: anything else there (a directory made while the run trained, another
+// run's checkpoint, a link) stays and the save fails naming it (fs_safety.h, replace_checked).
+void rename_into_place(const std::string& tmp_dir, const std::string& final_dir, const FileIdentity& expected,
+                       const std::string& run_id) {
+  test_replace_gate();
+  replace_checked(tmp_dir, final_dir, expected, fmt::format("cannot save {} (the new checkpoint is in {})",
+                                                            final_dir, tmp_dir),
+                  [&](const std::string& old) {
+    struct stat st;
+    DS_CHECK(::lstat(old.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "{} is not a directory: not replacing it",
+             final_dir);
+    DS_CHECK(checkpoint_owner(old).run_id == run_id, "{} is not a checkpoint of this run (run_id {} in its "
+             "trainer_state.json): not replacing it", final_dir, run_id);
+    const std::string other = foreign_entry(old, is_checkpoint_file);
+    DS_CHECK(other.empty(), "{} holds {}, which is no checkpoint file: not replacing it", final_dir, other);
+  });
+}
+
+// What a checkpoint holds besides its tensors (safetensors headers, JSON files, the tokenizer): 64 MiB at most.
+constexpr int64_t kCheckpointSlackBytes = int64_t{64} << 20;
 
 // Bytes the tensors take as stored (the safetensors headers and small JSON files are left out: a few MB).
 int64_t stored_bytes(const std::vector<SaveTensor>& ts) {
@@ -146,6 +160,42 @@ Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::strin
   }
 }
 
+int64_t checkpoint_bytes_estimate(const ModelConfig& config, const std::string& optimizer_state) {
+  int64_t numel = 0;
+  for (const ParamSpec& p : qwen35_params(config)) numel += p.numel;
+  return numel * (optimizer_state == "bf16" ? 6 : 12) + kCheckpointSlackBytes;
+}
+
+void Checkpoints::check_room(int64_t need, const std::string& what, const std::string& then) const {
+  std::error_code ec;
+  const fs::space_info sp = fs::space(opt_.out, ec);
+  int64_t avail = static_cast<int64_t>(sp.available);
+  // Test hook: the free bytes the check sees (a full disk without filling one): a number, or "@FILE" holding one
+  // (read at each check, so a test can shrink the disk while the run trains). Unset in normal use.
+  if (const char* f = std::getenv("DELTASTACK_TEST_DISK_FREE_BYTES")) {
+    std::string v = f;
+    if (v.starts_with("@")) v = read_file(v.substr(1));
+    avail = std::strtoll(v.c_str(), nullptr, 10);
+    ec.clear();
+  }
+  DS_CHECK(ec || avail >= need, "{} needs {:.2f} GiB but only {:.2f} GiB is free on the filesystem of {}: free "
+           "space there, or use --keep-last / a larger disk{}", what, need / 1073741824.0,
+           static_cast<double>(avail) / 1073741824.0, opt_.out, then);
+}
+
+void Checkpoints::check_room_for_next_save(const ModelConfig& config, int64_t step,
+                                           const std::string& last_checkpoint) const {
+  if (step >= opt_.steps) return;
+  int64_t next = opt_.steps;
+  if (opt_.save_interval > 0) next = std::min(next, (step / opt_.save_interval + 1) * opt_.save_interval);
+  const int64_t need = checkpoint_bytes_estimate(config, opt_.optimizer_state);
+  if (last_checkpoint.empty())
+    check_room(need, fmt::format("not training: checkpoint-{} (due at step {})", next, next), ", before training");
+  else
+    check_room(need, fmt::format("stopping after step {}: checkpoint-{} (due at step {})", step, next, next),
+               fmt::format("; then resume with: deltastack train --resume {}", last_checkpoint));
+}
+
 bool Checkpoints::due(int64_t step) const {
   return step == opt_.steps || (step <= opt_.steps && opt_.save_interval > 0 && step % opt_.save_interval == 0);
 }
@@ -154,7 +204,9 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state,
                               const std::function<void(const std::string&)>& saved) {
   const std::string final_dir = (fs::path(opt_.out) / fmt::format("checkpoint-{}", state.step)).string();
   const std::string tmp_dir = (fs::path(opt_.out) / fmt::format(".checkpoint-{}.tmp", state.step)).string();
-  fs::remove_all(tmp_dir);
+  // What is at checkpoint-N now is all the save may replace (rename_into_place).
+  const FileIdentity existing = file_identity(final_dir);
+  fs::remove_all(tmp_dir);  // a link there is removed itself, not followed
   // A save that fails before the checkpoint is complete (disk full, an unreadable tensor) removes its temp dir at
   // once, not at the next run's start.
   struct RemoveUnlessDone {
@@ -169,19 +221,10 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state,
   std::vector<SaveTensor> weights = engine.checkpoint_weight_tensors();
   std::vector<SaveTensor> optimizer = engine.optimizer_tensors();
   // A checkpoint that cannot fit stops here with the sizes, before it fills the disk (which would also starve the
-  // run's own log and metrics). 64 MiB of slack covers headers, JSON and the tokenizer.
-  {
-    const int64_t need = stored_bytes(weights) + stored_bytes(optimizer) + (int64_t{64} << 20);
-    std::error_code ec;
-    const fs::space_info sp = fs::space(opt_.out, ec);
-    int64_t avail = static_cast<int64_t>(sp.available);
-    // Test hook: the free bytes the check sees (a full disk without filling one). Unset in normal use.
-    if (const char* f = std::getenv("DELTASTACK_TEST_DISK_FREE_BYTES")) avail = std::strtoll(f, nullptr, 10);
-    DS_CHECK(ec || avail >= need,
-             "cannot save checkpoint-{}: it needs {:.2f} GiB but only {:.2f} GiB is free on the filesystem of {} "
-             "(free space there, or use --keep-last / a larger disk)",
-             state.step, need / 1073741824.0, static_cast<double>(avail) / 1073741824.0, opt_.out);
-  }
+  // run's own log and metrics).
+  check_room(stored_bytes(weights) + stored_bytes(optimizer) + kCheckpointSlackBytes,
+             fmt::format("cannot save checkpoint-{}: it", state.step), "");
+  make_new_dir(tmp_dir, fmt::format("checkpoint-{}'s temporary directory", state.step));
   save_model_dir(tmp_dir, engine.config(), weights, DType::F32, shard_bytes);
   // Fault-injection hook for the crash-safety tests: a pause inside every save, so that a kill aimed at "a save in
   // progress" lands there however fast the disk is. Unset in normal use.
@@ -205,7 +248,7 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state,
   write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
   fsync_dir(tmp_dir);
   cleanup.done = true;  // complete: kept if the rename fails (its error names it)
-  rename_into_place(tmp_dir, final_dir);
+  rename_into_place(tmp_dir, final_dir, existing, run_id_);
   fsync_dir(opt_.out);
   log_info("saved {}", final_dir);
   if (saved) saved(final_dir);

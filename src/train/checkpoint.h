@@ -45,6 +45,11 @@ struct SavedCheckpoint {
 };
 SavedCheckpoint read_checkpoint_state(const std::string& dir);
 
+// The bytes a checkpoint of a model of `config` takes at most: fp32 weights and two fp32 AdamW moments per parameter
+// (12 bytes), 6 with --optimizer-state bf16 (the weights and moments kept bf16), plus 64 MiB for headers, JSON and
+// the tokenizer. What the trainer checks the free disk space against before it trains.
+int64_t checkpoint_bytes_estimate(const ModelConfig& config, const std::string& optimizer_state);
+
 // Restores the engine's optimizer state from checkpoint `dir` (optimizer.safetensors or its sharded index).
 void load_optimizer_state(Engine& engine, const std::string& dir);
 
@@ -65,9 +70,15 @@ class Checkpoints {
   // never one that the pruning is removing). Returns the checkpoint's path.
   std::string save(Engine& engine, const TrainerState& state,
                    const std::function<void(const std::string&)>& saved = {});
+  // Before training (last_checkpoint "") and after each save: a ds::Error when the next checkpoint this run saves
+  // after `step` (checkpoint_bytes_estimate) does not fit in the free space of --out, so that a run never trains
+  // for hours to fail at its save. After a save the error names `last_checkpoint` and the resume command.
+  void check_room_for_next_save(const ModelConfig& config, int64_t step, const std::string& last_checkpoint) const;
 
  private:
   void prune(int64_t step);
+  // ds::Error "<what> needs X GiB but only Y GiB is free ...<then>" when `need` bytes exceed --out's free space.
+  void check_room(int64_t need, const std::string& what, const std::string& then) const;
 
   TrainOptions opt_;
 

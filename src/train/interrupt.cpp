@@ -23,15 +23,6 @@ char g_messages[2][kMessageBytes];
 std::atomic<int> g_message{-1};
 struct sigaction g_old_int, g_old_term, g_old_usr1;
 
-void write_all(const char* s, size_t n) {
-  while (n > 0) {
-    const ssize_t w = ::write(2, s, n);
-    if (w <= 0) return;
-    s += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
 // Async-signal-safe: only write(2), _exit(2) and the flag.
 void on_signal(int sig) {
   if (g_signal == 0) {
@@ -42,13 +33,13 @@ void on_signal(int sig) {
                                        "(a second signal stops at once)\n"
                                      : "\n[deltastack] SIGTERM: finishing the current step, then saving a checkpoint "
                                        "(a second signal stops at once)\n";
-    if (!g_quiet) write_all(m, std::strlen(m));  // ranks other than 0 of a multi-rank run say nothing
+    if (!g_quiet) write_stderr_in_signal_handler(m);  // ranks other than 0 of a multi-rank run say nothing
     return;
   }
   const int i = g_message.load();
   const char* m = i >= 0 ? g_messages[i]
                          : "[deltastack] second signal: stopping now; this run has saved no checkpoint yet\n";
-  write_all(m, std::strlen(m));
+  write_stderr_in_signal_handler(m);
   ::_exit(128 + sig);
 }
 

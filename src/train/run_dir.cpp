@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -17,6 +18,7 @@
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/fs_safety.h"
 #include "core/log.h"
 
 namespace fs = std::filesystem;
@@ -31,8 +33,19 @@ RunDirectory::RunDirectory(const std::string& out) : path_(out) {
   DS_CHECK(!ec, "--out {}: cannot create the directory ({})", out, ec.message());
   DS_CHECK(::access(out.c_str(), W_OK | X_OK) == 0, "--out {}: cannot write there ({})", out, std::strerror(errno));
   const std::string lock = (fs::path(out) / kLockName).string();
-  fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  DS_CHECK(fd_ >= 0, "--out {}: cannot create the lock file {} ({})", out, lock, std::strerror(errno));
+  // Never through a link planted at the lock's name (the pid would overwrite what it points at, and the
+  // checkpoints would follow the lock into the link target's directory), nor into a file shared with another name.
+  fd_ = open_no_follow(lock, O_RDWR | O_CREAT, 0644, "--out " + out + ": the lock file");
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) || st.st_nlink != 1) {
+    const bool regular = S_ISREG(st.st_mode);
+    ::close(fd_);
+    fd_ = -1;
+    DS_CHECK(!regular, "--out {}: its lock file {} has {} hard links (a hard-linked copy of a run directory, `cp "
+             "-al`?): the lock would be shared with the other name, and the pid written into it. Remove this name "
+             "of it (the run creates a lock file of its own)", out, lock, st.st_nlink);
+    fail("--out {}: the lock file {} is not a regular file. Remove it", out, lock);
+  }
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
     ::close(fd_);

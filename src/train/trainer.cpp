@@ -235,8 +235,7 @@ bool is_copy_of_own_checkpoint(const std::string& ckpt, const std::string& out, 
 // Appends `text` to `path` and fsyncs it (created when missing). ds::Error naming the path on failure.
 // A failed write is cut back to the file's earlier length, so a retry never glues a line onto a torn fragment.
 void append_durably(const std::string& path, const std::string& text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-  DS_CHECK(fd >= 0, "{}: cannot open for appending ({})", path, std::strerror(errno));
+  const int fd = open_no_follow(path, O_WRONLY | O_CREAT | O_APPEND, 0644, "metrics file");
   const off_t before = ::lseek(fd, 0, SEEK_END);
   errno = 0;
   const ssize_t w = ::write(fd, text.data(), text.size());
@@ -285,8 +284,7 @@ class MetricsLog {
         write_file_atomic(path_, kept);
       }
     }
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    DS_CHECK(fd_ >= 0, "{}: cannot open for appending ({})", path_, std::strerror(errno));
+    fd_ = open_no_follow(path_, O_WRONLY | O_CREAT | O_APPEND, 0644, "metrics file");
   }
   ~MetricsLog() {
     if (fd_ >= 0) ::close(fd_);
@@ -638,6 +636,7 @@ int train(TrainOptions cli) {
   // disk stops it there), and last the abandoned history's later checkpoints set aside (renames, no new bytes), out
   // of the way of this run's saves of the same steps.
   Checkpoints checkpoints(opt, start_step, run_id, tokenizer_json, data.fingerprint, resumed_from);
+  if (root) checkpoints.check_room_for_next_save(engine->config(), start_step, "");  // a full disk stops it now
   // Rank 0 writes the metrics; the other ranks' MetricsLog is never made.
   std::optional<MetricsLog> metrics;
   if (root) metrics.emplace(opt.out, start_step, run_id, branch ? resumed_from : json());
@@ -765,7 +764,10 @@ int train(TrainOptions cli) {
         metrics->write({{"step", step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
       }
     }
-    if (checkpoints.due(step)) save();
+    if (checkpoints.due(step)) {
+      save();
+      if (root) checkpoints.check_room_for_next_save(engine->config(), step, saved_dir);
+    }
   }
   if (signalled()) {
     const int sig = stop_signal;

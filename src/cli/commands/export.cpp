@@ -9,6 +9,7 @@
 #include "cli/commands/commands.h"
 #include "core/error.h"
 #include "core/files.h"
+#include "core/fs_safety.h"
 #include "core/log.h"
 #include "model/config.h"
 #include "model/model.h"
@@ -29,6 +30,7 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
   DS_CHECK(fs::is_directory(checkpoint, ec), "{}: not a checkpoint directory", checkpoint);
   // Real paths (symlinks resolved) for the containment check and for every write below.
   const fs::path ck = fs::canonical(checkpoint), dst = fs::weakly_canonical(out);
+  const FileIdentity existing = file_identity(dst.string());  // all that the final rename may replace
   const auto rel = dst.lexically_relative(ck);
   DS_CHECK(rel.empty() || *rel.begin() == "..", "{}: the output may not be inside the checkpoint {}", out, checkpoint);
   ModelConfig c = ModelConfig::from_file(checkpoint);
@@ -43,11 +45,18 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
   };
   auto current = std::make_shared<Current>();
   const DType as = dtype == "bf16" ? DType::BF16 : DType::F32;
+  // Built in ".<name>.export.tmp.<pid>" beside the destination (those of killed exports go first; ours is removed
+  // on failure and on SIGINT / SIGTERM) and renamed into place at the end, replacing only what was checked above
+  // (nothing, or that empty directory): a concurrent export into the same destination never removes this one's
+  // files, and the one that finishes second fails instead of replacing the first one's output.
+  TempDir::remove_stale(dst.string(), ".export.tmp.", /*hidden=*/true);
+  TempDir tmp(dst.string(), ".export.tmp.", /*hidden=*/true, out);
   std::vector<SaveTensor> tensors;
   for (const ParamSpec& p : params)
-    tensors.push_back(make_tensor_f32_reader(p.name, p.shape, [&weights, current, &p](int64_t first, int64_t count,
-                                                                                       float* dst) {
-      if (current->p != &p) {
+    tensors.push_back(make_tensor_f32_reader(p.name, p.shape, [&weights, current, &p, &tmp](int64_t first,
+                                                                                             int64_t count, float* dst) {
+      if (current->p != &p) {  // the next tensor: a signal stops the export here
+        tmp.check_signal();
         current->values = weights.read(p);
         current->p = &p;
       }
@@ -55,25 +64,15 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
     }, stored_dtype(p, as)));
   int64_t num_parameters = 0;
   for (const ParamSpec& p : params) num_parameters += p.numel;
-  // Built beside the destination and renamed into place at the end: a failure (or a kill) never leaves a partial
-  // `out` that would block the next attempt; only a `.<name>.export.tmp` directory, removed by that attempt.
-  const fs::path tmp = dst.parent_path() / ("." + dst.filename().string() + ".export.tmp");
-  DS_CHECK(tmp != ck, "{}: the checkpoint has the export's temporary name; rename it", checkpoint);
-  fs::remove_all(tmp);
-  try {
-    save_model_dir(tmp.string(), c, tensors, as, max_shard_mb * 1000000);
-    const std::string tok = (fs::path(checkpoint) / "tokenizer.json").string();
-    if (file_exists(tok))
-      write_file_atomic((tmp / "tokenizer.json").string(), read_file(tok));
-    else
-      log_warn("{} has no tokenizer.json: the export has none either (pass --tokenizer to eval/generate)", checkpoint);
-    if (fs::exists(dst, ec)) fs::remove(dst);  // the empty directory checked above
-    fs::rename(tmp, dst);
-    fsync_dir(dst.parent_path().string());
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
-  }
+  save_model_dir(tmp.path(), c, tensors, as, max_shard_mb * 1000000);
+  const std::string tok = (fs::path(checkpoint) / "tokenizer.json").string();
+  if (file_exists(tok))
+    write_file_atomic((fs::path(tmp.path()) / "tokenizer.json").string(), read_file(tok));
+  else
+    log_warn("{} has no tokenizer.json: the export has none either (pass --tokenizer to eval/generate)", checkpoint);
+  tmp.commit(existing, [&](const std::string& old) {
+    DS_CHECK(fs::is_empty(old, ec), "{}: files were written there while this export ran; not replacing them", out);
+  });
   log_info("exported {} ({} parameters, {}) to {}", checkpoint, num_parameters, dtype, out);
   return 0;
 }

@@ -8,8 +8,9 @@
 // tools) is a ds::Error naming the file, the 1-based line number and the field.
 // Output: one line per input line, in order: {"ids":[...]} for a text, {"ids":[...],"loss_mask":[...]} for a chat
 // or prompt / completion (1 on the labelled tokens: an assistant turn after its header through its <|im_end|>, or
-// the completion), written atomically (ds::write_file_atomic), so a failed run leaves any previous output untouched;
-// an existing output is replaced only with --overwrite, never the input or the tokenizer (outputs.h). Lines are
+// the completion), written atomically (ds::AtomicFileWriter), so a failed run leaves any previous output untouched;
+// an existing output is replaced only with --overwrite, never the input or the tokenizer (outputs.h), and only if
+// it is still the file checked at the start (fs_safety.h: a file written there meanwhile stays, and this run fails). Lines are
 // encoded in parallel (OpenMP); ids are the same as Tokenizer::encode on each (rendered) text.
 #include <nlohmann/json.hpp>
 #include <charconv>
@@ -22,6 +23,7 @@
 #include "cli/commands/outputs.h"
 #include "core/error.h"
 #include "core/files.h"
+#include "core/fs_safety.h"
 #include "core/log.h"
 #include "data/chat.h"
 #include "data/tokenizer.h"
@@ -31,6 +33,7 @@ namespace ds::cli {
 int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jsonl, const std::string& output_jsonl,
                  bool overwrite) {
   check_outputs({{"--output", output_jsonl}}, {input_jsonl, tokenizer_path}, overwrite);
+  const FileIdentity existing = file_identity(output_jsonl);  // all the final rename may replace
   std::string input = read_file(input_jsonl);
 
   // Parse every line first (serially, so errors name the first bad line).
@@ -106,7 +109,11 @@ int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jso
   for (const auto& s : lines) bytes += s.size();
   out.reserve(bytes);
   for (const auto& s : lines) out += s;
-  write_file_atomic(output_jsonl, out);
+  AtomicFileWriter w(output_jsonl);
+  w.replace_only(existing);  // another tokenize's output, or a file made there meanwhile, stays (this run fails)
+  w.write(out.data(), out.size());
+  test_replace_gate();
+  w.commit();
   log_info("tokenize: {} lines, {} tokens -> {}", texts.size(), total_ids, output_jsonl);
   return 0;
 }

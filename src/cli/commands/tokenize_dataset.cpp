@@ -19,6 +19,7 @@
 #include "cli/commands/outputs.h"
 #include "core/error.h"
 #include "core/files.h"
+#include "core/fs_safety.h"
 #include "core/log.h"
 #include "data/dataset.h"
 #include "data/token_dataset.h"
@@ -40,8 +41,38 @@ fs::path real_path(const std::string& p) {
   return r;
 }
 
-void check_dataset_output(const std::string& out, const std::vector<std::string>& inputs,
-                          const std::string& tokenizer, bool overwrite) {
+// The files `tokenize --format dataset` writes (token_dataset.h's layout) and TempDir's marker.
+bool is_dataset_file(const std::string& n) {
+  const auto shard = [&](const char* kind) {  // tokens-NNNNN.bin, labels-NNNNN.bin
+    const std::string p = std::string(kind) + "-";
+    return n.size() > p.size() + 4 && n.starts_with(p) && n.ends_with(".bin") &&
+           n.substr(p.size(), n.size() - p.size() - 4).find_first_not_of("0123456789") == std::string::npos;
+  };
+  return n == "index.json" || n == "documents.bin" || n == "masked.bin" || n == TempDir::kTempMarker ||
+         shard("tokens") || shard("labels");
+}
+
+// A ds::Error unless `dir` is provably a dataset this command wrote: an index.json with "format":
+// "deltastack-dataset", and nothing but dataset files (no other file, directory or link) beside it. What
+// --overwrite may replace; anything else is kept.
+void check_is_our_dataset(const std::string& dir, const std::string& out) {
+  const std::string index = (fs::path(dir) / "index.json").string();
+  std::string format;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(read_file(index));
+    if (j.is_object() && j.contains("format") && j["format"].is_string()) format = j["format"].get<std::string>();
+  } catch (const std::exception&) {
+  }
+  DS_CHECK(format == kDatasetFormat, "--output {}: an existing directory that is not a dataset (no "
+           "index.json with \"format\": \"{}\"); refusing to replace it, --overwrite or not", out, kDatasetFormat);
+  const std::string other = foreign_entry(dir, is_dataset_file);
+  DS_CHECK(other.empty(), "--output {}: the dataset directory also holds {}, which tokenize did not write; refusing "
+           "to replace it (and {}), --overwrite or not. Move it away or give another --output", out, other, other);
+}
+
+// Checks the output directory before any work; returns what is there now (what the final rename may replace).
+FileIdentity check_dataset_output(const std::string& out, const std::vector<std::string>& inputs,
+                                  const std::string& tokenizer, bool overwrite) {
   std::error_code ec;
   DS_CHECK(!out.empty(), "--output: an empty directory name");
   const fs::path o = real_path(out);
@@ -52,16 +83,16 @@ void check_dataset_output(const std::string& out, const std::vector<std::string>
     DS_CHECK(rel.empty() || *rel.begin() == "..", "--output {}: holds the input {}; write the dataset elsewhere", out,
              in);
   }
-  if (!fs::exists(o, ec)) return;
-  DS_CHECK(fs::is_directory(o, ec), "--output {}: exists and is not a directory (a dataset is a directory; give "
-           "--format jsonl for a .jsonl of ids)", out);
-  const bool empty = fs::is_empty(o, ec);
-  DS_CHECK(empty || is_dataset_dir(o.string()), "--output {}: an existing directory that is not a dataset (no "
-           "index.json); refusing to replace it, --overwrite or not", out);
+  const FileIdentity there = file_identity(o.string());
+  if (!there.exists) return there;
+  DS_CHECK(fs::is_directory(fs::symlink_status(o, ec)), "--output {}: exists and is not a directory (a dataset is a "
+           "directory; give --format jsonl for a .jsonl of ids)", out);
+  if (fs::is_empty(o, ec)) return there;
+  check_is_our_dataset(o.string(), out);
   // The rest as for any output (checkpoint / model directories, --overwrite), on the file that names a dataset.
-  if (empty) return;
   check_outputs({{"--output", (o / "index.json").string(), /*replaces_dataset=*/true}}, all, /*overwrite=*/true);
   DS_CHECK(overwrite, "--output {}: a dataset directory exists; pass --overwrite to replace it", out);
+  return there;
 }
 
 }  // namespace
@@ -72,17 +103,18 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
   DS_CHECK(!inputs.empty(), "--input: no input files given");
   DS_CHECK(shard_tokens >= 1, "--shard-tokens must be at least 1, got {}", shard_tokens);
   const TxtSplit split = parse_txt_split(txt_split);
-  check_dataset_output(output_dir, inputs, tokenizer_path, overwrite);
+  const FileIdentity existing = check_dataset_output(output_dir, inputs, tokenizer_path, overwrite);
   const std::string tokenizer_json = read_file(tokenizer_path);
   const Tokenizer tok = Tokenizer::from_json_string(tokenizer_json, tokenizer_path);
   const int32_t eos = tok.token_to_id("<|endoftext|>");
 
   const fs::path out = real_path(output_dir);
-  const std::string tmp = out.string() + ".tmp." + std::to_string(::getpid());
+  // "<DIR>.tmp.<pid>" beside DIR: those of killed runs go first; ours is removed on failure and on SIGINT / SIGTERM.
+  TempDir::remove_stale(out.string(), ".tmp.", /*hidden=*/false);
+  TempDir tmp_dir(out.string(), ".tmp.", /*hidden=*/false, "--output " + output_dir);
+  const std::string& tmp = tmp_dir.path();
   std::error_code ec;
-  fs::remove_all(tmp, ec);
-  DS_CHECK(fs::create_directories(tmp, ec) && !ec, "{}: cannot create ({})", tmp, ec.message());
-  try {
+  {
     DatasetWriter w(tmp, shard_tokens);
     const auto t0 = std::chrono::steady_clock::now();
     auto last = t0;
@@ -94,6 +126,7 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
                                                          : DocumentReader::kDefaultBlockBytes);
       int64_t file_docs = 0;
       while (r.next(part)) {
+        tmp_dir.check_signal();
         const std::vector<TokenizedSample> docs = tokenize_documents(tok, part, eos);
         for (const TokenizedSample& d : docs) w.add(d);
         file_docs += static_cast<int64_t>(docs.size());
@@ -120,19 +153,12 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
               {"eos_id", eos},
               {"txt_split", txt_split},
               {"sources", sources}});
-    if (fs::exists(out, ec)) {  // checked above: an empty directory, or a dataset with --overwrite
-      const std::string old = out.string() + ".old." + std::to_string(::getpid());
-      fs::rename(out, old);
-      fs::rename(tmp, out);
-      fs::remove_all(old, ec);
-    } else {
-      fs::rename(tmp, out);
-    }
-    fsync_dir(out.parent_path().string());
+    // Replaces only what was checked above (nothing, an empty directory, or our dataset): a directory made there
+    // meanwhile, or another tokenize's output, stays and this run fails.
+    tmp_dir.commit(existing, [&](const std::string& old) {
+      if (!fs::is_empty(old, ec)) check_is_our_dataset(old, output_dir);
+    });
     log_info("tokenize: {} documents, {} tokens -> {}", w.num_documents(), w.num_tokens(), out.string());
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
   }
   return 0;
 }
