@@ -75,7 +75,7 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
   check_dataset_output(output_dir, inputs, tokenizer_path, overwrite);
   const std::string tokenizer_json = read_file(tokenizer_path);
   const Tokenizer tok = Tokenizer::from_json_string(tokenizer_json, tokenizer_path);
-  const int32_t eos = tok.token_to_id("<|endoftext|>");
+  const int32_t eos = document_separator(tok);
 
   const fs::path out = real_path(output_dir);
   const std::string tmp = out.string() + ".tmp." + std::to_string(::getpid());
