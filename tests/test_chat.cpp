@@ -338,4 +338,66 @@ TEST(Chat, TrainingDataWithoutALabelIsAnError) {
   fs::remove_all(dir);
 }
 
+// Issue 25 item 9: the bundled tokenizer.json without some of its added tokens, written to `path`.
+std::string tokenizer_without(const std::string& path, const std::vector<std::string>& drop) {
+  json j = json::parse(ds::read_file(ds::test::data_path("qwen3_tokenizer/tokenizer.json")));
+  json kept = json::array();
+  for (const json& t : j["added_tokens"])
+    if (std::find(drop.begin(), drop.end(), t["content"].get<std::string>()) == drop.end()) kept.push_back(t);
+  j["added_tokens"] = kept;
+  ds::write_file_atomic(path, j.dump());
+  return path;
+}
+
+// A tokenizer without <|im_start|> / <|im_end|> would encode the chat template's markers as plain text and cut the
+// labels through merged tokens; without <|endoftext|> the documents would be packed with no separator. Both are
+// errors naming the tokenizer file, the token and what needs it, before anything is trained or written; plain text
+// needs no chat markers.
+TEST(Chat, TokenizerWithoutTheSpecialTokensIsRefused) {
+  const std::string dir = ds::test::fresh_tmpdir("chat_notokens");
+  const ds::Tokenizer nochat = ds::Tokenizer::from_file(tokenizer_without(dir + "/nochat.json", {"<|im_end|>"}));
+  const ds::LabelledText chat = ds::parse_sample(json::parse(
+      R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})"));
+  std::string err = ds::test::error_of([&] { ds::tokenize_sample(nochat, chat); });
+  EXPECT_NE(err.find(dir + "/nochat.json: the tokenizer has no <|im_end|> token in \"added_tokens\", which the chat "
+                     "template (conversation samples, generate --chat) needs"), std::string::npos) << err;
+  EXPECT_EQ(ds::tokenize_sample(nochat, ds::parse_sample(json::parse(R"({"text": "hi"})"))).ids, qwen3().encode("hi"));
+  std::vector<int32_t> ab = qwen3().encode("Hi"), b = qwen3().encode(" you");
+  ab.insert(ab.end(), b.begin(), b.end());
+  EXPECT_EQ(ds::tokenize_sample(nochat, ds::parse_sample(json::parse(R"({"prompt": "Hi", "completion": " you"})"))).ids,
+            ab) << "a prompt / completion pair of strings needs no chat markers";
+  EXPECT_EQ(ds::document_separator(nochat), 151643);
+
+  // Through the commands: train, tokenize (jsonl and dataset), eval, generate --chat.
+  tokenizer_without(dir + "/noeos.json", {"<|endoftext|>"});
+  const ds::Tokenizer noeos = ds::Tokenizer::from_file(dir + "/noeos.json");
+  err = ds::test::error_of([&] { ds::document_separator(noeos); });
+  EXPECT_NE(err.find(dir + "/noeos.json: the tokenizer has no <|endoftext|> token, which packing documents (the "
+                     "separator after each one) needs"), std::string::npos) << err;
+  const std::string args = ds::test::small_setup(dir);
+  ds::write_file_atomic(dir + "/chat.jsonl", json{{"messages", json::array({{{"role", "user"}, {"content", "hi"}},
+                        {{"role", "assistant"}, {"content", "yo"}}})}}.dump() + "\n");
+  std::string log;
+  EXPECT_EQ(ds::test::run("train " + args + " --threads 1 --steps 1 --tokenizer " + dir + "/noeos.json --out " + dir +
+                          "/run", &log), 1) << log;
+  EXPECT_NE(log.find("noeos.json: the tokenizer has no <|endoftext|> token"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(dir + "/run/checkpoint-1"));
+  EXPECT_EQ(ds::test::run("tokenize --format dataset --tokenizer " + dir + "/noeos.json --input " + dir +
+                          "/corpus.txt --output " + dir + "/set", &log), 1) << log;
+  EXPECT_NE(log.find("noeos.json: the tokenizer has no <|endoftext|> token"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(dir + "/set"));
+  EXPECT_EQ(ds::test::run("tokenize --tokenizer " + dir + "/nochat.json --input " + dir + "/chat.jsonl --output " +
+                          dir + "/chat.ids.jsonl", &log), 1) << log;
+  EXPECT_NE(log.find("nochat.json: the tokenizer has no <|im_end|> token"), std::string::npos) << log;
+  EXPECT_FALSE(fs::exists(dir + "/chat.ids.jsonl"));
+  ASSERT_EQ(ds::test::run("train " + args + " --threads 1 --steps 0 --out " + dir + "/a", &log), 0) << log;
+  EXPECT_EQ(ds::test::run("eval --threads 1 --device cpu --seq-len 32 --model " + dir + "/a/checkpoint-0 --tokenizer " +
+                          dir + "/noeos.json --data " + dir + "/corpus.txt", &log), 1) << log;
+  EXPECT_NE(log.find("noeos.json: the tokenizer has no <|endoftext|> token"), std::string::npos) << log;
+  EXPECT_EQ(ds::test::run("generate --threads 1 --device cpu --chat --max-new-tokens 2 --prompt hi --model " + dir +
+                          "/a/checkpoint-0 --tokenizer " + dir + "/nochat.json", &log), 1) << log;
+  EXPECT_NE(log.find("nochat.json: the tokenizer has no <|im_end|> token"), std::string::npos) << log;
+  fs::remove_all(dir);
+}
+
 }  // namespace

@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -319,6 +321,60 @@ TEST(Dataset, CorruptOrMissingFilesAndOutputsAreNamed) {
   fresh();
   EXPECT_NE(error_of([&] { ds::MappedTokenStore(work).check_ids(1000); }).find("tokens-00000.bin: token 0"),
             std::string::npos);
+  fs::remove_all(dir);
+}
+
+// Issue 25 item 11: a shard truncated in place under the mapping. A read of a page past its new end is a bus error:
+// inside read_guarded (every batch) a DataChangedError naming the shard; in any other read (the scans at start) the
+// process writes an error naming the shard and exits 1, never dies of SIGBUS. Item 18: a shard replaced by a
+// directory is named as such, not as "4096 bytes".
+TEST(Dataset, AShardChangedUnderTheMappingIsNamed) {
+  const std::string dir = ds::test::fresh_tmpdir("dataset_sigbus");
+  std::string text;
+  for (int i = 0; i < 800; ++i) text += "Paragraph " + std::to_string(i) + " of a corpus long enough for pages.\n\n";
+  ds::write_file_atomic(dir + "/a.txt", text);
+  ASSERT_EQ(ds::cli::cmd_tokenize_dataset(tok_path(), {dir + "/a.txt"}, dir + "/ds", "paragraph", 4096), 0);
+  auto store = std::make_shared<ds::MappedTokenStore>(dir + "/ds");
+  ASSERT_GT(store->num_tokens(), 8192);
+  const ds::PackedDataset set(store, 0, store->num_documents(), 64);
+  const ds::PackedBatch before = set.batch({0, 1});
+  fs::resize_file(dir + "/ds/tokens-00000.bin", 0);  // in place: the mapping stays, its pages are gone
+  try {
+    set.batch({0, 1});
+    ADD_FAILURE() << "no error";
+  } catch (const ds::DataChangedError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(dir + "/ds/tokens-00000.bin: the file changed while the run read it (truncated or replaced in "
+                        "place: a bus error at byte 0 of its 16384 mapped bytes)"), std::string::npos) << what;
+  }
+  EXPECT_EQ(set.batch({store->num_tokens() / 64 - 1}).size(), 64) << "the other shard reads as before";
+  int32_t first = -1;
+  EXPECT_THROW(store->read_guarded([&] { first = store->token(5); }), ds::DataChangedError);
+  EXPECT_EQ(first, -1);
+  EXPECT_EQ(before.input_ids.size(), 128u);
+  // Outside read_guarded (a scan at start): a message naming the shard and exit 1, in a child process.
+  const std::string log = dir + "/child.log";
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    FILE* f = std::fopen(log.c_str(), "w");
+    if (f) ::dup2(::fileno(f), 2);
+    ds::documents_fingerprint(*store, 0, store->num_documents());
+    ::_exit(0);
+  }
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  ASSERT_TRUE(WIFEXITED(st)) << "killed by signal " << (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+  EXPECT_EQ(WEXITSTATUS(st), 1);
+  const std::string said = ds::read_file(log);
+  EXPECT_NE(said.find("error: " + dir + "/ds/tokens-00000.bin: the file changed while deltastack read it"),
+            std::string::npos) << said;
+  // A shard replaced by a directory.
+  store.reset();
+  fs::remove(dir + "/ds/tokens-00000.bin");
+  fs::create_directories(dir + "/ds/tokens-00000.bin");
+  const std::string e = error_of([&] { ds::MappedTokenStore s(dir + "/ds"); });
+  EXPECT_NE(e.find(dir + "/ds/tokens-00000.bin: not a regular file (a directory), named by " + dir +
+                   "/ds/index.json field \"shards[0].tokens\""), std::string::npos) << e;
   fs::remove_all(dir);
 }
 

@@ -326,12 +326,14 @@ TEST(DistMpi, RanksWithOtherOptionsOrDataAreRefused) {
   const std::string args = "train " + ds::test::small_setup(dir) + " --threads 1 --steps 2 --out " + dir + "/o";
   std::string log;
   EXPECT_EQ(run_mpi(1, args + " : -np 1 " + std::string(DELTASTACK_BIN) + " " + args + " --lr 1", &log, 60), 1) << log;
-  EXPECT_NE(log.find("rank 1 has other options than rank 0"), std::string::npos) << log;
+  EXPECT_NE(log.find("rank 1 has other options than rank 0 (lr is 1.0 here, 0.003 on rank 0;"), std::string::npos)
+      << log;  // issue 25 item 18: the option is named
   ds::write_file_atomic(dir + "/corpus2.txt", ds::read_file(dir + "/corpus.txt").substr(0, 15000));
   const std::string other =
       "train " + ds::test::small_setup_on(dir, dir + "/corpus2.txt") + " --threads 1 --steps 2 --out " + dir + "/o";
   EXPECT_EQ(run_mpi(1, args + " : -np 1 " + std::string(DELTASTACK_BIN) + " " + other, &log, 60), 1) << log;
-  EXPECT_NE(log.find("rank 1 has other options than rank 0"), std::string::npos) << log;  // --data is an option
+  EXPECT_NE(log.find("rank 1 has other options than rank 0 (data is [\"" + dir + "/corpus2.txt\"] here, [\"" + dir +
+                     "/corpus.txt\"] on rank 0;"), std::string::npos) << log;  // --data is an option
   EXPECT_FALSE(fs::exists(dir + "/o/checkpoint-2"));
   fs::remove_all(dir);
 }

@@ -239,3 +239,30 @@ TEST(FuzzRegressions, TokenizerDuplicateIdsAreRejected) {
 }
 
 }  // namespace
+
+namespace {
+
+// Issue 25 item 18: printable() (core/error.h) keeps text and valid UTF-8, and shows every other byte as \xNN: what a
+// JSON parser's "last read" quotes of a binary file reaches the terminal escaped.
+TEST(FuzzRegressions, PrintableEscapesBytesThatAreNotText) {
+  EXPECT_EQ(ds::printable("plain text, line\nand tab\t"), "plain text, line\nand tab\t");
+  EXPECT_EQ(ds::printable("caf\xC3\xA9 \xF0\x9F\x91\x8D"), "caf\xC3\xA9 \xF0\x9F\x91\x8D");
+  EXPECT_EQ(ds::printable(std::string("a\0b", 3)), "a\\x00b");
+  EXPECT_EQ(ds::printable("\x01\x7f\xfe\xff"), "\\x01\\x7f\\xfe\\xff");
+  EXPECT_EQ(ds::printable("\xC3"), "\\xc3") << "a truncated sequence";
+  EXPECT_EQ(ds::printable("\xC0\xAF"), "\\xc0\\xaf") << "an overlong form";
+  EXPECT_EQ(ds::printable("\xED\xA0\x80"), "\\xed\\xa0\\x80") << "a surrogate";
+  EXPECT_EQ(ds::printable("\xF4\x90\x80\x80"), "\\xf4\\x90\\x80\\x80") << "past U+10FFFF";
+  const std::string bad = "{\"hidden_size\": \"\xfe\xff\"}";
+  std::string what;
+  try {
+    (void)nlohmann::json::parse(bad);
+  } catch (const nlohmann::json::exception& e) {
+    what = e.what();
+  }
+  ASSERT_NE(what.find('\xfe'), std::string::npos) << "the parser quotes the raw byte: " << what;
+  EXPECT_EQ(ds::printable(what).find('\xfe'), std::string::npos);
+  EXPECT_NE(ds::printable(what).find("\\xfe"), std::string::npos);
+}
+
+}  // namespace

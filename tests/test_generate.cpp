@@ -107,4 +107,36 @@ TEST(Generate, DecodeStateAndPrefixRecomputeGiveTheSameIds) {
   EXPECT_NE(error_of([&] { engine->last_logits(empty); }).find("an empty batch"), std::string::npos);
 }
 
+// Issue 25 item 7: logits that are not finite (weights that overflow) stop the loop with an error naming the step,
+// after the ids of the finite steps were streamed; no id is sampled from them (greedy would pick the first NaN).
+TEST(Generate, NonFiniteLogitsAreAnError) {
+  for (const float bad : {NAN, INFINITY, -INFINITY}) {
+    int calls = 0;
+    const ds::NextLogits next = [&](const std::vector<int32_t>&) {
+      std::vector<float> l = {0.0f, 1.0f, 5.0f, 2.0f};
+      if (++calls == 3) l[1] = bad;
+      return l;
+    };
+    ds::GenerateOptions o;
+    o.sampling = {0.0, 0, 1.0};
+    o.max_new_tokens = 5;
+    o.usable = 4;
+    std::vector<std::vector<int32_t>> seen;
+    const std::string err = error_of([&] {
+      ds::generate_tokens(next, {7, 8}, o, [&](const std::vector<int32_t>& g) { seen.push_back(g); });
+    });
+    EXPECT_NE(err.find("the model's logits after 4 tokens are not finite (1 of 4, the first at id 1: "),
+              std::string::npos) << err;
+    EXPECT_EQ(seen, (std::vector<std::vector<int32_t>>{{2}, {2, 2}})) << "the two finite steps were streamed";
+    EXPECT_EQ(calls, 3);
+  }
+  // Only the sampled ids count: a NaN past `usable` (ids the tokenizer lacks) is never drawn.
+  ds::GenerateOptions o;
+  o.sampling = {1.0, 0, 1.0};
+  o.max_new_tokens = 3;
+  o.usable = 2;
+  const ds::NextLogits tail_nan = [](const std::vector<int32_t>&) { return std::vector<float>{0.0f, 1.0f, NAN}; };
+  EXPECT_EQ(ds::generate_tokens(tail_nan, {1}, o).size(), 3u);
+}
+
 }  // namespace

@@ -1,5 +1,6 @@
 // Issue 13, "nothing lost, ever", through the `deltastack` binary: the run-directory lock, graceful signals, guarded
 // outputs, metrics.jsonl kept whole, and a resume that needs only the checkpoint.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <fcntl.h>
@@ -19,6 +20,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -596,6 +598,126 @@ TEST(RunSafety, ResumeNeedsOnlyTheCheckpoint) {
   fs::remove_all(dir);
 }
 
+// Issue 25 item 10: a resume trains with the checkpoint's tokenizer.json only. With that file gone it is an error
+// naming it and the run's original --tokenizer (which is not read: here it was edited since), before --out is
+// touched; with the file put back the resume runs.
+TEST(RunSafety, AResumeNeedsTheCheckpointsTokenizer) {
+  const std::string dir = tmpdir("resume_tok");
+  const std::string bundled = std::string(DELTASTACK_SOURCE_DIR) + "/data/qwen3_tokenizer/tokenizer.json";
+  fs::copy_file(bundled, dir + "/tok.json");
+  ASSERT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 1 --tokenizer " + dir + "/tok.json --out " + dir +
+                "/a"), 0);
+  const std::string ck = dir + "/a/checkpoint-1";
+  fs::rename(ck + "/tokenizer.json", dir + "/saved.json");
+  json edited = json::parse(ds::read_file(dir + "/tok.json"));
+  edited["added_tokens"][0]["content"] = "<|end|>";  // another tokenizer at the original path
+  ds::write_file_atomic(dir + "/tok.json", edited.dump());
+  for (const std::string& out : {std::string(), " --out " + dir + "/b"}) {
+    std::string log;
+    EXPECT_EQ(run("train --threads 1 --resume " + ck + " --steps 2" + out, &log), 1) << log;
+    EXPECT_TRUE(contains(log, "error: --resume " + ck + ": " + ck + "/tokenizer.json is missing")) << log;
+    EXPECT_TRUE(contains(log, "(options.tokenizer in trainer_state.json: " + dir + "/tok.json)")) << log;
+    EXPECT_FALSE(contains(log, "the data differs")) << log;
+  }
+  EXPECT_FALSE(fs::exists(dir + "/b"));
+  EXPECT_FALSE(fs::exists(dir + "/a/checkpoint-2"));
+  fs::rename(dir + "/saved.json", ck + "/tokenizer.json");
+  std::string log;
+  EXPECT_EQ(run("train --threads 1 --resume " + ck + " --steps 2", &log), 0) << log;
+  EXPECT_EQ(ds::read_file(dir + "/a/checkpoint-2/tokenizer.json"), ds::read_file(bundled));
+  fs::remove_all(dir);
+}
+
+// Issue 25 item 11: the shards of a mapped dataset truncated in place while the run trains: no SIGBUS (rc 135), but
+// an error naming a shard and exit 1, after the weights of the last complete step were saved as its checkpoint.
+TEST(RunSafety, AShardTruncatedWhileTrainingIsNamedAndTheLastStepSaved) {
+  const std::string dir = tmpdir("truncated_shard");
+  const std::string args = ds::test::small_setup_on(dir, dir + "/set");
+  ASSERT_EQ(run("tokenize --format dataset --shard-tokens 1024 --tokenizer " +
+                ds::test::data_path("qwen3_tokenizer/tokenizer.json") + " --input " + dir + "/corpus.txt --output " +
+                dir + "/set"), 0);
+  const pid_t pid = spawn("train " + args + " --threads 1 --steps 1000000 --out " + dir + "/run", dir + "/log");
+  ASSERT_TRUE(wait_for([&] {
+    try {
+      return ds::file_exists(dir + "/run/metrics.jsonl") && ds::test::train_losses(dir + "/run/metrics.jsonl").size() >= 2;
+    } catch (const std::exception&) {  // a line being written
+      return false;
+    }
+  }, 120)) << read_or_empty(dir + "/log");
+  for (const auto& e : fs::directory_iterator(dir + "/set"))
+    if (e.path().filename().string().rfind("tokens-", 0) == 0) fs::resize_file(e.path(), 0);
+  EXPECT_EQ(wait_exit(pid), 1);
+  const std::string log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "error: " + dir + "/set/tokens-")) << log;
+  EXPECT_TRUE(contains(log, ": the file changed while the run read it (truncated or replaced in place")) << log;
+  const int64_t last = ds::test::metrics(dir + "/run/metrics.jsonl").back()["step"].get<int64_t>();
+  EXPECT_TRUE(contains(log, fmt::format("Step {} was not taken; the last checkpoint is {}/run/checkpoint-{} (step {})",
+                                        last + 1, dir, last, last))) << log;
+  EXPECT_TRUE(fs::exists(fmt::format("{}/run/checkpoint-{}/model.safetensors", dir, last)));
+  fs::remove_all(dir);
+}
+
+// Issue 25 item 18: errors name the file, field, flag or option at fault, and quote no raw binary.
+TEST(RunSafety, ErrorsNameWhatIsAtFault) {
+  const std::string dir = tmpdir("messages");
+  const std::string args = small_setup(dir) + " --threads 1";
+  ASSERT_EQ(run("train " + args + " --steps 1 --out " + dir + "/a"), 0);
+  const std::string ck = dir + "/a/checkpoint-1";
+  std::string log;
+  // trainer_state.json's options: a value of the wrong type, and one out of range, name the field (not a flag).
+  const std::string state = ds::read_file(ck + "/trainer_state.json");
+  for (const auto& [key, value, want] : std::vector<std::tuple<std::string, json, std::string>>{
+           {"lr", "fast", "field \"options.lr\" must be a number, got \"fast\""},
+           {"seq_len", 0, "field \"options.seq_len\" is invalid: --seq-len must be >= 2, got 0"},
+           {"data", 7, "field \"options.data\" must be an array of strings, got 7"}}) {
+    json st = json::parse(state);
+    st["options"][key] = value;
+    ds::write_file_atomic(ck + "/trainer_state.json", st.dump());
+    EXPECT_EQ(run("train --threads 1 --resume " + ck + " --out " + dir + "/r", &log), 1) << log;
+    EXPECT_TRUE(contains(log, "error: " + ck + "/trainer_state.json: " + want)) << log;
+  }
+  ds::write_file_atomic(ck + "/trainer_state.json", state);
+  // A safetensors file as --model; a .txt as `tokenize --format jsonl`'s input; a plain directory as --data.
+  EXPECT_EQ(run("eval --threads 1 --device cpu --model " + ck + "/model.safetensors --data " + dir + "/corpus.txt",
+                &log), 1);
+  EXPECT_TRUE(contains(log, ck + "/model.safetensors: a safetensors weights file, not a model config")) << log;
+  EXPECT_EQ(run("tokenize --tokenizer " + ck + "/tokenizer.json --input " + dir + "/corpus.txt --output " + dir +
+                "/x.jsonl", &log), 1);
+  EXPECT_TRUE(contains(log, "--input " + dir + "/corpus.txt: --format jsonl reads one .jsonl file")) << log;
+  fs::create_directories(dir + "/plain");
+  EXPECT_EQ(run("train " + ds::test::small_setup_on(dir, dir + "/plain") + " --steps 1 --out " + dir + "/p", &log), 1);
+  EXPECT_TRUE(contains(log, "error: " + dir + "/plain: a directory, not a data file")) << log;
+  // A dangling symlink as --out.
+  fs::create_symlink(dir + "/nowhere", dir + "/dangling");
+  EXPECT_EQ(run("train " + args + " --steps 1 --out " + dir + "/dangling", &log), 1);
+  EXPECT_TRUE(contains(log, "--out " + dir + "/dangling: a symbolic link to " + dir + "/nowhere, which does not exist"))
+      << log;
+  // eval on chat data without an assistant turn.
+  ds::write_file_atomic(dir + "/users.jsonl", "{\"messages\": [{\"role\": \"user\", \"content\": \"hello there\"}]}\n");
+  EXPECT_EQ(run("eval --threads 1 --device cpu --seq-len 32 --model " + ck + " --data " + dir + "/users.jsonl", &log), 1);
+  EXPECT_TRUE(contains(log, "data: none of the 1 documents of --data has a labelled token")) << log;
+  // Invalid UTF-8 in --prompt: the flag named, the byte escaped.
+  EXPECT_EQ(run("generate --threads 1 --device cpu --max-new-tokens 1 --model " + ck + " --prompt ab\xff", &log), 1);
+  EXPECT_TRUE(contains(log, "error: --prompt: tokenizer: invalid UTF-8 at byte offset 2 (byte 0xFF)")) << log;
+  EXPECT_FALSE(contains(log, "\xff")) << log;
+  // A tokenizer with more ids than the model's vocabulary (the HF fixture's 256).
+  const std::string fx = ds::test::fixture("hf_qwen35_tiny_a");
+  const std::string tok = ds::test::data_path("qwen3_tokenizer/tokenizer.json");
+  for (const std::string& cmd : {"eval --seq-len 32 --data " + dir + "/corpus.txt", std::string("generate --prompt hi")}) {
+    EXPECT_EQ(run(cmd + " --threads 1 --device cpu --model " + fx + " --tokenizer " + tok, &log), 1) << cmd;
+    EXPECT_TRUE(contains(log, tok + " has 151669 token ids, but the model's vocab_size is 256 (" + fx +
+                         "/config.json)")) << log;
+  }
+  // A JSON parse error quotes the bytes it read escaped, never raw.
+  ds::write_file_atomic(dir + "/bin.json", "{\"hidden_size\": \"\xfe\xff\"}");
+  EXPECT_EQ(run("train " + args + " --steps 1 --model " + dir + "/bin.json --out " + dir + "/j", &log), 1);
+  EXPECT_TRUE(contains(log, dir + "/bin.json: not a model config (a config.json): invalid JSON")) << log;
+  EXPECT_TRUE(contains(log, "\\xfe")) << log;
+  EXPECT_FALSE(contains(log, "\xfe")) << log;
+  EXPECT_FALSE(contains(log, "\xff")) << log;
+  fs::remove_all(dir);
+}
+
 // 6. eval on a checkpoint whose weights blow up (finite, ~1e30 after one step at --lr 1e30) prints valid JSON with
 // null for the loss and the reason, and exits 1.
 TEST(RunSafety, EvalOfANonFiniteLossIsValidJson) {
@@ -612,6 +734,13 @@ TEST(RunSafety, EvalOfANonFiniteLossIsValidJson) {
   EXPECT_TRUE(j["perplexity"].is_null()) << line;
   EXPECT_GT(j["tokens"].get<int64_t>(), 0) << line;
   EXPECT_TRUE(contains(j["error"].get<std::string>(), "non-finite")) << line;
+  // Issue 25 item 7: generate on the same weights refuses to print tokens sampled from those logits (exit 1).
+  for (const char* temperature : {"0", "1"}) {
+    EXPECT_EQ(run(std::string("generate --threads 1 --device cpu --max-new-tokens 5 --temperature ") + temperature +
+                  " --prompt ROMEO: --model " + dir + "/a/checkpoint-1", &out), 1) << out;
+    EXPECT_TRUE(contains(out, "error: generate: the model's logits after ")) << out;
+    EXPECT_TRUE(contains(out, "are not finite")) << out;
+  }
   fs::remove_all(dir);
 }
 

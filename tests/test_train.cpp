@@ -176,7 +176,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   cli.given.push_back("lr");
   expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "--lr cannot change on --resume");
   old.erase("seq_len");
-  expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "st.json: bad or missing training option");
+  expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "st.json: field \"options.seq_len\" is missing");
 
   ds::TrainOptions bad;
   bad.beta2 = 1.0;
@@ -432,6 +432,38 @@ TEST(Train, NanGuardAndBadInputs) {
   EXPECT_FALSE(fs::exists(dir + "/b16r"));  // before --out is made
   EXPECT_EQ(run("train --resume " + dir + "/b16 --out " + dir + "/b16r --device cpu --optimizer-state fp32 --threads 1"),
             0);
+  fs::remove_all(dir);
+}
+
+// Issue 25 item 17: a micro-batch past the 32-bit token indices, or a model / micro-batch the host memory cannot
+// hold on the CPU engine, is refused before the data is read or any weight made, naming the flags or the config.
+TEST(Train, WhatCannotFitIsRefusedUpFront) {
+  std::string dir = tmpdir("fits");
+  const std::string args = small_setup(dir) + " --threads 1 --steps 1";
+  std::string log;
+  EXPECT_EQ(run("train " + args + " --micro-batch 1000000000 --out " + dir + "/a", &log), 1) << log;
+  EXPECT_NE(log.find("error: --micro-batch 1000000000 x --seq-len 32 is more than 2147483647 tokens per micro-batch"),
+            std::string::npos) << log;
+  EXPECT_EQ(run("train " + args + " --seq-len 4096 --micro-batch 1000000 --out " + dir + "/b", &log), 1) << log;
+  EXPECT_NE(log.find("error: --micro-batch 1000000 x --seq-len 4096 is more than"), std::string::npos) << log;
+  // 2^30 tokens of 16 + 2 x 32 fp32 activations in each of the 4 layers: 1.25 TiB, more than any test machine.
+  EXPECT_EQ(run("train " + args + " --seq-len 1024 --micro-batch 1048576 --out " + dir + "/c", &log), 1) << log;
+  EXPECT_NE(log.find("error: --micro-batch 1048576 x --seq-len 1024 (1073741824 tokens) needs at least 1280."),
+            std::string::npos) << log;
+  EXPECT_NE(log.find("GiB of host memory on the CPU engine"), std::string::npos) << log;
+  // 65536 layers at hidden 4096: about 11 trillion parameters.
+  json c = json::parse(ds::read_file(dir + "/config.json"));
+  c["num_hidden_layers"] = 65536;
+  c["hidden_size"] = 4096;
+  c["intermediate_size"] = 12288;
+  c.erase("layer_types");
+  ds::write_file_atomic(dir + "/huge.json", c.dump());
+  EXPECT_EQ(run("train " + args + " --model " + dir + "/huge.json --out " + dir + "/d", &log), 1) << log;
+  EXPECT_NE(log.find("error: the model (" + dir + "/huge.json: "), std::string::npos) << log;
+  EXPECT_NE(log.find("num_hidden_layers 65536, hidden_size 4096"), std::string::npos) << log;
+  EXPECT_NE(log.find("of host memory for the CPU engine's weights, gradients and AdamW moments alone"),
+            std::string::npos) << log;
+  for (const char* out : {"a", "b", "c", "d"}) EXPECT_FALSE(fs::exists(dir + "/" + out + "/metrics.jsonl")) << out;
   fs::remove_all(dir);
 }
 

@@ -191,7 +191,8 @@ int main(int argc, char** argv) {
   // ranks it names the rank, and the run stops on every rank (no rank is left waiting in a collective).
   // Before train() opened the communicator, a failing rank just exits 1 and its launcher ends the others.
   ds::dist::LaunchInfo launch;
-  auto error = [&launch](const std::string& what) {
+  auto error = [&launch](const std::string& message) {
+    const std::string what = ds::printable(message);  // bytes of a user's file or argument quoted in it: escaped
     ds::dist::Communicator& w = ds::dist::world();
     if (w.world() == 1 && launch.world == 1 && w.backend() == "single") {
       ds::detail::log_line("error: " + what + "\n");

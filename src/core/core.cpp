@@ -20,6 +20,40 @@ extern "C" void openblas_set_num_threads(int);
 
 namespace ds {
 
+std::string printable(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  const auto* p = reinterpret_cast<const unsigned char*>(text.data());
+  for (size_t i = 0, n = text.size(); i < n;) {
+    const unsigned char c = p[i];
+    // The length of a valid UTF-8 sequence starting at i (RFC 3629: no overlong forms, no surrogates, <= U+10FFFF).
+    size_t len = 0;
+    if (c >= 0x20 && c < 0x7f) len = 1;
+    else if (c == '\n' || c == '\t') len = 1;
+    else if (c >= 0xc2 && c <= 0xdf) len = 2;
+    else if (c >= 0xe0 && c <= 0xef) len = 3;
+    else if (c >= 0xf0 && c <= 0xf4) len = 4;
+    bool ok = len > 0 && i + len <= n;
+    for (size_t k = 1; ok && k < len; ++k) ok = (p[i + k] & 0xc0) == 0x80;
+    if (ok && len >= 3) {
+      const unsigned char c1 = p[i + 1];
+      ok = !(c == 0xe0 && c1 < 0xa0) && !(c == 0xed && c1 >= 0xa0) && !(c == 0xf0 && c1 < 0x90) &&
+           !(c == 0xf4 && c1 >= 0x90);
+    }
+    if (ok) {
+      out.append(text.substr(i, len));
+      i += len;
+    } else {
+      static const char* hex = "0123456789abcdef";
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+      ++i;
+    }
+  }
+  return out;
+}
+
 static LogLevel parse_log_level() {
   const char* v = std::getenv("DELTASTACK_LOG");
   if (!v) return LogLevel::Info;

@@ -178,6 +178,11 @@ LabelledText parse_sample(const json& line) {
   return render_qwen3_chat(msgs, opt);
 }
 
+void check_chat_tokens(const Tokenizer& tok) {
+  for (const char* marker : {"<|im_start|>", "<|im_end|>"})
+    tok.required_id(marker, "the chat template (conversation samples, generate --chat)", true);
+}
+
 TokenizedSample tokenize_sample(const Tokenizer& tok, const LabelledText& sample) {
   TokenizedSample out;
   if (!sample.masked) {
@@ -200,6 +205,7 @@ TokenizedSample tokenize_sample(const Tokenizer& tok, const LabelledText& sample
     piece(sample.text.size(), 0);
     return out;
   }
+  check_chat_tokens(tok);  // a conversation: its turn markers must be single tokens
   std::vector<TokenOffset> offsets;
   out.ids = tok.encode_with_offsets(sample.text, offsets);
   out.loss_mask.assign(out.ids.size(), 0);

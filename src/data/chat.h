@@ -74,7 +74,12 @@ struct TokenizedSample {
   std::vector<int32_t> ids;
   std::vector<uint8_t> loss_mask;  // [ids.size()] or empty (all labelled)
 };
-// Tokenizes `sample.text` (ids = Tokenizer::encode) and builds its mask. Errors as Tokenizer::encode.
+// Tokenizes `sample.text` (ids = Tokenizer::encode) and builds its mask. Errors as Tokenizer::encode, and
+// check_chat_tokens' for a rendered conversation (masked, not split_at_labels).
 TokenizedSample tokenize_sample(const Tokenizer& tok, const LabelledText& sample);
+
+// ds::Error naming the tokenizer's file and the token when it lacks <|im_start|> or <|im_end|> as added tokens: the
+// chat template's turns would be encoded as plain text, and the labels would cut through merged tokens.
+void check_chat_tokens(const Tokenizer& tok);
 
 }  // namespace ds

@@ -81,6 +81,9 @@ bool line_space(char c) { return c == ' ' || c == '\t' || c == '\r'; }
 DocumentReader::DocumentReader(std::string file, TxtSplit split, size_t block_bytes)
     : file_(std::move(file)), split_(split), block_(std::max<size_t>(1, block_bytes)) {
   std::error_code ec;
+  DS_CHECK(!std::filesystem::is_directory(file_, ec) || std::filesystem::exists(file_ + "/index.json", ec),
+           "{}: a directory, not a data file; give the .txt / .jsonl files in it (or tokenize them into a dataset "
+           "directory with `deltastack tokenize --format dataset` for `train --data DIR`)", file_);
   DS_CHECK(!std::filesystem::is_directory(file_, ec), "{}: is a directory; a pre-tokenized dataset directory "
            "(`deltastack tokenize --format dataset`) is read by `train --data DIR` alone, other commands take .txt / "
            ".jsonl files", file_);
@@ -169,7 +172,7 @@ void DocumentReader::parse(std::string_view text, std::vector<LabelledText>& out
       try {
         j = nlohmann::json::parse(line);
       } catch (const nlohmann::json::exception& e) {
-        fail("{}:{}: invalid JSON ({})", file_, lineno, e.what());
+        fail("{}:{}: invalid JSON ({})", file_, lineno, printable(e.what()));
       }
       LabelledText sample;
       try {
@@ -197,6 +200,10 @@ std::vector<LabelledText> read_documents(const std::vector<std::string>& files, 
     while (r.next(part)) docs.insert(docs.end(), std::make_move_iterator(part.begin()), std::make_move_iterator(part.end()));
   }
   return docs;
+}
+
+int32_t document_separator(const Tokenizer& tok) {
+  return tok.required_id("<|endoftext|>", "packing documents (the separator after each one)");
 }
 
 std::vector<TokenizedSample> tokenize_documents(const Tokenizer& tok, const std::vector<LabelledText>& docs,
@@ -327,6 +334,19 @@ bool any_labelled_target(const TokenStore& store, int64_t doc_begin, int64_t doc
   return false;
 }
 
+void require_labelled_target(const TokenStore& store, int64_t doc_begin, int64_t doc_end, const std::string& what,
+                             const std::string& use) {
+  DS_CHECK(any_labelled_target(store, doc_begin, doc_end), "data: none of the {} {} has a labelled token (chat "
+           "samples label only the assistant turns, prompt / completion pairs only the completion): there is nothing "
+           "to {}", doc_end - doc_begin, what, use);
+}
+
+void check_vocab(const Tokenizer& tok, const ModelConfig& cfg) {
+  DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "{} has {} token ids, but the model's vocab_size is {} ({}): the "
+           "tokenizer and the model do not belong together (give the model's own tokenizer.json)", tok.source(),
+           tok.vocab_size(), cfg.vocab_size, cfg.source);
+}
+
 namespace {
 
 std::vector<TokenizedSample> unmasked(const std::vector<std::vector<int32_t>>& docs) {
@@ -382,27 +402,45 @@ void PackedDataset::index_windows(int64_t doc_begin, int64_t doc_end) {
 }
 
 PackedBatch PackedDataset::batch(const std::vector<int64_t>& windows) const {
-  PackedBatch b;
-  b.cu_seqlens.push_back(0);
-  const TokenStore& s = *store_;
-  const bool labels = s.has_labels();
+  int64_t n = 0;
   for (int64_t w : windows) {
     DS_CHECK(w >= 0 && w < num_windows_, "data: window {} out of range", w);
-    const int64_t begin = base_ + w * seq_len_, end = std::min(end_, begin + seq_len_);
-    // The first document start after position t (the last entry is end_, so one always exists for t < end_).
-    auto it = std::upper_bound(starts_.begin(), starts_.end(), begin);
-    for (int64_t t = begin; t < end; ++t) {
-      if (t == *it) {
-        b.cu_seqlens.push_back(static_cast<int32_t>(b.input_ids.size()));
-        it = std::upper_bound(it, starts_.end(), t);
-      }
-      b.input_ids.push_back(s.token(t));
-      const bool next_same = t + 1 < *it;
-      const bool labelled = !labels || (next_same && s.label(t + 1));
-      b.targets.push_back(next_same && labelled ? s.token(t + 1) : -100);
-    }
-    b.cu_seqlens.push_back(static_cast<int32_t>(b.input_ids.size()));
+    n += std::min(end_, base_ + (w + 1) * seq_len_) - (base_ + w * seq_len_);
   }
+  // Sized first and filled in place: the reads of the store run inside read_guarded, which allocates nothing.
+  PackedBatch b;
+  b.input_ids.resize(static_cast<size_t>(n));
+  b.targets.resize(static_cast<size_t>(n));
+  b.cu_seqlens.resize(static_cast<size_t>(n) + windows.size() + 1);  // a start per token at most, an end per window
+  const TokenStore& s = *store_;
+  const bool labels = s.has_labels();
+  size_t segs = 0;
+  s.read_guarded([&] {
+    int32_t* ids = b.input_ids.data();
+    int32_t* targets = b.targets.data();
+    int32_t* cu = b.cu_seqlens.data();
+    int32_t at = 0;
+    size_t k = 0;
+    cu[k++] = 0;
+    for (int64_t w : windows) {
+      const int64_t begin = base_ + w * seq_len_, end = std::min(end_, begin + seq_len_);
+      // The first document start after position t (the last entry is end_, so one always exists for t < end_).
+      auto it = std::upper_bound(starts_.begin(), starts_.end(), begin);
+      for (int64_t t = begin; t < end; ++t, ++at) {
+        if (t == *it) {
+          cu[k++] = at;
+          it = std::upper_bound(it, starts_.end(), t);
+        }
+        ids[at] = s.token(t);
+        const bool next_same = t + 1 < *it;
+        const bool labelled = !labels || (next_same && s.label(t + 1));
+        targets[at] = next_same && labelled ? s.token(t + 1) : -100;
+      }
+      cu[k++] = at;
+    }
+    segs = k;
+  });
+  b.cu_seqlens.resize(segs);
   s.windows_read(static_cast<int64_t>(windows.size()));
   b.finalize("data batch");
   return b;

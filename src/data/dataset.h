@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "data/batch.h"
+#include "core/error.h"
 #include "data/chat.h"
 #include "data/tokenizer.h"
 
@@ -68,11 +70,22 @@ class DocumentReader {
 std::vector<TokenizedSample> tokenize_documents(const Tokenizer& tok, const std::vector<LabelledText>& docs,
                                                 int32_t eos);
 
+// The id of <|endoftext|>, the separator tokenize_documents appends to every document for training, eval and
+// `tokenize --format dataset`; ds::Error naming the tokenizer's file when it has none (the documents would be
+// packed into one another with nothing between them).
+int32_t document_separator(const Tokenizer& tok);
+
 // A 64-bit FNV-1a hash of tokenized documents (their count, each one's length and ids, and the loss mask of each
 // masked one), as 16 hex digits: what a checkpoint saves to tell whether a resume trains on the same data.
 // Documents without masks hash as the ids-only overload.
 std::string documents_fingerprint(const std::vector<std::vector<int32_t>>& docs);
 std::string documents_fingerprint(const std::vector<TokenizedSample>& docs);
+
+// A data file that changed under a running reader (a memory-mapped shard truncated or replaced in place): what
+// TokenStore::read_guarded throws, naming the file. The trainer saves the weights of the last complete step on it.
+struct DataChangedError : Error {
+  using Error::Error;
+};
 
 // A token stream with document boundaries and optional labels: either held in memory (built from tokenized
 // documents) or the read-only memory-mapped shards of a pre-tokenized dataset directory (data/token_dataset.h).
@@ -96,6 +109,11 @@ class TokenStore {
   // (about 2 MB each: the binary search of the document offsets and the ids, with the kernel's fault-around), so
   // that a long run's resident pages stay bounded instead of growing towards the dataset's size. Thread-safe.
   virtual void windows_read(int64_t windows) const { (void)windows; }
+  // Runs `reads` (reads of this store into memory the caller allocated: it must neither allocate nor hold objects
+  // with destructors, since a mapped store leaves it at the faulting read). A mapped store whose file was truncated
+  // or replaced in place under it (a bus error on a page past the file's new end) throws DataChangedError naming the
+  // file instead of the process dying of SIGBUS; in memory it just calls `reads`.
+  virtual void read_guarded(const std::function<void()>& reads) const { reads(); }
 
  protected:
   int64_t num_tokens_ = 0, shard_ = 1, num_docs_ = 0;
@@ -122,6 +140,14 @@ class MemoryTokenStore : public TokenStore {
 std::string documents_fingerprint(const TokenStore& store, int64_t doc_begin, int64_t doc_end);
 // Whether any of documents [doc_begin, doc_end) has a token after its first that is labelled (something to train on).
 bool any_labelled_target(const TokenStore& store, int64_t doc_begin, int64_t doc_end);
+// ds::Error unless any_labelled_target: "data: none of the N `what` has a labelled token (chat samples label only
+// the assistant turns, ...): there is nothing to `use`" (a loss over no target is 0 / 0).
+void require_labelled_target(const TokenStore& store, int64_t doc_begin, int64_t doc_end, const std::string& what,
+                             const std::string& use);
+
+// ds::Error naming the tokenizer's file and the model's config when the tokenizer has ids the model's vocabulary
+// lacks (tok.vocab_size() > cfg.vocab_size): they were not made for each other.
+void check_vocab(const Tokenizer& tok, const ModelConfig& cfg);
 
 // The token stream of all documents cut into windows of seq_len tokens. Window w covers stream positions
 // [w*seq_len, (w+1)*seq_len) (the last partial window is dropped unless it is the only one); its cu_seqlens

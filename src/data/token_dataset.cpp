@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <fcntl.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <mutex>
 
 #include "core/error.h"
 #include "core/files.h"
@@ -231,12 +234,124 @@ std::string name(const json& j, const char* key, const std::string& file, const 
 
 }  // namespace
 
+// ---- bus errors on the mappings (MappedTokenStore::read_guarded)
+
+namespace {
+
+// The live stores' mappings, for the SIGBUS handler: a fixed table (no allocation in the handler), each slot a
+// store's list of mappings or null. A store registers before its first mapping (its constructor's checks read them)
+// and unregisters before it unmaps them. A bus error inside read_guarded jumps back there (t_guard of the faulting
+// thread: SIGBUS from a fault goes to the thread that faulted); anywhere else it ends the process with the file's name.
+// Why not pread copies of every batch instead: the scans at start (fingerprints, check_ids, the window index) read
+// the whole mapping too, and a truncation during them would still kill the process; the handler covers every read.
+constexpr int kStoreSlots = 64;
+std::atomic<const std::vector<MappedTokenStore::Map>*> g_stores[kStoreSlots];
+
+struct ReadGuard {
+  sigjmp_buf env;
+  const MappedTokenStore::Map* hit = nullptr;
+  uintptr_t offset = 0;
+};
+thread_local ReadGuard* t_guard = nullptr;
+struct sigaction g_previous{};
+
+void write_stderr(const char* s) {
+  for (size_t n = std::strlen(s); n > 0;) {
+    const ssize_t w = ::write(2, s, n);
+    if (w <= 0) return;
+    s += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void on_sigbus(int sig, siginfo_t* info, void* context) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(info->si_addr);
+  for (auto& slot : g_stores) {
+    const std::vector<MappedTokenStore::Map>* maps = slot.load(std::memory_order_acquire);
+    if (!maps) continue;
+    for (const MappedTokenStore::Map& m : *maps) {
+      const uintptr_t p = reinterpret_cast<uintptr_t>(m.p);
+      if (a < p || a - p >= m.n) continue;
+      if (t_guard) {
+        t_guard->hit = &m;
+        t_guard->offset = a - p;
+        siglongjmp(t_guard->env, 1);
+      }
+      write_stderr("error: ");
+      write_stderr(m.file.c_str());
+      write_stderr(": the file changed while deltastack read it (truncated or replaced in place under its memory "
+                   "mapping: a bus error); nothing was trained yet. Restore the dataset (or tokenize it again) and "
+                   "start again\n");
+      ::_exit(1);
+    }
+  }
+  // Not a mapping of ours: the previous handler, or the default action (the faulting read runs again and kills).
+  if (g_previous.sa_flags & SA_SIGINFO) {
+    if (g_previous.sa_sigaction) return g_previous.sa_sigaction(sig, info, context);
+  } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN && g_previous.sa_handler) {
+    return g_previous.sa_handler(sig);
+  }
+  ::signal(SIGBUS, SIG_DFL);
+}
+
+void register_store(const std::vector<MappedTokenStore::Map>* maps) {
+  static std::once_flag installed;
+  std::call_once(installed, [] {
+    struct sigaction sa{};
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGBUS, &sa, &g_previous);
+  });
+  for (auto& slot : g_stores) {
+    const std::vector<MappedTokenStore::Map>* none = nullptr;
+    if (slot.compare_exchange_strong(none, maps)) return;
+  }
+  fail("data: more than {} dataset directories open at once", kStoreSlots);
+}
+
+void unregister_store(const std::vector<MappedTokenStore::Map>* maps) {
+  for (auto& slot : g_stores) {
+    const std::vector<MappedTokenStore::Map>* mine = maps;
+    if (slot.compare_exchange_strong(mine, nullptr)) return;
+  }
+}
+
+}  // namespace
+
+MappedTokenStore::Registration::Registration(const std::vector<Map>* maps) : maps_(maps) { register_store(maps); }
+void MappedTokenStore::Registration::reset() {
+  if (maps_) unregister_store(maps_);
+  maps_ = nullptr;
+}
+
+void MappedTokenStore::read_guarded(const std::function<void()>& reads) const {
+  ReadGuard guard;
+  ReadGuard* const outer = t_guard;
+  if (sigsetjmp(guard.env, 1) == 0) {  // 1: the signal mask (SIGBUS blocked in the handler) comes back on the jump
+    t_guard = &guard;
+    reads();
+    t_guard = outer;
+    return;
+  }
+  t_guard = outer;
+  throw DataChangedError(fmt::format(
+      "{}: the file changed while the run read it (truncated or replaced in place: a bus error at byte {} of its {} "
+      "mapped bytes); the dataset in {} must not change while a run reads it (tokenize into a new directory instead)",
+      guard.hit->file, guard.offset, guard.hit->n, dir_));
+}
+
 const void* MappedTokenStore::map(const std::string& file, size_t expect_bytes, const std::string& field_name) {
   const std::string path = dir_ + "/" + file;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // a FIFO: refused below, not waited on
   DS_CHECK(fd >= 0, "{}: cannot open ({}), named by {}/index.json field \"{}\"", path, std::strerror(errno), dir_,
            field_name);
   struct stat st{};
+  if (::fstat(fd, &st) == 0 && !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail("{}: not a regular file ({}), named by {}/index.json field \"{}\"", path,
+         S_ISDIR(st.st_mode) ? "a directory" : "a device, pipe or socket", dir_, field_name);
+  }
   if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != expect_bytes) {
     ::close(fd);
     fail("{}: {} bytes, but {}/index.json field \"{}\" says {} (a truncated or foreign file)", path,
@@ -250,7 +365,7 @@ const void* MappedTokenStore::map(const std::string& file, size_t expect_bytes, 
   const int err = errno;
   ::close(fd);
   DS_CHECK(p != MAP_FAILED, "{}: mmap failed ({})", path, std::strerror(err));
-  maps_.push_back({p, expect_bytes});
+  maps_.push_back({p, expect_bytes, path});
   return p;
 }
 
@@ -260,7 +375,7 @@ MappedTokenStore::MappedTokenStore(const std::string& dir) : dir_(dir) {
   try {
     index_ = json::parse(text);
   } catch (const json::exception& e) {
-    fail("{}: invalid JSON ({})", ix, e.what());
+    fail("{}: invalid JSON ({})", ix, printable(e.what()));
   }
   DS_CHECK(index_.is_object(), "{}: not a JSON object", ix);
   DS_CHECK(field(index_, "format", json::value_t::string, ix, "").get<std::string>() == kDatasetFormat,
@@ -344,6 +459,7 @@ void MappedTokenStore::release_pages() const {
 }
 
 MappedTokenStore::~MappedTokenStore() {
+  registration_.reset();  // before the mappings go
   for (const Map& m : maps_) ::munmap(m.p, m.n);
 }
 

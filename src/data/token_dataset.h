@@ -85,15 +85,33 @@ class MappedTokenStore : public TokenStore {
   void check_ids(int64_t vocab_size) const;
   void release_pages() const override;
   void windows_read(int64_t windows) const override;
+  // A read of a page past the new end of a mapped file that was truncated in place raises SIGBUS. The store's
+  // handler (installed with the first store, for the process) looks the address up in the live stores' mappings:
+  // inside read_guarded it jumps back there (siglongjmp) and DataChangedError names the file; in any other read (the
+  // scans at start: fingerprints, check_ids) it writes "error: FILE changed ..." to stderr and exits 1 (nothing is
+  // trained yet then). A bus error outside every mapping keeps its default action.
+  void read_guarded(const std::function<void()>& reads) const override;
+
+  struct Map {
+    void* p = nullptr;
+    size_t n = 0;
+    std::string file;
+  };
 
  private:
   std::string dir_;
   nlohmann::json index_;
-  struct Map {
-    void* p = nullptr;
-    size_t n = 0;
-  };
   std::vector<Map> maps_;
+  // The SIGBUS handler's view of maps_, from before the first mapping (the constructor's checks read them) until
+  // the destructor unmaps them, or the constructor fails.
+  struct Registration {
+    explicit Registration(const std::vector<Map>* maps);
+    ~Registration() { reset(); }
+    Registration(const Registration&) = delete;
+    Registration& operator=(const Registration&) = delete;
+    void reset();
+    const std::vector<Map>* maps_;
+  } registration_{&maps_};
   mutable std::atomic<int64_t> windows_read_{0};
   std::vector<std::string> token_files_;
   const void* map(const std::string& file, size_t expect_bytes, const std::string& field);

@@ -599,6 +599,7 @@ std::string get_type(const json& j, const std::string& where, const std::string&
 
 struct Tokenizer::Impl {
   uint64_t serial = 0;
+  std::string source;  // the file (or the name standing for it) in error messages
   bool nfc = false;
   bool ignore_merges = false;
   std::vector<std::unique_ptr<Regex>> splits;  // applied in order, then BPE
@@ -795,7 +796,7 @@ Tokenizer Tokenizer::from_json_string(std::string text, const std::string& path)
   try {
     root = json::parse(text);
   } catch (const json::exception& e) {
-    fail("{}: invalid JSON ({})", path, e.what());
+    fail("{}: invalid JSON ({})", path, printable(e.what()));
   }
   if (!root.is_object()) fail("{}: expected a JSON object at the top level", path);
   text.clear();
@@ -804,6 +805,7 @@ Tokenizer Tokenizer::from_json_string(std::string text, const std::string& path)
   Tokenizer tok;
   Impl& im = *tok.impl_;
   im.serial = g_tokenizer_serial.fetch_add(1);
+  im.source = path;
   const ByteLevelMap& bl = byte_level();
 
   if (auto it = root.find("truncation"); it != root.end() && !it->is_null())
@@ -1134,11 +1136,20 @@ std::string Tokenizer::decode(const std::vector<int32_t>& ids) const {
 }
 
 int64_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
+const std::string& Tokenizer::source() const { return impl_->source; }
 
 int32_t Tokenizer::token_to_id(std::string_view token) const {
   if (auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end()) return it->second;
   if (auto it = impl_->vocab.find(token); it != impl_->vocab.end()) return it->second;
   return -1;
+}
+
+int32_t Tokenizer::required_id(std::string_view token, std::string_view needed_for, bool matched_in_text) const {
+  if (auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end()) return it->second;
+  const int32_t id = matched_in_text ? -1 : token_to_id(token);
+  DS_CHECK(id >= 0, "{}: the tokenizer has no {} token{}, which {} needs (use a tokenizer.json that has it, e.g. the "
+           "bundled Qwen3 one)", impl_->source, token, matched_in_text ? " in \"added_tokens\"" : "", needed_for);
+  return id;
 }
 
 std::string Tokenizer::id_to_token(int32_t id) const {

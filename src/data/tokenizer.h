@@ -37,8 +37,14 @@ class Tokenizer {
   std::string decode(const std::vector<int32_t>& ids) const;
 
   int64_t vocab_size() const;                       // max id + 1 (model vocab and added tokens)
+  const std::string& source() const;                // the file it was read from (the name given), for messages
   int32_t token_to_id(std::string_view token) const;  // -1 if unknown
   std::string id_to_token(int32_t id) const;          // "" if unknown
+  // The id of a special token something depends on (token_to_id), or ds::Error naming the tokenizer's file, the
+  // token and `needed_for` (what needs it) when the tokenizer lacks it. With matched_in_text the token must be one of
+  // "added_tokens" (matched whole before normalisation, so that encode gives its one id wherever the text holds it,
+  // as the chat template's markers need); a plain vocabulary entry of that spelling does not count.
+  int32_t required_id(std::string_view token, std::string_view needed_for, bool matched_in_text = false) const;
 
  private:
   struct Impl;

@@ -222,11 +222,13 @@ ModelConfig ModelConfig::from_file(const std::string& path) {
   std::string file = path;
   if (std::filesystem::is_directory(path)) file = (std::filesystem::path(path) / "config.json").string();
   DS_CHECK(file_exists(file), "{}: config file not found", file);
+  DS_CHECK(!file.ends_with(".safetensors"), "{}: a safetensors weights file, not a model config; give the checkpoint "
+           "directory that holds it beside its config.json (or a config.json)", file);
   json j;
   try {
     j = json::parse(read_file(file));
   } catch (const json::exception& e) {
-    fail("{}: invalid JSON ({})", file, e.what());
+    fail("{}: not a model config (a config.json): invalid JSON ({})", file, printable(e.what()));
   }
   return from_json(j, file);
 }

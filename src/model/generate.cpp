@@ -45,6 +45,16 @@ int32_t sample_token(const std::vector<float>& logits, int64_t usable, const Sam
   return order[static_cast<size_t>(k - 1)];
 }
 
+void check_finite_logits(const std::vector<float>& logits, int64_t usable, int64_t position) {
+  const int64_t n = std::min<int64_t>(usable, static_cast<int64_t>(logits.size()));
+  const auto bad = std::find_if(logits.begin(), logits.begin() + n, [](float x) { return !std::isfinite(x); });
+  if (bad == logits.begin() + n) return;
+  const int64_t count = std::count_if(bad, logits.begin() + n, [](float x) { return !std::isfinite(x); });
+  fail("generate: the model's logits after {} tokens are not finite ({} of {}, the first at id {}: {}); the "
+       "checkpoint's weights overflow (eval reports the same as a non-finite loss), so nothing is sampled from them",
+       position, count, n, bad - logits.begin(), *bad);
+}
+
 NextLogits decode_logits(Qwen35Model& model) {
   auto state = std::make_shared<Qwen35Model::DecodeState>();
   return [&model, state](const std::vector<int32_t>& ids) {
@@ -72,7 +82,9 @@ std::vector<int32_t> generate_tokens(const NextLogits& next, const std::vector<i
   Rng rng(o.seed);
   std::vector<int32_t> ids = prompt, generated;
   for (int64_t n = 0; n < o.max_new_tokens; ++n) {
-    const int32_t id = sample_token(next(ids), o.usable, o.sampling, rng);
+    const std::vector<float> logits = next(ids);
+    check_finite_logits(logits, o.usable, static_cast<int64_t>(ids.size()));
+    const int32_t id = sample_token(logits, o.usable, o.sampling, rng);
     if (std::find(o.stop_ids.begin(), o.stop_ids.end(), id) != o.stop_ids.end()) break;
     ids.push_back(id);
     generated.push_back(id);

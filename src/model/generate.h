@@ -32,6 +32,11 @@ void check_sampling(const SamplingOptions& o);
 // for usable outside [1, logits.size()].
 int32_t sample_token(const std::vector<float>& logits, int64_t usable, const SamplingOptions& o, Rng& rng);
 
+// ds::Error when any of logits[0, usable) (the ids that may be sampled) is NaN or infinite: sampling from them
+// would print tokens of garbage (greedy picks the first NaN, a softmax of inf is NaN). `position` is the number of
+// tokens the logits follow (for the message).
+void check_finite_logits(const std::vector<float>& logits, int64_t usable, int64_t position);
+
 // The logits [vocab_size] after the last of `ids` (the whole sequence so far: prompt + generated; each call's ids
 // extend the previous call's by the tokens generated since).
 using NextLogits = std::function<std::vector<float>(const std::vector<int32_t>& ids)>;
@@ -49,7 +54,8 @@ struct GenerateOptions {
   uint64_t seed = 0;
 };
 // Samples up to max_new_tokens ids after `prompt` (not empty) and returns them; on_token (if set) sees the ids
-// generated so far after each one (streaming). The same seed, logits and options give the same ids on either source.
+// generated so far after each one (streaming); ds::Error (check_finite_logits) at the first step whose logits are
+// not finite, after the tokens already streamed. The same seed, logits and options give the same ids on either source.
 std::vector<int32_t> generate_tokens(const NextLogits& next, const std::vector<int32_t>& prompt,
                                      const GenerateOptions& o,
                                      const std::function<void(const std::vector<int32_t>&)>& on_token = {});

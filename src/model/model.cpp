@@ -2,6 +2,8 @@
 
 #include <memory>
 #include <set>
+#include <string_view>
+#include <unordered_map>
 
 #include <algorithm>
 #include <cmath>
@@ -81,10 +83,12 @@ std::vector<ParamSpec> qwen35_params(const ModelConfig& c) {
 }
 
 std::vector<ParamUnit> param_units(const ModelConfig& c, const std::vector<ParamSpec>& params) {
+  std::unordered_map<std::string_view, int64_t> offsets;  // one pass: a scan per layer is quadratic in the layers
+  for (const ParamSpec& p : params) offsets.emplace(p.name, p.offset);
   auto offset_of = [&](const std::string& name) {
-    for (const ParamSpec& p : params)
-      if (p.name == name) return p.offset;
-    fail("param_units: no parameter {}", name);
+    const auto it = offsets.find(name);
+    DS_CHECK(it != offsets.end(), "param_units: no parameter {}", name);
+    return it->second;
   };
   // Each unit starts at its first tensor (qwen35_params' order) and ends where the next one starts.
   std::vector<int64_t> starts{offset_of("model.embed_tokens.weight")};

@@ -98,7 +98,7 @@ SavedCheckpoint read_checkpoint_state(const std::string& dir) {
   try {
     st = json::parse(read_file(c.path));
   } catch (const json::exception& e) {
-    fail("{}: invalid JSON ({})", c.path, e.what());
+    fail("{}: invalid JSON ({})", c.path, printable(e.what()));
   }
   DS_CHECK(st.is_object() && st.contains("options") && st.contains("step"), "{}: missing \"options\" or \"step\"",
            c.path);

@@ -202,14 +202,32 @@ std::string resumable_flags() {
 
 TrainOptions resumed_options(const TrainOptions& cli, const nlohmann::json& saved, const std::string& src) {
   TrainOptions r = cli;
-  try {
-    for (const TrainOption& e : train_options()) {
-      if (e.has(kNotSaved)) continue;
+  DS_CHECK(saved.is_object(), "{}: field \"options\" must be an object, got {}", src, saved.type_name());
+  // Each saved option is read and checked on its own, so that an error names its field (not a flag nobody gave).
+  for (const TrainOption& e : train_options()) {
+    if (e.has(kNotSaved)) continue;
+    const std::string field = "options." + e.key();
+    try {
       if (e.has(kNewerKey) && !saved.contains(e.key())) (e.set_older ? e.set_older : e.set_default)(r);
       else std::visit([&](auto m) { saved.at(e.key()).get_to(r.*m); }, e.member);
+    } catch (const nlohmann::json::exception&) {
+      if (!saved.contains(e.key())) fail("{}: field \"{}\" is missing", src, field);
+      const char* want = std::visit([](auto m) {
+        using T = std::remove_cvref_t<decltype(TrainOptions{}.*m)>;
+        return std::is_same_v<T, std::string> ? "a string" : std::is_same_v<T, bool> ? "true or false"
+               : std::is_same_v<T, std::vector<std::string>> ? "an array of strings"
+               : std::is_integral_v<T> ? "an integer" : "a number";
+      }, e.member);
+      fail("{}: field \"{}\" must be {}, got {}", src, field, want, saved[e.key()].dump());
     }
-  } catch (const nlohmann::json::exception& e) {
-    fail("{}: bad or missing training option ({})", src, e.what());
+    if (e.check && !(e.has(kResumable) && cli.was_given(e.flag))) {  // a value this command line replaces is not read
+      try {
+        e.check(r);
+      } catch (const Error& err) {
+        fail("{}: field \"{}\" is invalid: {} (the checkpoint's saved option; was the file edited?)", src, field,
+             err.what());
+      }
+    }
   }
   for (const std::string& g : cli.given)
     DS_CHECK(train_option(g).has(kResumable), "--{} cannot change on --resume: the checkpoint's options define the "

@@ -36,6 +36,7 @@
 #include "dist/cpu_bind.h"
 #include "core/cuda/device.h"
 #include "model/engine.h"
+#include "model/gpu_plan.h"
 #include "model/model.h"
 #include "ops/adamw/adamw.h"
 #include "ops/registry.h"
@@ -75,20 +76,85 @@ TrainOptions run_options(const TrainOptions& cli, const SavedCheckpoint* resumed
   return opt;
 }
 
-// The tokenizer.json a run reads: the checkpoint's own copy on --resume (so the original --tokenizer may be gone),
-// else --tokenizer. Every checkpoint gets a copy.
+// The tokenizer.json a run reads: the checkpoint's own copy on --resume (the tokenizer the run trained with; the
+// original --tokenizer may be gone or edited since, so it is never read then), else --tokenizer. Every checkpoint
+// gets a copy; a checkpoint without it is an error naming the file and the way out.
 std::string tokenizer_path(const TrainOptions& opt) {
-  if (!opt.resume.empty() && file_exists((fs::path(opt.resume) / "tokenizer.json").string()))
-    return (fs::path(opt.resume) / "tokenizer.json").string();
-  return opt.tokenizer;
+  if (opt.resume.empty()) return opt.tokenizer;
+  const std::string own = (fs::path(opt.resume) / "tokenizer.json").string();
+  DS_CHECK(file_exists(own), "--resume {}: {} is missing; a resume trains with the checkpoint's own copy of the "
+           "tokenizer its run used (options.tokenizer in trainer_state.json: {}). Put that tokenizer.json back into the "
+           "checkpoint (only the same file continues the run)", opt.resume, own, opt.tokenizer);
+  return own;
+}
+
+// Refuses at once (before the data is read and the weights made) a run whose micro-batch cannot be indexed, or
+// that cannot fit the host memory on the CPU engine, naming the flag or the config at fault. The CPU engine keeps
+// fp32 weights, gradients and two AdamW moments (16 bytes per parameter) and every activation of a micro-batch:
+// at least each layer's input and its MLP gate and up projections (4 bytes each: (hidden + 2 x intermediate) x 4
+// per token and layer), a lower bound, so a refusal is never wrong (docs/cpu_engine.md). On the GPU the same plan
+// as the engine's (`deltastack plan`) with one document per window (the fewest: the engine's plan, made once the
+// data is read, is at least as large) in the leanest modes the flags allow, with either attention kernel, must fit
+// the free device memory (docs/memory.md).
+void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::string& device,
+                const dist::Communicator& comm) {
+  constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();  // int32 token and document indices
+  DS_CHECK(opt.seq_len <= kMaxTokens / opt.micro_batch, "--micro-batch {} x --seq-len {} is more than {} tokens per "
+           "micro-batch (token and document indices are 32-bit; `deltastack plan` shows what fits)", opt.micro_batch,
+           opt.seq_len, kMaxTokens);
+  constexpr double GiB = 1073741824.0;
+  if (device == "cuda") {
+    const size_t free = cuda_free_bytes(), slack = size_t{512} << 20;  // the engine's margin (gpu_model.cpp)
+    if (free == 0) return;
+    GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, 1);
+    apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
+    if (opt.shard == "optimizer") {
+      plan.shard_rank = comm.rank();
+      plan.shard_world = comm.world();
+    }
+    size_t least = std::numeric_limits<size_t>::max();
+    for (const char* attention : {"cudnn", "simple"}) {
+      try {  // a kernel that cannot take these shapes is not one the engine would use: the other decides
+        const GpuPlan leanest = resolve_memory_modes(
+            cfg, plan, [&](const GpuMemoryPlan& q) { return q.allocation + slack < free; }, attention);
+        least = std::min(least, plan_gpu_memory(cfg, leanest, attention).allocation);
+      } catch (const Error&) {
+      }
+    }
+    if (least == std::numeric_limits<size_t>::max()) return;  // no plan at all: the engine's own error says why
+    DS_CHECK(least + slack < free, "the model ({}: {} parameters) with --micro-batch {} x --seq-len {} needs at least "
+             "{:.2f} GiB of GPU memory in the leanest memory modes{}, but {:.2f} GiB is free: lower --micro-batch "
+             "(--grad-accum keeps the step's batch) or --seq-len, or use a smaller model (`deltastack plan` shows the "
+             "breakdown)", cfg.source, cfg.num_parameters(), opt.micro_batch, opt.seq_len, (least + slack) / GiB,
+             opt.memory == "fixed" || opt.was_given("optimizer-state") || opt.was_given("recompute")
+                 ? " the flags allow" : "", free / GiB);
+    return;
+  }
+  if (device != "cpu") return;
+  const double host = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  const double state = 16.0 * static_cast<double>(cfg.num_parameters());
+  const double acts = 4.0 * static_cast<double>(opt.micro_batch * opt.seq_len) *
+                      static_cast<double>(cfg.num_hidden_layers) *
+                      static_cast<double>(cfg.hidden_size + 2 * cfg.intermediate_size);
+  if (host <= 0) return;
+  DS_CHECK(state <= host, "the model ({}: {} parameters; num_hidden_layers {}, hidden_size {}, intermediate_size {}, "
+           "vocab_size {}) needs {:.1f} GiB of host memory for the CPU engine's weights, gradients and AdamW moments "
+           "alone; this machine has {:.1f} GiB", cfg.source, cfg.num_parameters(), cfg.num_hidden_layers,
+           cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, state / GiB, host / GiB);
+  DS_CHECK(state + acts <= host, "--micro-batch {} x --seq-len {} ({} tokens) needs at least {:.1f} GiB of host "
+           "memory on the CPU engine ({:.1f} GiB of activations beside the model's {:.1f} GiB of weights, gradients "
+           "and moments); this machine has {:.1f} GiB: lower --micro-batch (--grad-accum keeps the step's batch)",
+           opt.micro_batch, opt.seq_len, opt.micro_batch * opt.seq_len, (state + acts) / GiB, acts / GiB, state / GiB,
+           host / GiB);
 }
 
 // The host model: the checkpoint's config and weights on --resume, an HF checkpoint's for --model DIR, else seeded
 // init.
-Qwen35Model build_model(const TrainOptions& opt) {
+Qwen35Model build_model(const TrainOptions& opt, const std::string& device, const dist::Communicator& comm) {
   const ModelConfig cfg = opt.resume.empty() ? ModelConfig::resolve(opt.model) : ModelConfig::from_file(opt.resume);
   DS_CHECK(opt.seq_len <= cfg.max_position_embeddings, "--seq-len {} is above the model's max_position_embeddings {}",
            opt.seq_len, cfg.max_position_embeddings);
+  check_fits(opt, cfg, device, comm);  // before any parameter is listed
   // For the GPU engine the weights are produced per parameter while it uploads them (no full host copy).
   Qwen35Model model(cfg, Qwen35Model::Deferred{});
   if (!opt.resume.empty()) model.defer_load(opt.resume);
@@ -142,9 +208,8 @@ std::shared_ptr<const TokenStore> load_store(const std::vector<std::string>& fil
 TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::string& tokenizer_json,
                     const std::string& tokenizer_file) {
   Tokenizer tok = Tokenizer::from_json_string(tokenizer_json, tokenizer_file);
-  DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "{}: tokenizer has {} ids but the model's vocab_size is {}",
-           tokenizer_file, tok.vocab_size(), cfg.vocab_size);
-  const int32_t eos = tok.token_to_id("<|endoftext|>");
+  check_vocab(tok, cfg);
+  const int32_t eos = document_separator(tok);
   const std::shared_ptr<const TokenStore> store = load_store(opt.data, "data", opt, cfg, tok, tokenizer_json, eos);
   std::shared_ptr<const TokenStore> val_store = store;
   const int64_t n_docs = store->num_documents();
@@ -162,9 +227,7 @@ TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::
   DS_CHECK(train_end > 0, "data: no training documents left after holding out {} for validation", n_val);
   // Chat / SFT data whose loss masks label nothing (only user turns, an empty completion): every step would report
   // loss 0 and still move the weights (weight decay, the moments), and the evaluation would be NaN.
-  DS_CHECK(any_labelled_target(*store, 0, train_end), "data: none of the {} training documents has a labelled token "
-           "(chat samples label only the assistant turns, prompt / completion pairs only the completion): there is "
-           "nothing to train on", train_end);
+  require_labelled_target(*store, 0, train_end, "training documents", "train on");
   TrainData d;
   d.fingerprint = {{"train_documents", train_end}, {"train_fingerprint", documents_fingerprint(*store, 0, train_end)},
                    {"val_documents", n_val},
@@ -455,14 +518,24 @@ double evaluate(Engine& engine, const std::vector<PackedBatch>& batches, dist::C
 }
 
 // Several ranks must run the same command on the same data, or their replicas drift apart (or a collective
-// hangs): rank 0's text (its options, its data's fingerprint) is compared on every rank; a rank that differs stops
-// the run, naming itself and what differs.
-void check_same_on_every_rank(dist::Communicator& comm, const std::string& what, const std::string& text) {
+// hangs): rank 0's values (its options, its data's fingerprint: a JSON object) are compared on every rank; a rank
+// that differs stops the run, naming itself and each field that differs, with both values.
+void check_same_on_every_rank(dist::Communicator& comm, const std::string& what, const json& values) {
   if (comm.world() == 1) return;
-  uint64_t mine = std::hash<std::string>{}(text), root = mine;
-  comm.broadcast(&root, sizeof root, 0);
-  DS_CHECK(mine == root, "rank {} has other {} than rank 0 (every rank must run the same `deltastack train` command "
-           "on the same files)", comm.rank(), what);
+  const std::string mine = values.dump();
+  int64_t n = static_cast<int64_t>(mine.size());
+  comm.broadcast(&n, sizeof n, 0);
+  std::string root = comm.is_root() ? mine : std::string(static_cast<size_t>(n), '\0');
+  comm.broadcast(root.data(), n, 0);
+  if (root == mine) return;
+  const json theirs = json::parse(root, nullptr, false);
+  std::vector<std::string> differ;
+  for (const auto& [k, v] : values.items())
+    if (!theirs.is_object() || theirs.value(k, json()) != v)
+      differ.push_back(fmt::format("{} is {} here, {} on rank 0", k, v.dump(),
+                                   theirs.is_object() ? theirs.value(k, json()).dump() : "?"));
+  fail("rank {} has other {} than rank 0 ({}; every rank must run the same `deltastack train` command on the same "
+       "files)", comm.rank(), what, fmt::join(differ, "; "));
 }
 
 // Rank 0's value of a flag on every rank (decisions only rank 0 can make: what its files say).
@@ -494,6 +567,7 @@ int train(TrainOptions cli) {
   std::optional<SavedCheckpoint> resumed;
   if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
   TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
+  const std::string tokenizer_file = tokenizer_path(opt);  // a checkpoint without its tokenizer.json: an error now
   const std::string device = resolve_device(opt.device);  // "cpu" | "cuda": the engine make_engine will build
   // The communicator of this launch for the engine it runs (MPI: CPU ranks; NCCL: GPU ranks, also one rank under
   // torchrun or mpirun), opened once the options (a resume's device included) are known; tests that call train()
@@ -515,11 +589,14 @@ int train(TrainOptions cli) {
              resumed->state.world_size, comm.world(), opt.grad_accum, per_step / comm.world(), per_step);
     opt.grad_accum = per_step / comm.world();
   }
-  check_same_on_every_rank(comm, "options", options_to_json(opt).dump() + "\n" + opt.resume + "\n" + opt.out +
-                                                "\n" + opt.shard);
+  json same = options_to_json(opt);
+  same["resume"] = opt.resume;
+  same["out"] = opt.out;
+  same["shard"] = opt.shard;
+  check_same_on_every_rank(comm, "options", same);
   // GPU ranks that overlap the all-reduce and ranks that do not would issue different NCCL collectives (a hang).
   if (comm.on_device())
-    check_same_on_every_rank(comm, "DELTASTACK_DP_OVERLAP", engine_knob("DELTASTACK_DP_OVERLAP") ? "1" : "0");
+    check_same_on_every_rank(comm, "DELTASTACK_DP_OVERLAP", {{"DELTASTACK_DP_OVERLAP", engine_knob("DELTASTACK_DP_OVERLAP")}});
   if (opt.shard == "optimizer" && comm.world() == 1 && comm.on_device())
     log_info("--shard optimizer with one rank: the sharded path over one share (the whole state)");
   else if (opt.shard != "none" && comm.world() == 1)
@@ -543,13 +620,15 @@ int train(TrainOptions cli) {
   // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
   // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
   check_out_is_no_checkpoint(opt.out);
+  std::error_code ec;
+  DS_CHECK(!fs::is_symlink(opt.out, ec) || fs::exists(opt.out, ec), "--out {}: a symbolic link to {}, which does not "
+           "exist (create that directory first, or give another --out)", opt.out, fs::read_symlink(opt.out, ec).string());
   // The run's id. A resume in the checkpoint's own directory (also one that was moved, or entered as `.`), or of a
   // copy of one of --out's own checkpoints (the same step, run and writing process), continues its run; a resume
   // into another directory starts a branch with its own id (branch_run_id) and "resumed_from" in its checkpoints and
   // first metrics line, so two continuations of one checkpoint never share an id: the directory of either refuses
   // the other's lines (claim below) instead of splicing the two histories. Every rank computes the same id (a
   // fresh run's random one is rank 0's).
-  std::error_code ec;
   const bool own_dir = resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec);
   std::string run_id = resumed ? resumed->run_id : new_run_id();
   if (comm.world() > 1 && !resumed) {
@@ -594,10 +673,10 @@ int train(TrainOptions cli) {
     }
   }
   set_num_threads(opt.threads);
-  Qwen35Model model = build_model(opt);
-  const std::string tokenizer_file = tokenizer_path(opt), tokenizer_json = read_file(tokenizer_file);
+  Qwen35Model model = build_model(opt, device, comm);
+  const std::string tokenizer_json = read_file(tokenizer_file);
   const TrainData data = load_data(opt, model.config(), tokenizer_json, tokenizer_file);
-  check_same_on_every_rank(comm, "data (its fingerprint)", data.fingerprint.dump());
+  check_same_on_every_rank(comm, "data (its fingerprint)", data.fingerprint);
   if (resumed) check_data_fingerprint(opt, resumed->data, data.fingerprint);
   // The GPU when there is one (auto), else the CPU reference engine.
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
@@ -711,17 +790,31 @@ int train(TrainOptions cli) {
   // Fault-injection hook for the multi-rank tests: "R:S" makes rank R fail at step S (unset in normal use).
   int64_t fail_rank = -1, fail_step = -1;
   if (const char* f = std::getenv("DELTASTACK_TEST_FAIL_RANK")) std::sscanf(f, "%ld:%ld", &fail_rank, &fail_step);
+  // A dataset file changed under the run (a mapped shard truncated in place: DataChangedError, thrown before the
+  // step's update): the weights are still those of the last step, saved (one rank: a save is collective) before
+  // the error stops the run.
+  auto read_data = [&](const auto& read) {
+    try {
+      return read();
+    } catch (const DataChangedError& e) {
+      if (comm.world() == 1 && progress.step > saved_step && progress.step > 0) save();
+      fail("{}. Step {} was not taken; {}", e.what(), progress.step + 1,
+           saved_step < 0 ? std::string("no checkpoint was saved by this run")
+                          : fmt::format("the last checkpoint is {} (step {}): resume from it once the data is whole "
+                                        "again", saved_dir, saved_step));
+    }
+  };
   for (int64_t step = start_step + 1; step <= opt.steps && !signalled(); ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     DS_CHECK(!(comm.rank() == fail_rank && step == fail_step), "step {}: failure injected by "
              "DELTASTACK_TEST_FAIL_RANK={}:{}", step, fail_rank, fail_step);
-    const StepBatches batches(sampler, *data.train, opt, step, comm);
+    const StepBatches batches = read_data([&] { return StepBatches(sampler, *data.train, opt, step, comm); });
     const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
     engine->zero_grads();
     double loss_sum = 0;
     for (int64_t a = 0; a < opt.grad_accum; ++a) {
       if (a == opt.grad_accum - 1) engine->reduce_grads_during_next_backward();
-      loss_sum += engine->forward_backward(batches.micro(a), per_target, opt.z_loss).loss_sum;
+      loss_sum += engine->forward_backward(read_data([&] { return batches.micro(a); }), per_target, opt.z_loss).loss_sum;
     }
     comm.all_reduce_sum(&loss_sum, 1);
     engine->reduce_grads();

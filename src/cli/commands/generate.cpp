@@ -78,11 +78,17 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
   chosen_device(device);  // a bad --device, or cuda without a GPU: an error before the checkpoint is read
   const ModelConfig cfg = ModelConfig::from_file(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
+  check_vocab(tok, cfg);
   DS_CHECK(!prompt.empty(), "--prompt must not be empty");
+  if (chat) check_chat_tokens(tok);
   ChatTemplateOptions chat_opt;
   chat_opt.add_generation_prompt = true;
-  const std::vector<int32_t> ids =
-      tok.encode(chat ? render_qwen3_chat({{"user", prompt, std::nullopt}}, chat_opt).text : prompt);
+  std::vector<int32_t> ids;
+  try {
+    ids = tok.encode(chat ? render_qwen3_chat({{"user", prompt, std::nullopt}}, chat_opt).text : prompt);
+  } catch (const Error& e) {
+    fail("--prompt: {}", e.what());
+  }
   const int64_t total = static_cast<int64_t>(ids.size()) + max_new_tokens;
   DS_CHECK(total <= cfg.max_position_embeddings, "--max-new-tokens {}: the prompt's {} tokens + {} new ones exceed the "
            "model's max_position_embeddings = {}", max_new_tokens, ids.size(), max_new_tokens,
@@ -132,11 +138,15 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   const Precision prec = parse_precision(precision);
   const ModelConfig cfg = ModelConfig::from_file(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
+  check_vocab(tok, cfg);
   DS_CHECK(seq_len >= 2 && seq_len <= cfg.max_position_embeddings,
            "--seq-len {} must be in [2, max_position_embeddings = {}]", seq_len, cfg.max_position_embeddings);
   DS_CHECK(micro_batch >= 1, "--micro-batch must be >= 1");
-  auto docs = tokenize_documents(tok, read_documents(data, parse_txt_split(txt_split)), tok.token_to_id("<|endoftext|>"));
-  PackedDataset set(docs, seq_len);
+  const int32_t eos = document_separator(tok);
+  const auto store = std::make_shared<MemoryTokenStore>(
+      tokenize_documents(tok, read_documents(data, parse_txt_split(txt_split)), eos));
+  require_labelled_target(*store, 0, store->num_documents(), "documents of --data", "evaluate");
+  PackedDataset set(store, 0, store->num_documents(), seq_len);
   // The GPU engine (as the trainer's evaluation uses it) when asked, or by default when a GPU is present and takes
   // the model; else the CPU engine.
   GpuPlan plan = GpuPlan::forward_windows(micro_batch, seq_len, set.max_docs_per_window());

@@ -74,7 +74,7 @@ Run read_run(const std::string& arg) {
         log_warn("{}:{}: an incomplete last line (a run stopped while writing it); skipped", r.file, line_no);
         break;
       }
-      fail("{}:{}: invalid JSON ({})", r.file, line_no, e.what());
+      fail("{}:{}: invalid JSON ({})", r.file, line_no, printable(e.what()));
     }
     DS_CHECK(j.is_object(), "{}:{}: expected a JSON object, got {}", r.file, line_no, j.type_name());
     auto step = j.find("step");

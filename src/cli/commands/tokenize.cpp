@@ -34,6 +34,9 @@ int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jso
                  bool overwrite) {
   check_outputs({{"--output", output_jsonl}}, {input_jsonl, tokenizer_path}, overwrite);
   const FileIdentity existing = file_identity(output_jsonl);  // all the final rename may replace
+  DS_CHECK(input_jsonl.ends_with(".jsonl"), "--input {}: --format jsonl reads one .jsonl file of samples ({{\"text\"}}, "
+           "{{\"messages\"}} or {{\"prompt\", \"completion\"}} lines); .txt and other files are tokenized into a dataset "
+           "directory (--format dataset, an --output that does not end in .jsonl)", input_jsonl);
   std::string input = read_file(input_jsonl);
 
   // Parse every line first (serially, so errors name the first bad line).
@@ -52,7 +55,7 @@ int cmd_tokenize(const std::string& tokenizer_path, const std::string& input_jso
     try {
       j = nlohmann::json::parse(line);
     } catch (const nlohmann::json::exception& e) {
-      fail("{}:{}: invalid JSON ({})", input_jsonl, line_no, e.what());
+      fail("{}:{}: invalid JSON ({})", input_jsonl, line_no, printable(e.what()));
     }
     try {
       texts.push_back(parse_sample(j));

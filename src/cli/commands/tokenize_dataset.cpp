@@ -106,7 +106,7 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
   const FileIdentity existing = check_dataset_output(output_dir, inputs, tokenizer_path, overwrite);
   const std::string tokenizer_json = read_file(tokenizer_path);
   const Tokenizer tok = Tokenizer::from_json_string(tokenizer_json, tokenizer_path);
-  const int32_t eos = tok.token_to_id("<|endoftext|>");
+  const int32_t eos = document_separator(tok);
 
   const fs::path out = real_path(output_dir);
   // "<DIR>.tmp.<pid>" beside DIR: those of killed runs go first; ours is removed on failure and on SIGINT / SIGTERM.

@@ -38,6 +38,12 @@ int cuda_current_device() {
   return d;
 }
 
+size_t cuda_free_bytes() {
+  size_t free_b = 0, total_b = 0;
+  if (cuda_device_count() == 0 || cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return 0;
+  return free_b;
+}
+
 int cuda_select_device(int local_rank, int local_world) {
   const int n = cuda_device_count();
   if (n == 0) cuda::throw_error("local rank " + std::to_string(local_rank) + ": no CUDA GPU is visible");

@@ -9,6 +9,7 @@ int cuda_device_count() { return 0; }
 std::string cuda_device_name() { return ""; }
 std::string cuda_pci_bus_id(int) { return ""; }
 int cuda_current_device() { return 0; }
+size_t cuda_free_bytes() { return 0; }
 int cuda_select_device(int local_rank, int) {
   throw Error("local rank " + std::to_string(local_rank) + ": this deltastack was built without CUDA");
 }
