@@ -341,10 +341,10 @@ void require_labelled_target(const TokenStore& store, int64_t doc_begin, int64_t
            "to {}", doc_end - doc_begin, what, use);
 }
 
-void check_vocab(const Tokenizer& tok, const ModelConfig& cfg) {
-  DS_CHECK(tok.vocab_size() <= cfg.vocab_size, "{} has {} token ids, but the model's vocab_size is {} ({}): the "
+void check_vocab(const Tokenizer& tok, int64_t model_vocab_size, const std::string& model_source) {
+  DS_CHECK(tok.vocab_size() <= model_vocab_size, "{} has {} token ids, but the model's vocab_size is {} ({}): the "
            "tokenizer and the model do not belong together (give the model's own tokenizer.json)", tok.source(),
-           tok.vocab_size(), cfg.vocab_size, cfg.source);
+           tok.vocab_size(), model_vocab_size, model_source);
 }
 
 namespace {

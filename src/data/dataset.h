@@ -145,9 +145,9 @@ bool any_labelled_target(const TokenStore& store, int64_t doc_begin, int64_t doc
 void require_labelled_target(const TokenStore& store, int64_t doc_begin, int64_t doc_end, const std::string& what,
                              const std::string& use);
 
-// ds::Error naming the tokenizer's file and the model's config when the tokenizer has ids the model's vocabulary
-// lacks (tok.vocab_size() > cfg.vocab_size): they were not made for each other.
-void check_vocab(const Tokenizer& tok, const ModelConfig& cfg);
+// ds::Error naming the tokenizer's file and the model's config (model_source) when the tokenizer has ids the model's
+// vocabulary lacks (tok.vocab_size() > model_vocab_size): they were not made for each other.
+void check_vocab(const Tokenizer& tok, int64_t model_vocab_size, const std::string& model_source);
 
 // The token stream of all documents cut into windows of seq_len tokens. Window w covers stream positions
 // [w*seq_len, (w+1)*seq_len) (the last partial window is dropped unless it is the only one); its cu_seqlens

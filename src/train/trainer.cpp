@@ -208,7 +208,7 @@ std::shared_ptr<const TokenStore> load_store(const std::vector<std::string>& fil
 TrainData load_data(const TrainOptions& opt, const ModelConfig& cfg, const std::string& tokenizer_json,
                     const std::string& tokenizer_file) {
   Tokenizer tok = Tokenizer::from_json_string(tokenizer_json, tokenizer_file);
-  check_vocab(tok, cfg);
+  check_vocab(tok, cfg.vocab_size, cfg.source);
   const int32_t eos = document_separator(tok);
   const std::shared_ptr<const TokenStore> store = load_store(opt.data, "data", opt, cfg, tok, tokenizer_json, eos);
   std::shared_ptr<const TokenStore> val_store = store;

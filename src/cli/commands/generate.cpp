@@ -78,7 +78,7 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
   chosen_device(device);  // a bad --device, or cuda without a GPU: an error before the checkpoint is read
   const ModelConfig cfg = ModelConfig::from_file(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
-  check_vocab(tok, cfg);
+  check_vocab(tok, cfg.vocab_size, cfg.source);
   DS_CHECK(!prompt.empty(), "--prompt must not be empty");
   if (chat) check_chat_tokens(tok);
   ChatTemplateOptions chat_opt;
@@ -138,7 +138,7 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   const Precision prec = parse_precision(precision);
   const ModelConfig cfg = ModelConfig::from_file(model_dir);
   Tokenizer tok = Tokenizer::from_file(tokenizer_for(model_dir, tokenizer));
-  check_vocab(tok, cfg);
+  check_vocab(tok, cfg.vocab_size, cfg.source);
   DS_CHECK(seq_len >= 2 && seq_len <= cfg.max_position_embeddings,
            "--seq-len {} must be in [2, max_position_embeddings = {}]", seq_len, cfg.max_position_embeddings);
   DS_CHECK(micro_batch >= 1, "--micro-batch must be >= 1");
