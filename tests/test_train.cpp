@@ -142,7 +142,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(keys, (std::vector<std::string>{"adam_eps", "beta1", "beta2", "clip", "data", "device", "eval_batches",
                                             "eval_interval", "grad_accum", "keep_last", "lr", "max_shard_mb",
                                             "micro_batch", "min_lr_ratio", "model", "nan_policy", "optimizer_state",
-                                            "save_interval", "schedule", "seed", "seq_len", "steps", "tokenizer",
+                                            "precision", "save_interval", "schedule", "seed", "seq_len", "steps", "tokenizer",
                                             "txt_split", "val_data", "val_fraction", "warmup", "weight_decay",
                                             "z_loss"}));
   EXPECT_EQ(j["model"], "tiny");
@@ -150,12 +150,13 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(j["lr"], 3e-3);
   EXPECT_EQ(j["seed"], 1234u);
   EXPECT_EQ(j["val_data"], json::array());
+  EXPECT_EQ(j["precision"], "bf16");
   EXPECT_EQ(d.out, "runs/default");
   EXPECT_EQ(d.threads, 0);
   EXPECT_NO_THROW(ds::validate(d));
 
   json old = j;
-  for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data", "optimizer_state"}) old.erase(k);
+  for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data", "optimizer_state", "precision"}) old.erase(k);
   old["lr"] = 0.5;
   ds::TrainOptions cli;
   cli.resume = "ck";
@@ -171,6 +172,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(r.max_shard_mb, 5000);
   EXPECT_EQ(r.device, "auto");
   EXPECT_EQ(r.optimizer_state, "fp32");  // earlier versions kept fp32 state: not `auto`, which may pick bf16
+  EXPECT_EQ(r.precision, "bf16");        // earlier versions ran bf16 GEMMs only
   EXPECT_EQ(r.out, "elsewhere");
   EXPECT_EQ(r.resume, "ck");
   cli.given.push_back("lr");
@@ -213,6 +215,38 @@ TEST(Train, MetricsCheckpointsAndBitwiseResume) {
   auto lc = train_losses(dir + "/c/metrics.jsonl");
   ASSERT_EQ(lc.size(), 3u);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(la[i], lc[i]) << "step " << i + 1;
+  fs::remove_all(dir);
+}
+
+// --precision fp8 on the CPU engine (the emulated casts, docs/fp8.md): a run of its own (finite, not the bf16 run's
+// losses), bitwise repeatable and resumed bitwise, its checkpoint keeping the precision; a resume may switch to bf16.
+TEST(Train, Fp8PrecisionTrainsResumesAndMaySwitch) {
+  std::string dir = tmpdir("fp8");
+  std::string args = small_setup(dir) + " --steps 4 --warmup 1 --threads 1";
+  ASSERT_EQ(run("train " + args + " --out " + dir + "/bf16"), 0);
+  ASSERT_EQ(run("train " + args + " --precision fp8 --save-interval 2 --out " + dir + "/a"), 0);
+  ASSERT_EQ(run("train " + args + " --precision fp8 --out " + dir + "/b"), 0);
+  auto l16 = train_losses(dir + "/bf16/metrics.jsonl"), la = train_losses(dir + "/a/metrics.jsonl"),
+       lb = train_losses(dir + "/b/metrics.jsonl");
+  ASSERT_EQ(la.size(), 4u);
+  EXPECT_EQ(la, lb);
+  for (size_t i = 0; i < la.size(); ++i) {
+    EXPECT_TRUE(std::isfinite(la[i]));
+    EXPECT_NE(la[i], l16[i]) << "step " << i + 1;
+    EXPECT_LT(std::abs(la[i] - l16[i]) / l16[i], 0.02) << "step " << i + 1;
+  }
+  const json st = json::parse(ds::read_file(dir + "/a/checkpoint-2/trainer_state.json"));
+  EXPECT_EQ(st["options"]["precision"], "fp8");
+  ASSERT_EQ(run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --out " + dir + "/c"), 0);
+  auto lc = train_losses(dir + "/c/metrics.jsonl");
+  ASSERT_EQ(lc.size(), 2u);
+  EXPECT_EQ(lc[0], la[2]);
+  EXPECT_EQ(lc[1], la[3]);
+  ASSERT_EQ(run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --precision bf16 --out " + dir + "/d"), 0);
+  auto ld = train_losses(dir + "/d/metrics.jsonl");
+  ASSERT_EQ(ld.size(), 2u);
+  EXPECT_NE(ld[0], la[2]);
+  EXPECT_NE(run("train " + args + " --precision fp16 --out " + dir + "/e"), 0);
   fs::remove_all(dir);
 }
 
