@@ -35,6 +35,20 @@ using ds::fp8_decode;
 using ds::fp8_encode;
 constexpr Fp8Format E4 = Fp8Format::E4M3, E5 = Fp8Format::E5M2;
 
+// Random token ids packed as documents with these cu_seqlens; each position predicts the next token of its document.
+ds::PackedBatch random_batch(const std::vector<int32_t>& cu, uint64_t vocab, uint64_t seed) {
+  ds::PackedBatch b;
+  ds::Rng rng(seed);
+  b.cu_seqlens = cu;
+  const int32_t n = cu.back();
+  for (int32_t t = 0; t < n; ++t) b.input_ids.push_back(static_cast<int32_t>(rng.below(vocab)));
+  b.targets.assign(static_cast<size_t>(n), -100);
+  for (size_t s = 0; s + 1 < cu.size(); ++s)
+    for (int32_t t = cu[s]; t + 1 < cu[s + 1]; ++t) b.targets[static_cast<size_t>(t)] = b.input_ids[static_cast<size_t>(t + 1)];
+  b.finalize("fp8 test batch");
+  return b;
+}
+
 TEST(Fp8, KnownCodes) {
   // E4M3: 1 = 0.0111.000; 448 the largest finite; 464 halfway to the next binade step rounds to even (448);
   // anything larger, infinities included, saturates; 2^-9 the smallest subnormal, 2^-10 a tie that rounds to 0.
@@ -155,12 +169,7 @@ TEST(Fp8, CpuEngineEmulatesTheCasts) {
   c.vocab_size = 512;
   ds::Qwen35Model m(c);
   m.init_weights(3);
-  ds::PackedBatch b;
-  ds::Rng rng(9);
-  b.cu_seqlens = {0, 40, 64};
-  for (int t = 0; t < 64; ++t) b.input_ids.push_back(static_cast<int32_t>(rng.below(512)));
-  for (int t = 0; t < 64; ++t) b.targets.push_back(t == 39 || t == 63 ? -100 : b.input_ids[t + 1]);
-  b.finalize("fp8 test batch");
+  const ds::PackedBatch b = random_batch({0, 40, 64}, 512, 9);
   auto run = [&](ds::Precision p) {
     m.set_precision(p);
     m.zero_grads();
@@ -232,12 +241,7 @@ TEST(CudaFp8, EngineMatchesCpuEmulation) {
   c.vocab_size = 4096;
   ds::Qwen35Model cpu(c);
   cpu.init_weights(11);
-  ds::PackedBatch b;
-  ds::Rng rng(4);
-  b.cu_seqlens = {0, 100, 101, 256};
-  for (int t = 0; t < 256; ++t) b.input_ids.push_back(static_cast<int32_t>(rng.below(4096)));
-  for (int t = 0; t < 256; ++t) b.targets.push_back(t == 99 || t == 100 || t == 255 ? -100 : b.input_ids[t + 1]);
-  b.finalize("fp8 engine batch");
+  const ds::PackedBatch b = random_batch({0, 100, 101, 256}, 4096, 4);
   const double scale = 1.0 / static_cast<double>(b.num_targets());
   cpu.set_precision(ds::Precision::Fp8);
   cpu.zero_grads();

@@ -6,16 +6,28 @@
 #include <algorithm>
 #include <string>
 
+#include "core/cuda/kernel_utils.cuh"
 #include "ops/linear/fp8.h"
 
 namespace ds::ops::cuda {
 namespace {
 
 using ds::cuda::bf16;
+using ds::cuda::load_bf;
 
 __device__ __forceinline__ uint8_t encode(float v, Fp8Format f) {
   return static_cast<uint8_t>(
       __nv_cvt_float_to_fp8(v, __NV_SATFINITE, f == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+// Eight bf16 at p (16-byte aligned) cast with `inv`: their codes, packed little-endian into 8 bytes.
+__device__ __forceinline__ uint2 encode8(const bf16* p, float inv, Fp8Format f) {
+  float v[8];
+  load_bf<8>(p, v);
+  uint32_t w[2] = {0, 0};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) w[j / 4] |= uint32_t(encode(v[j] * inv, f)) << (8 * (j % 4));
+  return make_uint2(w[0], w[1]);
 }
 
 // |x| as ordered bits: for non-negative floats (NaN with the sign cleared included) the uint order is the float order
@@ -34,13 +46,10 @@ __global__ void __launch_bounds__(kAmaxThreads) amax_kernel(const bf16* __restri
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / per_row, c = i % per_row;
     if constexpr (kVec8) {
-      const uint4 u = *reinterpret_cast<const uint4*>(x + r * ld + c * 8);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+      float v[8];
+      load_bf<8>(x + r * ld + c * 8, v);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(h[k]);
-        m = max(m, max(abs_bits(f.x), abs_bits(f.y)));
-      }
+      for (int k = 0; k < 8; ++k) m = max(m, abs_bits(v[k]));
     } else {
       m = max(m, abs_bits(__bfloat162float(x[r * ld + c])));
     }
@@ -70,17 +79,7 @@ __global__ void quantize_kernel(const bf16* __restrict__ x, int64_t rows, int64_
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / per_row, c = i % per_row;
     if constexpr (kVec8) {
-      const uint4 u = *reinterpret_cast<const uint4*>(x + r * ld + c * 8);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-      uint32_t lo = 0, hi = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 v = __bfloat1622float2(h[k]);
-        const uint32_t pair = uint32_t(encode(v.x * inv, f)) | (uint32_t(encode(v.y * inv, f)) << 8);
-        if (k < 2) lo |= pair << (16 * k);
-        else hi |= pair << (16 * (k - 2));
-      }
-      *reinterpret_cast<uint2*>(q + r * ldq + c * 8) = make_uint2(lo, hi);
+      *reinterpret_cast<uint2*>(q + r * ldq + c * 8) = encode8(x + r * ld + c * 8, inv, f);
     } else {
       q[r * ldq + c] = encode(__bfloat162float(x[r * ld + c]) * inv, f);
     }
@@ -134,20 +133,12 @@ __global__ void __launch_bounds__(kTThreads) quantize_both_kernel(const bf16* __
     const int v = threadIdx.x + k * kTThreads;  // one of the tile's 64 rows x 8 runs
     const int rr = v / 8, cc = (v % 8) * 8;
     const int64_t r = r0 + rr, c = c0 + cc;
-    uint32_t lo = 0, hi = 0;
+    uint2 codes = make_uint2(0, 0);  // rows past `rows`: zero codes
     if (r < rows && c < cols) {
-      const uint4 u = *reinterpret_cast<const uint4*>(x + r * ld + c);
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 w = __bfloat1622float2(h[j]);
-        const uint32_t pair = uint32_t(encode(w.x * inv, f)) | (uint32_t(encode(w.y * inv, f)) << 8);
-        if (j < 2) lo |= pair << (16 * j);
-        else hi |= pair << (16 * (j - 2));
-      }
-      if (q) *reinterpret_cast<uint2*>(q + r * ldq + c) = make_uint2(lo, hi);
+      codes = encode8(x + r * ld + c, inv, f);
+      if (q) *reinterpret_cast<uint2*>(q + r * ldq + c) = codes;
     }
-    *reinterpret_cast<uint2*>(&tile[rr][cc]) = make_uint2(lo, hi);  // rows past `rows`: zero codes
+    *reinterpret_cast<uint2*>(&tile[rr][cc]) = codes;
   }
   __syncthreads();
 #pragma unroll
