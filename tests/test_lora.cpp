@@ -252,3 +252,22 @@ TEST(Lora, GpuEngineRefusesAdapter) {
   EXPECT_FALSE(fs::exists(dir + "/o.safetensors"));
   fs::remove_all(dir);
 }
+
+// Generation's paths apply the adapter too: the carried decode state, token by token, gives last_logits of the
+// whole sequence (up to fp32 rounding), and both differ from the base model's.
+TEST(Lora, DecodeAndLastLogitsApplyTheAdapter) {
+  ds::Qwen35Model plain = base_model(), m = base_model();
+  m.set_adapter(std::make_shared<ds::LoraAdapter>(ds::LoraAdapter::load(fixture(kAdapter), m.config())));
+  const std::vector<int32_t> ids = {5, 17, 200, 3, 99, 42, 7};
+  ds::PackedBatch b;
+  b.input_ids = ids;
+  b.targets.assign(ids.size(), -100);
+  b.cu_seqlens = {0, static_cast<int32_t>(ids.size())};
+  b.finalize("test");
+  const std::vector<float> whole = m.last_logits(b);
+  ds::Qwen35Model::DecodeState st;
+  std::vector<float> step = m.decode(st, {ids.begin(), ids.begin() + 3});
+  for (size_t t = 3; t < ids.size(); ++t) step = m.decode(st, {ids[t]});
+  EXPECT_LE(rel_l2(step, whole), 1e-5);
+  EXPECT_GT(rel_l2(whole, plain.last_logits(b)), 1e-3);
+}
