@@ -187,6 +187,9 @@ TEST(Lora, UnsupportedConfigFieldsAreClearErrors) {
       {"target_modules", ".*q_proj", "regular expression"},
       {"target_modules", {"q_proj", "in_proj_b"}, "in_proj_b"},
       {"r", 0, "r must be"},
+      {"r", 4.0, "r must be"},
+      {"r", nlohmann::json(uint64_t{18446744073709551615u}), "r must be"},  // not wrapped to a signed value
+      {"r", (1 << 20) + 1, "r must be"},
       {"lora_dropout", 1.5, "lora_dropout"},
   };
   for (const Case& k : cases) {
@@ -270,4 +273,19 @@ TEST(Lora, DecodeAndLastLogitsApplyTheAdapter) {
   for (size_t t = 3; t < ids.size(); ++t) step = m.decode(st, {ids[t]});
   EXPECT_LE(rel_l2(step, whole), 1e-5);
   EXPECT_GT(rel_l2(whole, plain.last_logits(b)), 1e-3);
+}
+
+// --precision fp8 (the CPU engine's exact FP8 emulation of the base GEMMs, docs/fp8.md) applies the LoRA term too:
+// with lora_B = 0 the logits are the FP8 base model's bit for bit, with the fixture's adapter they move.
+TEST(Lora, Fp8BaseGemmsKeepTheLoraTerm) {
+  ds::Qwen35Model plain = base_model(), m = base_model();
+  plain.set_precision(ds::Precision::Fp8);
+  m.set_precision(ds::Precision::Fp8);
+  const std::vector<float> base = logits_of(plain);
+  auto a = std::make_shared<ds::LoraAdapter>(ds::LoraAdapter::load(fixture(kAdapter), m.config()));
+  m.set_adapter(a);
+  EXPECT_GT(rel_l2(logits_of(m), base), 1e-3);
+  for (const ds::LoraTensorSpec& s : a->specs())
+    std::fill(a->values().begin() + s.b_offset, a->values().begin() + s.b_offset + s.out * a->config().r, 0.0f);
+  EXPECT_EQ(logits_of(m), base);
 }

@@ -105,6 +105,10 @@ LoraConfig read_lora_config(const std::string& dir) {
   } catch (const json::exception& e) {
     fail("{}: not valid JSON ({})", path, e.what());
   }
+  return parse_lora_config(j, path);
+}
+
+LoraConfig parse_lora_config(const json& j, const std::string& path) {
   DS_CHECK(j.is_object(), "{}: expected a JSON object", path);
   LoraConfig cfg;
   // The fields read, each checked; the fields PEFT writes that do not change the math (bookkeeping, or only how
@@ -121,9 +125,10 @@ LoraConfig read_lora_config(const std::string& dir) {
       DS_CHECK(v.is_string() && v.get<std::string>() == "LORA", "{}: peft_type is {}; only LORA adapters are "
                "supported", path, brief(v));
     } else if (k == "r") {
-      DS_CHECK(v.is_number_integer() && v.get<int64_t>() > 0 && v.get<int64_t>() <= (int64_t{1} << 20),
+      // nlohmann keeps a non-negative integer as unsigned: read it as such (no wrap of values above INT64_MAX).
+      DS_CHECK(v.is_number_unsigned() && v.get<uint64_t>() > 0 && v.get<uint64_t>() <= (uint64_t{1} << 20),
                "{}: r must be a positive integer (at most 2^20), got {}", path, brief(v));
-      cfg.r = v.get<int64_t>();
+      cfg.r = static_cast<int64_t>(v.get<uint64_t>());
     } else if (k == "lora_alpha") {
       DS_CHECK(v.is_number() && std::isfinite(v.get<double>()), "{}: lora_alpha must be a finite number, got {}",
                path, brief(v));
@@ -239,19 +244,17 @@ std::vector<SaveTensor> LoraAdapter::tensors(const std::vector<float>& buffer) c
   return out;
 }
 
-void LoraAdapter::save(const std::string& dir, const std::string& base_model_name_or_path) const {
-  namespace fs = std::filesystem;
-  fs::create_directories(dir);
+json lora_config_to_json(const LoraConfig& cfg, const std::string& base_model_name_or_path) {
   json targets = json::array();
-  for (LoraModule m : config_.target_modules) targets.push_back(lora_module_name(m));
-  json j = {
+  for (LoraModule m : cfg.target_modules) targets.push_back(lora_module_name(m));
+  return {
       {"peft_type", "LORA"},
       {"task_type", "CAUSAL_LM"},
       {"base_model_name_or_path", base_model_name_or_path.empty() ? json(nullptr) : json(base_model_name_or_path)},
-      {"r", config_.r},
-      {"lora_alpha", config_.lora_alpha},
-      {"lora_dropout", config_.lora_dropout},
-      {"use_rslora", config_.use_rslora},
+      {"r", cfg.r},
+      {"lora_alpha", cfg.lora_alpha},
+      {"lora_dropout", cfg.lora_dropout},
+      {"use_rslora", cfg.use_rslora},
       {"target_modules", targets},
       {"bias", "none"},
       {"use_dora", false},
@@ -264,6 +267,12 @@ void LoraAdapter::save(const std::string& dir, const std::string& base_model_nam
       {"init_lora_weights", true},
       {"inference_mode", true},
   };
+}
+
+void LoraAdapter::save(const std::string& dir, const std::string& base_model_name_or_path) const {
+  namespace fs = std::filesystem;
+  fs::create_directories(dir);
+  const json j = lora_config_to_json(config_, base_model_name_or_path);
   write_file_atomic((fs::path(dir) / "adapter_config.json").string(), j.dump(2) + "\n");
   write_safetensors((fs::path(dir) / "adapter_model.safetensors").string(), tensors(values_), {{"format", "pt"}});
 }

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "model/config.h"
 #include "model/safetensors.h"
 
@@ -50,6 +52,12 @@ std::vector<LoraModule> parse_lora_targets(const std::vector<std::string>& names
 // exclude_modules, target_modules as a regular expression, and any field deltastack does not know that is set (not
 // null, false, 0, "", [] or {}), except PEFT's bookkeeping and initialisation-only fields (docs/lora.md lists them).
 LoraConfig read_lora_config(const std::string& dir);
+// The same checks on a parsed adapter_config.json (errors name `path`).
+LoraConfig parse_lora_config(const nlohmann::json& j, const std::string& path);
+// The adapter_config.json PEFT's LoraConfig reads for `cfg` (peft_type LORA, task_type CAUSAL_LM, target_modules by
+// short name, every unsupported feature off); parse_lora_config gives cfg back. base_model_name_or_path may be
+// empty (null in the file).
+nlohmann::json lora_config_to_json(const LoraConfig& cfg, const std::string& base_model_name_or_path = "");
 
 // One adapted linear layer: where its lora_A and lora_B sit in the adapter's flat buffers.
 struct LoraTensorSpec {
