@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "json_input.h"
 #include "model/config.h"
 
 namespace {
@@ -51,19 +52,6 @@ void check_accepted(const ds::ModelConfig& c) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(reinterpret_cast<const char*>(data), reinterpret_cast<const char*>(data) + size);
-  } catch (const nlohmann::json::exception&) {
-    return 0;  // not JSON: from_file reports this as "invalid JSON"
-  }
-  try {
-    const ds::ModelConfig c = ds::ModelConfig::from_json(j, "fuzz");
-    check_accepted(c);
-  } catch (const ds::Error&) {
-    // Rejected config: expected.
-  } catch (const std::exception& e) {
-    bug("non-ds::Error exception escaped:", e.what());
-  }
-  return 0;
+  return fuzz_json_input(data, size, "fuzz_config",
+                         [](const nlohmann::json& j) { check_accepted(ds::ModelConfig::from_json(j, "fuzz")); });
 }

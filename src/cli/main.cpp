@@ -48,7 +48,11 @@ int main(int argc, char** argv) {
   forward->add_option("--model", model_dir, "HF checkpoint dir")->required();
   forward->add_option("--inputs", inputs, "safetensors with input_ids [B,T], optional labels, cu_seqlens")->required();
   forward->add_option("--output", output, "safetensors to write logits, loss, hidden_states_i")->required();
-  forward->add_option("--grads", grads, "safetensors to write parameter gradients (needs labels)");
+  forward->add_option("--grads", grads, "safetensors to write parameter gradients (needs labels); with --adapter, "
+                      "the adapter's (PEFT keys)");
+  std::string forward_adapter;
+  forward->add_option("--adapter", forward_adapter, "PEFT LoRA adapter dir (adapter_config.json, "
+                      "adapter_model.safetensors) applied to the model; CPU engine only (docs/lora.md)");
   std::string forward_device = "cpu";
   forward->add_option("--device", forward_device, "cpu (fp32 reference, default) or cuda (bf16)");
   bool overwrite = false;
@@ -225,7 +229,8 @@ int main(int argc, char** argv) {
     if (*forward) {
       DS_CHECK(forward_device == "cpu" || forward_device == "cuda", "--device must be cpu or cuda, got \"{}\"",
                forward_device);
-      return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device, overwrite, precision);
+      return ds::cli::cmd_forward(model_dir, inputs, output, grads, forward_device, overwrite, precision,
+                                    forward_adapter);
     }
     if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed, top_p, chat,
                                            gen_device);

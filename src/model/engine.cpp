@@ -64,6 +64,7 @@ class CpuEngine final : public Engine, private UnitSource {
   void zero_grads() override {
     if (full()) std::fill(g_.begin(), g_.end(), 0.0f);
     else model_.zero_grads();
+    if (LoraAdapter* a = model_.adapter()) a->zero_grads();
   }
   std::vector<float> last_logits(const PackedBatch& b) override { return model_.last_logits(b); }
   double grad_sum_squares() override {
@@ -103,6 +104,7 @@ class CpuEngine final : public Engine, private UnitSource {
   // AdamW on [lo_, hi_) of the flat parameters (all of them unless sharded), parameter by parameter as each one's
   // decay flag says; sharded, every rank's updated share is then gathered.
   void optimizer_step(const ops::AdamWParams& p) override {
+    DS_CHECK(!model_.adapter(), "LoRA: training adapters is not implemented yet (forward --adapter only)");
     moments();
     if (full()) {  // this rank's share only; the next forward gathers the updated weights unit by unit
       for (const Segment& s : segments_)
@@ -179,6 +181,10 @@ class CpuEngine final : public Engine, private UnitSource {
   std::vector<SaveTensor> grad_tensors() override {
     DS_CHECK(!full(), "grad_tensors(): the gradients of --shard full are spread over the ranks (each holds its "
              "share only)");
+    if (LoraAdapter* a = model_.adapter()) {  // the base is frozen: d loss / d every adapter tensor, PEFT's keys
+      if (a->grads().empty()) a->zero_grads();
+      return a->tensors(a->grads());
+    }
     if (model_.grads().size() != model_.weights().size()) model_.zero_grads();
     return model_.to_tensors(model_.grads());
   }
@@ -578,7 +584,10 @@ void check_engine_knobs() {
 
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan) {
   const std::string d = resolve_device(device);
-  if (d == "cuda") return std::make_unique<CudaEngine>(std::move(host), plan);
+  if (d == "cuda") {
+    DS_CHECK(!host.adapter(), "--adapter/--lora-rank: the GPU engine does not support LoRA yet; use --device cpu");
+    return std::make_unique<CudaEngine>(std::move(host), plan);
+  }
   DS_CHECK(!bf16_weights(plan.optimizer_state), "--optimizer-state {} is a mode of the GPU engine; the CPU engine "
            "keeps fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)",
            optimizer_state_name(plan.optimizer_state));

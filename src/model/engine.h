@@ -176,7 +176,8 @@ class Engine {
   virtual std::vector<SaveTensor> optimizer_tensors() = 0;
   // Restores the optimizer state that optimizer_tensors() wrote (names as there), one tensor at a time.
   virtual void load_optimizer(const TensorSource& read) = 0;
-  // The accumulated gradients with HF names (fp32), streamed like the weights (`deltastack forward --grads`).
+  // The accumulated gradients with HF names (fp32), streamed like the weights (`deltastack forward --grads`); with
+  // a LoRA adapter on the model (Qwen35Model::set_adapter, CPU engine only), the adapters' under PEFT's keys.
   virtual std::vector<SaveTensor> grad_tensors() = 0;
 
   virtual size_t peak_bytes() const { return 0; }     // device memory high point (0 on the CPU)
@@ -194,7 +195,8 @@ class Engine {
 // Builds the engine for `device` ("cpu" or "cuda"; "auto" = cuda when a device is present) from a host model whose
 // weights are initialised or loaded. The CUDA engine uploads the weights and then releases the host model's
 // buffers (host.release_buffers()); the CPU engine takes the model over. ds::Error when CUDA is asked for but
-// unavailable, or the plan does not fit in device memory (the message gives the bytes).
+// unavailable, or the plan does not fit in device memory (the message gives the bytes), and for CUDA when the
+// model has a LoRA adapter (not supported there yet).
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan);
 
 // "cuda" when device is "cuda", or "auto" and a CUDA device is present; else "cpu".

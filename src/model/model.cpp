@@ -160,6 +160,19 @@ void Qwen35Model::materialize() {
   deferred_ = nullptr;
 }
 
+void Qwen35Model::set_adapter(std::shared_ptr<LoraAdapter> a) {
+  if (a) {
+    DS_CHECK(a->num_layers() == cfg_.num_hidden_layers, "LoRA: the adapter has {} layers, the model {}",
+             a->num_layers(), cfg_.num_hidden_layers);
+    for (const LoraTensorSpec& s : a->specs()) {
+      const std::string name = "model.layers." + std::to_string(s.layer) + "." + lora_module_path(s.module) + ".weight";
+      DS_CHECK(by_name_.count(name) && spec(name).shape == std::vector<int64_t>({s.out, s.in}),
+               "LoRA: the adapter of {} does not fit this model's {}", a->key(s, false), name);
+    }
+  }
+  adapter_ = std::move(a);
+}
+
 const ParamSpec& Qwen35Model::spec(const std::string& name) const {
   auto it = by_name_.find(name);
   DS_CHECK(it != by_name_.end(), "unknown parameter \"{}\"", name);
@@ -364,13 +377,75 @@ struct Qwen35Model::Impl {
     Buf qx, qw;
     ops::linear_forward(cast(x, N * K, Fp8Format::E4M3, qx), cast(W, n * K, Fp8Format::E4M3, qw, w_amax), y, N, K, n,
                         acc);
+    if (const LoraLinear* l = lora_of(W)) lora_fwd(*l, x, y, K, n);
   }
   // dx [N, K] (= or +=) dy W, dW += dy^T x
   void lin_bwd(const float* x, const float* W, const float* dy, float* dx, float* dW, int64_t K, int64_t n,
                bool acc_dx = false, float w_amax = -1, float dy_amax = -1) {
     Buf qx, qw, qdy;
     ops::linear_backward(cast(x, N * K, Fp8Format::E4M3, qx), cast(W, n * K, Fp8Format::E4M3, qw, w_amax),
-                         cast(dy, N * n, grad_format, qdy, dy_amax), dx, dW, N, K, n, acc_dx);
+                         cast(dy, N * n, grad_format, qdy, dy_amax), dx, m.adapter_ ? nullptr : dW, N, K, n, acc_dx);
+    if (const LoraLinear* l = lora_of(W)) lora_bwd(*l, x, dy, dx, K, n);
+  }
+
+  // --- LoRA (docs/lora.md): the adapted linear layers of the layer running, found by their base weight (the W
+  // lin_fwd / lin_bwd get). y += scaling * (x A^T) B^T; the term reads x and dy as given (not through FP8).
+  struct LoraLinear {
+    const float* W;         // the base weight, in the layer's view
+    const float *A, *B;     // lora_A [r, in], lora_B [out, r]
+    float *dA, *dB;         // their gradients (null in a forward alone)
+  };
+  std::vector<LoraLinear> lora;
+  void lora_layer(int64_t i, const LayerParams<float*>& w) {
+    lora.clear();
+    LoraAdapter* a = m.adapter_.get();
+    if (!a) return;
+    for (size_t k : a->layer_specs(i)) {
+      const LoraTensorSpec& s = a->specs()[k];
+      float* g = a->grads().empty() ? nullptr : a->grads().data();
+      lora.push_back({base_weight(w, s.module), a->values().data() + s.a_offset, a->values().data() + s.b_offset,
+                      g ? g + s.a_offset : nullptr, g ? g + s.b_offset : nullptr});
+    }
+  }
+  static const float* base_weight(const LayerParams<float*>& w, LoraModule m) {
+    switch (m) {
+      case LoraModule::in_proj_qkv: return w.gdn.in_proj_qkv;
+      case LoraModule::in_proj_z: return w.gdn.in_proj_z;
+      case LoraModule::out_proj: return w.gdn.out_proj;
+      case LoraModule::q_proj: return w.attn.q_proj;
+      case LoraModule::k_proj: return w.attn.k_proj;
+      case LoraModule::v_proj: return w.attn.v_proj;
+      case LoraModule::o_proj: return w.attn.o_proj;
+      case LoraModule::gate_proj: return w.mlp.gate_up;
+      case LoraModule::up_proj: return w.mlp.up;
+      case LoraModule::down_proj: return w.mlp.down;
+    }
+    return nullptr;
+  }
+  const LoraLinear* lora_of(const float* W) const {
+    for (const LoraLinear& l : lora)
+      if (l.W == W) return &l;
+    return nullptr;
+  }
+  // y [N, n] += scaling * (x [N, K] A^T) B^T
+  void lora_fwd(const LoraLinear& l, const float* x, float* y, int64_t K, int64_t n) const {
+    const int64_t r = m.adapter_->config().r;
+    Buf u(static_cast<size_t>(N * r));
+    ops::linear_forward(x, l.A, u.data(), N, K, r);
+    const float s = static_cast<float>(m.adapter_->config().scaling());
+    for (float& e : u) e *= s;
+    ops::linear_forward(u.data(), l.B, y, N, r, n, /*accumulate=*/true);
+  }
+  // With u = scaling * x A^T: dB += dy^T u, dA += (scaling * dy B)^T x, dx [N, K] += (scaling * dy B) A.
+  void lora_bwd(const LoraLinear& l, const float* x, const float* dy, float* dx, int64_t K, int64_t n) const {
+    const int64_t r = m.adapter_->config().r;
+    const float s = static_cast<float>(m.adapter_->config().scaling());
+    Buf u(static_cast<size_t>(N * r)), du(static_cast<size_t>(N * r));
+    ops::linear_forward(x, l.A, u.data(), N, K, r);
+    for (float& e : u) e *= s;
+    ops::linear_backward(u.data(), l.B, dy, du.data(), l.dB, N, r, n);
+    for (float& e : du) e *= s;
+    ops::linear_backward(x, l.A, du.data(), dx, l.dA, N, K, r, /*accumulate_dx=*/true);
   }
 
   // The weights and gradients unit by unit (model.h: UnitSource): from the source when one is set, else views of
@@ -599,6 +674,7 @@ struct Qwen35Model::Impl {
   // --- Decoder layer (HF Qwen3_5DecoderLayer, docs/model.md §2.3): h_out = h_mid + mlp(norm2(h_mid)),
   //     h_mid = h_in + mixer(norm1(h_in)). `h` is updated in place.
   void layer_forward(int64_t i, const LayerParams<float*>& w, LayerCache& s, Buf& h) {
+    lora_layer(i, w);
     s.x_in = h;
     s.xn1.resize(N * H);
     s.rstd1.resize(N);
@@ -624,6 +700,7 @@ struct Qwen35Model::Impl {
   // dh: gradient of the layer output on entry, of the layer input on exit.
   // w, gw: the layer's weights and the gradients they get (added).
   void layer_backward(int64_t i, const LayerParams<float*>& w, const LayerParams<float*>& gw, LayerCache& s, Buf& dh) {
+    lora_layer(i, w);
     Buf dact(N * I), dgate(N * I), dup(N * I), dxn(N * H), tmp(N * H);
     lin_bwd(s.act.data(), w.mlp.down, dh.data(), dact.data(), gw.mlp.down, I, H);
     ops::swiglu_backward(s.gate.data(), s.up.data(), dact.data(), dgate.data(), dup.data(), N * I);
@@ -721,6 +798,8 @@ LossResult Qwen35Model::forward_backward(const PackedBatch& batch, double grad_s
                                          ForwardCapture* capture) {
   DS_CHECK(source_ || weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
   if (!source_ && grad_scale != 0.0 && grads_.size() != weights_.size()) grads_.assign(weights_.size(), 0.0f);
+  DS_CHECK(!(source_ && adapter_), "LoRA: an adapter cannot be used with --shard full yet");
+  if (adapter_ && grad_scale != 0.0 && adapter_->grads().empty()) adapter_->zero_grads();
   Impl impl(*this, batch);
   return impl.run(grad_scale, z_loss, capture);
 }

@@ -11,6 +11,7 @@
 
 #include "data/batch.h"
 #include "model/config.h"
+#include "model/lora.h"
 #include "model/params.h"
 #include "model/safetensors.h"
 
@@ -165,6 +166,14 @@ class Qwen35Model {
   // reference (the name says what the GPU runs).
   void set_precision(Precision p) { precision_ = p; }
   Precision precision() const { return precision_; }
+  // LoRA (model/lora.h, docs/lora.md): with an adapter set, each adapted linear layer adds scaling * (x lora_A^T)
+  // lora_B^T to its output in forward_backward, last_logits and decode (in both precisions: the LoRA term itself is
+  // fp32); a backward adds d(grad_scale * loss_sum) / d lora_A, lora_B into adapter->grads() (zeroed first when
+  // empty) and runs no weight-gradient GEMM for the frozen matrices (their entries of grads() stay as they were).
+  // No dropout (PEFT's eval mode). ds::Error when the adapter was built for another config; null removes it.
+  // Not with a unit source (forward_backward: ds::Error).
+  void set_adapter(std::shared_ptr<LoraAdapter> a);
+  LoraAdapter* adapter() const { return adapter_.get(); }
 
   void zero_grads();
   // Frees the host weight and gradient buffers (the GPU engine calls it after uploading the weights: a GPU run
@@ -203,6 +212,7 @@ class Qwen35Model {
   std::vector<ParamUnit> units_;
   UnitSource* source_ = nullptr;
   Precision precision_ = Precision::Bf16;
+  std::shared_ptr<LoraAdapter> adapter_;
   std::function<void(size_t k, float* dst)> deferred_;  // set by defer_init / defer_load until materialize()
   static void init_param(const ModelConfig& cfg, const std::vector<ParamSpec>& params, size_t k, uint64_t seed,
                          float* dst);

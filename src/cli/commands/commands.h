@@ -27,10 +27,12 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
 // output_hidden_states). GRADS (needs labels) gets d loss / d parameter under HF names. device "cuda" runs the
 // bf16 GPU engine (fp32 master weights) instead of the fp32 CPU reference. OUT and GRADS never replace an input, each
 // other or a checkpoint's files, and replace an existing file only with `overwrite` (outputs.h). precision "fp8":
-// the decoder's matrix GEMMs in FP8 (the CPU engine emulates the casts exactly; docs/fp8.md).
+// the decoder's matrix GEMMs in FP8 (the CPU engine emulates the casts exactly; docs/fp8.md). adapter: a PEFT LoRA
+// adapter directory (model/lora.h, docs/lora.md) applied to the model, CPU engine only (ds::Error for cuda); GRADS
+// then gets d loss / d every adapter tensor under PEFT's keys (the base is frozen).
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
                 const std::string& grads, const std::string& device = "cpu", bool overwrite = false,
-                const std::string& precision = "bf16");
+                const std::string& precision = "bf16", const std::string& adapter = "");
 
 // `deltastack generate`: samples a continuation of `prompt` from a checkpoint (tokenizer.json from the
 // checkpoint dir unless given), printed as it comes (the prompt first, then each token's text). temperature 0 =

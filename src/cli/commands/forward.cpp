@@ -13,11 +13,15 @@
 namespace ds::cli {
 
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
-                const std::string& grads, const std::string& device, bool overwrite, const std::string& precision) {
+                const std::string& grads, const std::string& device, bool overwrite, const std::string& precision,
+                const std::string& adapter) {
   const Precision prec = parse_precision(precision);
-  check_outputs({{"--output", output}, {"--grads", grads}}, {inputs, model_dir}, overwrite);
+  check_outputs({{"--output", output}, {"--grads", grads}}, {inputs, model_dir, adapter}, overwrite);
   Qwen35Model model(ModelConfig::from_file(model_dir));
+  DS_CHECK(adapter.empty() || device == "cpu", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; "
+           "use --device cpu");
   model.load(model_dir);
+  if (!adapter.empty()) model.set_adapter(std::make_shared<LoraAdapter>(LoraAdapter::load(adapter, model.config())));
   const ModelConfig c = model.config();
   SafetensorsReader in(inputs);
   ForwardInputs fi = read_forward_inputs(in, c.vocab_size);
