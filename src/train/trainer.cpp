@@ -557,38 +557,35 @@ ops::AdamWParams adamw_params(const TrainOptions& opt, double lr, int64_t step, 
   return p;
 }
 
-}  // namespace
 
-int train(TrainOptions cli) {
-  const auto t_start = std::chrono::steady_clock::now();
-  // Several ranks (mpirun; dist/communicator.h): every rank trains the same model on its share of each step's
-  // micro-batches; rank 0 alone owns --out (lock, metrics, checkpoints, progress lines).
-  // ---- set-up: options, model, data, engine, resumed state, --out
-  std::optional<SavedCheckpoint> resumed;
-  if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
-  TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
-  const std::string tokenizer_file = tokenizer_path(opt);  // a checkpoint without its tokenizer.json: an error now
-  const std::string device = resolve_device(opt.device);  // "cpu" | "cuda": the engine make_engine will build
-  // The communicator of this launch for the engine it runs (MPI: CPU ranks; NCCL: GPU ranks, also one rank under
-  // torchrun or mpirun), opened once the options (a resume's device included) are known; tests that call train()
-  // in-process run as one plain process.
-  {
-    const dist::LaunchInfo launch = dist::detect_launch();
-    if (dist::world().backend() == "single" && launch.launcher != "single")
-      dist::install(dist::open_communicator(launch, device));
-  }
-  dist::Communicator& comm = dist::world();
-  const bool root = comm.is_root();
-  // A resume at another world size keeps the step's batch (ranks x grad_accum micro-batches) and so its windows.
-  if (resumed && resumed->state.world_size != comm.world()) {
-    const int64_t per_step = resumed->state.world_size * opt.grad_accum;
-    DS_CHECK(per_step % comm.world() == 0, "{} was saved by {} ranks with --grad-accum {} ({} micro-batches per "
-             "step), which {} ranks cannot share evenly; resume it on a number of ranks that divides {}", opt.resume,
-             resumed->state.world_size, opt.grad_accum, per_step, comm.world(), per_step);
-    log_info("resuming {} ranks' run on {}: --grad-accum {} -> {} per rank (the same {} micro-batches per step)",
-             resumed->state.world_size, comm.world(), opt.grad_accum, per_step / comm.world(), per_step);
-    opt.grad_accum = per_step / comm.world();
-  }
+// ---- train()'s set-up: the ranks, the checks, the resume, --out, the engine
+
+// The communicator of this launch for the engine it runs (MPI: CPU ranks; NCCL: GPU ranks, also one rank under
+// torchrun or mpirun), opened once the options (a resume's device included) are known; tests that call train()
+// in-process run as one plain process.
+dist::Communicator& open_world(const std::string& device) {
+  const dist::LaunchInfo launch = dist::detect_launch();
+  if (dist::world().backend() == "single" && launch.launcher != "single")
+    dist::install(dist::open_communicator(launch, device));
+  return dist::world();
+}
+
+// A resume at another world size keeps the step's batch (ranks x grad_accum micro-batches) and so its windows:
+// opt.grad_accum becomes this world's share. ds::Error when the ranks cannot share it evenly.
+void keep_step_batch(TrainOptions& opt, const SavedCheckpoint& resumed, const dist::Communicator& comm) {
+  if (resumed.state.world_size == comm.world()) return;
+  const int64_t per_step = resumed.state.world_size * opt.grad_accum;
+  DS_CHECK(per_step % comm.world() == 0, "{} was saved by {} ranks with --grad-accum {} ({} micro-batches per "
+           "step), which {} ranks cannot share evenly; resume it on a number of ranks that divides {}", opt.resume,
+           resumed.state.world_size, opt.grad_accum, per_step, comm.world(), per_step);
+  log_info("resuming {} ranks' run on {}: --grad-accum {} -> {} per rank (the same {} micro-batches per step)",
+           resumed.state.world_size, comm.world(), opt.grad_accum, per_step / comm.world(), per_step);
+  opt.grad_accum = per_step / comm.world();
+}
+
+// Before --out is touched: the options every rank must share, the engine knobs, and the GPU engine's modes asked of
+// the CPU (`device` is the engine the run builds; `resumed`: a --resume). ds::Error naming the flag or knob.
+void check_run_options(const TrainOptions& opt, bool resumed, const std::string& device, dist::Communicator& comm) {
   json same = options_to_json(opt);
   same["resume"] = opt.resume;
   same["out"] = opt.out;
@@ -617,68 +614,91 @@ int train(TrainOptions cli) {
     DS_CHECK(!gpu_state, "--optimizer-state {} is a mode of the GPU engine; the CPU engine keeps fp32 weights and "
              "moments (use --device cuda, or --optimizer-state auto / fp32)", opt.optimizer_state);
   }
-  // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
-  // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
-  check_out_is_no_checkpoint(opt.out);
+}
+
+// --out is no checkpoint directory (check_out_is_no_checkpoint) and no symbolic link to nothing. ds::Error naming it.
+void check_out(const std::string& out) {
+  check_out_is_no_checkpoint(out);
   std::error_code ec;
-  DS_CHECK(!fs::is_symlink(opt.out, ec) || fs::exists(opt.out, ec), "--out {}: a symbolic link to {}, which does not "
-           "exist (create that directory first, or give another --out)", opt.out, fs::read_symlink(opt.out, ec).string());
-  // The run's id. A resume in the checkpoint's own directory (also one that was moved, or entered as `.`), or of a
-  // copy of one of --out's own checkpoints (the same step, run and writing process), continues its run; a resume
-  // into another directory starts a branch with its own id (branch_run_id) and "resumed_from" in its checkpoints and
-  // first metrics line, so two continuations of one checkpoint never share an id: the directory of either refuses
-  // the other's lines (claim below) instead of splicing the two histories. Every rank computes the same id (a
-  // fresh run's random one is rank 0's).
-  const bool own_dir = resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec);
-  std::string run_id = resumed ? resumed->run_id : new_run_id();
+  DS_CHECK(!fs::is_symlink(out, ec) || fs::exists(out, ec), "--out {}: a symbolic link to {}, which does not "
+           "exist (create that directory first, or give another --out)", out, fs::read_symlink(out, ec).string());
+}
+
+// Whose run the steps continue (run_identity).
+struct RunIdentity {
+  std::string run_id;
+  json resumed_from;     // where the run's branch starts ({"run_id", "step", "path"}); null for a run started fresh
+  bool own_dir = false;  // a resume in the checkpoint's own directory
+  bool branch = false;   // a resume into another directory: a new branch starts here
+};
+
+// The run's id. A resume in the checkpoint's own directory (also one that was moved, or entered as `.`), or of a
+// copy of one of --out's own checkpoints (the same step, run and writing process), continues its run; a resume
+// into another directory starts a branch with its own id (branch_run_id) and "resumed_from" in its checkpoints and
+// first metrics line, so two continuations of one checkpoint never share an id: the directory of either refuses
+// the other's lines (claim_run_dir) instead of splicing the two histories. Every rank computes the same id (a
+// fresh run's random one is rank 0's).
+RunIdentity run_identity(const TrainOptions& opt, const std::optional<SavedCheckpoint>& resumed,
+                         dist::Communicator& comm) {
+  RunIdentity id;
+  std::error_code ec;
+  id.own_dir = resumed && fs::equivalent(opt.out, fs::canonical(opt.resume).parent_path(), ec);
+  id.run_id = resumed ? resumed->run_id : new_run_id();
   if (comm.world() > 1 && !resumed) {
-    run_id.resize(16, '0');
-    comm.broadcast(run_id.data(), 16, 0);
+    id.run_id.resize(16, '0');
+    comm.broadcast(id.run_id.data(), 16, 0);
   }
-  json resumed_from = resumed ? resumed->resumed_from : json();
-  const bool branch = resumed && !own_dir && !is_copy_of_own_checkpoint(opt.resume, opt.out, resumed->state.step);
-  if (branch) {
-    resumed_from = {{"run_id", resumed->run_id}, {"step", resumed->state.step},
-                    {"path", fs::canonical(opt.resume).string()}};
-    run_id = branch_run_id(resumed->run_id, resumed->state.step, fs::weakly_canonical(opt.out).string());
+  id.resumed_from = resumed ? resumed->resumed_from : json();
+  id.branch = resumed && !id.own_dir && !is_copy_of_own_checkpoint(opt.resume, opt.out, resumed->state.step);
+  if (id.branch) {
+    id.resumed_from = {{"run_id", resumed->run_id}, {"step", resumed->state.step},
+                       {"path", fs::canonical(opt.resume).string()}};
+    id.run_id = branch_run_id(resumed->run_id, resumed->state.step, fs::weakly_canonical(opt.out).string());
     log_info("--out {} is not the checkpoint's directory: a new branch (run_id {}) of run {} from step {}", opt.out,
-             run_id, resumed->run_id.empty() ? std::string("(no id)") : resumed->run_id, resumed->state.step);
+             id.run_id, resumed->run_id.empty() ? std::string("(no id)") : resumed->run_id, resumed->state.step);
   }
-  // Rank 0 alone owns --out: the lock, stale temps, the claim.
-  std::optional<RunDirectory> run_dir;
-  if (root) {
-    run_dir.emplace(opt.out);
+  return id;
+}
+
+// Rank 0 alone owns --out: the lock, stale temps, the claim. Returns rank 0's locked directory (null on the other
+// ranks), once --out exists and is rank 0's on every rank. ds::Error when --out is locked, unwritable or another
+// run's (RunDirectory).
+std::unique_ptr<RunDirectory> claim_run_dir(const TrainOptions& opt, const RunIdentity& id, dist::Communicator& comm) {
+  std::unique_ptr<RunDirectory> run_dir;
+  if (comm.is_root()) {
+    run_dir = std::make_unique<RunDirectory>(opt.out);
     run_dir->remove_stale_temps(opt.resume);
     // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
     // run id (earlier versions) are this run's in the checkpoint's own directory.
-    run_dir->claim(run_id, own_dir, opt.move_aside);
+    run_dir->claim(id.run_id, id.own_dir, opt.move_aside);
   }
   comm.barrier();  // --out exists and is rank 0's before any rank reads it
-  // Each rank's cores (before any thread starts: OpenMP's workers inherit them): near its GPU, or its share of the
-  // host; rank 0 logs every rank's.
-  {
-    std::string bound = dist::bind_cpus(comm.launch(), device == "cuda" ? cuda_pci_bus_id(cuda_current_device()) : std::string());
-    if (comm.world() == 1) {
-      log_info("CPU binding: {}", bound);
-    } else {
-      std::string all;
-      for (int r = 0; r < comm.world(); ++r) {
-        std::string b = bound;
-        b.resize(200, ' ');
-        comm.broadcast(b.data(), 200, r);
-        b.erase(b.find_last_not_of(' ') + 1);
-        all += fmt::format("{}rank {}: {}", r ? "; " : "", r, b);
-      }
-      log_info("CPU binding: {}", all);
+  return run_dir;
+}
+
+// Each rank's cores (before any thread starts: OpenMP's workers inherit them): near its GPU, or its share of the
+// host; rank 0 logs every rank's.
+void bind_rank_cpus(dist::Communicator& comm, const std::string& device) {
+  std::string bound = dist::bind_cpus(comm.launch(), device == "cuda" ? cuda_pci_bus_id(cuda_current_device()) : std::string());
+  if (comm.world() == 1) {
+    log_info("CPU binding: {}", bound);
+  } else {
+    std::string all;
+    for (int r = 0; r < comm.world(); ++r) {
+      std::string b = bound;
+      b.resize(200, ' ');
+      comm.broadcast(b.data(), 200, r);
+      b.erase(b.find_last_not_of(' ') + 1);
+      all += fmt::format("{}rank {}: {}", r ? "; " : "", r, b);
     }
+    log_info("CPU binding: {}", all);
   }
-  set_num_threads(opt.threads);
-  Qwen35Model model = build_model(opt, device, comm);
-  const std::string tokenizer_json = read_file(tokenizer_file);
-  const TrainData data = load_data(opt, model.config(), tokenizer_json, tokenizer_file);
-  check_same_on_every_rank(comm, "data (its fingerprint)", data.fingerprint);
-  if (resumed) check_data_fingerprint(opt, resumed->data, data.fingerprint);
-  // The GPU when there is one (auto), else the CPU reference engine.
+}
+
+// The engine that trains `model` on `data`'s windows: the GPU when there is one (auto), else the CPU reference
+// engine, its state shared out per --shard. Sets opt.device and opt.optimizer_state to the engine's.
+std::unique_ptr<Engine> make_train_engine(TrainOptions& opt, Qwen35Model&& model, const TrainData& data,
+                                          dist::Communicator& comm) {
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
   apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
   plan.precision = parse_precision(opt.precision);
@@ -698,46 +718,74 @@ int train(TrainOptions cli) {
                ? fmt::format(", {} rank{} ({}), --shard {}, {} communicator", comm.world(), comm.world() > 1 ? "s" : "",
                              comm.launch().launcher, opt.shard, comm.backend())
                : std::string());
+  return engine;
+}
+
+// Where the run starts: a resume's state (step, optimizer steps, tokens, time), its optimizer state loaded into
+// `engine`; step 0 of a new run. ds::Error when --steps is below the checkpoint's step.
+TrainerState start_state(Engine& engine, const TrainOptions& opt, const std::optional<SavedCheckpoint>& resumed,
+                         const dist::Communicator& comm) {
   TrainerState progress;
   if (resumed) {
-    load_optimizer_state(*engine, opt.resume);
+    load_optimizer_state(engine, opt.resume);
     progress = resumed->state;
     log_info("resuming from {} at step {}", opt.resume, progress.step);
   }
   progress.world_size = comm.world();
   DS_CHECK(opt.steps >= progress.step, "--steps {} is below the checkpoint's step {}", opt.steps, progress.step);
-  const int64_t start_step = progress.step;
-  // Every rank got through its model, data, engine and optimizer state before rank 0 changes --out (a rank that
-  // failed has stopped the run; one that hangs keeps rank 0 waiting here, before any change).
-  comm.barrier();
-  // Then, in an order where whatever fails leaves the directory as it was: the checks on --out (Checkpoints), the
-  // metrics rewrite (MetricsLog: the lines past the resumed step appended to metrics-abandoned.jsonl first; a full
-  // disk stops it there), and last the abandoned history's later checkpoints set aside (renames, no new bytes), out
-  // of the way of this run's saves of the same steps.
-  Checkpoints checkpoints(opt, start_step, run_id, tokenizer_json, data.fingerprint, resumed_from);
-  if (root) checkpoints.check_room_for_next_save(engine->config(), start_step, "");  // a full disk stops it now
+  return progress;
+}
+
+// Settles --out for a run that starts at start_step (resumed: a --resume), once every rank is set up: the checks of
+// `checkpoints` (made by the caller, first), then rank 0's metrics log, opened (null on the other ranks).
+std::unique_ptr<MetricsLog> settle_run_dir(const TrainOptions& opt, const RunIdentity& id, bool resumed,
+                                           int64_t start_step, const Checkpoints& checkpoints, const Engine& engine,
+                                           const RunDirectory* run_dir, dist::Communicator& comm) {
+  const bool root = comm.is_root();
+  if (root) checkpoints.check_room_for_next_save(engine.config(), start_step, "");  // a full disk stops it now
   // Rank 0 writes the metrics; the other ranks' MetricsLog is never made.
-  std::optional<MetricsLog> metrics;
-  if (root) metrics.emplace(opt.out, start_step, run_id, branch ? resumed_from : json());
-  if (resumed && root) run_dir->set_aside_later_checkpoints(run_id, resumed->state.step);
+  std::unique_ptr<MetricsLog> metrics;
+  if (root) metrics = std::make_unique<MetricsLog>(opt.out, start_step, id.run_id, id.branch ? id.resumed_from : json());
+  if (resumed && root) run_dir->set_aside_later_checkpoints(id.run_id, start_step);
   comm.barrier();  // the other ranks read --out later (saves, evaluation decisions) only after it is settled
   if (root && resumed) metrics->set_last_checkpoint(opt.resume);
-  const double elapsed_before = progress.elapsed_s;
-  auto elapsed = [&] {
-    return elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  };
-  auto eval_due = [&](int64_t step) {
-    return !data.eval_batches.empty() && (step == opt.steps || (opt.eval_interval > 0 && step % opt.eval_interval == 0));
-  };
+  return metrics;
+}
 
-  // From here on SIGINT / SIGTERM stop after the current step, with a checkpoint (interrupt.h).
-  InterruptGuard interrupt;
-  int64_t saved_step = resumed ? start_step : -1;  // the newest complete checkpoint of this run's history
-  std::string saved_dir = resumed ? opt.resume : std::string();
-  if (resumed) interrupt.set_last_checkpoint(saved_dir);
-  auto save = [&] {
+// ---- the loop's state
+
+// Whether the run evaluates after `step`: every --eval-interval steps and at the last one (with evaluation data).
+bool eval_due(const TrainOptions& opt, const TrainData& data, int64_t step) {
+  return !data.eval_batches.empty() && (step == opt.steps || (opt.eval_interval > 0 && step % opt.eval_interval == 0));
+}
+
+// What the steps of a run share (train()): its options, ranks and engine, where it stands, --out's files (rank 0's
+// run directory and metrics; null on the other ranks) and the newest complete checkpoint of its history.
+struct Run {
+  TrainOptions& opt;
+  dist::Communicator& comm;
+  const bool root;
+  Engine& engine;
+  TrainerState& progress;
+  Checkpoints& checkpoints;
+  RunDirectory* run_dir;  // rank 0's
+  MetricsLog* metrics;    // rank 0's
+  InterruptGuard& interrupt;
+  const std::chrono::steady_clock::time_point t_start;
+  const double elapsed_before;  // the seconds of the run's history before this session
+  const int64_t start_step;
+  int64_t saved_step;  // the newest complete checkpoint of this run's history (-1: none)
+  std::string saved_dir;
+  std::chrono::steady_clock::time_point t_loop{};  // the ETA: this session's mean time per step, evals included
+  int stop_signal = 0;
+
+  double elapsed() const {
+    return elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  }
+
+  void save() {
     progress.elapsed_s = elapsed();
-    engine->gather_for_save();  // a sharded optimizer state, whole on every rank until the save is written
+    engine.gather_for_save();  // a sharded optimizer state, whole on every rank until the save is written
     if (root) {  // every rank holds the same weights and (gathered) optimizer state: rank 0's copy is the checkpoint
       // A run directory renamed while the run trained: the lock and metrics.jsonl (open files) went with it, so the
       // checkpoints follow them there instead of recreating --out's old path, unlocked and without its metrics.
@@ -753,7 +801,7 @@ int train(TrainOptions cli) {
         checkpoints.move_to(now);
       }
       metrics->sync();  // the lines up to this step are durable before the checkpoint is
-      checkpoints.save(*engine, progress, [&](const std::string& dir) {  // before --keep-last prunes the older ones
+      checkpoints.save(engine, progress, [&](const std::string& dir) {  // before --keep-last prunes the older ones
         saved_dir = dir;
         saved_step = progress.step;
         interrupt.set_last_checkpoint(saved_dir);
@@ -762,38 +810,24 @@ int train(TrainOptions cli) {
     }
     else
       saved_step = progress.step;
-    engine->release_after_save();
+    engine.release_after_save();
     comm.barrier();  // a rank 0 that fails to save stops every rank (main.cpp) instead of leaving them training
-  };
-
-  // The evaluation at the start step: step 0 of a new run, or one that an interrupted run skipped at the step it
-  // was due (a signal goes straight to the save), unless the kept history already has it.
-  if (!data.eval_batches.empty() && (start_step == 0 || eval_due(start_step)) &&
-      !from_root(comm, root && metrics->has_eval(start_step))) {
-    const double el = evaluate(*engine, data.eval_batches, comm);
-    log_info("step {} | eval_loss {:.4f}", start_step, el);
-    if (root) metrics->write({{"step", start_step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
   }
 
-  // ---- the steps
-  WindowSampler sampler(data.train->num_windows(), opt.seed);
-  const auto t_loop = std::chrono::steady_clock::now();  // the ETA: this session's mean time per step, evals included
   // A signal on any rank stops every rank at the same point: the ranks agree before each step, before each
   // evaluation and at the end (one tiny all-reduce each; with one rank just the signal flag).
-  int stop_signal = 0;
-  auto signalled = [&] {
+  bool signalled() {
     int64_t sig = interrupt.signal();
     comm.all_reduce_max(&sig, 1);
     stop_signal = static_cast<int>(sig);
     return stop_signal != 0;
-  };
-  // Fault-injection hook for the multi-rank tests: "R:S" makes rank R fail at step S (unset in normal use).
-  int64_t fail_rank = -1, fail_step = -1;
-  if (const char* f = std::getenv("DELTASTACK_TEST_FAIL_RANK")) std::sscanf(f, "%ld:%ld", &fail_rank, &fail_step);
+  }
+
   // A dataset file changed under the run (a mapped shard truncated in place: DataChangedError, thrown before the
   // step's update): the weights are still those of the last step, saved (one rank: a save is collective) before
   // the error stops the run.
-  auto read_data = [&](const auto& read) {
+  template <typename Read>
+  auto read_data(const Read& read) {
     try {
       return read();
     } catch (const DataChangedError& e) {
@@ -803,66 +837,49 @@ int train(TrainOptions cli) {
                           : fmt::format("the last checkpoint is {} (step {}): resume from it once the data is whole "
                                         "again", saved_dir, saved_step));
     }
-  };
-  for (int64_t step = start_step + 1; step <= opt.steps && !signalled(); ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
-    DS_CHECK(!(comm.rank() == fail_rank && step == fail_step), "step {}: failure injected by "
-             "DELTASTACK_TEST_FAIL_RANK={}:{}", step, fail_rank, fail_step);
-    const StepBatches batches = read_data([&] { return StepBatches(sampler, *data.train, opt, step, comm); });
-    const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
-    engine->zero_grads();
-    double loss_sum = 0;
-    for (int64_t a = 0; a < opt.grad_accum; ++a) {
-      if (a == opt.grad_accum - 1) engine->reduce_grads_during_next_backward();
-      loss_sum += engine->forward_backward(read_data([&] { return batches.micro(a); }), per_target, opt.z_loss).loss_sum;
-    }
-    comm.all_reduce_sum(&loss_sum, 1);
-    engine->reduce_grads();
-    const double loss = batches.targets > 0 ? loss_sum / static_cast<double>(batches.targets) : 0.0;
-    const double gnorm = std::sqrt(engine->grad_sum_squares());
-    const double lr = lr_at(opt, step);
-    progress.step = step;
-    progress.tokens_seen += batches.tokens;
+  }
 
-    if (!std::isfinite(loss) || !std::isfinite(gnorm)) {  // the NaN/Inf guard
-      const std::string reason =
-          !std::isfinite(loss) ? fmt::format("loss is {}", loss) : fmt::format("grad norm is {}", gnorm);
-      if (opt.nan_policy == "stop")
-        fail("step {}: {}; stopping (--nan-policy stop). {}; try a lower --lr or --nan-policy skip", step, reason,
-             saved_step < 0 ? std::string("No checkpoint was saved by this run")
-                            : fmt::format("The last checkpoint, {} (step {}), is intact", saved_dir, saved_step));
-      log_warn("step {}: {}; skipping the update (--nan-policy skip)", step, reason);
-      if (root) metrics->write({{"step", step}, {"skipped", true}, {"reason", reason}, {"lr", lr}, {"tokens", batches.tokens},
-                     {"elapsed_s", elapsed()}});
-    } else {
-      const double clip_scale = (opt.clip > 0 && gnorm > opt.clip) ? opt.clip / (gnorm + 1e-6) : 1.0;
-      engine->optimizer_step(adamw_params(opt, lr, ++progress.optimizer_steps, clip_scale));
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      const double el = elapsed();
-      json line{{"step", step}, {"loss", loss}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", batches.tokens},
-                {"tokens_per_s", batches.tokens / dt}, {"elapsed_s", el}};
-      if (engine->device() == "cuda") line["peak_gib"] = engine->peak_bytes() / 1073741824.0;
-      if (root) metrics->write(line);
-      const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_loop).count() /
-                              static_cast<double>(step - start_step);
-      if (root) print_progress(fmt::format("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | "
-                                 "{:.1f} s | ETA {}\n", step, opt.steps, loss, gnorm, lr, batches.tokens,
-                                 batches.tokens / dt, el, short_duration(per_step * static_cast<double>(opt.steps - step))));
-    }
+  // The NaN/Inf guard's step (a non-finite `loss` or `gnorm`): stops the run (--nan-policy stop), or skips the
+  // update, logged in the metrics (skip).
+  void skip_update(int64_t step, double loss, double gnorm, double lr, int64_t tokens) {
+    const std::string reason =
+        !std::isfinite(loss) ? fmt::format("loss is {}", loss) : fmt::format("grad norm is {}", gnorm);
+    if (opt.nan_policy == "stop")
+      fail("step {}: {}; stopping (--nan-policy stop). {}; try a lower --lr or --nan-policy skip", step, reason,
+           saved_step < 0 ? std::string("No checkpoint was saved by this run")
+                          : fmt::format("The last checkpoint, {} (step {}), is intact", saved_dir, saved_step));
+    log_warn("step {}: {}; skipping the update (--nan-policy skip)", step, reason);
+    if (root) metrics->write({{"step", step}, {"skipped", true}, {"reason", reason}, {"lr", lr}, {"tokens", tokens},
+                   {"elapsed_s", elapsed()}});
+  }
 
-    if (eval_due(step) && !signalled()) {  // interrupted: straight to the save
-      const double el = evaluate(*engine, data.eval_batches, comm);
-      if (root) {
-        print_progress(fmt::format("step {:>5}/{} | eval_loss {:.4f}\n", step, opt.steps, el));
-        metrics->write({{"step", step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
-      }
-    }
-    if (checkpoints.due(step)) {
-      save();
-      if (root) checkpoints.check_room_for_next_save(engine->config(), step, saved_dir);
+  // An updated step's metrics line and progress line (rank 0); `t0`: when the step began.
+  void log_step(int64_t step, double loss, double gnorm, double lr, int64_t tokens,
+                std::chrono::steady_clock::time_point t0) {
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double el = elapsed();
+    json line{{"step", step}, {"loss", loss}, {"grad_norm", gnorm}, {"lr", lr}, {"tokens", tokens},
+              {"tokens_per_s", tokens / dt}, {"elapsed_s", el}};
+    if (engine.device() == "cuda") line["peak_gib"] = engine.peak_bytes() / 1073741824.0;
+    if (root) metrics->write(line);
+    const double per_step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_loop).count() /
+                            static_cast<double>(step - start_step);
+    if (root) print_progress(fmt::format("step {:>5}/{} | loss {:.4f} | grad_norm {:.3f} | lr {:.2e} | {} tok | {:.0f} tok/s | "
+                               "{:.1f} s | ETA {}\n", step, opt.steps, loss, gnorm, lr, tokens,
+                               tokens / dt, el, short_duration(per_step * static_cast<double>(opt.steps - step))));
+  }
+
+  // The evaluation after `step`: its metrics line and progress line (rank 0).
+  void evaluate_after(int64_t step, const std::vector<PackedBatch>& eval_batches) {
+    const double el = evaluate(engine, eval_batches, comm);
+    if (root) {
+      print_progress(fmt::format("step {:>5}/{} | eval_loss {:.4f}\n", step, opt.steps, el));
+      metrics->write({{"step", step}, {"eval_loss", el}, {"elapsed_s", elapsed()}});
     }
   }
-  if (signalled()) {
+
+  // A signal stopped the run (signalled()): the steps not yet saved are, and the exit code is 128 + the signal.
+  int stop_by_signal() {
     const int sig = stop_signal;
     if (progress.step > saved_step && progress.step > 0) save();
     const std::string where =
@@ -874,13 +891,119 @@ int train(TrainOptions cli) {
                                    progress.step, opt.steps, where));
     return 128 + sig;
   }
-  if (opt.steps == 0 && start_step == 0) save();  // --steps 0: the initial weights as checkpoint-0
+};
+
+}  // namespace
+
+int train(TrainOptions cli) {
+  const auto t_start = std::chrono::steady_clock::now();
+  // Several ranks (mpirun; dist/communicator.h): every rank trains the same model on its share of each step's
+  // micro-batches; rank 0 alone owns --out (lock, metrics, checkpoints, progress lines).
+  // ---- set-up: options, model, data, engine, resumed state, --out
+  std::optional<SavedCheckpoint> resumed;
+  if (!cli.resume.empty()) resumed = read_checkpoint_state(cli.resume);
+  TrainOptions opt = run_options(cli, resumed ? &*resumed : nullptr);
+  const std::string tokenizer_file = tokenizer_path(opt);  // a checkpoint without its tokenizer.json: an error now
+  const std::string device = resolve_device(opt.device);  // "cpu" | "cuda": the engine make_engine will build
+  dist::Communicator& comm = open_world(device);
+  const bool root = comm.is_root();
+  if (resumed) keep_step_batch(opt, *resumed, comm);
+  check_run_options(opt, resumed.has_value(), device, comm);
+  // --out is created and locked before anything slow: a second run into it, or an --out that cannot be written,
+  // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
+  check_out(opt.out);
+  const RunIdentity id = run_identity(opt, resumed, comm);
+  const std::unique_ptr<RunDirectory> run_dir = claim_run_dir(opt, id, comm);  // rank 0's; null on the others
+  bind_rank_cpus(comm, device);
+  set_num_threads(opt.threads);
+  Qwen35Model model = build_model(opt, device, comm);
+  const std::string tokenizer_json = read_file(tokenizer_file);
+  const TrainData data = load_data(opt, model.config(), tokenizer_json, tokenizer_file);
+  check_same_on_every_rank(comm, "data (its fingerprint)", data.fingerprint);
+  if (resumed) check_data_fingerprint(opt, resumed->data, data.fingerprint);
+  const std::unique_ptr<Engine> engine = make_train_engine(opt, std::move(model), data, comm);
+  TrainerState progress = start_state(*engine, opt, resumed, comm);
+  const int64_t start_step = progress.step;
+  // Every rank got through its model, data, engine and optimizer state before rank 0 changes --out (a rank that
+  // failed has stopped the run; one that hangs keeps rank 0 waiting here, before any change).
+  comm.barrier();
+  // Then, in an order where whatever fails leaves the directory as it was: the checks on --out (Checkpoints), the
+  // metrics rewrite (MetricsLog: the lines past the resumed step appended to metrics-abandoned.jsonl first; a full
+  // disk stops it there), and last the abandoned history's later checkpoints set aside (renames, no new bytes), out
+  // of the way of this run's saves of the same steps.
+  Checkpoints checkpoints(opt, start_step, id.run_id, tokenizer_json, data.fingerprint, id.resumed_from);
+  const std::unique_ptr<MetricsLog> metrics =
+      settle_run_dir(opt, id, resumed.has_value(), start_step, checkpoints, *engine, run_dir.get(), comm);
+
+  // From here on SIGINT / SIGTERM stop after the current step, with a checkpoint (interrupt.h).
+  InterruptGuard interrupt;
+  Run run{.opt = opt, .comm = comm, .root = root, .engine = *engine, .progress = progress,
+          .checkpoints = checkpoints, .run_dir = run_dir.get(), .metrics = metrics.get(), .interrupt = interrupt,
+          .t_start = t_start, .elapsed_before = progress.elapsed_s, .start_step = start_step,
+          .saved_step = resumed ? start_step : -1, .saved_dir = resumed ? opt.resume : std::string()};
+  if (resumed) interrupt.set_last_checkpoint(run.saved_dir);
+
+  // The evaluation at the start step: step 0 of a new run, or one that an interrupted run skipped at the step it
+  // was due (a signal goes straight to the save), unless the kept history already has it.
+  if (!data.eval_batches.empty() && (start_step == 0 || eval_due(opt, data, start_step)) &&
+      !from_root(comm, root && metrics->has_eval(start_step))) {
+    const double el = evaluate(*engine, data.eval_batches, comm);
+    log_info("step {} | eval_loss {:.4f}", start_step, el);
+    if (root) metrics->write({{"step", start_step}, {"eval_loss", el}, {"elapsed_s", run.elapsed()}});
+  }
+
+  // ---- the steps
+  WindowSampler sampler(data.train->num_windows(), opt.seed);
+  run.t_loop = std::chrono::steady_clock::now();
+  // Fault-injection hook for the multi-rank tests: "R:S" makes rank R fail at step S (unset in normal use).
+  int64_t fail_rank = -1, fail_step = -1;
+  if (const char* f = std::getenv("DELTASTACK_TEST_FAIL_RANK")) std::sscanf(f, "%ld:%ld", &fail_rank, &fail_step);
+  for (int64_t step = start_step + 1; step <= opt.steps && !run.signalled(); ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    DS_CHECK(!(comm.rank() == fail_rank && step == fail_step), "step {}: failure injected by "
+             "DELTASTACK_TEST_FAIL_RANK={}:{}", step, fail_rank, fail_step);
+    // The step's micro-batches (StepBatches: this rank's share; targets and tokens counted over every rank).
+    const StepBatches batches = run.read_data([&] { return StepBatches(sampler, *data.train, opt, step, comm); });
+    // Forward and backward over each micro-batch, the gradients accumulating (the last backward also starts their
+    // reduction over the ranks).
+    const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
+    engine->zero_grads();
+    double loss_sum = 0;
+    for (int64_t a = 0; a < opt.grad_accum; ++a) {
+      if (a == opt.grad_accum - 1) engine->reduce_grads_during_next_backward();
+      loss_sum += engine->forward_backward(run.read_data([&] { return batches.micro(a); }), per_target, opt.z_loss).loss_sum;
+    }
+    // The loss and the gradients, summed over the ranks.
+    comm.all_reduce_sum(&loss_sum, 1);
+    engine->reduce_grads();
+    const double loss = batches.targets > 0 ? loss_sum / static_cast<double>(batches.targets) : 0.0;
+    const double gnorm = std::sqrt(engine->grad_sum_squares());
+    const double lr = lr_at(opt, step);
+    progress.step = step;
+    progress.tokens_seen += batches.tokens;
+    // The NaN/Inf guard, else the clipped AdamW update; the step's metrics.
+    if (!std::isfinite(loss) || !std::isfinite(gnorm)) {
+      run.skip_update(step, loss, gnorm, lr, batches.tokens);
+    } else {
+      const double clip_scale = (opt.clip > 0 && gnorm > opt.clip) ? opt.clip / (gnorm + 1e-6) : 1.0;
+      engine->optimizer_step(adamw_params(opt, lr, ++progress.optimizer_steps, clip_scale));
+      run.log_step(step, loss, gnorm, lr, batches.tokens, t0);
+    }
+    // The evaluation (interrupted: straight to the save), the checkpoint.
+    if (eval_due(opt, data, step) && !run.signalled()) run.evaluate_after(step, data.eval_batches);
+    if (checkpoints.due(step)) {
+      run.save();
+      if (root) checkpoints.check_room_for_next_save(engine->config(), step, run.saved_dir);
+    }
+  }
+  if (run.signalled()) return run.stop_by_signal();
+  if (opt.steps == 0 && start_step == 0) run.save();  // --steps 0: the initial weights as checkpoint-0
   // --nan-policy skip that skipped every step of this session: the weights never changed, which is no success.
   const int64_t updates = progress.optimizer_steps - (resumed ? resumed->state.optimizer_steps : 0);
   DS_CHECK(opt.steps == start_step || updates > 0, "every step ({} to {}) had a non-finite loss or grad norm and was "
            "skipped (--nan-policy skip): the weights are unchanged{}; try a lower --lr", start_step + 1, opt.steps,
-           saved_step < 0 ? std::string() : fmt::format(" in {}", saved_dir));
-  log_info("done: {} steps, {} tokens, {:.1f} s; metrics in {}", opt.steps, progress.tokens_seen, elapsed(),
+           run.saved_step < 0 ? std::string() : fmt::format(" in {}", run.saved_dir));
+  log_info("done: {} steps, {} tokens, {:.1f} s; metrics in {}", opt.steps, progress.tokens_seen, run.elapsed(),
            root ? metrics->path() : std::string());
   return 0;
 }
