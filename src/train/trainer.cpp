@@ -730,7 +730,8 @@ int train(TrainOptions cli) {
     return !data.eval_batches.empty() && (step == opt.steps || (opt.eval_interval > 0 && step % opt.eval_interval == 0));
   };
 
-  // From here on SIGINT / SIGTERM stop after the current step, with a checkpoint (interrupt.h).
+  // From here on SIGINT / SIGTERM stop after the current step (or between its micro-batches, the step left
+  // untaken), with a checkpoint of the last step taken (interrupt.h).
   InterruptGuard interrupt;
   int64_t saved_step = resumed ? start_step : -1;  // the newest complete checkpoint of this run's history
   std::string saved_dir = resumed ? opt.resume : std::string();
@@ -812,10 +813,18 @@ int train(TrainOptions cli) {
     const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
     engine->zero_grads();
     double loss_sum = 0;
-    for (int64_t a = 0; a < opt.grad_accum; ++a) {
+    // A signal between micro-batches stops the step unfinished (a long --grad-accum step is no wait for a signal):
+    // its partial gradients are dropped, the weights stay those of the previous step, which is what is saved.
+    bool unfinished = false;
+    for (int64_t a = 0; a < opt.grad_accum && !unfinished; ++a) {
+      if (a > 0 && signalled()) {
+        unfinished = true;
+        break;
+      }
       if (a == opt.grad_accum - 1) engine->reduce_grads_during_next_backward();
       loss_sum += engine->forward_backward(read_data([&] { return batches.micro(a); }), per_target, opt.z_loss).loss_sum;
     }
+    if (unfinished) break;
     comm.all_reduce_sum(&loss_sum, 1);
     engine->reduce_grads();
     const double loss = batches.targets > 0 ? loss_sum / static_cast<double>(batches.targets) : 0.0;
