@@ -1163,7 +1163,8 @@ TEST(Issue25, TokenizeReplacesOnlyWhatItChecked) {
 }
 
 // Item 5: a directory that appears at OUT/checkpoint-N while the run trains is kept: the save fails naming it
-// (before, it was swapped out and deleted; the same state at the start is refused by claim()).
+// (before, it was swapped out and deleted; at the start, claim() refuses an empty one; one holding only a user's
+// files is left alone there, and refused here when the save of its step comes).
 TEST(Issue25, ACheckpointDirectoryMadeDuringTheRunIsKept) {
   const std::string dir = tmpdir("i25_ckptrace");
   const std::string out = dir + "/o", gate = dir + "/gate";
