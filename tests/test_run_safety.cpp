@@ -1163,7 +1163,8 @@ TEST(Issue25, TokenizeReplacesOnlyWhatItChecked) {
 }
 
 // Item 5: a directory that appears at OUT/checkpoint-N while the run trains is kept: the save fails naming it
-// (before, it was swapped out and deleted; the same state at the start is refused by claim()).
+// (before, it was swapped out and deleted; at the start, claim() refuses an empty one; one holding only a user's
+// files is left alone there, and refused here when the save of its step comes).
 TEST(Issue25, ACheckpointDirectoryMadeDuringTheRunIsKept) {
   const std::string dir = tmpdir("i25_ckptrace");
   const std::string out = dir + "/o", gate = dir + "/gate";
@@ -1281,5 +1282,178 @@ TEST(Issue25, TheAtomicWritersTemporaryFileFollowsNoLink) {
   EXPECT_EQ(ds::read_file(dir + "/victim.txt"), "precious");
   EXPECT_EQ(ds::read_file(dir + "/out.txt"), "new");
   EXPECT_FALSE(fs::is_symlink(dir + "/out.txt"));
+  fs::remove_all(dir);
+}
+
+// ---- Issue 25, the hostile tester's second pass.
+
+// D1: --keep-last deletes only what a checkpoint save wrote. A user's NOTES.md and analysis/ inside an older
+// checkpoint stay, and the directory with them (its checkpoint files go, with a warning naming it); an older
+// checkpoint holding only its own files is removed whole. Before, the whole directory was deleted.
+TEST(Issue25, KeepLastKeepsAUsersFilesInACheckpoint) {
+  const std::string dir = tmpdir("i25_keeplast_user");
+  const std::string out = dir + "/k/r", ck1 = out + "/checkpoint-1";
+  const std::string args = small_setup(dir) + " --threads 1";
+  std::string log;
+  ASSERT_EQ(run("train " + args + " --steps 2 --save-interval 1 --out " + out, &log), 0) << log;
+  ds::write_file_atomic(ck1 + "/NOTES.md", "my notes");
+  fs::create_directories(ck1 + "/analysis");
+  ds::write_file_atomic(ck1 + "/analysis/loss.csv", "1,2");
+  ASSERT_EQ(run("train --resume " + out + "/checkpoint-2 --steps 3 --keep-last 1 --threads 1", &log), 0) << log;
+  EXPECT_EQ(read_or_empty(ck1 + "/NOTES.md"), "my notes");
+  EXPECT_EQ(read_or_empty(ck1 + "/analysis/loss.csv"), "1,2");
+  EXPECT_FALSE(fs::exists(ck1 + "/trainer_state.json"));
+  EXPECT_FALSE(fs::exists(ck1 + "/model.safetensors"));
+  EXPECT_TRUE(contains(log, "removed the checkpoint files of " + ck1 + " but kept the directory: it also holds "
+                            "NOTES.md")) << log;
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-2"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-3/trainer_state.json"));
+  for (const auto& e : fs::directory_iterator(out))
+    EXPECT_EQ(e.path().filename().string().find(".old.tmp"), std::string::npos) << e.path();
+  // What is left holds no checkpoint of any run: the run resumes beside it, and it stays.
+  ASSERT_EQ(run("train --resume " + out + "/checkpoint-3 --steps 4 --keep-last 1 --threads 1", &log), 0) << log;
+  EXPECT_EQ(read_or_empty(ck1 + "/NOTES.md"), "my notes");
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-3"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-4/trainer_state.json"));
+  fs::remove_all(dir);
+}
+
+// D2: forward replaces at its end only what it checked at its start, like tokenize and export. A file written at
+// --output while forward runs stays (the run fails naming it); of two forwards to one new output the one that
+// finishes second fails and the first one's output stays. Before, each replaced what was there and exited 0.
+TEST(Issue25, ForwardReplacesOnlyWhatItChecked) {
+  const std::string dir = tmpdir("i25_fwdrace");
+  const std::string model = ds::test::fixture("hf_qwen35_tiny_a");
+  const std::string fwd = "forward --threads 1 --device cpu --model " + model + " --inputs " + model +
+                          "/inputs.safetensors ";
+  // `fwd + args` stopped at its gate `name` while `meanwhile` runs: it must fail with `needle` in its log.
+  auto fails_after = [&](const std::string& args, const std::string& name, const std::function<void()>& meanwhile,
+                         const std::string& needle) {
+    const std::string gate = dir + "/" + name, log = dir + "/" + name + ".log";
+    const pid_t pid = spawn_gated(fwd + args, log, gate);
+    ASSERT_TRUE(gate_reached(gate)) << read_or_empty(log);
+    meanwhile();
+    release_gate(gate);
+    EXPECT_EQ(wait_exit(pid), 1) << read_or_empty(log);
+    EXPECT_TRUE(contains(read_or_empty(log), needle)) << read_or_empty(log);
+  };
+  const std::string o = dir + "/o.safetensors", g = dir + "/g.safetensors", o3 = dir + "/o3.safetensors";
+  fails_after("--output " + o + " --grads " + g, "gate1", [&] { ds::write_file_atomic(o, "the user's"); },
+              "--output " + o + ": " + o + " appeared while this command ran");
+  EXPECT_EQ(read_or_empty(o), "the user's");
+  // --grads too, with --overwrite: a file that replaced the checked one meanwhile stays.
+  ds::write_file_atomic(g, "old");
+  fails_after("--output " + dir + "/o2.safetensors --grads " + g + " --overwrite", "gate2",
+              [&] { ds::write_file_atomic(g, "the user's new one"); },
+              "--grads " + g + ": " + g + " was replaced by something else");
+  EXPECT_EQ(read_or_empty(g), "the user's new one");
+  // Two forwards to one new output: the second to finish fails, the first one's output stays.
+  std::string first;
+  fails_after("--output " + o3, "gate3", [&] {
+    std::string log;
+    ASSERT_EQ(run(fwd + "--output " + o3, &log), 0) << log;
+    first = ds::read_file(o3);
+  }, "appeared while this command ran");
+  EXPECT_EQ(read_or_empty(o3), first);
+  EXPECT_FALSE(first.empty());
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+  fs::remove_all(dir);
+}
+
+// D3: a --grad-accum no run can mean is refused naming the flag (it was accepted and ran silent for days), and a
+// signal stops a step between its micro-batches: the step is not taken and nothing partial is saved (before, the
+// signal was seen only between steps, so a long step ignored SIGTERM).
+TEST(Issue25, AHugeGradAccumIsRefusedAndASignalStopsALongStep) {
+  const std::string dir = tmpdir("i25_gradaccum");
+  const std::string args = small_setup(dir) + " --threads 1", out = dir + "/o";
+  std::string log;
+  EXPECT_EQ(run("train " + args + " --grad-accum 1000000000 --out " + out, &log), 1) << log;
+  EXPECT_TRUE(contains(log, "--grad-accum must be in [1, 1000000], got 1000000000")) << log;
+  const pid_t pid = spawn("train " + args + " --grad-accum 1000000 --steps 2 --out " + out, dir + "/log");
+  ASSERT_TRUE(wait_for([&] { return contains(read_or_empty(dir + "/log"), "step 0 | eval_loss"); }))
+      << read_or_empty(dir + "/log");
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(wait_exit(pid), 128 + SIGTERM) << read_or_empty(dir + "/log");
+  log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "stopped by SIGTERM after step 0 of 2: no step was taken")) << log;
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-1"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-0"));
+  fs::remove_all(dir);
+}
+
+// D4: a save refused because checkpoint-N appeared meanwhile names the temporary directory that holds the complete
+// new checkpoint, and the next run into that --out keeps it (as checkpoint-N.recovered) instead of deleting it as
+// "left by an interrupted checkpoint save"; an incomplete one is still removed.
+TEST(Issue25, ARefusedSaveKeepsItsCompleteCheckpoint) {
+  const std::string dir = tmpdir("i25_recovered");
+  const std::string out = dir + "/o", gate = dir + "/gate", args = small_setup(dir) + " --threads 1";
+  const pid_t pid = spawn_gated("train " + args + " --steps 2 --out " + out, dir + "/log", gate);
+  ASSERT_TRUE(gate_reached(gate)) << read_or_empty(dir + "/log");
+  fs::create_directories(out + "/checkpoint-2");
+  ds::write_file_atomic(out + "/checkpoint-2/mine.txt", "mine");
+  release_gate(gate);
+  EXPECT_EQ(wait_exit(pid), 1) << read_or_empty(dir + "/log");
+  std::string log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "The complete new checkpoint is kept in " + out + "/.checkpoint-2.tmp")) << log;
+  const std::string state = read_or_empty(out + "/.checkpoint-2.tmp/trainer_state.json");
+  ASSERT_FALSE(state.empty());
+  fs::rename(out + "/checkpoint-2", dir + "/mine");
+  fs::create_directories(out + "/.checkpoint-3.tmp");  // an incomplete save's
+  ds::write_file_atomic(out + "/.checkpoint-3.tmp/config.json", "{}");
+  ASSERT_EQ(run("train " + args + " --steps 1 --move-aside --out " + out, &log), 0) << log;
+  EXPECT_TRUE(contains(log, "kept as " + out + "/checkpoint-2.recovered")) << log;
+  EXPECT_EQ(read_or_empty(out + "/checkpoint-2.recovered/trainer_state.json"), state);
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-2.recovered/model.safetensors"));
+  EXPECT_FALSE(fs::exists(out + "/.checkpoint-2.tmp"));
+  EXPECT_FALSE(fs::exists(out + "/.checkpoint-3.tmp"));
+  EXPECT_EQ(read_or_empty(dir + "/mine/mine.txt"), "mine");
+  fs::remove_all(dir);
+}
+
+// D6: `tokenize --overwrite` removes only what the dataset's index.json lists: a hand-made index.json that names the
+// format, beside a user's file named like a shard that the index does not list, is refused and both are kept
+// (before, tokens-00007.bin was deleted: the check went by file names only).
+TEST(Issue25, TokenizeOverwriteRemovesOnlyWhatTheIndexLists) {
+  const std::string dir = tmpdir("i25_unlisted");
+  const std::string tok = tokenize_args(dir), ds_dir = dir + "/ds";
+  fs::create_directories(ds_dir);
+  const std::string index = "{\"format\":\"deltastack-dataset\",\"version\":1}";
+  ds::write_file_atomic(ds_dir + "/index.json", index);
+  ds::write_file_atomic(ds_dir + "/tokens-00007.bin", "mine");
+  std::string log;
+  EXPECT_EQ(run(tok + " --output " + ds_dir + " --format dataset --overwrite", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "also holds tokens-00007.bin, which its index.json does not list")) << log;
+  EXPECT_EQ(read_or_empty(ds_dir + "/tokens-00007.bin"), "mine");
+  EXPECT_EQ(read_or_empty(ds_dir + "/index.json"), index);
+  // A dataset tokenize wrote is still replaced, shards and all.
+  fs::remove_all(ds_dir);
+  ASSERT_EQ(run(tok + " --output " + ds_dir + " --format dataset --shard-tokens 5", &log), 0) << log;
+  ASSERT_TRUE(fs::exists(ds_dir + "/tokens-00001.bin"));
+  EXPECT_EQ(run(tok + " --output " + ds_dir + " --format dataset --overwrite", &log), 0) << log;
+  EXPECT_FALSE(fs::exists(ds_dir + "/tokens-00001.bin"));
+  EXPECT_TRUE(fs::exists(ds_dir + "/tokens-00000.bin"));
+  fs::remove_all(dir);
+}
+
+// D7: a signal right after tokenize created its temporary directory removes it and says so (before, the handler
+// was installed after the mkdir: the process died at once and left the directory with no message).
+TEST(Issue25, ASignalRightAfterTheTempDirIsMadeRemovesIt) {
+  const std::string dir = tmpdir("i25_tempgate");
+  const std::string tok = tokenize_args(dir) + " --format dataset --output " + dir + "/ds", gate = dir + "/gate";
+  pid_t pid;
+  {
+    const ScopedEnv env({{"DELTASTACK_TEST_TEMPDIR_GATE", gate.c_str()}});
+    pid = spawn(tok, dir + "/log");
+  }
+  ASSERT_TRUE(gate_reached(gate)) << read_or_empty(dir + "/log");
+  const std::string tmp = dir + "/ds.tmp." + std::to_string(pid);
+  ASSERT_TRUE(fs::is_directory(tmp));
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(wait_exit(pid), 128 + SIGTERM) << read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(read_or_empty(dir + "/log"), "stopped by SIGTERM; removed the partial output " + tmp))
+      << read_or_empty(dir + "/log");
+  EXPECT_FALSE(fs::exists(tmp));
+  EXPECT_FALSE(fs::exists(dir + "/ds"));
   fs::remove_all(dir);
 }

@@ -153,7 +153,7 @@ void AtomicFileWriter::commit() {
   }
   if (checked_) {
     try {
-      replace_checked(tmp_, path_, expected_, path_);
+      replace_checked(tmp_, path_, expected_, what_.empty() ? path_ : what_);
     } catch (...) {
       ::unlink(tmp_.c_str());
       throw;

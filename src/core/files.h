@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/fs_safety.h"
@@ -27,13 +28,16 @@ class AtomicFileWriter {
   AtomicFileWriter(const AtomicFileWriter&) = delete;
   AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
   // commit() then replaces <path> only if it is still `expected` (taken when the command checked its output:
-  // absent, or that very file), through ds::replace_checked (fs_safety.h); else a ds::Error and <path> untouched.
-  void replace_only(const FileIdentity& expected) { expected_ = expected, checked_ = true; }
+  // absent, or that very file), through ds::replace_checked (fs_safety.h); else a ds::Error naming `what` (the
+  // path when empty) and <path> untouched.
+  void replace_only(const FileIdentity& expected, std::string what = "") {
+    expected_ = expected, checked_ = true, what_ = std::move(what);
+  }
   void write(const void* data, size_t size);
   void commit();
 
  private:
-  std::string path_, tmp_;
+  std::string path_, tmp_, what_;
   int fd_ = -1;
   FileIdentity expected_;
   bool checked_ = false;

@@ -187,16 +187,7 @@ std::string temp_prefix(const std::string& dest, const std::string& suffix, bool
 
 TempDir::TempDir(const std::string& dest, const std::string& suffix, bool hidden, const std::string& what)
     : dest_(dest), path_(temp_prefix(dest, suffix, hidden) + std::to_string(::getpid())), what_(what) {
-  // One of our own pid (a process before this one, killed, with the same pid) is stale too.
-  if (file_identity(path_ + "/" + kTempMarker).exists && read_file(path_ + "/" + kTempMarker) == marker_text(::getpid()))
-    remove_entry(path_);
-  make_new_dir(path_, what_ + " (its temporary directory)");
-  try {
-    write_file_atomic(path_ + "/" + kTempMarker, marker_text(::getpid()));
-  } catch (...) {
-    remove_entry(path_);
-    throw;
-  }
+  // The handlers first: a signal from the moment the directory exists is seen, and check_signal() removes it.
   g_signal = 0;
   copy_message(g_first_message, "\n[deltastack] signal received: stopping; removing the partial output " + path_ +
                                     " (a second signal stops at once and leaves it for the next run to remove)\n");
@@ -208,6 +199,22 @@ TempDir::TempDir(const std::string& dest, const std::string& suffix, bool hidden
   sa.sa_flags = SA_RESTART;
   ::sigaction(SIGINT, &sa, &g_old_int);
   ::sigaction(SIGTERM, &sa, &g_old_term);
+  bool made = false;
+  try {
+    // One of our own pid (a process before this one, killed, with the same pid) is stale too.
+    if (file_identity(path_ + "/" + kTempMarker).exists &&
+        read_file(path_ + "/" + kTempMarker) == marker_text(::getpid()))
+      remove_entry(path_);
+    make_new_dir(path_, what_ + " (its temporary directory)");
+    made = true;
+    test_gate("DELTASTACK_TEST_TEMPDIR_GATE");
+    write_file_atomic(path_ + "/" + kTempMarker, marker_text(::getpid()));
+  } catch (...) {
+    ::sigaction(SIGINT, &g_old_int, nullptr);
+    ::sigaction(SIGTERM, &g_old_term, nullptr);
+    if (made) remove_entry(path_);
+    throw;
+  }
 }
 
 TempDir::~TempDir() {
@@ -260,11 +267,13 @@ void TempDir::remove_stale(const std::string& dest, const std::string& suffix, b
   }
 }
 
-void test_replace_gate() {
-  const char* gate = std::getenv("DELTASTACK_TEST_REPLACE_GATE");
+void test_gate(const char* env_var) {
+  const char* gate = std::getenv(env_var);
   if (!gate || !*gate) return;
   write_file_atomic(std::string(gate) + ".reached", "");
   while (!file_identity(gate).exists && g_signal == 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 }
+
+void test_replace_gate() { test_gate("DELTASTACK_TEST_REPLACE_GATE"); }
 
 }  // namespace ds

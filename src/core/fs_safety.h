@@ -87,5 +87,8 @@ class TempDir {
 // Test hook (DELTASTACK_TEST_REPLACE_GATE=FILE; unset in normal use): before a command's final replace, creates
 // FILE.reached and waits until FILE exists, so a test can change the destination at that point without timing.
 void test_replace_gate();
+// The same for the gate named by the environment variable `env_var` (DELTASTACK_TEST_TEMPDIR_GATE: TempDir right
+// after it created its directory). The wait also ends at a TempDir's signal.
+void test_gate(const char* env_var);
 
 }  // namespace ds

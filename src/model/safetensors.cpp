@@ -587,15 +587,33 @@ std::string serialize_safetensors(const std::vector<SaveTensor>& tensors,
   return out;
 }
 
-void write_safetensors(const std::string& path, const std::vector<SaveTensor>& tensors,
-                       const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// write_safetensors, its final rename checked against `expected` when given.
+void write_safetensors_file(const std::string& path, const std::vector<SaveTensor>& tensors,
+                            const std::map<std::string, std::string>& metadata, const FileIdentity* expected,
+                            const std::string& what) {
   std::vector<uint64_t> sizes;
   const std::string header = safetensors_header(tensors, metadata, path, &sizes);
   AtomicFileWriter w(path);
+  if (expected) w.replace_only(*expected, what);
   w.write(header.data(), header.size());
   for (size_t i = 0; i < tensors.size(); ++i)
     emit_payload(tensors[i], sizes[i], [&](const void* p, uint64_t n) { w.write(p, n); });
   w.commit();
+}
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<SaveTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  write_safetensors_file(path, tensors, metadata, nullptr, "");
+}
+
+void write_safetensors(const std::string& path, const std::vector<SaveTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata, const FileIdentity& expected,
+                       const std::string& what) {
+  write_safetensors_file(path, tensors, metadata, &expected, what);
 }
 
 void write_safetensors_sharded(const std::string& dir, const std::string& base, const std::vector<SaveTensor>& tensors,

@@ -19,6 +19,8 @@
 #include <string_view>
 #include <vector>
 
+#include "core/fs_safety.h"
+
 namespace ds {
 
 enum class DType { F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL };
@@ -108,6 +110,13 @@ SaveTensor make_tensor_i64(const std::string& name, std::vector<int64_t> shape, 
 // numel * dtype_size, shapes must be non-negative, names non-empty, valid UTF-8 and not "__metadata__".
 void write_safetensors(const std::string& path, const std::vector<SaveTensor>& tensors,
                        const std::map<std::string, std::string>& metadata = {});
+// The same, for a command's output that must replace only what the command checked at its start: the final rename
+// goes through ds::replace_checked (core/fs_safety.h) with `expected` (file_identity(path) then), so a file that
+// appeared at `path` meanwhile, or another run's output, stays and this is a ds::Error naming `what` ("--output
+// PATH") and the path.
+void write_safetensors(const std::string& path, const std::vector<SaveTensor>& tensors,
+                       const std::map<std::string, std::string>& metadata, const FileIdentity& expected,
+                       const std::string& what);
 // The same file image as a string (no I/O); `what` names the destination in error messages.
 std::string serialize_safetensors(const std::vector<SaveTensor>& tensors,
                                   const std::map<std::string, std::string>& metadata = {},

@@ -29,14 +29,6 @@ namespace ds {
 
 namespace {
 
-// The names a checkpoint directory holds (save_model_dir's config.json and model shards, the optimizer shards,
-// tokenizer.json, trainer_state.json): a directory with anything else is not only a checkpoint.
-bool is_checkpoint_file(const std::string& n) {
-  return n == "config.json" || n == "tokenizer.json" || n == "trainer_state.json" || n == "generation_config.json" ||
-         ((n.starts_with("model") || n.starts_with("optimizer")) &&
-          (n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json")));
-}
-
 // Moves the complete checkpoint in tmp_dir to final_dir. Replacing a checkpoint of the same step (a resume from an
 // earlier one into the same --out) swaps the two directories in one atomic rename, so final_dir never goes missing;
 // what is replaced must be the entry that was there when the save began (none, or that directory), and a checkpoint of
@@ -45,17 +37,24 @@ bool is_checkpoint_file(const std::string& n) {
 void rename_into_place(const std::string& tmp_dir, const std::string& final_dir, const FileIdentity& expected,
                        const std::string& run_id) {
   test_replace_gate();
-  replace_checked(tmp_dir, final_dir, expected, fmt::format("cannot save {} (the new checkpoint is in {})",
-                                                            final_dir, tmp_dir),
-                  [&](const std::string& old) {
-    struct stat st;
-    DS_CHECK(::lstat(old.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "{} is not a directory: not replacing it",
-             final_dir);
-    DS_CHECK(checkpoint_owner(old).run_id == run_id, "{} is not a checkpoint of this run (run_id {} in its "
-             "trainer_state.json): not replacing it", final_dir, run_id);
-    const std::string other = foreign_entry(old, is_checkpoint_file);
-    DS_CHECK(other.empty(), "{} holds {}, which is no checkpoint file: not replacing it", final_dir, other);
-  });
+  try {
+    replace_checked(tmp_dir, final_dir, expected, fmt::format("cannot save {}", final_dir),
+                    [&](const std::string& old) {
+      struct stat st;
+      DS_CHECK(::lstat(old.c_str(), &st) == 0 && S_ISDIR(st.st_mode), "{} is not a directory: not replacing it",
+               final_dir);
+      const CheckpointOwner owner = checkpoint_owner(old);
+      DS_CHECK(owner.run_id == run_id, "{} is not a checkpoint of this run ({}): not replacing it", final_dir,
+               file_identity(old + "/trainer_state.json").exists
+                   ? fmt::format("its trainer_state.json names run_id \"{}\", this run is {}", owner.run_id, run_id)
+                   : std::string("it has no trainer_state.json"));
+      const std::string other = foreign_entry(old, is_checkpoint_file);
+      DS_CHECK(other.empty(), "{} holds {}, which is no checkpoint file: not replacing it", final_dir, other);
+    });
+  } catch (const Error& e) {
+    fail("{}. The complete new checkpoint is kept in {}: resume from it (--resume {}), or move {} away; the next "
+         "run into this --out keeps it as {}.recovered", e.what(), tmp_dir, tmp_dir, final_dir, final_dir);
+  }
 }
 
 // What a checkpoint holds besides its tensors (safetensors headers, JSON files, the tokenizer): 64 MiB at most.
@@ -259,7 +258,10 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state,
 // --keep-last: after checkpoint-`step` is durable, the older checkpoints of this run's current history (N < step,
 // canonical decimal names, the same run_id in trainer_state.json, and N <= the resumed step or written by this
 // process) beyond the newest keep_last - 1 are removed: each is first renamed to .checkpoint-N.old.tmp (which a later
-// start removes, so a kill mid-delete never leaves a partial checkpoint-N), then deleted. Another run's checkpoints
+// start removes, so a kill mid-delete never leaves a partial checkpoint-N), then its checkpoint files are deleted
+// and the directory with them. Only the files a save writes are deleted (remove_checkpoint_files): a checkpoint that
+// also holds anything else (a user's NOTES.md, a directory) loses its checkpoint files in place and keeps the
+// rest and its name, with a warning naming it. Another run's checkpoints
 // and the later steps of an abandoned history (a resume from an earlier checkpoint) are never counted or removed.
 // Failures only warn, one checkpoint at a time.
 void Checkpoints::prune(int64_t step) {
@@ -278,18 +280,28 @@ void Checkpoints::prune(int64_t step) {
   }
   std::sort(older.begin(), older.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   for (size_t i = static_cast<size_t>(opt_.keep_last - 1); i < older.size(); ++i) {
+    const fs::path& dir = older[i].second;
     try {
-      const fs::path doomed = fs::path(opt_.out) / fmt::format(".checkpoint-{}.old.tmp", older[i].first);
-      fs::remove_all(doomed);
-      fs::rename(older[i].second, doomed);
-      fsync_dir(opt_.out);
-      // Fault-injection hook for the crash-safety tests (a signal while an older checkpoint is being removed).
-      if (const char* pause = std::getenv("DELTASTACK_TEST_PRUNE_PAUSE_MS"))
-        std::this_thread::sleep_for(std::chrono::milliseconds(std::strtol(pause, nullptr, 10)));
-      fs::remove_all(doomed);
-      log_info("removed {} (--keep-last {})", older[i].second.string(), opt_.keep_last);
+      // A checkpoint that also holds what the user put there (NOTES.md, analysis/): only its own files go.
+      std::string other = foreign_entry(dir.string(), is_checkpoint_file);
+      if (other.empty()) {
+        const fs::path doomed = fs::path(opt_.out) / fmt::format(".checkpoint-{}.old.tmp", older[i].first);
+        remove_checkpoint_files(doomed);
+        fs::rename(dir, doomed);
+        fsync_dir(opt_.out);
+        // Fault-injection hook for the crash-safety tests (a signal while an older checkpoint is being removed).
+        if (const char* pause = std::getenv("DELTASTACK_TEST_PRUNE_PAUSE_MS"))
+          std::this_thread::sleep_for(std::chrono::milliseconds(std::strtol(pause, nullptr, 10)));
+        other = remove_checkpoint_files(doomed);
+        if (!other.empty()) fs::rename(doomed, dir);  // something was put there meanwhile: back under its name
+      } else {
+        other = remove_checkpoint_files(dir);
+      }
+      if (other.empty()) log_info("removed {} (--keep-last {})", dir.string(), opt_.keep_last);
+      else log_warn("--keep-last {}: removed the checkpoint files of {} but kept the directory: it also holds {}, "
+                    "which a checkpoint save did not write", opt_.keep_last, dir.string(), other);
     } catch (const std::exception& e) {
-      log_warn("--keep-last: could not remove {}: {}", older[i].second.string(), e.what());
+      log_warn("--keep-last: could not remove {}: {}", dir.string(), e.what());
     }
   }
 }

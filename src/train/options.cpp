@@ -93,7 +93,7 @@ const std::vector<TrainOption>& train_options() {
       opt("txt-split", &O::txt_split, "paragraph", "How .txt files become documents: paragraph, line, file"),
       opt("seq-len", &O::seq_len, 128, "Tokens per packed window", at_least(2)),
       opt("micro-batch", &O::micro_batch, 8, "Windows per micro-batch", at_least(1)),
-      opt("grad-accum", &O::grad_accum, 1, "Micro-batches per optimizer step and rank (the step's batch: ranks x grad-accum x micro-batch)", at_least(1)),
+      opt("grad-accum", &O::grad_accum, 1, "Micro-batches per optimizer step and rank (the step's batch: ranks x grad-accum x micro-batch; at most 1000000)", in_range(int64_t{1}, int64_t{1000000})),
       opt("steps", &O::steps, 200, "Optimizer steps (total, including resumed ones)", at_least(0), kResumable),
       opt("lr", &O::lr, 3e-3, "Peak learning rate", positive()),
       opt("warmup", &O::warmup, 20, "Linear warmup steps", at_least(0)),

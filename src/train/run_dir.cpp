@@ -94,12 +94,84 @@ void RunDirectory::remove_stale_temps(const std::string& keep) const {
     std::erase_if(stale, [&](const fs::path& p) { return fs::canonical(p, ec) == src; });
   }
   for (const fs::path& p : stale) {
-    log_info("removing {} (left by an interrupted checkpoint save)", p.string());
-    fs::remove_all(p, ec);
-    if (ec) log_warn("could not remove {}: {}", p.string(), ec.message());
+    const std::string n = p.filename().string();
+    if (fs::is_symlink(fs::symlink_status(p, ec)) || !fs::is_directory(fs::symlink_status(p, ec))) {
+      log_warn("leaving {} alone: not a directory, so no temporary directory of a checkpoint save", p.string());
+      continue;
+    }
+    const bool prune_temp = n.size() > 8 && n.compare(n.size() - 8, 8, ".old.tmp") == 0;
+    if (!prune_temp && complete_checkpoint(p)) {
+      // A save whose rename was refused (checkpoint-N appeared meanwhile) left a complete checkpoint here: kept.
+      const std::string base = n.substr(1, n.size() - 5) + ".recovered";  // checkpoint-N.recovered
+      fs::path dst = fs::path(path_) / base;
+      for (int k = 2; fs::exists(fs::symlink_status(dst, ec)); ++k) dst = fs::path(path_) / fmt::format("{}-{}", base, k);
+      fs::rename(p, dst, ec);
+      if (ec) log_warn("{} holds a complete checkpoint but could not be renamed to {} ({}); left in place",
+                       p.string(), dst.string(), ec.message());
+      else log_warn("{} holds a complete checkpoint that an earlier run could not put in place; kept as {} (resume "
+                    "from it with --resume {}, or remove it)", p.string(), dst.string(), dst.string());
+      continue;
+    }
+    try {
+      // A pruned checkpoint (.old.tmp): only its checkpoint files; what a user put there stays.
+      const std::string other = prune_temp ? remove_checkpoint_files(p) : std::string();
+      if (!prune_temp) fs::remove_all(p);
+      if (other.empty()) log_info("removed {} (left by an interrupted checkpoint save)", p.string());
+      else log_warn("removed the checkpoint files of {} (left by an interrupted --keep-last) but kept the directory: "
+                    "it also holds {}", p.string(), other);
+    } catch (const std::exception& e) {
+      log_warn("could not remove {}: {}", p.string(), e.what());
+    }
   }
 }
 
+namespace {
+
+// Whether `dir` holds any file a checkpoint save writes.
+bool holds_checkpoint_file(const fs::path& dir) {
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+    if (is_checkpoint_file(it->path().filename().string())) return true;
+  return false;
+}
+
+}  // namespace
+
+bool complete_checkpoint(const fs::path& dir) {
+  std::error_code ec;
+  auto file = [&](const char* n) { return fs::is_regular_file(fs::symlink_status(dir / n, ec)); };
+  return file("trainer_state.json") && file("config.json") && file("tokenizer.json") &&
+         (file("model.safetensors") || file("model.safetensors.index.json")) &&
+         (file("optimizer.safetensors") || file("optimizer.safetensors.index.json"));
+}
+
+bool is_checkpoint_file(const std::string& n) {
+  return n == "config.json" || n == "tokenizer.json" || n == "trainer_state.json" || n == "generation_config.json" ||
+         ((n.starts_with("model") || n.starts_with("optimizer")) &&
+          (n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json")));
+}
+
+std::string remove_checkpoint_files(const fs::path& dir) {
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0 && errno == ENOENT) return "";
+  DS_CHECK(S_ISDIR(st.st_mode), "{}: not a directory; not removing it", dir.string());
+  std::vector<std::string> ours;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (is_checkpoint_file(n) && !e.is_symlink() && e.is_regular_file()) ours.push_back(n);
+  }
+  // trainer_state.json first: what a kill leaves midway is no longer read as a checkpoint.
+  std::stable_partition(ours.begin(), ours.end(), [](const std::string& n) { return n == "trainer_state.json"; });
+  for (const std::string& n : ours)
+    DS_CHECK(::unlink((dir / n).c_str()) == 0 || errno == ENOENT, "{}: cannot remove ({})", (dir / n).string(),
+             std::strerror(errno));
+  const std::string other = foreign_entry(dir.string(), [](const std::string&) { return false; });
+  if (!other.empty()) return other;
+  DS_CHECK(::rmdir(dir.c_str()) == 0 || errno == ENOENT || errno == ENOTEMPTY, "{}: cannot remove ({})",
+           dir.string(), std::strerror(errno));
+  return file_identity(dir.string()).exists ? foreign_entry(dir.string(), [](const std::string&) { return false; })
+                                            : "";
+}
 
 int64_t checkpoint_step(const std::string& name) {
   if (name.rfind("checkpoint-", 0) != 0) return -1;
@@ -178,6 +250,11 @@ void RunDirectory::claim(const std::string& run_id, bool legacy_lines_are_ours, 
                "(cp --remove-destination, or cp F F.new && mv F.new F)", path_, e.path().string(), links);
       if (metrics_of_another_run(e.path().string(), run_id, legacy_lines_are_ours))
         foreign.push_back(n);
+    } else if (checkpoint_step(n) >= 0 && e.is_directory() && !e.is_symlink() &&
+               foreign_entry(e.path().string(), is_checkpoint_file) != "" && !holds_checkpoint_file(e.path())) {
+      // No checkpoint's: only what a user keeps there (what --keep-last left of a checkpoint holding NOTES.md).
+      // Nothing of another run to protect; a save of that step refuses to replace it (rename_into_place).
+      continue;
     } else if (checkpoint_step(n) >= 0 && e.is_directory() && checkpoint_owner(e.path()).run_id != run_id) {
       foreign.push_back(n);
     }

@@ -44,8 +44,12 @@ class RunDirectory {
   // run's saves never replace them. Returns the directory they went to ("" when there were none).
   std::string set_aside_later_checkpoints(const std::string& run_id, int64_t start_step) const;
 
-  // Removes the temp dirs that an interrupted checkpoint save left (".checkpoint-N.tmp", ".checkpoint-N.old.tmp"):
-  // only under the lock, so never a running save's. `keep` (the --resume source, when it is one of them) stays.
+  // Cleans up the temp dirs that an interrupted checkpoint save left, only under the lock, so never a running
+  // save's. ".checkpoint-N.tmp" holding a complete checkpoint (complete_checkpoint: a save whose final rename was
+  // refused) is kept, renamed to checkpoint-N.recovered (-2, -3, ... when taken), with a warning; an incomplete one
+  // is removed. ".checkpoint-N.old.tmp" (a --keep-last removal cut short) loses its checkpoint files
+  // (remove_checkpoint_files), and goes when nothing else is in it. `keep` (the --resume source, when it is one of
+  // them) stays.
   void remove_stale_temps(const std::string& keep) const;
 
  private:
@@ -56,6 +60,22 @@ class RunDirectory {
 // The step of a checkpoint directory name as the trainer writes it ("checkpoint-N", N in canonical decimal); -1 for
 // any other name.
 int64_t checkpoint_step(const std::string& name);
+
+// Whether `name` is one of the files a checkpoint save writes into checkpoint-N (save_model_dir's config.json,
+// generation_config.json and model shards / index, the optimizer shards / index, tokenizer.json,
+// trainer_state.json): a directory with anything else is not only a checkpoint.
+bool is_checkpoint_file(const std::string& name);
+
+// Deletes from the checkpoint directory `dir` only the regular files a save writes (is_checkpoint_file;
+// trainer_state.json first, so a kill midway leaves no directory that reads as a checkpoint), then `dir` itself
+// when it is empty. Returns the first remaining entry (by name) when anything else is there (the user's files,
+// subdirectories, links: all kept, and `dir` with them), "" when `dir` is gone. ds::Error naming what cannot be
+// removed; nothing happens when `dir` does not exist.
+std::string remove_checkpoint_files(const std::filesystem::path& dir);
+
+// Whether `dir` holds everything a checkpoint save writes (trainer_state.json, config.json, tokenizer.json, the
+// model and optimizer safetensors or their index): what a save leaves only once it is complete.
+bool complete_checkpoint(const std::filesystem::path& dir);
 
 // Who wrote a checkpoint (its trainer_state.json): the run, kept across resumes, and the process. Empty strings when
 // absent (checkpoints of earlier versions) or unreadable.

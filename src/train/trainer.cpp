@@ -935,7 +935,8 @@ int train(TrainOptions cli) {
   const std::unique_ptr<MetricsLog> metrics =
       settle_run_dir(opt, id, resumed.has_value(), start_step, checkpoints, *engine, run_dir.get(), comm);
 
-  // From here on SIGINT / SIGTERM stop after the current step, with a checkpoint (interrupt.h).
+  // From here on SIGINT / SIGTERM stop after the current step (or between its micro-batches, the step left
+  // untaken), with a checkpoint of the last step taken (interrupt.h).
   InterruptGuard interrupt;
   Run run{.opt = opt, .comm = comm, .root = root, .engine = *engine, .progress = progress,
           .checkpoints = checkpoints, .run_dir = run_dir.get(), .metrics = metrics.get(), .interrupt = interrupt,
@@ -969,10 +970,18 @@ int train(TrainOptions cli) {
     const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
     engine->zero_grads();
     double loss_sum = 0;
+    // A signal between micro-batches stops the step unfinished (a long --grad-accum step is no wait for a signal):
+    // its partial gradients are dropped, the weights stay those of the previous step, which is what is saved.
+    bool unfinished = false;
     for (int64_t a = 0; a < opt.grad_accum; ++a) {
+      if (a > 0 && run.signalled()) {
+        unfinished = true;
+        break;
+      }
       if (a == opt.grad_accum - 1) engine->reduce_grads_during_next_backward();
       loss_sum += engine->forward_backward(run.read_data([&] { return batches.micro(a); }), per_target, opt.z_loss).loss_sum;
     }
+    if (unfinished) break;
     // The loss and the gradients, summed over the ranks.
     comm.all_reduce_sum(&loss_sum, 1);
     engine->reduce_grads();

@@ -5,6 +5,7 @@
 #include "cli/commands/commands.h"
 #include "cli/commands/outputs.h"
 #include "core/error.h"
+#include "core/fs_safety.h"
 #include "model/engine.h"
 #include "model/forward_inputs.h"
 #include "model/model.h"
@@ -17,6 +18,10 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
                 const std::string& adapter) {
   const Precision prec = parse_precision(precision);
   check_outputs({{"--output", output}, {"--grads", grads}}, {inputs, model_dir, adapter}, overwrite);
+  // All that the final renames may replace: a file that appears there meanwhile (another forward's output, the
+  // user's) stays, and this run fails naming it.
+  const FileIdentity output_before = file_identity(output);
+  const FileIdentity grads_before = grads.empty() ? FileIdentity{} : file_identity(grads);
   Qwen35Model model(ModelConfig::from_file(model_dir));
   DS_CHECK(adapter.empty() || device == "cpu", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; "
            "use --device cpu");
@@ -52,8 +57,10 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
   }
   for (size_t i = 0; i < cap.hidden.size(); ++i)
     out.push_back(make_tensor_f32("hidden_states_" + std::to_string(i), shape_h, cap.hidden[i].data()));
-  write_safetensors(output, out, {{"format", "pt"}});
-  if (!grads.empty()) write_safetensors(grads, engine->grad_tensors(), {{"format", "pt"}});
+  test_replace_gate();
+  write_safetensors(output, out, {{"format", "pt"}}, output_before, "--output " + output);
+  if (!grads.empty())
+    write_safetensors(grads, engine->grad_tensors(), {{"format", "pt"}}, grads_before, "--grads " + grads);
   return 0;
 }
 

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -41,33 +42,30 @@ fs::path real_path(const std::string& p) {
   return r;
 }
 
-// The files `tokenize --format dataset` writes (token_dataset.h's layout) and TempDir's marker.
-bool is_dataset_file(const std::string& n) {
-  const auto shard = [&](const char* kind) {  // tokens-NNNNN.bin, labels-NNNNN.bin
-    const std::string p = std::string(kind) + "-";
-    return n.size() > p.size() + 4 && n.starts_with(p) && n.ends_with(".bin") &&
-           n.substr(p.size(), n.size() - p.size() - 4).find_first_not_of("0123456789") == std::string::npos;
-  };
-  return n == "index.json" || n == "documents.bin" || n == "masked.bin" || n == TempDir::kTempMarker ||
-         shard("tokens") || shard("labels");
-}
-
 // A ds::Error unless `dir` is provably a dataset this command wrote: an index.json with "format":
-// "deltastack-dataset", and nothing but dataset files (no other file, directory or link) beside it. What
-// --overwrite may replace; anything else is kept.
+// "deltastack-dataset", and nothing but the files that index names beside it (its shards' "tokens" / "labels",
+// documents.bin, masked.bin when "masked", TempDir's marker): no other file, directory or link, not even one named
+// like a shard. What --overwrite may replace; anything else is kept.
 void check_is_our_dataset(const std::string& dir, const std::string& out) {
   const std::string index = (fs::path(dir) / "index.json").string();
   std::string format;
+  std::set<std::string> listed = {"index.json", "documents.bin", TempDir::kTempMarker};
   try {
     const nlohmann::json j = nlohmann::json::parse(read_file(index));
     if (j.is_object() && j.contains("format") && j["format"].is_string()) format = j["format"].get<std::string>();
+    if (j.is_object() && j.value("masked", false) == true) listed.insert("masked.bin");
+    if (j.is_object() && j.contains("shards") && j["shards"].is_array())
+      for (const nlohmann::json& sh : j["shards"])
+        for (const char* k : {"tokens", "labels"})
+          if (sh.is_object() && sh.contains(k) && sh[k].is_string()) listed.insert(sh[k].get<std::string>());
   } catch (const std::exception&) {
   }
   DS_CHECK(format == kDatasetFormat, "--output {}: an existing directory that is not a dataset (no "
            "index.json with \"format\": \"{}\"); refusing to replace it, --overwrite or not", out, kDatasetFormat);
-  const std::string other = foreign_entry(dir, is_dataset_file);
-  DS_CHECK(other.empty(), "--output {}: the dataset directory also holds {}, which tokenize did not write; refusing "
-           "to replace it (and {}), --overwrite or not. Move it away or give another --output", out, other, other);
+  const std::string other = foreign_entry(dir, [&](const std::string& n) { return listed.count(n) > 0; });
+  DS_CHECK(other.empty(), "--output {}: the dataset directory also holds {}, which its index.json does not list "
+           "(tokenize did not write it); refusing to replace it (and {}), --overwrite or not. Move it away or give "
+           "another --output", out, other, other);
 }
 
 // Checks the output directory before any work; returns what is there now (what the final rename may replace).
