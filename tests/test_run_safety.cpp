@@ -1318,6 +1318,39 @@ TEST(Issue25, KeepLastKeepsAUsersFilesInACheckpoint) {
   fs::remove_all(dir);
 }
 
+// A second breaker round: a user's directory in --out named like a save's temporary one (".checkpoint-7.tmp",
+// ".checkpoint-my-backup.tmp") was deleted with everything in it by any train into that --out, even one that then
+// refused to start. Only ".checkpoint-<digits>[.old].tmp" count, and of those only the files a save writes go.
+TEST(Issue25, AUsersDirectoryNamedLikeASaveTempIsKept) {
+  const std::string dir = tmpdir("i25_ckpt_tmp_user");
+  const std::string out = dir + "/o";
+  const std::string args = small_setup(dir) + " --threads 1 --steps 1";
+  fs::create_directories(out + "/.checkpoint-7.tmp/sub");
+  ds::write_file_atomic(out + "/.checkpoint-7.tmp/sub/data.csv", "precious");
+  ds::write_file_atomic(out + "/.checkpoint-7.tmp/readme", "mine");
+  ds::write_file_atomic(out + "/.checkpoint-7.tmp/config.json", "{}");  // a name a save writes: removed
+  ds::write_file_atomic(out + "/.checkpoint-7.tmp/model.safetensors.tmp.4242", "x");  // a killed save's: removed
+  fs::create_directories(out + "/.checkpoint-my-backup.tmp");
+  ds::write_file_atomic(out + "/.checkpoint-my-backup.tmp/f", "backup");
+  std::string log;
+  ASSERT_EQ(run("train " + args + " --out " + out, &log), 0) << log;
+  EXPECT_EQ(read_or_empty(out + "/.checkpoint-7.tmp/sub/data.csv"), "precious");
+  EXPECT_EQ(read_or_empty(out + "/.checkpoint-7.tmp/readme"), "mine");
+  EXPECT_FALSE(fs::exists(out + "/.checkpoint-7.tmp/config.json"));
+  EXPECT_FALSE(fs::exists(out + "/.checkpoint-7.tmp/model.safetensors.tmp.4242"));
+  EXPECT_EQ(read_or_empty(out + "/.checkpoint-my-backup.tmp/f"), "backup");
+  EXPECT_TRUE(contains(log, "but kept the directory")) << log;
+  // A run that then refuses to start (another run's files in --out) keeps them too.
+  ASSERT_NE(run("train " + args + " --seed 7 --out " + out, &log), 0) << log;
+  EXPECT_EQ(read_or_empty(out + "/.checkpoint-7.tmp/readme"), "mine");
+  EXPECT_TRUE(ds::checkpoint_temp_name(".checkpoint-12.tmp"));
+  EXPECT_TRUE(ds::checkpoint_temp_name(".checkpoint-3.old.tmp"));
+  EXPECT_FALSE(ds::checkpoint_temp_name(".checkpoint-abc.tmp"));
+  EXPECT_FALSE(ds::checkpoint_temp_name(".checkpoint-.tmp"));
+  EXPECT_FALSE(ds::checkpoint_temp_name(".checkpoint-2.tmp.bak"));
+  fs::remove_all(dir);
+}
+
 // D2: forward replaces at its end only what it checked at its start, like tokenize and export. A file written at
 // --output while forward runs stays (the run fails naming it); of two forwards to one new output the one that
 // finishes second fails and the first one's output stays. Before, each replaced what was there and exited 0.

@@ -81,12 +81,23 @@ std::string RunDirectory::current_path() const {
   return fs::path(p).parent_path().string();
 }
 
+// ".checkpoint-N.tmp" or ".checkpoint-N.old.tmp" with N all digits: the only names a save or a --keep-last gives its
+// temporary directories.
+bool checkpoint_temp_name(const std::string& n) {
+  const std::string head = ".checkpoint-";
+  if (!n.starts_with(head)) return false;
+  std::string rest = n.substr(head.size());
+  if (rest.ends_with(".old.tmp")) rest.resize(rest.size() - 8);
+  else if (rest.ends_with(".tmp")) rest.resize(rest.size() - 4);
+  else return false;
+  return !rest.empty() && rest.size() <= 18 && std::all_of(rest.begin(), rest.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
 void RunDirectory::remove_stale_temps(const std::string& keep) const {
   std::vector<fs::path> stale;
   for (const auto& e : fs::directory_iterator(path_)) {
     const std::string n = e.path().filename().string();
-    if (n.rfind(".checkpoint-", 0) == 0 && n.size() > 16 && n.compare(n.size() - 4, 4, ".tmp") == 0)
-      stale.push_back(e.path());
+    if (checkpoint_temp_name(n)) stale.push_back(e.path());
   }
   std::error_code ec;
   if (!keep.empty()) {
@@ -113,12 +124,12 @@ void RunDirectory::remove_stale_temps(const std::string& keep) const {
       continue;
     }
     try {
-      // A pruned checkpoint (.old.tmp): only its checkpoint files; what a user put there stays.
-      const std::string other = prune_temp ? remove_checkpoint_files(p) : std::string();
-      if (!prune_temp) fs::remove_all(p);
+      // Only the files a save writes; what a user put there (or a save's own partial file of another name) stays,
+      // and so does the directory then.
+      const std::string other = remove_checkpoint_files(p);
       if (other.empty()) log_info("removed {} (left by an interrupted checkpoint save)", p.string());
-      else log_warn("removed the checkpoint files of {} (left by an interrupted --keep-last) but kept the directory: "
-                    "it also holds {}", p.string(), other);
+      else log_warn("removed the checkpoint files of {} (left by an interrupted {}) but kept the directory: it also "
+                    "holds {}", p.string(), prune_temp ? "--keep-last" : "checkpoint save", other);
     } catch (const std::exception& e) {
       log_warn("could not remove {}: {}", p.string(), e.what());
     }
@@ -146,6 +157,10 @@ bool complete_checkpoint(const fs::path& dir) {
 }
 
 bool is_checkpoint_file(const std::string& n) {
+  // The atomic writer's temporary name of one of them (core/files.h: "<name>.tmp.<pid>"), left by a killed save.
+  if (const size_t t = n.rfind(".tmp."); t != std::string::npos && t + 5 < n.size() &&
+      std::all_of(n.begin() + static_cast<std::ptrdiff_t>(t + 5), n.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return is_checkpoint_file(n.substr(0, t));
   return n == "config.json" || n == "tokenizer.json" || n == "trainer_state.json" || n == "generation_config.json" ||
          ((n.starts_with("model") || n.starts_with("optimizer")) &&
           (n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json")));

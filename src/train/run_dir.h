@@ -46,10 +46,11 @@ class RunDirectory {
 
   // Cleans up the temp dirs that an interrupted checkpoint save left, only under the lock, so never a running
   // save's. ".checkpoint-N.tmp" holding a complete checkpoint (complete_checkpoint: a save whose final rename was
-  // refused) is kept, renamed to checkpoint-N.recovered (-2, -3, ... when taken), with a warning; an incomplete one
-  // is removed. ".checkpoint-N.old.tmp" (a --keep-last removal cut short) loses its checkpoint files
-  // (remove_checkpoint_files), and goes when nothing else is in it. `keep` (the --resume source, when it is one of
-  // them) stays.
+  // refused) is kept, renamed to checkpoint-N.recovered (-2, -3, ... when taken), with a warning; an incomplete one,
+  // and ".checkpoint-N.old.tmp" (a --keep-last removal cut short), lose their checkpoint files
+  // (remove_checkpoint_files) and go when nothing else is in them (a user's files there stay, with a warning). Only
+  // those names with N all digits count (checkpoint_temp_name); a link or a file of such a name is left alone.
+  // `keep` (the --resume source, when it is one of them) stays.
   void remove_stale_temps(const std::string& keep) const;
 
  private:
@@ -72,6 +73,9 @@ bool is_checkpoint_file(const std::string& name);
 // subdirectories, links: all kept, and `dir` with them), "" when `dir` is gone. ds::Error naming what cannot be
 // removed; nothing happens when `dir` does not exist.
 std::string remove_checkpoint_files(const std::filesystem::path& dir);
+// Whether a name in --out is one a checkpoint save's temporary directory has: ".checkpoint-N.tmp" or
+// ".checkpoint-N.old.tmp", N all digits.
+bool checkpoint_temp_name(const std::string& name);
 
 // Whether `dir` holds everything a checkpoint save writes (trainer_state.json, config.json, tokenizer.json, the
 // model and optimizer safetensors or their index): what a save leaves only once it is complete.
