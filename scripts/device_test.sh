@@ -2,12 +2,12 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step torch cpu-blas bench-step memory curves fp8 curves-fp8
+# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step torch cpu-blas bench-step memory curves fp8 curves-fp8 curves-modes
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # torch, deltastack.torch: the extension, python/tests, scripts/torch_step.py (docs/torch.md);
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
-# (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_MODELS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
+# (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_RUNS); curves-modes, each mode's curve against the exact one (CURVE_SPECS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
 # per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step;
 # profile-step, `bench step --profile` (ms per op family / role, gaps) beside the plain bench step (its overhead);
 # corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
@@ -286,7 +286,8 @@ if has memory; then
   D=$BUILD/deltastack
   while read -r args; do
     [ -z "$args" ] && continue
-    $D bench step $args --steps 3 2>&1 | grep -v "^\[deltastack\] attention" | sed "s|^|[$args] |" | tee -a "$OUT/bench_memory.txt"
+    timeout ${MEMORY_TIMEOUT:-300} $D bench step $args --steps ${MEMORY_STEPS:-3} 2>&1 | grep -v "^\[deltastack\] attention" |
+      sed "s|^|[$args] |" | tee -a "$OUT/bench_memory.txt"
   done <<EOF2
 ${MEMORY_RUNS:---preset 9b --seq-len 8192 --micro-batch 1
 --preset 2b --seq-len 8192 --micro-batch 2 --optimizer-state bf16 --recompute full
@@ -487,6 +488,39 @@ if has curves-fp8; then
     echo "== $spec: fp8 against bf16" | tee -a "$OUT/curves_fp8.txt"
     python3 scripts/compare_curves.py "$OUT/curve_fp8_${model}_bf16.jsonl" "$OUT/curve_fp8_${model}_fp8.jsonl" --band 0.005 --after 100 \
       | tee -a "$OUT/curves_fp8.txt" || status=1
+  done
+fi
+if has curves-modes; then
+  # Each mode against the exact one on real text (the corpus stage's /tmp/ds_corpus.txt), all runs side by side on
+  # the GPU with one seed, data and schedule: CURVE_SPECS, space-separated MODEL:SEQ:MB:PRECISION:STATE[:GRADIENTS]
+  # (the first spec of each model is its reference, compared with scripts/compare_curves.py to every other one
+  # of that model, within CURVE_BAND, 0.005); CURVE_STEPS (1000), CURVE_TIMEOUT s at most per run (a run stopped
+  # early keeps the metrics it wrote); metrics to $OUT/curve_<model>_<precision>_<state>[_<gradients>].jsonl.
+  D=$BUILD/deltastack
+  [ -f /tmp/ds_corpus.txt ] || { echo "curves-modes: no /tmp/ds_corpus.txt (run the corpus stage first)"; status=1; }
+  t0=$(date +%s)
+  specs=${CURVE_SPECS:-"0.8b:1024:4:bf16:fp32 0.8b:1024:4:fp8:fp32 0.8b:1024:4:bf16:8bit"}
+  for spec in $specs; do
+    IFS=: read -r model seq mb prec st grads <<<"$spec"
+    tag=${model}_${prec}_${st}${grads:+_$grads}
+    rm -rf /tmp/ds_m_$tag
+    timeout ${CURVE_TIMEOUT:-600} $D train --model $model --device cuda --data /tmp/ds_corpus.txt --seq-len $seq \
+      --micro-batch $mb --steps ${CURVE_STEPS:-1000} --lr ${CURVE_LR:-3e-4} --warmup 50 --eval-interval 100 \
+      --eval-batches 16 --val-fraction 0.005 --optimizer-state $st --recompute selective --precision $prec \
+      --gradients ${grads:-fp32} --out /tmp/ds_m_$tag >/tmp/ds_m_$tag.txt 2>&1 &
+  done
+  wait
+  echo "curves-modes: $(( $(date +%s) - t0 )) s"
+  declare -A ref
+  for spec in $specs; do
+    IFS=: read -r model seq mb prec st grads <<<"$spec"
+    tag=${model}_${prec}_${st}${grads:+_$grads}
+    tail -2 /tmp/ds_m_$tag.txt
+    cp /tmp/ds_m_$tag/metrics.jsonl "$OUT/curve_$tag.jsonl" || { status=1; continue; }
+    if [ -z "${ref[$model]:-}" ]; then ref[$model]=$tag; continue; fi
+    echo "== $model: $tag against ${ref[$model]}" | tee -a "$OUT/curves_modes.txt"
+    python3 scripts/compare_curves.py "$OUT/curve_${ref[$model]}.jsonl" "$OUT/curve_$tag.jsonl" --band ${CURVE_BAND:-0.005} \
+      --after 100 | tee -a "$OUT/curves_modes.txt" || status=1
   done
 fi
 if has ncu-step; then

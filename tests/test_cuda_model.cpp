@@ -371,6 +371,93 @@ TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
     }
 }
 
+// --gradients in-backward (model/engine.h Gradients, model/gpu_params.h slots): each unit's update runs on the side
+// stream as soon as its gradients are final, the slots reused while later units still update. Against the fp32
+// mode's step (a flat gradient buffer, the norm after the backward, the update after that), with the norm pass
+// first (in_backward_step, clipping active at step 3) and without it: every loss, the gradient norm, an evaluation
+// between steps, and the weights and moments at the end are bitwise equal. In the fp32 and 8bit states, with
+// selective and full recompute, with a tied and an untied lm_head (the head's slot shared with the embedding's, or
+// its own).
+TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
+  DS_SKIP_WITHOUT_GPU();
+  for (const bool tied : {true, false}) {
+    ds::ModelConfig cfg = ds::ModelConfig::preset("tiny");
+    cfg.vocab_size = 4096;
+    cfg.linear_key_head_dim = cfg.linear_value_head_dim = 128;
+    cfg.tie_word_embeddings = tied;
+    ds::Qwen35Model host(cfg);
+    host.init_weights(17);
+    const ds::ModelConfig& c = host.config();
+    const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 35), e = make_batch({90, 90}, c.vocab_size, 36);
+    const int64_t P = host.num_parameters();
+    for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::EightBit})
+      for (const ds::Recompute rc : {ds::Recompute::Selective, ds::Recompute::Full}) {
+        SCOPED_TRACE(std::string(tied ? "tied / " : "untied / ") + ds::optimizer_state_name(st) + " / " +
+                     ds::recompute_name(rc));
+        struct Run {
+          std::vector<double> values;
+          std::vector<float> weights, m;
+        };
+        // clip: the step's clip norm (0: none); in-backward with the norm pass first when clip > 0 or norm_first.
+        auto run = [&](ds::Gradients g, double clip, bool norm_first) {
+          ds::GpuPlan plan = ds::GpuPlan::windows(1, b.size(), 3);
+          plan.optimizer_state = st;
+          plan.recompute = rc;
+          plan.gradients = g;
+          std::unique_ptr<ds::Engine> gpu = ds::make_engine("cuda", host, plan);
+          const double scale = 1.0 / static_cast<double>(b.num_targets());
+          ds::ops::AdamWParams ap;
+          ap.lr = 3e-3;
+          ap.weight_decay = 0.1;
+          Run r;
+          for (int64_t t = 1; t <= 5; ++t) {
+            ap.step = t;
+            const double step_clip = t == 3 ? clip : 0.0;
+            if (g == ds::Gradients::InBackward) {
+              const ds::InBackwardStep s = ds::in_backward_step(*gpu, b, scale, 0.0, ap, step_clip, norm_first);
+              EXPECT_TRUE(s.updated);
+              r.values.push_back(s.result.loss_sum);
+              r.values.push_back(s.grad_sum_squares);
+            } else {
+              gpu->zero_grads();
+              r.values.push_back(gpu->forward_backward(b, scale).loss_sum);
+              const double ss = gpu->grad_sum_squares(), norm = std::sqrt(ss);
+              r.values.push_back(ss);
+              ds::ops::AdamWParams q = ap;
+              q.grad_scale = step_clip > 0 && norm > step_clip ? step_clip / (norm + 1e-6) : 1.0;
+              gpu->optimizer_step(q);
+            }
+            if (t == 2) r.values.push_back(gpu->forward_backward(e, 0.0).loss_sum);  // evaluation after a step
+          }
+          auto append = [](const std::vector<ds::SaveTensor>& ts, std::vector<float>& out) {
+            for (const ds::SaveTensor& t : ts) {
+              int64_t n = 1;
+              for (int64_t d : t.shape) n *= d;
+              std::vector<float> x(static_cast<size_t>(n));
+              ASSERT_TRUE(t.f32_reader) << t.name;
+              t.f32_reader(0, n, x.data());
+              out.insert(out.end(), x.begin(), x.end());
+            }
+          };
+          append(gpu->weight_tensors(ds::DType::F32), r.weights);
+          append(gpu->optimizer_tensors(), r.m);
+          EXPECT_EQ(static_cast<int64_t>(r.weights.size()), P);
+          return r;
+        };
+        const Run ref = run(ds::Gradients::Fp32, 0.5, false);
+        ASSERT_GT(std::sqrt(ref.values[6]), 0.5) << "step 3 should clip";  // values: l1 s1 l2 s2 eval l3 s3 ...
+        const Run one = run(ds::Gradients::InBackward, 0.5, false), two = run(ds::Gradients::InBackward, 0.5, true);
+        EXPECT_EQ(ref.values, one.values);
+        EXPECT_EQ(ref.values, two.values);
+        EXPECT_TRUE(ref.weights == one.weights);
+        EXPECT_TRUE(ref.weights == two.weights);
+        EXPECT_TRUE(ref.m == one.m);
+        EXPECT_TRUE(ref.m == two.m);
+        EXPECT_LT(ref.values[ref.values.size() - 2], ref.values[0]);  // it trains (step 5's loss below step 1's)
+      }
+  }
+}
+
 // --shard optimizer's offsets at ranks other than 0 (model/gpu_params.h ParamShard, GpuAdamW's share-local
 // moments), which a one-GPU NCCL run (world size 1: share 0 only) never reaches. Three GpuModels planned as ranks
 // 0..2 of 3 (the last share padded, shares cutting through tensors and, in the bf16 layout, through the compacted

@@ -140,7 +140,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   std::vector<std::string> keys;
   for (const auto& [k, v] : j.items()) keys.push_back(k);
   EXPECT_EQ(keys, (std::vector<std::string>{"adam_eps", "beta1", "beta2", "clip", "data", "device", "eval_batches",
-                                            "eval_interval", "grad_accum", "keep_last", "lr", "max_shard_mb",
+                                            "eval_interval", "grad_accum", "gradients", "keep_last", "lr", "max_shard_mb",
                                             "micro_batch", "min_lr_ratio", "model", "nan_policy", "optimizer_state",
                                             "precision", "save_interval", "schedule", "seed", "seq_len", "steps", "tokenizer",
                                             "txt_split", "val_data", "val_fraction", "warmup", "weight_decay",
@@ -151,12 +151,14 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(j["seed"], 1234u);
   EXPECT_EQ(j["val_data"], json::array());
   EXPECT_EQ(j["precision"], "bf16");
+  EXPECT_EQ(j["gradients"], "fp32");
   EXPECT_EQ(d.out, "runs/default");
   EXPECT_EQ(d.threads, 0);
   EXPECT_NO_THROW(ds::validate(d));
 
   json old = j;
-  for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data", "optimizer_state", "precision"}) old.erase(k);
+  for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data", "optimizer_state", "precision", "gradients"})
+    old.erase(k);
   old["lr"] = 0.5;
   ds::TrainOptions cli;
   cli.resume = "ck";
@@ -173,6 +175,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(r.device, "auto");
   EXPECT_EQ(r.optimizer_state, "fp32");  // earlier versions kept fp32 state: not `auto`, which may pick bf16
   EXPECT_EQ(r.precision, "bf16");        // earlier versions ran bf16 GEMMs only
+  EXPECT_EQ(r.gradients, "fp32");        // and kept a gradient buffer
   EXPECT_EQ(r.out, "elsewhere");
   EXPECT_EQ(r.resume, "ck");
   cli.given.push_back("lr");
@@ -247,6 +250,55 @@ TEST(Train, Fp8PrecisionTrainsResumesAndMaySwitch) {
   ASSERT_EQ(ld.size(), 2u);
   EXPECT_NE(ld[0], la[2]);
   EXPECT_NE(run("train " + args + " --precision fp16 --out " + dir + "/e"), 0);
+  fs::remove_all(dir);
+}
+
+// --gradients in-backward on the CPU engine (the same semantics over its host buffers; model/engine.h Gradients):
+// the trainer's in-backward step (the norm pass, the clip factor from it, the updating pass) is bitwise the fp32
+// mode's step with clipping active, without the norm pass (--clip 0), and with --nan-policy skip (the norm pass
+// again); a checkpoint resumes bitwise in either mode; --grad-accum 2 is refused.
+TEST(Train, GradientsInBackwardIsTheFp32Step) {
+  std::string dir = tmpdir("inbwd");
+  const std::string args = small_setup(dir) + " --steps 4 --warmup 1 --threads 1 --save-interval 2";
+  auto norms = [](const std::string& path) {
+    std::vector<double> n;
+    for (auto& j : metrics(path))
+      if (j.contains("grad_norm")) n.push_back(j["grad_norm"].get<double>());
+    return n;
+  };
+  for (const char* extra : {" --clip 0.05", " --clip 0", " --clip 0.05 --nan-policy skip"}) {
+    SCOPED_TRACE(extra);
+    fs::remove_all(dir + "/a");
+    fs::remove_all(dir + "/b");
+    ASSERT_EQ(run("train " + args + extra + " --out " + dir + "/a"), 0);
+    ASSERT_EQ(run("train " + args + extra + " --gradients in-backward --out " + dir + "/b"), 0);
+    const auto la = train_losses(dir + "/a/metrics.jsonl"), lb = train_losses(dir + "/b/metrics.jsonl");
+    const auto na = norms(dir + "/a/metrics.jsonl"), nb = norms(dir + "/b/metrics.jsonl");
+    ASSERT_EQ(la.size(), 4u);
+    EXPECT_EQ(la, lb);
+    EXPECT_EQ(na, nb);
+    if (std::string(extra).find("0.05") != std::string::npos) EXPECT_GT(na[1], 0.05);  // clipping was active
+    EXPECT_EQ(ds::read_file(dir + "/a/checkpoint-4/model.safetensors"),
+              ds::read_file(dir + "/b/checkpoint-4/model.safetensors"));
+    EXPECT_EQ(ds::read_file(dir + "/a/checkpoint-4/optimizer.safetensors"),
+              ds::read_file(dir + "/b/checkpoint-4/optimizer.safetensors"));
+  }
+  const json st = json::parse(ds::read_file(dir + "/b/checkpoint-2/trainer_state.json"));
+  EXPECT_EQ(st["options"]["gradients"], "in-backward");
+  // The last loop's runs (--clip 0.05 --nan-policy skip): resumed in the other mode, the same steps.
+  ASSERT_EQ(run("train --resume " + dir + "/b/checkpoint-2 --steps 4 --threads 1 --gradients fp32 --out " + dir + "/c"), 0);
+  ASSERT_EQ(run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --threads 1 --gradients in-backward --out " + dir +
+                "/d"), 0);
+  const auto la = train_losses(dir + "/a/metrics.jsonl"), lc = train_losses(dir + "/c/metrics.jsonl"),
+             ld = train_losses(dir + "/d/metrics.jsonl");
+  ASSERT_EQ(lc.size(), 2u);
+  EXPECT_EQ(lc[0], la[2]);
+  EXPECT_EQ(lc[1], la[3]);
+  EXPECT_EQ(ld, lc);
+  std::string log;
+  EXPECT_NE(run("train " + args + " --gradients in-backward --grad-accum 2 --out " + dir + "/e", &log), 0);
+  EXPECT_NE(log.find("--grad-accum must be 1"), std::string::npos) << log;
+  EXPECT_NE(run("train " + args + " --gradients fused --out " + dir + "/f"), 0);
   fs::remove_all(dir);
 }
 

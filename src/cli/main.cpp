@@ -135,9 +135,13 @@ int main(int argc, char** argv) {
     cmd->add_option("--recompute", m.recompute, "auto, none, selective or full")->capture_default_str();
     cmd->add_option("--precision", m.precision, "bf16 or fp8 (the decoder's matrix GEMMs; docs/fp8.md)")
         ->capture_default_str();
+    cmd->add_option("--gradients", m.gradients, "fp32 or in-backward (the update in the backward, no gradient "
+                    "buffer; docs/memory.md)")->capture_default_str();
   };
   ds::cli::MemoryFlags bench_memory, plan_memory;
   add_memory_flags(bench_step, bench_memory);
+  bench_step->add_option("--clip", bench_memory.clip, "Max global grad norm (0 = off); with --gradients in-backward "
+                         "it adds the norm-only pass")->capture_default_str();
   auto* bench_tok = bench->add_subcommand("tokenizer", "Tokenizer encode speed, MB/s on one core (CPU)");
   std::string bench_tokenizer = ds::bundled_tokenizer_path(), bench_text = ds::bundled_data_path();
   int bench_repeats = 5;

@@ -3,6 +3,7 @@
 #include "model/engine.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <utility>
 
@@ -45,6 +46,7 @@ class CpuEngine final : public Engine, private UnitSource {
   const ModelConfig& config() const override { return model_.config(); }
   const std::vector<ParamSpec>& params() const override { return model_.params(); }
   LossResult forward_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) override {
+    if (gradients_ == Gradients::InBackward && grad_scale != 0.0) return forward_backward_in_backward(b, grad_scale, z_loss, cap);
     if (!full()) return model_.forward_backward(b, grad_scale, z_loss, cap);
     begin_units(grad_scale != 0.0 ? order_fb_ : order_f_);
     const LossResult r = model_.forward_backward(b, grad_scale, z_loss, cap);
@@ -68,6 +70,7 @@ class CpuEngine final : public Engine, private UnitSource {
   }
   std::vector<float> last_logits(const PackedBatch& b) override { return model_.last_logits(b); }
   double grad_sum_squares() override {
+    if (gradients_ == Gradients::InBackward) return in_backward_sum_squares_;
     if (!sharded() && !full())
       return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
     // This rank's share, then every rank's.
@@ -76,8 +79,17 @@ class CpuEngine final : public Engine, private UnitSource {
     comm_->all_reduce_sum(&s, 1);
     return s;
   }
+  void arm_in_backward(const ops::AdamWParams* update) override {
+    DS_CHECK(gradients_ == Gradients::InBackward, "internal: arm_in_backward() needs --gradients in-backward");
+    armed_ = true;
+    if (update) update_ = *update;
+    update_armed_ = update != nullptr;
+  }
+  Gradients gradients() const override { return gradients_; }
   void distribute(dist::Communicator& comm, ShardMode mode) override {
     DS_CHECK(m_.empty(), "distribute() after the optimizer state exists");
+    DS_CHECK(gradients_ != Gradients::InBackward || comm.world() == 1, "--gradients in-backward runs on one rank "
+             "(this launch has {}): use --gradients fp32", comm.world());
     DS_CHECK(!comm.on_device(), "{}: the CPU engine's ranks talk over MPI (mpirun), not {}",
              dist::describe(comm.launch()), comm.backend());
     comm_ = &comm;
@@ -104,6 +116,36 @@ class CpuEngine final : public Engine, private UnitSource {
   // AdamW on [lo_, hi_) of the flat parameters (all of them unless sharded), parameter by parameter as each one's
   // decay flag says; sharded, every rank's updated share is then gathered.
   void optimizer_step(const ops::AdamWParams& p) override {
+    DS_CHECK(gradients_ != Gradients::InBackward, "internal: optimizer_step() with --gradients in-backward (the "
+             "update runs in the backward: arm_in_backward)");
+    adamw_step(p);
+  }
+  void set_gradients(Gradients g) {
+    DS_CHECK(g == Gradients::Fp32 || !model_.adapter(), "--gradients in-backward with a LoRA adapter is not "
+             "supported: use --gradients fp32");
+    gradients_ = g;
+  }
+
+ private:
+  // Gradients::InBackward on the CPU engine: the same semantics over the host buffers (the memory it saves is the
+  // GPU engine's point): the armed pass's gradients are made from zero, their sum of squares kept, and the armed
+  // update applied after the backward. Bitwise the fp32 mode's step.
+  LossResult forward_backward_in_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) {
+    DS_CHECK(armed_, "internal: a --gradients in-backward backward without arm_in_backward()");
+    armed_ = false;
+    model_.zero_grads();
+    const LossResult r = model_.forward_backward(b, grad_scale, z_loss, cap);
+    in_backward_sum_squares_ = ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
+    if (update_armed_) adamw_step(update_);
+    return r;
+  }
+  Gradients gradients_ = Gradients::Fp32;
+  bool armed_ = false, update_armed_ = false;
+  ops::AdamWParams update_;
+  double in_backward_sum_squares_ = 0;
+
+ public:
+  void adamw_step(const ops::AdamWParams& p) {
     DS_CHECK(!model_.adapter(), "LoRA: training adapters is not implemented yet (forward --adapter only)");
     moments();
     if (full()) {  // this rank's share only; the next forward gathers the updated weights unit by unit
@@ -381,6 +423,8 @@ class CudaEngine final : public Engine {
              "per-layer parameter gathers yet (train with --device cpu, or use --shard none)");
     DS_CHECK(comm.world() == 1 || comm.on_device(), "{}: the GPU engine's ranks need the NCCL communicator, not {} "
              "(start them with torchrun or mpirun and --device cuda)", dist::describe(comm.launch()), comm.backend());
+    DS_CHECK(gradients() != Gradients::InBackward || comm.world() == 1, "--gradients in-backward runs on one rank "
+             "(this launch has {}): use --gradients fp32", comm.world());
     if (comm.on_device()) comm_ = &comm;
     overlap_ = engine_knob("DELTASTACK_DP_OVERLAP");
     const GpuModel::ShardBuffers b = gpu_->shard_buffers();
@@ -406,6 +450,8 @@ class CudaEngine final : public Engine {
     const GpuModel::ShardBuffers b = gpu_->shard_buffers();
     comm_->device_reduce_scatter_sum(b.grads, b.grads + comm_->rank() * b.share, b.share, b.stream);
   }
+  void arm_in_backward(const ops::AdamWParams* update) override { gpu_->arm_in_backward(update); }
+  Gradients gradients() const override { return gpu_->gradients(); }
   double grad_sum_squares() override {
     if (!sharded_) return gpu_->grad_sum_squares();
     double s = gpu_->share_grad_sum_squares();  // this rank's share, then every rank's
@@ -545,6 +591,43 @@ Recompute parse_recompute(const std::string& s) {
   fail("--recompute must be auto, none, selective or full, got \"{}\"", s);
 }
 
+const char* gradients_name(Gradients g) { return g == Gradients::InBackward ? "in-backward" : "fp32"; }
+Gradients parse_gradients(const std::string& s) {
+  for (Gradients v : {Gradients::Fp32, Gradients::InBackward})
+    if (s == gradients_name(v)) return v;
+  fail("--gradients must be fp32 or in-backward, got \"{}\"", s);
+}
+
+InBackwardStep in_backward_step(Engine& e, const PackedBatch& b, double grad_scale, double z_loss,
+                                ops::AdamWParams p, double clip, bool norm_first) {
+  InBackwardStep out;
+  p.grad_scale = 1.0;
+  if (clip > 0 || norm_first) {
+    e.arm_in_backward(nullptr);
+    const LossResult first = e.forward_backward(b, grad_scale, z_loss);
+    const double sumsq = e.grad_sum_squares(), norm = std::sqrt(sumsq);
+    out.result = first;
+    out.grad_sum_squares = sumsq;
+    if (!std::isfinite(first.loss_sum) || !std::isfinite(norm)) return out;
+    if (clip > 0 && norm > clip) p.grad_scale = clip / (norm + 1e-6);
+    e.arm_in_backward(&p);
+    out.result = e.forward_backward(b, grad_scale, z_loss);
+    out.updated = true;
+    // The same batch and weights: the same bits (the engines are deterministic); a difference would make the
+    // clip factor belong to another gradient.
+    DS_CHECK(out.result.loss_sum == first.loss_sum && e.grad_sum_squares() == sumsq, "--gradients in-backward: the "
+             "updating pass's loss {} / gradient sum of squares {} differ from the norm pass's {} / {} (a "
+             "nondeterministic kernel?); use --gradients fp32", out.result.loss_sum, e.grad_sum_squares(),
+             first.loss_sum, sumsq);
+    return out;
+  }
+  e.arm_in_backward(&p);
+  out.result = e.forward_backward(b, grad_scale, z_loss);
+  out.grad_sum_squares = e.grad_sum_squares();
+  out.updated = true;
+  return out;
+}
+
 const char* precision_name(Precision p) { return p == Precision::Fp8 ? "fp8" : "bf16"; }
 Precision parse_precision(const std::string& s) {
   for (Precision v : {Precision::Bf16, Precision::Fp8})
@@ -592,7 +675,9 @@ std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host,
            "keeps fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)",
            optimizer_state_name(plan.optimizer_state));
   host.set_precision(plan.precision);
-  return std::make_unique<CpuEngine>(std::move(host));
+  auto cpu = std::make_unique<CpuEngine>(std::move(host));
+  cpu->set_gradients(plan.gradients);
+  return cpu;
 }
 
 }  // namespace ds

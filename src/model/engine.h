@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "model/config.h"
 #include "model/model.h"
 #include "model/safetensors.h"
@@ -56,6 +57,20 @@ const char* recompute_name(Recompute r);             // "auto" | "none" | "selec
 OptimizerState parse_optimizer_state(const std::string& s);  // ds::Error naming --optimizer-state
 Recompute parse_recompute(const std::string& s);             // ds::Error naming --recompute
 
+// Where the gradients live (`--gradients`; docs/memory.md):
+//   fp32: one fp32 gradient buffer of every parameter (4 bytes per parameter), the micro-batches accumulate into
+//         it and the AdamW step runs after the backward;
+//   in-backward: no whole-model gradient buffer. Each unit's gradients (model.h param_units: the embedding, each
+//         layer, the head) go into a small fp32 slot and the unit's AdamW update runs as soon as they are final,
+//         during the backward; the slot is then reused. Global-norm clipping keeps its meaning: the step first runs
+//         a norm-only forward + backward (the gradients summed into squares, nothing updated), then the updating one
+//         with the clip factor known; with --clip 0 and --nan-policy stop the norm pass is skipped. The result is
+//         the fp32 mode's, bitwise (the same gradients, the same per-unit sums). One micro-batch per step
+//         (--grad-accum 1) and one rank.
+enum class Gradients { Fp32, InBackward };
+const char* gradients_name(Gradients g);          // "fp32" | "in-backward"
+Gradients parse_gradients(const std::string& s);  // ds::Error naming --gradients
+
 // Precision (`--precision`): model/model.h.
 const char* precision_name(Precision p);         // "bf16" | "fp8"
 Precision parse_precision(const std::string& s);  // ds::Error naming --precision
@@ -77,6 +92,7 @@ struct GpuPlan {
   OptimizerState optimizer_state = OptimizerState::Fp32;
   Recompute recompute = Recompute::Selective;
   Precision precision = Precision::Bf16;
+  Gradients gradients = Gradients::Fp32;
   // --shard optimizer on the GPU engine (ZeRO-1; docs/distributed.md): this rank of shard_world keeps and
   // updates only its even share of the flat parameters' AdamW state (model/gpu_params.h ParamShard);
   // shard_world 0: the whole state (no sharding).
@@ -129,8 +145,18 @@ class Engine {
   // cannot take; an empty batch is an error. Generation's next-token logits (model/generate.h).
   virtual std::vector<float> last_logits(const PackedBatch& batch) = 0;
   virtual void zero_grads() = 0;
-  // Sum of squares of every gradient element, in double, in a fixed order (bitwise reproducible).
+  // Sum of squares of every gradient element, in double, in a fixed order (bitwise reproducible): each unit's
+  // sum (model.h param_units), added in unit order. Gradients::InBackward: the sums the last backward took of each
+  // unit's final gradients.
   virtual double grad_sum_squares() = 0;
+  // Gradients::InBackward only (the `gradients()` in use): what the next forward_backward's backward does with each
+  // unit's final gradients. update null: their sums of squares are kept (grad_sum_squares) and nothing else (the
+  // norm pass); else the AdamW update `*update` (p.grad_scale: the clip factor) of the unit, its sum kept too.
+  // ds::Error in the fp32 mode. in_backward_step() (below) is the step built on it.
+  virtual void arm_in_backward(const ops::AdamWParams* /*update*/) {
+    fail("internal: arm_in_backward() needs --gradients in-backward");
+  }
+  virtual Gradients gradients() const { return Gradients::Fp32; }
   // Data parallel over `comm`'s ranks (docs/distributed.md), set once after the engine is built and before a
   // resume loads the optimizer state. ShardMode::None: every rank keeps the whole AdamW state; Optimizer: rank r
   // keeps and updates only its even share of the flat parameter vector (dist::even_counts), the weights are
@@ -198,6 +224,19 @@ class Engine {
 // unavailable, or the plan does not fit in device memory (the message gives the bytes), and for CUDA when the
 // model has a LoRA adapter (not supported there yet).
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan);
+
+// One training step of an engine in Gradients::InBackward over one micro-batch (docs/memory.md): with clip > 0 or
+// norm_first, a norm-only forward + backward first; when its loss and grad norm are finite, the updating forward +
+// backward with p.grad_scale = the clip factor (clip / (norm + 1e-6) when the norm exceeds clip > 0, else 1, as the
+// fp32 mode's step computes it); without the norm pass, the updating pass alone (p.grad_scale 1) and the norm its
+// backward took. `updated` false: the norm pass found a non-finite loss or norm and nothing was updated.
+struct InBackwardStep {
+  LossResult result;
+  double grad_sum_squares = 0;
+  bool updated = false;
+};
+InBackwardStep in_backward_step(Engine& e, const PackedBatch& b, double grad_scale, double z_loss,
+                                ops::AdamWParams p, double clip, bool norm_first);
 
 // "cuda" when device is "cuda", or "auto" and a CUDA device is present; else "cpu".
 std::string resolve_device(const std::string& device);

@@ -86,7 +86,42 @@ struct GpuModel::Impl {
   cudaEvent_t ready = nullptr;
   bool side_unjoined = false;  // work issued on `side` (reduces, an update) that `stream` has not joined yet
   bool reduce_issued = false;  // the armed backward handed its units to `reduce` (join_reduce reports it)
+  // Gradients::InBackward (model/gpu_params.h: the slots): the armed pass (arm_in_backward) and, for an updating
+  // one, its AdamW parameters. begin_unit(u) readies unit u's slot before the unit's first gradient is added (the
+  // update that last read the slot done, the slot zeroed); unit_final(u) takes the unit's sum of squares and
+  // enqueues its update on `side`, recording `updated[u]` (the next forward waits for it there) and
+  // `slot_free[slot]` (the slot's next unit waits for it in begin_unit).
+  bool in_backward() const { return store->gradients() == Gradients::InBackward; }
+  bool ib_armed = false, ib_update = false;
+  ops::AdamWParams ib_params;
+  cudaEvent_t slot_free[4] = {};
+  bool slot_busy[4] = {};
+  void begin_unit(size_t u) {
+    if (!in_backward()) return;
+    const int s = store->slot_of(u);
+    if (slot_busy[s]) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, slot_free[s], 0));
+    slot_busy[s] = false;
+    DS_CUDA_CHECK(cudaMemsetAsync(store->unit_grads(u), 0, units[u].size() * sizeof(float), stream));
+  }
+  void update_in_backward(size_t u) {
+    {
+      ProfScope ps = scope("optimizer", "grad sum of squares (in backward)", 0, 4.0 * units[u].size());
+      store->unit_sum_squares(u, stream);
+    }
+    if (!ib_update) return;
+    ensure_units();
+    DS_CUDA_CHECK(cudaEventRecord(ready, stream));
+    DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
+    optimizer->step_params(*store, ib_params, unit_params[u].first, unit_params[u].second, side);
+    const int s = store->slot_of(u);
+    if (!slot_free[s]) DS_CUDA_CHECK(cudaEventCreateWithFlags(&slot_free[s], cudaEventDisableTiming));
+    DS_CUDA_CHECK(cudaEventRecord(slot_free[s], side));
+    slot_busy[s] = true;
+    DS_CUDA_CHECK(cudaEventRecord(updated[u], side));
+    waits_pending = side_unjoined = true;
+  }
   void unit_final(size_t u) {
+    if (in_backward()) return update_in_backward(u);
     if (!reduce) return;
     ensure_side();
     DS_CUDA_CHECK(cudaEventRecord(ready, stream));
@@ -118,9 +153,9 @@ struct GpuModel::Impl {
     DS_CUDA_CHECK(cudaStreamWaitEvent(stream, ready, 0));
     side_unjoined = waits_pending = false;
   }
-  void async_adamw_step(const ops::AdamWParams& q) {
+  // unit_params and the `updated` events, once.
+  void ensure_units() {
     ensure_side();
-    if (units.empty()) units = param_units(c, params);
     if (unit_params.empty()) {
       for (const ParamUnit& u : units) {
         size_t a = params.size(), b = 0;
@@ -131,6 +166,9 @@ struct GpuModel::Impl {
       updated.resize(units.size());
       for (cudaEvent_t& e : updated) DS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }
+  }
+  void async_adamw_step(const ops::AdamWParams& q) {
+    ensure_units();
     DS_CUDA_CHECK(cudaEventRecord(ready, stream));  // the gradients (and the grad norm's read of them) are done
     DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
     for (size_t u = 0; u < units.size(); ++u) {
@@ -154,6 +192,8 @@ struct GpuModel::Impl {
     if (side) cudaStreamSynchronize(side);
     if (arena_base) cudaFree(arena_base);
     for (cudaEvent_t e : updated) cudaEventDestroy(e);
+    for (cudaEvent_t e : slot_free)
+      if (e) cudaEventDestroy(e);
     if (ready) cudaEventDestroy(ready);
     if (side) cudaStreamDestroy(side);
     if (stream) cudaStreamDestroy(stream);
@@ -535,6 +575,7 @@ struct GpuModel::Impl {
     void* scratch = acts.op_scratch;
     const float eps = static_cast<float>(c.rms_norm_eps);
     const double n = static_cast<double>(N);
+    begin_unit(static_cast<size_t>(1 + i));
     if (rebuild()) {  // act and xn2 (shared buffers) exactly as layer_forward made them
       mark_rebuild(true);
       {
@@ -620,6 +661,13 @@ struct GpuModel::Impl {
     const double n = static_cast<double>(N);
     trunk_forward(mp);
     const bool backward = grad_scale != 0.0;
+    DS_CHECK(!backward || !in_backward() || ib_armed, "internal: a --gradients in-backward backward without "
+             "arm_in_backward()");
+    if (backward && in_backward()) {
+      ib_armed = false;
+      begin_unit(static_cast<size_t>(L + 1));                      // the head: final norm (and lm_head untied)
+      if (c.tie_word_embeddings) begin_unit(0);                    // lm_head is the embedding: from the loss on
+    }
     ops::LinearCeOptions opt;
     opt.z_loss = z_loss;
     opt.grad_scale = grad_scale;
@@ -654,9 +702,12 @@ struct GpuModel::Impl {
         }
         layer_backward(i);
       }
-      // dh bf16 in, the fp32 gradient rows of the distinct ids read and written, ids / positions
-      ProfScope ps = scope("embedding", "embedding (bwd)", 0, n * (2 * H + 12) + 8.0 * num_uniq * H);
-      K::embedding_backward(B.emb_uniq, B.emb_starts, B.emb_pos, num_uniq, d.dh, mp.grad.embed_tokens, H, stream);
+      if (!c.tie_word_embeddings) begin_unit(0);
+      {
+        // dh bf16 in, the fp32 gradient rows of the distinct ids read and written, ids / positions
+        ProfScope ps = scope("embedding", "embedding (bwd)", 0, n * (2 * H + 12) + 8.0 * num_uniq * H);
+        K::embedding_backward(B.emb_uniq, B.emb_starts, B.emb_pos, num_uniq, d.dh, mp.grad.embed_tokens, H, stream);
+      }
       unit_final(0);  // the embedding (and a tied lm_head): last
     }
     reduce = nullptr;  // armed for one backward
@@ -753,8 +804,10 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h).
     m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + (512u << 20) < free_b; });
   }
+  m.units = param_units(m.c, m.params);
   m.store = std::make_unique<GpuParamStore>(*m.layout, m.params, m.plan.optimizer_state,
-                                            ParamShard{m.plan.shard_rank, m.plan.shard_world});
+                                            ParamShard{m.plan.shard_rank, m.plan.shard_world}, m.units,
+                                            m.plan.gradients);
   m.optimizer = std::make_unique<GpuAdamW>(*m.store);
   bool has_attention = false, has_gdn = false;
   for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) (m.c.is_full_attention(i) ? has_attention : has_gdn) = true;
@@ -815,6 +868,16 @@ LossResult GpuModel::forward_backward(const PackedBatch& batch, double grad_scal
 
 std::vector<float> GpuModel::last_logits(const PackedBatch& batch) { return impl_->last_logits(batch); }
 
+void GpuModel::arm_in_backward(const ops::AdamWParams* update) {
+  Impl& m = *impl_;
+  DS_CHECK(m.in_backward(), "internal: arm_in_backward() needs --gradients in-backward");
+  m.ib_armed = true;  // the last pass's updates may still run on `side`: begin_unit and the forward wait for them
+  m.ib_update = update != nullptr;
+  if (update) m.ib_params = *update;
+}
+
+Gradients GpuModel::gradients() const { return impl_->plan.gradients; }
+
 void GpuModel::zero_grads() {
   if (impl_->grads_zeroed) {  // done on the side stream by the overlapped optimizer step, unit by unit
     impl_->grads_zeroed = false;
@@ -827,12 +890,15 @@ void GpuModel::zero_grads() {
 
 // The two scopes below end after the synchronisation their calls finish with (a few microseconds late).
 double GpuModel::grad_sum_squares() {
+  if (impl_->in_backward()) return impl_->store->grad_sum_squares(impl_->stream, false);  // the backward's sums
   impl_->join_side();
   ProfScope ps = impl_->scope("optimizer", "grad sum of squares", 0, 4.0 * impl_->P);
   return impl_->store->grad_sum_squares(impl_->stream);
 }
 
 void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
+  DS_CHECK(!impl_->in_backward(), "internal: adamw_step() with --gradients in-backward (the update runs in the "
+           "backward: arm_in_backward)");
   ops::AdamWParams q = p;
   q.weight_decay = weight_decay;
   // Bytes per element: fp32 state reads master, grad, m, v and writes master, m, v (4 B each) and the bf16 copy
@@ -862,6 +928,8 @@ void GpuModel::set_profiler(cuda::StepProfiler* prof) {
 }
 
 GpuModel::DeviceGrads GpuModel::device_grads() {
+  DS_CHECK(!impl_->in_backward(), "--gradients in-backward keeps no gradient buffer to reduce over ranks: use "
+           "--gradients fp32");
   impl_->join_side();
   return {impl_->store->grads(), impl_->P, impl_->stream};
 }
@@ -956,6 +1024,8 @@ void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) cons
   if (count == 0) return;
   impl_->join_side();
   if (which == Buffer::Weights) return impl_->store->read_weights(first, count, dst, impl_->stream);
+  DS_CHECK(!impl_->in_backward(), "--gradients in-backward keeps no gradient buffer to read (each unit's gradients "
+           "are consumed by its update in the backward): use --gradients fp32");
   DS_CUDA_CHECK(cudaMemcpyAsync(dst, impl_->store->grads() + first, count * sizeof(float), cudaMemcpyDeviceToHost,
                                 impl_->stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
@@ -998,6 +1068,8 @@ GpuModel::~GpuModel() = default;
 LossResult GpuModel::forward_backward(const PackedBatch&, double, double, ForwardCapture*) { return {}; }
 std::vector<float> GpuModel::last_logits(const PackedBatch&) { return {}; }
 void GpuModel::zero_grads() {}
+void GpuModel::arm_in_backward(const ops::AdamWParams*) {}
+Gradients GpuModel::gradients() const { return Gradients::Fp32; }
 double GpuModel::grad_sum_squares() { return 0; }
 void GpuModel::adamw_step(const ops::AdamWParams&, double) {}
 void GpuModel::set_async_optimizer(bool) {}

@@ -46,7 +46,16 @@ class GpuModel {
   // outside the plan or the model; an empty batch is an error.
   std::vector<float> last_logits(const PackedBatch& batch);
   void zero_grads();
-  double grad_sum_squares();  // deterministic
+  // Deterministic: each unit's sum (model.h param_units) added in unit order; Gradients::InBackward: the sums the
+  // last backward took.
+  double grad_sum_squares();
+  // Gradients::InBackward (GpuPlan::gradients; model/engine.h): arms the next forward_backward's backward to take
+  // each unit's sum of squares and, with `update`, to run the unit's AdamW update (`*update`, its grad_scale the
+  // clip factor, decay per ParamSpec) on a side stream as soon as the unit's gradients are final, its slot then
+  // reused (model/gpu_params.h). The next forward waits for each unit's update where it reads that unit. ds::Error
+  // in the fp32 mode.
+  void arm_in_backward(const ops::AdamWParams* update);
+  Gradients gradients() const;
   // One AdamW update of every parameter (decay per ParamSpec::weight_decay), refreshing the bf16 copy. With
   // set_async_optimizer(true) (and no profiler) it returns at once: the update runs on a side stream unit by unit
   // (model/model.h param_units, in the forward's order), each unit's gradients zeroed after it, and the next

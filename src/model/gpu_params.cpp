@@ -30,13 +30,16 @@ std::vector<int64_t> fp32_offsets(const std::vector<ParamSpec>& params, Optimize
 }  // namespace
 
 GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
-                             ParamShard shard)
+                             ParamShard shard, std::vector<ParamUnit> units, Gradients gradients)
     : layout_(layout),
       params_(params),
       state_(state),
       shard_(shard),
       fp32_offset_(fp32_offsets(params, state)),
-      master_layout_(layout) {
+      master_layout_(layout),
+      grad_layout_(layout),
+      units_(std::move(units)),
+      gradients_(gradients) {
   DS_CHECK(state == OptimizerState::Fp32 || bf16_weights(state),
            "gpu: the optimizer state must be resolved to fp32, bf16 or 8bit before the store is built");
   DS_CHECK(!params.empty(), "gpu: no parameters");
@@ -55,6 +58,45 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
       const size_t k = param_at(off, 0);
       return fp32_offset_[k] < 0 ? -1 : fp32_offset_[k] + (off - params_[k].offset);
     });
+  if (units_.empty()) units_.push_back({0, P_});
+  DS_CHECK(units_.front().lo == 0 && units_.back().hi == P_, "gpu: the parameter units do not tile the {} parameters", P_);
+  for (size_t u = 1; u < units_.size(); ++u)
+    DS_CHECK(units_[u].lo == units_[u - 1].hi, "gpu: parameter unit {} does not start where unit {} ends", u, u - 1);
+  unit_slot_.assign(units_.size(), 0);
+  unit_at_.resize(units_.size());
+  if (gradients_ == Gradients::Fp32) {
+    G_ = Ppad_;
+    for (size_t u = 0; u < units_.size(); ++u) unit_at_[u] = units_[u].lo;
+    return;
+  }
+  DS_CHECK(shard.world == 0, "--gradients in-backward keeps no flat gradient buffer to shard: use --shard none or "
+           "--gradients fp32");
+  // The slots (class comment): units 0 (embedding), 1 .. L (layers), L + 1 (head).
+  const size_t U = units_.size(), head = U - 1;
+  DS_CHECK(U >= 2, "gpu: --gradients in-backward needs the embedding and head units");
+  const bool tied = layout.model_offsets().lm_head == layout.model_offsets().embed_tokens;
+  int64_t size[4] = {0, 0, 0, 0};
+  auto need = [&](size_t u, int slot) {
+    unit_slot_[u] = slot;
+    size[slot] = std::max(size[slot], units_[u].size() + 64);
+  };
+  need(0, 0);
+  need(head, tied ? 1 : 0);
+  for (size_t u = 1; u < head; ++u) need(u, 2 + static_cast<int>((u - 1) % 2));
+  int64_t start[4];
+  for (int s = 0; s < 4; ++s) {
+    start[s] = G_;
+    G_ += (size[s] + 63) / 64 * 64;
+  }
+  for (size_t u = 0; u < U; ++u) unit_at_[u] = start[unit_slot_[u]] + units_[u].lo % 64;
+  grad_layout_ = layout.remapped([this](int64_t off) { return grad_at(off); });
+}
+
+int64_t GpuParamStore::grad_at(int64_t flat) const {
+  if (gradients_ == Gradients::Fp32) return flat;
+  const auto it = std::upper_bound(units_.begin(), units_.end(), flat, [](int64_t x, const ParamUnit& p) { return x < p.lo; });
+  const size_t u = static_cast<size_t>(it - units_.begin()) - 1;
+  return unit_at_[u] + (flat - units_[u].lo);
 }
 
 size_t GpuParamStore::param_at(int64_t first, int64_t count) const {
@@ -93,20 +135,20 @@ void GpuParamStore::reserve(Arena& a) {
   a.use = MemoryUse::Parameters;
   w_ = a.take<float>(P32_);
   a.use = MemoryUse::Gradients;
-  g_ = a.take<float>(Ppad_);
+  g_ = a.take<float>(G_);
   a.use = MemoryUse::Parameters;
   wb_ = a.take<bf16>(Ppad_);
   a.use = MemoryUse::Workspace;
-  sumsq_ = a.take<double>(1);
+  sumsq_ = a.take<double>(static_cast<int64_t>(units_.size()));
   sumsq_scratch_ = a.bytes(K::sum_squares_scratch_bytes(P_));
 }
 
 GpuParamStore::Layer GpuParamStore::layer_params(int64_t i) const {
-  return {layout_.layer<const bf16>(i, wb_), master_layout_.layer<const float>(i, w_), layout_.layer(i, g_)};
+  return {layout_.layer<const bf16>(i, wb_), master_layout_.layer<const float>(i, w_), grad_layout_.layer(i, g_)};
 }
 
 GpuParamStore::Model GpuParamStore::model_params() const {
-  return {layout_.model<const bf16>(wb_), master_layout_.model<const float>(w_), layout_.model(g_)};
+  return {layout_.model<const bf16>(wb_), master_layout_.model<const float>(w_), grad_layout_.model(g_)};
 }
 
 void GpuParamStore::upload(const std::function<void(size_t k, float* dst)>& values, cudaStream_t stream) {
@@ -120,17 +162,17 @@ void GpuParamStore::upload(const std::function<void(size_t k, float* dst)>& valu
       DS_CUDA_CHECK(cudaMemcpyAsync(w_ + p.offset, stage.data(), p.numel * sizeof(float), cudaMemcpyHostToDevice, stream));
       K::to_bf16(w_ + p.offset, wb_ + p.offset, p.numel, stream);
     } else {
-      // Through the gradient buffer (fp32 [P], zeroed below): the bf16 weights by rounding to nearest, a small
-      // parameter's fp32 master by copy.
-      DS_CUDA_CHECK(cudaMemcpyAsync(g_ + p.offset, stage.data(), p.numel * sizeof(float), cudaMemcpyHostToDevice, stream));
-      K::to_bf16(g_ + p.offset, wb_ + p.offset, p.numel, stream);
+      // Through the start of the gradient buffer (fp32, zeroed below; at least the largest parameter's size in
+      // either gradient mode): the bf16 weights by rounding to nearest, a small parameter's fp32 master by copy.
+      DS_CUDA_CHECK(cudaMemcpyAsync(g_, stage.data(), p.numel * sizeof(float), cudaMemcpyHostToDevice, stream));
+      K::to_bf16(g_, wb_ + p.offset, p.numel, stream);
       if (fp32_offset_[k] >= 0)
-        DS_CUDA_CHECK(cudaMemcpyAsync(w_ + fp32_offset_[k], g_ + p.offset, p.numel * sizeof(float),
-                                      cudaMemcpyDeviceToDevice, stream));
+        DS_CUDA_CHECK(cudaMemcpyAsync(w_ + fp32_offset_[k], g_, p.numel * sizeof(float), cudaMemcpyDeviceToDevice,
+                                      stream));
     }
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is refilled next
   }
-  DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, Ppad_ * sizeof(float), stream));
+  DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, G_ * sizeof(float), stream));
   if (Ppad_ > P_) {  // the padding of the flat buffers: zeros, summed and gathered like the rest
     DS_CUDA_CHECK(cudaMemsetAsync(wb_ + P_, 0, (Ppad_ - P_) * sizeof(bf16), stream));
     if (state_ == OptimizerState::Fp32) DS_CUDA_CHECK(cudaMemsetAsync(w_ + P_, 0, (Ppad_ - P_) * sizeof(float), stream));
@@ -151,7 +193,11 @@ void GpuParamStore::read_weights(int64_t first, int64_t count, float* dst, cudaS
 }
 
 void GpuParamStore::zero_grads(cudaStream_t stream) {
-  DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, Ppad_ * sizeof(float), stream));
+  DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, G_ * sizeof(float), stream));
+}
+
+void GpuParamStore::unit_sum_squares(size_t u, cudaStream_t stream) {
+  K::sum_squares(unit_grads(u), units_[u].size(), sumsq_ + u, sumsq_scratch_, stream);
 }
 
 double GpuParamStore::sum_squares_of(const float* x, int64_t n, cudaStream_t stream) {
@@ -164,7 +210,16 @@ double GpuParamStore::sum_squares_of(const float* x, int64_t n, cudaStream_t str
 
 double GpuParamStore::share_grad_sum_squares(cudaStream_t stream) { return sum_squares_of(g_ + lo_, hi_ - lo_, stream); }
 
-double GpuParamStore::grad_sum_squares(cudaStream_t stream) { return sum_squares_of(g_, P_, stream); }
+double GpuParamStore::grad_sum_squares(cudaStream_t stream, bool fresh) {
+  if (fresh)
+    for (size_t u = 0; u < units_.size(); ++u) unit_sum_squares(u, stream);
+  std::vector<double> sums(units_.size());
+  DS_CUDA_CHECK(cudaMemcpyAsync(sums.data(), sumsq_, sums.size() * sizeof(double), cudaMemcpyDeviceToHost, stream));
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+  double s = 0;
+  for (double x : sums) s += x;
+  return s;
+}
 
 namespace {
 constexpr int64_t kStage = int64_t{1} << 22;  // bf16 values per host staging round (8 MiB)

@@ -35,12 +35,22 @@ struct ParamShard {
   int rank = 0, world = 0;
 };
 
+// Gradients::InBackward (model/engine.h): no flat gradient buffer. Each unit (model.h param_units) adds its
+// gradients into a slot while its backward runs, and the slot is free again once the unit's update has read it:
+//   slot 0: the embedding, and the untied head (its backward ends before the embedding's begins);
+//   slot 1: the head when tied (it is final while the embedding, which holds lm_head, is still accumulating);
+//   slots 2, 3: the layers, alternating (layer i in 2 + i % 2: one accumulating, the other being updated).
+// A unit's elements lie contiguous in its slot, starting at the unit's flat offset modulo 64 (so every gradient
+// pointer has the flat buffer's alignment mod 256 bytes, and the GEMMs and sums see the same alignments as in the
+// fp32 mode).
 class GpuParamStore {
  public:
   using bf16 = ds::cuda::bf16;
-  // state: Fp32, Bf16 or EightBit (resolved; the last two have the same layout). params: the ParamSpec table (outlives the store).
+  // state: Fp32, Bf16 or EightBit (resolved; the last two have the same layout). params: the ParamSpec table (outlives
+  // the store); units: param_units of the model (they tile [0, P)); gradients: the flat fp32 buffer or the slots
+  // above (ds::Error with a shard).
   GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
-                ParamShard shard = {});
+                ParamShard shard = {}, std::vector<ParamUnit> units = {}, Gradients gradients = Gradients::Fp32);
 
   // The buffers above and the grad-norm reduction scratch.
   void reserve(Arena& a);
@@ -67,7 +77,17 @@ class GpuParamStore {
   float* master(size_t k) const { return fp32_offset_[k] < 0 ? nullptr : w_ + fp32_offset_[k]; }
   int64_t fp32_offset(size_t k) const { return fp32_offset_[k]; }  // -1: bf16 only
   bf16* compute(size_t k) const { return wb_ + params_[k].offset; }
-  float* grads() const { return g_; }
+  float* grads() const { return g_; }  // the flat buffer [P_pad] (Gradients::Fp32); the slots in InBackward
+  float* grad(size_t k) const { return g_ + grad_at(params_[k].offset); }  // parameter k's gradients
+  Gradients gradients() const { return gradients_; }
+  const std::vector<ParamUnit>& units() const { return units_; }
+  // Unit u's gradients [units()[u].size()], contiguous, and the slot they live in (InBackward; the flat buffer's
+  // range and slot 0 in Fp32).
+  float* unit_grads(size_t u) const { return g_ + grad_at(units_[u].lo); }
+  int slot_of(size_t u) const { return unit_slot_[u]; }
+  // The sum of squares of unit u's gradients (fixed order, ops/adamw/cuda.h sum_squares) into its entry of the
+  // per-unit sums, enqueued on `stream`; grad_sum_squares(stream, false) then adds the entries in unit order.
+  void unit_sum_squares(size_t u, cudaStream_t stream);
   bf16* compute_base() const { return wb_; }  // the bf16 weights [P_pad], flat
   float* master_base() const { return w_; }   // the fp32 master [fp32_size()] (fp32 layout: flat, [P_pad])
 
@@ -93,8 +113,10 @@ class GpuParamStore {
   // fp32 values of flat elements [first, first + count) (one parameter) to the host.
   void read_weights(int64_t first, int64_t count, float* dst, cudaStream_t stream) const;
   void zero_grads(cudaStream_t stream);
-  // Sum of squares of the gradients in double, fixed reduction order (bitwise reproducible); synchronises.
-  double grad_sum_squares(cudaStream_t stream);
+  // Sum of squares of the gradients in double, fixed reduction order (bitwise reproducible): each unit's sum
+  // (unit_sum_squares), added in unit order on the host; synchronises. fresh false: the per-unit sums already
+  // taken (InBackward: by the backward) are added, not taken again.
+  double grad_sum_squares(cudaStream_t stream, bool fresh = true);
 
  private:
   const ParamLayout& layout_;
@@ -104,10 +126,17 @@ class GpuParamStore {
   int64_t P_ = 0, P32_ = 0, Ppad_ = 0, S_ = 0, lo_ = 0, hi_ = 0;
   std::vector<int64_t> fp32_offset_;  // per parameter: offset into w_, or -1
   ParamLayout master_layout_;         // layout_ with the offsets of w_
+  ParamLayout grad_layout_;           // layout_ with the offsets of g_ (InBackward: into the slots)
+  std::vector<ParamUnit> units_;
+  Gradients gradients_;
+  std::vector<int> unit_slot_;        // per unit: its slot (InBackward)
+  std::vector<int64_t> unit_at_;      // per unit: where its first element lies in g_
+  int64_t G_ = 0;                     // elements of g_
+  int64_t grad_at(int64_t flat) const;  // where flat element `flat` lies in g_
   float *w_ = nullptr, *g_ = nullptr;
   bf16* wb_ = nullptr;
   double sum_squares_of(const float* x, int64_t n, cudaStream_t stream);  // the fixed-order sum, synchronised
-  double* sumsq_ = nullptr;
+  double* sumsq_ = nullptr;  // per unit
   void* sumsq_scratch_ = nullptr;
 };
 

@@ -86,7 +86,8 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   c.validate();
   const std::vector<ParamSpec> params = qwen35_params(c);  // the table only: no memory for the values
   ParamLayout layout(c, params);
-  GpuParamStore store(layout, params, plan.optimizer_state, ParamShard{plan.shard_rank, plan.shard_world});
+  GpuParamStore store(layout, params, plan.optimizer_state, ParamShard{plan.shard_rank, plan.shard_world},
+                      param_units(c, params), plan.gradients);
   GpuAdamW optimizer(store);
   GpuActivations acts;
   GpuMemoryPlan out;

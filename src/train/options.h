@@ -34,6 +34,7 @@ struct TrainOptions {
   std::string device;
   std::string optimizer_state, recompute, memory;
   std::string precision;  // bf16 | fp8 (the decoder's matrix GEMMs; docs/fp8.md)
+  std::string gradients;  // fp32 | in-backward (model/engine.h Gradients)
   std::string shard;  // none | optimizer (several ranks; docs/distributed.md)
   bool move_aside;
   std::string data_changed;

@@ -108,6 +108,7 @@ void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::stri
     if (free == 0) return;
     GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, 1);
     apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
+    plan.gradients = parse_gradients(opt.gradients);
     if (opt.shard == "optimizer") {
       plan.shard_rank = comm.rank();
       plan.shard_world = comm.world();
@@ -600,6 +601,15 @@ void check_run_options(const TrainOptions& opt, bool resumed, const std::string&
     log_info("--shard {} with one rank: nothing to shard, the whole state stays here", opt.shard);
   DS_CHECK(opt.shard != "full" || device != "cuda", "--shard full is built for the CPU engine "
            "only: the GPU engine has no per-layer parameter gathers yet (use --shard optimizer or none, or --device cpu)");
+  if (opt.gradients == "in-backward") {  // each unit's update runs in its backward (model/engine.h Gradients)
+    DS_CHECK(opt.grad_accum == 1, "--gradients in-backward updates each layer during the backward, so every "
+             "backward is a whole step: --grad-accum must be 1 (got {}); raise --micro-batch, or use --gradients fp32",
+             opt.grad_accum);
+    DS_CHECK(comm.world() == 1, "--gradients in-backward runs on one rank (this launch has {}): use --gradients "
+             "fp32", comm.world());
+    DS_CHECK(opt.shard == "none", "--gradients in-backward keeps no gradient buffer to shard: use --shard none or "
+             "--gradients fp32");
+  }
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   check_engine_knobs();  // and a bad DELTASTACK_ASYNC_OPTIMIZER / _DP_OVERLAP (the GPU engine reads them later)
   if (device != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
@@ -702,6 +712,7 @@ std::unique_ptr<Engine> make_train_engine(TrainOptions& opt, Qwen35Model&& model
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
   apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
   plan.precision = parse_precision(opt.precision);
+  plan.gradients = parse_gradients(opt.gradients);
   if (opt.shard == "optimizer" && comm.on_device()) {  // the GPU engine plans its memory for this rank's share
     plan.shard_rank = comm.rank();
     plan.shard_world = comm.world();
@@ -965,37 +976,55 @@ int train(TrainOptions cli) {
              "DELTASTACK_TEST_FAIL_RANK={}:{}", step, fail_rank, fail_step);
     // The step's micro-batches (StepBatches: this rank's share; targets and tokens counted over every rank).
     const StepBatches batches = run.read_data([&] { return StepBatches(sampler, *data.train, opt, step, comm); });
-    // Forward and backward over each micro-batch, the gradients accumulating (the last backward also starts their
-    // reduction over the ranks).
     const double per_target = batches.targets > 0 ? 1.0 / static_cast<double>(batches.targets) : 0.0;
-    engine->zero_grads();
-    double loss_sum = 0;
-    // A signal between micro-batches stops the step unfinished (a long --grad-accum step is no wait for a signal):
-    // its partial gradients are dropped, the weights stay those of the previous step, which is what is saved.
-    bool unfinished = false;
-    for (int64_t a = 0; a < opt.grad_accum; ++a) {
-      if (a > 0 && run.signalled()) {
-        unfinished = true;
-        break;
-      }
-      if (a == opt.grad_accum - 1) engine->reduce_grads_during_next_backward();
-      loss_sum += engine->forward_backward(run.read_data([&] { return batches.micro(a); }), per_target, opt.z_loss).loss_sum;
-    }
-    if (unfinished) break;
-    // The loss and the gradients, summed over the ranks.
-    comm.all_reduce_sum(&loss_sum, 1);
-    engine->reduce_grads();
-    const double loss = batches.targets > 0 ? loss_sum / static_cast<double>(batches.targets) : 0.0;
-    const double gnorm = std::sqrt(engine->grad_sum_squares());
     const double lr = lr_at(opt, step);
+    double loss_sum = 0, sum_squares = 0;
+    bool updated = false;  // the update ran inside the backward (--gradients in-backward)
+    if (engine->gradients() == Gradients::InBackward) {
+      // One micro-batch on one rank, the update in the backward (model/engine.h in_backward_step), after a
+      // norm-only pass unless --clip 0 and --nan-policy stop.
+      const InBackwardStep r = in_backward_step(*engine, run.read_data([&] { return batches.micro(0); }), per_target,
+                                                opt.z_loss, adamw_params(opt, lr, progress.optimizer_steps + 1, 1.0),
+                                                opt.clip, opt.nan_policy == "skip");
+      loss_sum = r.result.loss_sum;
+      sum_squares = r.grad_sum_squares;
+      updated = r.updated;
+      if (updated) ++progress.optimizer_steps;
+    } else {
+      // Forward and backward over each micro-batch, the gradients accumulating (the last backward also starts their
+      // reduction over the ranks).
+      engine->zero_grads();
+      // A signal between micro-batches stops the step unfinished (a long --grad-accum step is no wait for a signal):
+      // its partial gradients are dropped, the weights stay those of the previous step, which is what is saved.
+      bool unfinished = false;
+      for (int64_t a = 0; a < opt.grad_accum; ++a) {
+        if (a > 0 && run.signalled()) {
+          unfinished = true;
+          break;
+        }
+        if (a == opt.grad_accum - 1) engine->reduce_grads_during_next_backward();
+        loss_sum += engine->forward_backward(run.read_data([&] { return batches.micro(a); }), per_target, opt.z_loss).loss_sum;
+      }
+      if (unfinished) break;
+      // The loss and the gradients, summed over the ranks.
+      comm.all_reduce_sum(&loss_sum, 1);
+      engine->reduce_grads();
+      sum_squares = engine->grad_sum_squares();
+    }
+    const double loss = batches.targets > 0 ? loss_sum / static_cast<double>(batches.targets) : 0.0;
+    const double gnorm = std::sqrt(sum_squares);
     progress.step = step;
     progress.tokens_seen += batches.tokens;
-    // The NaN/Inf guard, else the clipped AdamW update; the step's metrics.
-    if (!std::isfinite(loss) || !std::isfinite(gnorm)) {
+    // The NaN/Inf guard, else the clipped AdamW update; the step's metrics. (In-backward: the norm pass found it
+    // non-finite and nothing was updated, or with --clip 0 the update already ran and --nan-policy stop ends the
+    // run with the last checkpoint intact.)
+    if (!std::isfinite(loss) || !std::isfinite(gnorm) || (engine->gradients() == Gradients::InBackward && !updated)) {
       run.skip_update(step, loss, gnorm, lr, batches.tokens);
     } else {
-      const double clip_scale = (opt.clip > 0 && gnorm > opt.clip) ? opt.clip / (gnorm + 1e-6) : 1.0;
-      engine->optimizer_step(adamw_params(opt, lr, ++progress.optimizer_steps, clip_scale));
+      if (!updated) {
+        const double clip_scale = (opt.clip > 0 && gnorm > opt.clip) ? opt.clip / (gnorm + 1e-6) : 1.0;
+        engine->optimizer_step(adamw_params(opt, lr, ++progress.optimizer_steps, clip_scale));
+      }
       run.log_step(step, loss, gnorm, lr, batches.tokens, t0);
     }
     // The evaluation (interrupted: straight to the save), the checkpoint.

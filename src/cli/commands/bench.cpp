@@ -379,6 +379,8 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
   plan.precision = parse_precision(memory.precision);
+  plan.gradients = parse_gradients(memory.gradients);
+  DS_CHECK(memory.clip >= 0 && std::isfinite(memory.clip), "bench step: --clip must be >= 0, got {}", memory.clip);
   DS_CHECK(seq_len >= 2 && micro_batch >= 1 && steps >= 1, "bench step: bad --seq-len/--micro-batch/--steps");
   DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");
   ModelConfig cfg = ModelConfig::resolve(preset);
@@ -401,12 +403,20 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   ops::AdamWParams ap;
   ap.lr = 1e-5;
   ap.weight_decay = 0.1;
+  // The trainer's step (train/trainer.cpp): with --gradients in-backward, in_backward_step (the norm pass first
+  // when --clip is on).
   auto step = [&](int64_t i) {
+    ap.step = i + 1;
+    if (gpu->gradients() == Gradients::InBackward) {
+      const InBackwardStep r = in_backward_step(*gpu, b, scale, 0.0, ap, memory.clip, false);
+      return std::pair<double, double>{r.result.loss_sum * scale, std::sqrt(r.grad_sum_squares)};
+    }
     gpu->zero_grads();
     LossResult r = gpu->forward_backward(b, scale);
     double gn = std::sqrt(gpu->grad_sum_squares());
-    ap.step = i + 1;
-    gpu->optimizer_step(ap);
+    ops::AdamWParams q = ap;
+    q.grad_scale = memory.clip > 0 && gn > memory.clip ? memory.clip / (gn + 1e-6) : 1.0;
+    gpu->optimizer_step(q);
     return std::pair<double, double>{r.loss_sum * scale, gn};
   };
   // --profile: every step runs with timed scopes (the warm-up too, so that it creates the event pool); after each
@@ -445,9 +455,10 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   double attn = 6.0 * 2.0 * cfg.num_attention_heads * cfg.head_dim * (seq_len / 2.0) * n_full;
   double flops = (6.0 * matmul_params + attn) * tokens;
   fmt::print("bench step: preset {} ({:.2f}B params), seq {} x micro-batch {}, {} timed steps on {}; optimizer state "
-             "{}, recompute {}, precision {}\n", preset, cfg.num_parameters() / 1e9, seq_len, micro_batch, steps,
-             cuda_device_name(), optimizer_state_name(gpu->optimizer_state()), recompute_name(gpu->recompute()),
-             precision_name(gpu->precision()));
+             "{}, recompute {}, precision {}, gradients {}{}\n", preset, cfg.num_parameters() / 1e9, seq_len, micro_batch,
+             steps, cuda_device_name(), optimizer_state_name(gpu->optimizer_state()), recompute_name(gpu->recompute()),
+             precision_name(gpu->precision()), gradients_name(gpu->gradients()),
+             memory.clip > 0 ? fmt::format(", clip {}", memory.clip) : std::string());
   fmt::print("  step {:.1f} ms (median) | {:.0f} tokens/s | MFU {:.1f}% of 989 TFLOP/s ({:.1f}% of the measured 699) | "
              "peak {:.1f} GiB (plan {:.1f} GiB) | loss {:.4f} grad_norm {:.3f}\n",
              1e3 * t, tokens / t, 100 * flops / t / 989e12, 100 * flops / t / 699e12, gpu->peak_bytes() / 1073741824.0,

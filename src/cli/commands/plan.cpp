@@ -50,6 +50,7 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, docs_per_window);
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
   plan.precision = parse_precision(memory.precision);
+  plan.gradients = parse_gradients(memory.gradients);
   const bool chosen_state = plan.optimizer_state == OptimizerState::Auto, chosen_rc = plan.recompute == Recompute::Auto;
   plan = resolve_memory_modes(cfg, plan, [&](const GpuMemoryPlan& q) { return q.total / GiB <= device_memory_gib; },
                               attention);
@@ -69,9 +70,17 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
              optimizer_state_name(plan.optimizer_state), state_what, chosen_state ? "; chosen by --memory auto" : "",
              recompute_name(plan.recompute), rc_what, chosen_rc ? "; chosen by --memory auto" : "",
              p.gated_delta_rule.empty() ? "-" : p.gated_delta_rule, p.attention.empty() ? "-" : p.attention);
+  fmt::print("  gradients: {}\n", plan.gradients == Gradients::InBackward
+                                     ? "in-backward (each unit updated in the backward; fp32 slots of the embedding, "
+                                       "head and two layers)"
+                                     : "fp32 (one buffer of every parameter)");
+  // Bytes per parameter beside each part: the figure the optimizer-state and gradient modes trade in.
+  const double per = static_cast<double>(cfg.num_parameters());
   for (size_t u = 0; u < p.by_use.size(); ++u)
-    fmt::print("  {:<58} {:>9.2f} GiB\n", memory_use_name(static_cast<MemoryUse>(u)), p.by_use[u] / GiB);
+    fmt::print("  {:<58} {:>9.2f} GiB {:>6.2f} B/param\n", memory_use_name(static_cast<MemoryUse>(u)), p.by_use[u] / GiB,
+               static_cast<double>(p.by_use[u]) / per);
   fmt::print("  {:<58} {:>9.2f} GiB\n", "CUDA context, cuBLASLt and cuDNN (measured)", kCudaContextBytes / GiB);
+  fmt::print("  {:<58} {:>9.2f} GiB {:>6.2f} B/param\n", "all of it", p.total / GiB, static_cast<double>(p.total) / per);
   fmt::print("total {:.2f} GiB of {:.2f} GiB: {}\n", p.total / GiB, device_memory_gib,
              p.total / GiB <= device_memory_gib ? "fits" : "does not fit");
   return 0;
