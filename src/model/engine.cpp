@@ -62,12 +62,16 @@ class CpuEngine final : public Engine, private UnitSource {
     end_units();
   }
   void zero_grads() override {
+    if (LoraAdapter* a = model_.adapter()) return a->zero_grads();  // the base is frozen: no base gradients
     if (full()) std::fill(g_.begin(), g_.end(), 0.0f);
     else model_.zero_grads();
-    if (LoraAdapter* a = model_.adapter()) a->zero_grads();
   }
   std::vector<float> last_logits(const PackedBatch& b) override { return model_.last_logits(b); }
   double grad_sum_squares() override {
+    if (LoraAdapter* a = model_.adapter()) {  // the adapters' gradients, the same (reduced) on every rank
+      if (a->grads().empty()) a->zero_grads();
+      return ops::sum_squares(a->grads().data(), static_cast<int64_t>(a->grads().size()));
+    }
     if (!sharded() && !full())
       return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
     // This rank's share, then every rank's.
@@ -80,8 +84,12 @@ class CpuEngine final : public Engine, private UnitSource {
     DS_CHECK(m_.empty(), "distribute() after the optimizer state exists");
     DS_CHECK(!comm.on_device(), "{}: the CPU engine's ranks talk over MPI (mpirun), not {}",
              dist::describe(comm.launch()), comm.backend());
+    DS_CHECK(!model_.adapter() || comm.world() == 1 || mode == ShardMode::None, "--shard {}: LoRA trains with "
+             "--shard none (every rank holds the adapters' small AdamW state; the frozen base has none)",
+             mode == ShardMode::Full ? "full" : "optimizer");
     comm_ = &comm;
     mode_ = mode;
+    if (model_.adapter()) return;  // every rank keeps the whole adapter and its state
     if (full()) return shard_fully();
     if (!sharded()) return;
     counts_ = dist::even_counts(model_.num_parameters(), comm.world());
@@ -91,6 +99,10 @@ class CpuEngine final : public Engine, private UnitSource {
   }
   void reduce_grads() override {
     if (!comm_ || comm_->world() == 1 || full()) return;  // full: reduce-scattered unit by unit in the backward
+    if (LoraAdapter* a = model_.adapter()) {  // only the adapters have gradients
+      if (a->grads().empty()) a->zero_grads();  // a rank without a micro-batch
+      return comm_->all_reduce_sum(a->grads().data(), static_cast<int64_t>(a->grads().size()));
+    }
     if (model_.grads().size() != model_.weights().size()) model_.zero_grads();  // a rank without a micro-batch
     float* g = model_.grads().data();
     if (!sharded()) {
@@ -104,8 +116,12 @@ class CpuEngine final : public Engine, private UnitSource {
   // AdamW on [lo_, hi_) of the flat parameters (all of them unless sharded), parameter by parameter as each one's
   // decay flag says; sharded, every rank's updated share is then gathered.
   void optimizer_step(const ops::AdamWParams& p) override {
-    DS_CHECK(!model_.adapter(), "LoRA: training adapters is not implemented yet (forward --adapter only)");
     moments();
+    if (LoraAdapter* a = model_.adapter()) {  // the adapters only; decay on every lora_A / lora_B (HF Trainer's rule)
+      DS_CHECK(a->grads().size() == a->values().size(), "optimizer step before any gradient");
+      return ops::adamw_update(a->values().data(), a->grads().data(), m_.data(), v_.data(),
+                               static_cast<int64_t>(a->values().size()), p);
+    }
     if (full()) {  // this rank's share only; the next forward gathers the updated weights unit by unit
       for (const Segment& s : segments_)
         ops::adamw_update(w_.data() + s.at, g_.data() + s.at, m_.data() + s.at, v_.data() + s.at, s.n,
@@ -129,6 +145,7 @@ class CpuEngine final : public Engine, private UnitSource {
     moments();
     const bool split = sharded() || full();
     DS_CHECK(!split || !m_full_.empty(), "optimizer_tensors() of a sharded state without gather_for_save()");
+    if (const LoraAdapter* a = model_.adapter()) return lora_moments(*a);
     const float* m = split ? m_full_.data() : m_.data();
     const float* v = split ? v_full_.data() : v_.data();
     std::vector<SaveTensor> out;
@@ -158,6 +175,19 @@ class CpuEngine final : public Engine, private UnitSource {
   // Whole moments from the checkpoint (any world size wrote them); this rank keeps its share.
   void load_optimizer(const TensorSource& read) override {
     moments();
+    if (const LoraAdapter* a = model_.adapter()) {  // lora_moments' names
+      for (const SaveTensor& t : lora_moments(*a)) {
+        int64_t n = 1;
+        for (int64_t d : t.shape) n *= d;
+        const std::vector<float> x = read(t.name, n);
+        DS_CHECK(static_cast<int64_t>(x.size()) == n, "optimizer state for {} has the wrong size", t.name);
+        const bool sq = t.name.rfind(exp_avg_sq_prefix(), 0) == 0;
+        const size_t off = static_cast<size_t>(lora_offset(*a, t.name.substr(sq ? exp_avg_sq_prefix().size()
+                                                                                 : exp_avg_prefix().size())));
+        std::copy(x.begin(), x.end(), (sq ? v_ : m_).begin() + static_cast<std::ptrdiff_t>(off));
+      }
+      return;
+    }
     size_t seg = 0;  // full: segments_ in flat order, at most one per parameter
     for (size_t k = 0; k < model_.params().size(); ++k) {
       const ParamSpec& p = model_.params()[k];
@@ -189,13 +219,44 @@ class CpuEngine final : public Engine, private UnitSource {
     return model_.to_tensors(model_.grads());
   }
 
+  LoraAdapter* adapter() override { return model_.adapter(); }
+
  private:
+  // The adapters' AdamW moments, as checkpoint tensors: "exp_avg.<PEFT key>", "exp_avg_sq.<PEFT key>" (F32 views of
+  // m_ / v_, which mirror the adapter's flat buffer).
+  std::vector<SaveTensor> lora_moments(const LoraAdapter& a) {
+    std::vector<SaveTensor> out;
+    for (const std::string& prefix : {exp_avg_prefix(), exp_avg_sq_prefix()})
+      for (SaveTensor t : a.tensors(prefix == exp_avg_prefix() ? m_ : v_)) {
+        t.name = prefix + t.name;
+        out.push_back(std::move(t));
+      }
+    return out;
+  }
+  // Where the adapter tensor named `key` (PEFT's) starts in the adapter's flat buffer.
+  static int64_t lora_offset(const LoraAdapter& a, const std::string& key) {
+    for (const LoraTensorSpec& s : a.specs()) {
+      if (a.key(s, false) == key) return s.a_offset;
+      if (a.key(s, true) == key) return s.b_offset;
+    }
+    fail("LoRA: no adapter tensor {}", key);
+  }
+  static const std::string& exp_avg_prefix() {
+    static const std::string p = "exp_avg.";
+    return p;
+  }
+  static const std::string& exp_avg_sq_prefix() {
+    static const std::string p = "exp_avg_sq.";
+    return p;
+  }
   bool sharded() const { return comm_ && comm_->world() > 1 && mode_ == ShardMode::Optimizer; }
   bool full() const { return comm_ && comm_->world() > 1 && mode_ == ShardMode::Full; }
   // The AdamW moments of [lo_, hi_) (full: of this rank's share, w_'s layout) exist from the first use of the
   // optimizer on (evaluation never allocates them).
   void moments() {
-    const size_t n = full() ? w_.size() : static_cast<size_t>(hi_ - lo_);
+    const size_t n = model_.adapter() ? model_.adapter()->values().size()
+                     : full()         ? w_.size()
+                                      : static_cast<size_t>(hi_ - lo_);
     if (m_.empty()) m_.assign(n, 0.0f);
     if (v_.empty()) v_.assign(n, 0.0f);
   }
