@@ -65,6 +65,9 @@ bool multimodal_layout(const std::string& model) {
 }
 
 json attach_lora(const TrainOptions& opt, Qwen35Model& model, const SavedCheckpoint* resumed) {
+  // Before the base is materialized on the host (a GPU run's would not be): make_engine's refusal, early.
+  DS_CHECK(resolve_device(opt.device) == "cpu", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; use "
+           "--device cpu");
   model.materialize();
   const std::string fingerprint = weights_fingerprint(model.weights());
   std::shared_ptr<LoraAdapter> adapter;

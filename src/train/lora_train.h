@@ -39,7 +39,8 @@ bool multimodal_layout(const std::string& model);
 // returns the "lora" record of its checkpoints. The adapter: on --resume the checkpoint's own (adapter_config.json,
 // adapter_model.safetensors), after checking that the base's fingerprint is the one it was trained on (ds::Error
 // naming the checkpoint, both fingerprints and the base's path otherwise); with --adapter DIR that adapter; else a
-// new one of lora_config_of(opt), PEFT-initialised from --seed (LoraAdapter::init_peft).
+// new one of lora_config_of(opt), PEFT-initialised from --seed (LoraAdapter::init_peft). ds::Error (the GPU
+// engine's LoRA refusal) when --device resolves to cuda.
 nlohmann::json attach_lora(const TrainOptions& opt, Qwen35Model& model, const SavedCheckpoint* resumed);
 
 // A LoRA checkpoint's weights into `dir`: the adapter's PEFT files (base_model_name_or_path: base["base_model"])
