@@ -4,6 +4,7 @@
 // fingerprint, `export` writes the adapter or the merged model, and eval / generate --adapter agree with the merge.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <signal.h>
 
 #include <cmath>
 #include <cstring>
@@ -280,6 +281,32 @@ TEST(LoraTrain, TrainsResumesBitwiseAndKeepsLast) {
                 &log), 0) << log;
   const json first = ds::test::metrics(dir + "/c/metrics.jsonl").front();
   EXPECT_EQ(first["eval_loss"].get<double>(), evals[1]);
+  fs::remove_all(dir);
+}
+
+// SIGINT mid-run of a LoRA run: the step finishes, its checkpoint (the adapter) is saved, exit 130; the resume then
+// continues bitwise like a run that was never stopped (the adapter, its moments and the losses).
+TEST(LoraTrain, SigintSavesTheAdapterAndResumesBitwise) {
+  const auto [dir, base, args] = lora_setup("lora_sigint");
+  // A constant lr (no warmup): a run of N steps is a prefix of a longer one.
+  const std::string lora = args + " --lora-rank 4 --lora-dropout 0.1 --schedule constant --warmup 0 --threads 1";
+  const std::string out = dir + "/o";
+  const pid_t pid = ds::test::spawn("train " + lora + " --steps 100000 --out " + out, dir + "/log");
+  ASSERT_TRUE(ds::test::wait_for([&] { return ds::test::last_train_step(out + "/metrics.jsonl") >= 2; }))
+      << ds::read_file(dir + "/log");
+  ::kill(pid, SIGINT);
+  EXPECT_EQ(ds::test::wait_exit(pid), 130) << ds::read_file(dir + "/log");
+  const int64_t n = ds::test::last_train_step(out + "/metrics.jsonl");
+  const std::string ck = out + "/checkpoint-" + std::to_string(n);
+  ASSERT_TRUE(fs::exists(ck + "/adapter_model.safetensors")) << ds::read_file(dir + "/log");
+  std::string log;
+  const std::string steps = " --steps " + std::to_string(n + 2);
+  ASSERT_EQ(run("train --resume " + ck + steps + " --threads 1", &log), 0) << log;
+  ASSERT_EQ(run("train " + lora + steps + " --out " + dir + "/ref", &log), 0) << log;
+  EXPECT_EQ(ds::test::train_losses(out + "/metrics.jsonl"), ds::test::train_losses(dir + "/ref/metrics.jsonl"));
+  const std::string last = "/checkpoint-" + std::to_string(n + 2) + "/";
+  for (const char* f : {"adapter_model.safetensors", "optimizer.safetensors"})
+    EXPECT_EQ(ds::read_file(out + last + f), ds::read_file(dir + "/ref" + last + f)) << f;
   fs::remove_all(dir);
 }
 
