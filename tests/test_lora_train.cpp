@@ -166,6 +166,12 @@ TEST(LoraTrain, FirstStepIsHandAdamWOnPeftGradsAndTheBaseStays) {
   }
   ASSERT_EQ(now.size(), base_weights.size());
   EXPECT_EQ(std::memcmp(now.data(), base_weights.data(), now.size() * sizeof(float)), 0);
+  // No host gradient buffer for the frozen base: a backward with an adapter leaves the model's grads() unallocated.
+  ds::Qwen35Model m = fixture_base();
+  m.set_adapter(std::make_shared<ds::LoraAdapter>(ds::LoraAdapter::load(fixture(kAdapter), c)));
+  m.forward_backward(batch, 1.0);
+  EXPECT_TRUE(m.grads().empty());
+  EXPECT_FALSE(m.adapter()->grads().empty());
   const std::vector<ds::SaveTensor> grads = e->grad_tensors();
   EXPECT_EQ(grads.size(), 2 * adapter->specs().size());
   for (const ds::SaveTensor& t : grads) EXPECT_EQ(t.name.rfind("base_model.model.model.layers.", 0), 0u) << t.name;

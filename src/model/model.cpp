@@ -477,15 +477,23 @@ struct Qwen35Model::Impl {
     if (m.source_) m.source_->grads_done(u);
   }
   // With an adapter the base is frozen: no base gradient is kept. The matrices' weight-gradient GEMMs are skipped
-  // (lin_bwd); the small parameters' gradients of a layer (norms, conv taps, A_log, dt_bias, in_proj_b / a), which
-  // the ops compute with dx, go into this scratch of one unit's size and are dropped; the embedding's and lm_head's
-  // are not computed.
+  // (lin_bwd; in their view the matrices are null), the embedding's and lm_head's are not computed; the small
+  // parameters' gradients of a layer (norms, conv taps, A_log, dt_bias), which the ops compute with dx, go into a
+  // scratch of their size and are dropped.
   bool frozen() const { return m.adapter_ != nullptr; }
   Buf scratch;
-  float* layer_grads(int64_t u) {
-    if (!frozen()) return grads_of(u);
-    scratch.assign(static_cast<size_t>(m.units_[static_cast<size_t>(u)].size()), 0.0f);
-    return scratch.data();
+  LayerParams<float*> layer_grads(int64_t i) {
+    if (!frozen()) return layer_view(i, grads_of(1 + i));
+    const ParamUnit& u = m.units_[static_cast<size_t>(1 + i)];
+    std::unordered_map<int64_t, int64_t> small;  // offset -> place in the scratch, for the parameters without decay
+    int64_t n = 0;
+    for (const ParamSpec& p : m.params_)
+      if (p.offset >= u.lo && p.offset < u.hi && !p.weight_decay) small[p.offset] = n, n += p.numel;
+    scratch.assign(static_cast<size_t>(n), 0.0f);
+    return map_layer(m.layout_->layer_offsets(i), [&](int64_t off) -> float* {
+      const auto it = small.find(off);
+      return it == small.end() ? nullptr : scratch.data() + it->second;
+    });
   }
   int64_t unit_lo(int64_t u) const { return m.units_[static_cast<size_t>(u)].lo; }
   // Tensor `off` (a flat offset inside unit u) in a unit buffer that starts at `base`.
@@ -814,7 +822,7 @@ struct Qwen35Model::Impl {
     if (base_grads) grads_done(hu);
     release(hu);
     for (int64_t i = c.num_hidden_layers - 1; i >= 0; --i) {
-      const LayerParams<float*> w = layer_view(i, acquire(1 + i)), gw = layer_view(i, layer_grads(1 + i));
+      const LayerParams<float*> w = layer_view(i, acquire(1 + i)), gw = layer_grads(i);
       layer_backward(i, w, gw, caches[static_cast<size_t>(i)], dh);
       if (base_grads) grads_done(1 + i);
       release(1 + i);
