@@ -72,6 +72,7 @@ TrainOptions run_options(const TrainOptions& cli, const SavedCheckpoint* resumed
   if (!resumed) {  // a resume reads neither: the checkpoint has its own config.json and tokenizer.json
     absolute_if_exists(opt.tokenizer);
     absolute_if_exists(opt.model);  // a path; preset names ("tiny", "2b") stay as they are
+    absolute_if_exists(opt.adapter);  // LoRA: the adapter a run started from (recorded; a resume reads its own)
   }
   validate(opt);
   return opt;
