@@ -317,7 +317,7 @@ TEST(LoraTrain, SigintSavesTheAdapterAndResumesBitwise) {
 }
 
 // A resume whose base weights changed since (the same path, other values) stops with the fingerprints; so does an
-// export --merge of its checkpoint.
+// export --merge of its checkpoint; a base that is gone is named as such.
 TEST(LoraTrain, ResumeAndMergeCheckTheBaseFingerprint) {
   const auto [dir, base, lora] = lora_setup("lora_fingerprint");
   std::string log;
@@ -334,6 +334,12 @@ TEST(LoraTrain, ResumeAndMergeCheckTheBaseFingerprint) {
   EXPECT_EQ(run("export " + dir + "/a/checkpoint-2 " + dir + "/m --merge", &log), 1);
   EXPECT_NE(log.find("the base changed since"), std::string::npos) << log;
   EXPECT_FALSE(fs::exists(dir + "/m"));
+  // The base gone (the checkpoint holds only the adapter): both say so, naming its path.
+  fs::rename(dir + "/base", dir + "/moved");
+  EXPECT_EQ(run("train --resume " + dir + "/a/checkpoint-1 --threads 1 --out " + dir + "/b", &log), 1);
+  EXPECT_NE(log.find("its base model " + base + " (options.model) does not exist"), std::string::npos) << log;
+  EXPECT_EQ(run("export " + dir + "/a/checkpoint-2 " + dir + "/m --merge", &log), 1);
+  EXPECT_NE(log.find("its base model " + base + " (options.model) does not exist"), std::string::npos) << log;
   fs::remove_all(dir);
 }
 

@@ -143,9 +143,9 @@ class CpuEngine final : public Engine, private UnitSource {
   }
   std::vector<SaveTensor> optimizer_tensors() override {
     moments();
+    if (const LoraAdapter* a = model_.adapter()) return lora_moments(*a);
     const bool split = sharded() || full();
     DS_CHECK(!split || !m_full_.empty(), "optimizer_tensors() of a sharded state without gather_for_save()");
-    if (const LoraAdapter* a = model_.adapter()) return lora_moments(*a);
     const float* m = split ? m_full_.data() : m_.data();
     const float* v = split ? v_full_.data() : v_.data();
     std::vector<SaveTensor> out;
@@ -176,16 +176,16 @@ class CpuEngine final : public Engine, private UnitSource {
   void load_optimizer(const TensorSource& read) override {
     moments();
     if (const LoraAdapter* a = model_.adapter()) {  // lora_moments' names
-      for (const SaveTensor& t : lora_moments(*a)) {
-        int64_t n = 1;
-        for (int64_t d : t.shape) n *= d;
-        const std::vector<float> x = read(t.name, n);
-        DS_CHECK(static_cast<int64_t>(x.size()) == n, "optimizer state for {} has the wrong size", t.name);
-        const bool sq = t.name.rfind(exp_avg_sq_prefix(), 0) == 0;
-        const size_t off = static_cast<size_t>(lora_offset(*a, t.name.substr(sq ? exp_avg_sq_prefix().size()
-                                                                                 : exp_avg_prefix().size())));
-        std::copy(x.begin(), x.end(), (sq ? v_ : m_).begin() + static_cast<std::ptrdiff_t>(off));
-      }
+      const int64_t r = a->config().r;
+      for (const LoraTensorSpec& s : a->specs())
+        for (const bool b : {false, true}) {
+          const int64_t at = b ? s.b_offset : s.a_offset, n = b ? s.out * r : r * s.in;
+          for (auto [prefix, dst] : {std::pair{kLoraExpAvg, &m_}, std::pair{kLoraExpAvgSq, &v_}}) {
+            const std::vector<float> x = read(prefix + a->key(s, b), n);
+            DS_CHECK(static_cast<int64_t>(x.size()) == n, "optimizer state for {} has the wrong size", a->key(s, b));
+            std::copy(x.begin(), x.end(), dst->begin() + at);
+          }
+        }
       return;
     }
     size_t seg = 0;  // full: segments_ in flat order, at most one per parameter
@@ -224,30 +224,16 @@ class CpuEngine final : public Engine, private UnitSource {
  private:
   // The adapters' AdamW moments, as checkpoint tensors: "exp_avg.<PEFT key>", "exp_avg_sq.<PEFT key>" (F32 views of
   // m_ / v_, which mirror the adapter's flat buffer).
+  static constexpr const char* kLoraExpAvg = "exp_avg.";
+  static constexpr const char* kLoraExpAvgSq = "exp_avg_sq.";
   std::vector<SaveTensor> lora_moments(const LoraAdapter& a) {
     std::vector<SaveTensor> out;
-    for (const std::string& prefix : {exp_avg_prefix(), exp_avg_sq_prefix()})
-      for (SaveTensor t : a.tensors(prefix == exp_avg_prefix() ? m_ : v_)) {
+    for (auto [prefix, buf] : {std::pair{kLoraExpAvg, &m_}, std::pair{kLoraExpAvgSq, &v_}})
+      for (SaveTensor t : a.tensors(*buf)) {
         t.name = prefix + t.name;
         out.push_back(std::move(t));
       }
     return out;
-  }
-  // Where the adapter tensor named `key` (PEFT's) starts in the adapter's flat buffer.
-  static int64_t lora_offset(const LoraAdapter& a, const std::string& key) {
-    for (const LoraTensorSpec& s : a.specs()) {
-      if (a.key(s, false) == key) return s.a_offset;
-      if (a.key(s, true) == key) return s.b_offset;
-    }
-    fail("LoRA: no adapter tensor {}", key);
-  }
-  static const std::string& exp_avg_prefix() {
-    static const std::string p = "exp_avg.";
-    return p;
-  }
-  static const std::string& exp_avg_sq_prefix() {
-    static const std::string p = "exp_avg_sq.";
-    return p;
   }
   bool sharded() const { return comm_ && comm_->world() > 1 && mode_ == ShardMode::Optimizer; }
   bool full() const { return comm_ && comm_->world() > 1 && mode_ == ShardMode::Full; }

@@ -26,6 +26,20 @@ bool has_weights(const std::string& model) {
          (file_exists(model + "/model.safetensors") || file_exists(model + "/model.safetensors.index.json"));
 }
 
+// A LoRA checkpoint holds no base: the base its run recorded (`model`: a preset, or the path of a config.json or a
+// checkpoint directory) must still be there. ds::Error naming `where` (the checkpoint) and the path otherwise.
+void check_base_exists(const std::string& model, const std::string& where) {
+  std::error_code ec;
+  if (fs::exists(model, ec)) return;
+  try {
+    ModelConfig::preset(model);
+    return;
+  } catch (const Error&) {
+  }
+  fail("{}: its base model {} (options.model) does not exist: a LoRA checkpoint holds the adapter only; put the base "
+       "the adapter was trained on back at that path", where, model);
+}
+
 }  // namespace
 
 bool lora_run(const TrainOptions& o) { return o.lora_rank > 0 || !o.adapter.empty(); }
@@ -68,6 +82,7 @@ json attach_lora(const TrainOptions& opt, Qwen35Model& model, const SavedCheckpo
   // Before the base is materialized on the host (a GPU run's would not be): make_engine's refusal, early.
   DS_CHECK(resolve_device(opt.device) == "cpu", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; use "
            "--device cpu");
+  if (resumed) check_base_exists(opt.model, "--resume " + opt.resume);
   model.materialize();
   const std::string fingerprint = weights_fingerprint(model.weights());
   std::shared_ptr<LoraAdapter> adapter;
@@ -121,6 +136,7 @@ Qwen35Model lora_base_model(const std::string& dir) {
   DS_CHECK(ck.lora.is_object() && ck.lora.contains("base_fingerprint"), "{}: field \"lora\" (the frozen base's "
            "fingerprint) is missing: not a LoRA checkpoint", ck.path);
   const std::string model_path = o["model"].get<std::string>();
+  check_base_exists(model_path, dir);
   Qwen35Model model(ModelConfig::from_file(dir));
   if (has_weights(model_path)) model.load(model_path);
   else model.init_weights(o["seed"].get<uint64_t>());
