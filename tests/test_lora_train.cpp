@@ -243,6 +243,36 @@ TEST(LoraTrain, MultimodalLayoutOfTheBase) {
   EXPECT_FALSE(ds::multimodal_layout("tiny"));
 }
 
+// A base in the released multimodal layout (model.language_model.*): the trained adapter, its checkpoint and its
+// export take PEFT's multimodal keys (base_model.model.model.language_model.layers.N...), and eval --adapter reads
+// them onto that base.
+TEST(LoraTrain, MultimodalBaseGivesMultimodalAdapterKeys) {
+  const auto [dir, base, args] = lora_setup("lora_mm");
+  const std::string mm = dir + "/mm";
+  fs::create_directories(mm);
+  for (const char* f : {"config.json", "tokenizer.json"}) fs::copy_file(base + "/" + f, mm + "/" + f);
+  ds::Qwen35Model b(ds::ModelConfig::from_file(base));
+  b.load(base);
+  std::vector<ds::SaveTensor> tensors = b.to_tensors(b.weights());
+  for (ds::SaveTensor& t : tensors)
+    if (t.name.rfind("model.", 0) == 0) t.name = "model.language_model." + t.name.substr(6);
+  ds::write_safetensors(mm + "/model.safetensors", tensors);
+  std::string lora = args;
+  lora.replace(lora.find(base), base.size(), mm);
+  std::string log;
+  ASSERT_EQ(run("train " + lora + " --lora-rank 2 --steps 1 --threads 1 --out " + dir + "/a", &log), 0) << log;
+  ASSERT_EQ(run("export " + dir + "/a/checkpoint-1 " + dir + "/adapter", &log), 0) << log;
+  const std::string key = "base_model.model.model.language_model.layers.0.linear_attn.in_proj_qkv.lora_A.weight";
+  for (const std::string& d : {dir + "/a/checkpoint-1", dir + "/adapter"}) {
+    ds::SafetensorsReader f(d + "/adapter_model.safetensors");
+    EXPECT_TRUE(f.has(key)) << d;
+    EXPECT_TRUE(ds::LoraAdapter::load(d, b.config()).multimodal_keys()) << d;
+  }
+  EXPECT_EQ(run("eval --model " + mm + " --adapter " + dir + "/adapter --data " + dir + "/corpus.txt --seq-len 32",
+                &log), 0) << log;
+  fs::remove_all(dir);
+}
+
 // `train --lora-rank` on a base checkpoint (the small model's checkpoint-0): the evaluation loss falls, the
 // checkpoints hold the adapter (PEFT files), its moments and the base's fingerprint but no weights, a resume
 // continues bitwise, --keep-last prunes them, and --adapter continues from one.
