@@ -262,6 +262,24 @@ void expect_resume_two_one_two(const std::string& dir, const std::string& common
 
 }  // namespace
 
+// LoRA (docs/lora.md) with dropout: 2 ranks x grad-accum 2 = 1 rank x grad-accum 4 (the adapters' gradients summed
+// over the ranks, each micro-batch's dropout masks drawn from its global index, so the same as one rank's).
+TEST(DistMpi, LoraTwoRanksEqualOneRank) {
+  const std::string dir = ds::test::fresh_tmpdir("dist_lora");
+  const std::string common = ds::test::small_setup(dir) + " --steps 4 --eval-interval 2 --eval-batches 3 --threads 1"
+                             " --lora-rank 4 --lora-dropout 0.2 --lr 0.05";
+  std::string log1, log2;
+  ASSERT_EQ(ds::test::run("train " + common + " --grad-accum 4 --out " + dir + "/one", &log1), 0) << log1;
+  ASSERT_EQ(run_mpi(2, "train " + common + " --grad-accum 2 --out " + dir + "/two", &log2), 0) << log2;
+  const Rec a = records(dir + "/one/metrics.jsonl"), b = records(dir + "/two/metrics.jsonl");
+  EXPECT_EQ(a.loss.size(), 4u);
+  expect_close(a.loss, b.loss, "loss");
+  expect_close(a.gnorm, b.gnorm, "grad_norm");
+  expect_close(a.eval, b.eval, "eval_loss");
+  EXPECT_NE(a.eval.begin()->second, a.eval.rbegin()->second);
+  fs::remove_all(dir);
+}
+
 // A run saved by 2 ranks resumes on 1 and its checkpoint on 2 again, this time with the optimizer state sharded.
 TEST(DistMpi, ResumeTwoToOneToTwoRanks) {
   const std::string dir = ds::test::fresh_tmpdir("dist_resume");

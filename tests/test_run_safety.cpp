@@ -35,28 +35,14 @@ using json = nlohmann::json;
 
 namespace {
 
+using ds::test::last_train_step;
 using ds::test::run;
 using ds::test::small_setup;
 using ds::test::spawn;
+using ds::test::wait_exit;
+using ds::test::wait_for;
 
 std::string tmpdir(const std::string& name) { return ds::test::fresh_tmpdir("safety_" + name); }
-
-// Polls `done` every 5 ms for at most `seconds`; returns whether it became true.
-bool wait_for(const std::function<bool()>& done, double seconds = 30) {
-  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
-  while (std::chrono::steady_clock::now() < end) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return done();
-}
-
-// The exit code of a spawned child (waits for it); -signal when a signal killed it.
-int wait_exit(pid_t pid) {
-  int st = 0;
-  ::waitpid(pid, &st, 0);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
-}
 
 std::string read_or_empty(const std::string& path) { return ds::file_exists(path) ? ds::read_file(path) : ""; }
 
@@ -129,15 +115,6 @@ TEST(RunSafety, LockRefusesASecondRunIntoTheSameOut) {
 
 namespace {
 
-// The step of the last training line of a metrics.jsonl (0 if none).
-int64_t last_step(const std::string& metrics_path) {
-  int64_t s = 0;
-  if (!ds::file_exists(metrics_path)) return 0;
-  for (const json& j : ds::test::metrics(metrics_path))
-    if (j.contains("loss")) s = j["step"].get<int64_t>();
-  return s;
-}
-
 int64_t checkpoint_step(const std::string& ck) {
   return json::parse(ds::read_file(ck + "/trainer_state.json"))["step"].get<int64_t>();
 }
@@ -151,10 +128,10 @@ TEST(RunSafety, SigintSavesACheckpointAndResumesBitwise) {
   // A constant lr (no warmup), so the schedule does not depend on --steps and a run of N steps is a prefix.
   const std::string args = small_setup(dir) + " --schedule constant --warmup 0 --threads 1", out = dir + "/o";
   const pid_t pid = spawn("train " + args + " --steps 100000 --out " + out, dir + "/log");
-  ASSERT_TRUE(wait_for([&] { return last_step(out + "/metrics.jsonl") >= 3; })) << read_or_empty(dir + "/log");
+  ASSERT_TRUE(wait_for([&] { return last_train_step(out + "/metrics.jsonl") >= 3; })) << read_or_empty(dir + "/log");
   ::kill(pid, SIGINT);
   EXPECT_EQ(wait_exit(pid), 130) << read_or_empty(dir + "/log");
-  const int64_t n = last_step(out + "/metrics.jsonl");
+  const int64_t n = last_train_step(out + "/metrics.jsonl");
   const std::string ck = out + "/checkpoint-" + std::to_string(n), log = read_or_empty(dir + "/log");
   ASSERT_TRUE(fs::exists(ck + "/trainer_state.json")) << log;
   EXPECT_EQ(checkpoint_step(ck), n);
@@ -245,7 +222,7 @@ TEST(RunSafety, ClosedStdoutDoesNotStopTraining) {
   ::close(fds[1]);
   EXPECT_EQ(wait_exit(pid), 0);
   EXPECT_EQ(checkpoint_step(dir + "/o/checkpoint-40"), 40);
-  EXPECT_EQ(last_step(dir + "/o/metrics.jsonl"), 40);
+  EXPECT_EQ(last_train_step(dir + "/o/metrics.jsonl"), 40);
   fs::remove_all(dir);
 }
 
@@ -975,12 +952,12 @@ TEST(RunSafety, ARunDirectoryMovedWhileTrainingKeepsItsCheckpointsWithItsMetrics
   EXPECT_FALSE(fs::exists(out)) << "the old path was recreated";
   EXPECT_TRUE(fs::exists(moved + "/checkpoint-30/trainer_state.json"));
   EXPECT_TRUE(fs::exists(moved + "/checkpoint-60/trainer_state.json"));
-  EXPECT_EQ(last_step(moved + "/metrics.jsonl"), 60);
+  EXPECT_EQ(last_train_step(moved + "/metrics.jsonl"), 60);
   EXPECT_TRUE(contains(read_or_empty(dir + "/log"), "was moved to " + moved)) << read_or_empty(dir + "/log");
   // It resumes in its new place as its own run.
   std::string log;
   EXPECT_EQ(run("train --resume " + moved + "/checkpoint-60 --steps 62 --threads 1", &log), 0) << log;
-  EXPECT_EQ(last_step(moved + "/metrics.jsonl"), 62);
+  EXPECT_EQ(last_train_step(moved + "/metrics.jsonl"), 62);
   fs::remove_all(dir);
 }
 
@@ -1203,7 +1180,7 @@ TEST(Issue25, TheFreeSpaceIsCheckedBeforeEachSaveInterval) {
   EXPECT_TRUE(contains(log, "stopping after step 2: checkpoint-4 (due at step 4) needs")) << log;
   EXPECT_TRUE(contains(log, "deltastack train --resume " + out + "/checkpoint-2")) << log;
   EXPECT_TRUE(fs::exists(out + "/checkpoint-2/trainer_state.json"));
-  EXPECT_EQ(last_step(out + "/metrics.jsonl"), 2);
+  EXPECT_EQ(last_train_step(out + "/metrics.jsonl"), 2);
   fs::remove_all(dir);
 }
 

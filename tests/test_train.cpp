@@ -139,12 +139,16 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   const json j = ds::options_to_json(d);
   std::vector<std::string> keys;
   for (const auto& [k, v] : j.items()) keys.push_back(k);
-  EXPECT_EQ(keys, (std::vector<std::string>{"adam_eps", "beta1", "beta2", "clip", "data", "device", "eval_batches",
-                                            "eval_interval", "grad_accum", "gradients", "keep_last", "lr", "max_shard_mb",
+  EXPECT_EQ(keys, (std::vector<std::string>{"adam_eps", "adapter", "beta1", "beta2", "clip", "data", "device",
+                                            "eval_batches", "eval_interval", "grad_accum", "gradients", "keep_last", "lora_alpha",
+                                            "lora_dropout", "lora_rank", "lora_targets", "lr", "max_shard_mb",
                                             "micro_batch", "min_lr_ratio", "model", "nan_policy", "optimizer_state",
                                             "precision", "save_interval", "schedule", "seed", "seq_len", "steps", "tokenizer",
-                                            "txt_split", "val_data", "val_fraction", "warmup", "weight_decay",
-                                            "z_loss"}));
+                                            "txt_split", "use_rslora", "val_data", "val_fraction", "warmup",
+                                            "weight_decay", "z_loss"}));
+  EXPECT_EQ(j["lora_rank"], 0);  // a full run; LoRA (docs/lora.md) with PEFT's defaults when asked
+  EXPECT_EQ(j["lora_alpha"], 8.0);
+  EXPECT_EQ(j["lora_targets"], "all-linear");
   EXPECT_EQ(j["model"], "tiny");
   EXPECT_EQ(j["seq_len"], 128);
   EXPECT_EQ(j["lr"], 3e-3);
@@ -157,7 +161,9 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_NO_THROW(ds::validate(d));
 
   json old = j;
-  for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data", "optimizer_state", "precision", "gradients"})
+  for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data", "optimizer_state", "precision", "lora_rank",
+                        "lora_alpha", "lora_dropout", "lora_targets", "use_rslora", "adapter",
+                        "gradients"})
     old.erase(k);
   old["lr"] = 0.5;
   ds::TrainOptions cli;
@@ -176,6 +182,8 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(r.optimizer_state, "fp32");  // earlier versions kept fp32 state: not `auto`, which may pick bf16
   EXPECT_EQ(r.precision, "bf16");        // earlier versions ran bf16 GEMMs only
   EXPECT_EQ(r.gradients, "fp32");        // and kept a gradient buffer
+  EXPECT_EQ(r.lora_rank, 0);             // earlier versions trained every parameter
+  EXPECT_TRUE(r.adapter.empty());
   EXPECT_EQ(r.out, "elsewhere");
   EXPECT_EQ(r.resume, "ck");
   cli.given.push_back("lr");

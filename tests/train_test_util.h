@@ -4,7 +4,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
+#include <functional>
+#include <thread>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -123,6 +126,32 @@ inline std::vector<double> train_losses(const std::string& path) {
   for (auto& j : metrics(path))
     if (j.contains("loss")) l.push_back(j["loss"].get<double>());
   return l;
+}
+
+// Polls `done` every 5 ms for at most `seconds`; returns whether it became true.
+inline bool wait_for(const std::function<bool()>& done, double seconds = 30) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < end) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return done();
+}
+
+// The exit code of a spawned child (waits for it); -signal when a signal killed it.
+inline int wait_exit(pid_t pid) {
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
+}
+
+// The step of the last training line of a metrics.jsonl (0 if none).
+inline int64_t last_train_step(const std::string& metrics_path) {
+  int64_t s = 0;
+  if (!ds::file_exists(metrics_path)) return 0;
+  for (const nlohmann::json& j : metrics(metrics_path))
+    if (j.contains("loss")) s = j["step"].get<int64_t>();
+  return s;
 }
 
 }  // namespace ds::test

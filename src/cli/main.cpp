@@ -75,6 +75,10 @@ int main(int argc, char** argv) {
   bool chat = false;
   gen->add_option("--top-p", top_p, "Sample from the most likely ids whose probability reaches p (1 = off)")
       ->capture_default_str();
+  std::string gen_adapter, eval_adapter;
+  const char* adapter_help = "PEFT LoRA adapter dir (or a LoRA run's checkpoint) applied to --model, the base; CPU "
+                             "engine only (docs/lora.md)";
+  gen->add_option("--adapter", gen_adapter, adapter_help);
   gen->add_flag("--chat", chat, "The prompt is a user turn of the chat template; the reply stops at <|im_end|>");
   std::string gen_device = "auto";
   gen->add_option("--device", gen_device, "auto (GPU when present), cpu (fp32; carried decode state: O(1) work per "
@@ -91,6 +95,7 @@ int main(int argc, char** argv) {
   std::string eval_device = "auto";
   eval->add_option("--device", eval_device, "auto (GPU when present), cpu or cuda")->capture_default_str();
   eval->add_option("--precision", precision, precision_help)->capture_default_str();
+  eval->add_option("--adapter", eval_adapter, adapter_help);
 
   auto* tokenize = app.add_subcommand("tokenize", "Tokenize a .jsonl of {\"text\"}, chat {\"messages\"} or {\"prompt\", \"completion\"} lines into {\"ids\"} (+ \"loss_mask\") lines");
   tokenize->add_option("--tokenizer", tokenizer, "HF tokenizer.json")->required();
@@ -182,6 +187,9 @@ int main(int argc, char** argv) {
   exp->add_option("out", exp_out, "New output dir")->required();
   exp->add_option("--dtype", exp_dtype, "bf16 or f32")->capture_default_str();
   exp->add_option("--max-shard-mb", exp_shard_mb, "Split weight files past this size (MB)")->capture_default_str();
+  bool exp_merge = false;
+  exp->add_flag("--merge", exp_merge, "A LoRA checkpoint: write the base model with the adapter merged into its "
+                "weights (default: the PEFT adapter directory)");
 
   // A scalar flag given twice takes its last value (so scripts can append overrides); lists keep every value.
   std::function<void(CLI::App*)> last_wins = [&](CLI::App* a) {
@@ -237,8 +245,9 @@ int main(int argc, char** argv) {
                                     forward_adapter);
     }
     if (*gen) return ds::cli::cmd_generate(model_dir, tokenizer, prompt, max_new, temperature, top_k, seed, top_p, chat,
-                                           gen_device);
-    if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device, precision);
+                                           gen_device, gen_adapter);
+    if (*eval) return ds::cli::cmd_eval(model_dir, tokenizer, data, seq_len, micro_batch, txt_split, eval_device, precision,
+                                       eval_adapter);
     if (*tokenize) {
       std::error_code ec;
       const bool to_file = output.ends_with(".jsonl") || std::filesystem::is_regular_file(output, ec);
@@ -261,7 +270,7 @@ int main(int argc, char** argv) {
                                                     bench_profile);
     if (*inspect) return ds::cli::cmd_inspect(inspect_path);
     if (*plot) return ds::cli::cmd_plot(plot_runs, plot_out, overwrite);
-    if (*exp) return ds::cli::cmd_export(exp_in, exp_out, exp_dtype, exp_shard_mb);
+    if (*exp) return ds::cli::cmd_export(exp_in, exp_out, exp_dtype, exp_shard_mb, exp_merge);
     if (*train) {
       ds::record_given_flags(app, *train, to);
       const int rc = ds::train(to);

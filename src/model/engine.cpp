@@ -64,13 +64,17 @@ class CpuEngine final : public Engine, private UnitSource {
     end_units();
   }
   void zero_grads() override {
+    if (LoraAdapter* a = model_.adapter()) return a->zero_grads();  // the base is frozen: no base gradients
     if (full()) std::fill(g_.begin(), g_.end(), 0.0f);
     else model_.zero_grads();
-    if (LoraAdapter* a = model_.adapter()) a->zero_grads();
   }
   std::vector<float> last_logits(const PackedBatch& b) override { return model_.last_logits(b); }
   double grad_sum_squares() override {
     if (gradients_ == Gradients::InBackward) return in_backward_sum_squares_;
+    if (LoraAdapter* a = model_.adapter()) {  // the adapters' gradients, the same (reduced) on every rank
+      if (a->grads().empty()) a->zero_grads();
+      return ops::sum_squares(a->grads().data(), static_cast<int64_t>(a->grads().size()));
+    }
     if (!sharded() && !full())
       return ops::sum_squares(model_.grads().data(), static_cast<int64_t>(model_.grads().size()));
     // This rank's share, then every rank's.
@@ -92,8 +96,12 @@ class CpuEngine final : public Engine, private UnitSource {
              "(this launch has {}): use --gradients fp32", comm.world());
     DS_CHECK(!comm.on_device(), "{}: the CPU engine's ranks talk over MPI (mpirun), not {}",
              dist::describe(comm.launch()), comm.backend());
+    DS_CHECK(!model_.adapter() || comm.world() == 1 || mode == ShardMode::None, "--shard {}: LoRA trains with "
+             "--shard none (every rank holds the adapters' small AdamW state; the frozen base has none)",
+             mode == ShardMode::Full ? "full" : "optimizer");
     comm_ = &comm;
     mode_ = mode;
+    if (model_.adapter()) return;  // every rank keeps the whole adapter and its state
     if (full()) return shard_fully();
     if (!sharded()) return;
     counts_ = dist::even_counts(model_.num_parameters(), comm.world());
@@ -103,6 +111,10 @@ class CpuEngine final : public Engine, private UnitSource {
   }
   void reduce_grads() override {
     if (!comm_ || comm_->world() == 1 || full()) return;  // full: reduce-scattered unit by unit in the backward
+    if (LoraAdapter* a = model_.adapter()) {  // only the adapters have gradients
+      if (a->grads().empty()) a->zero_grads();  // a rank without a micro-batch
+      return comm_->all_reduce_sum(a->grads().data(), static_cast<int64_t>(a->grads().size()));
+    }
     if (model_.grads().size() != model_.weights().size()) model_.zero_grads();  // a rank without a micro-batch
     float* g = model_.grads().data();
     if (!sharded()) {
@@ -146,8 +158,12 @@ class CpuEngine final : public Engine, private UnitSource {
 
  public:
   void adamw_step(const ops::AdamWParams& p) {
-    DS_CHECK(!model_.adapter(), "LoRA: training adapters is not implemented yet (forward --adapter only)");
     moments();
+    if (LoraAdapter* a = model_.adapter()) {  // the adapters only; decay on every lora_A / lora_B (HF Trainer's rule)
+      DS_CHECK(a->grads().size() == a->values().size(), "optimizer step before any gradient");
+      return ops::adamw_update(a->values().data(), a->grads().data(), m_.data(), v_.data(),
+                               static_cast<int64_t>(a->values().size()), p);
+    }
     if (full()) {  // this rank's share only; the next forward gathers the updated weights unit by unit
       for (const Segment& s : segments_)
         ops::adamw_update(w_.data() + s.at, g_.data() + s.at, m_.data() + s.at, v_.data() + s.at, s.n,
@@ -169,6 +185,7 @@ class CpuEngine final : public Engine, private UnitSource {
   }
   std::vector<SaveTensor> optimizer_tensors() override {
     moments();
+    if (const LoraAdapter* a = model_.adapter()) return lora_moments(*a);
     const bool split = sharded() || full();
     DS_CHECK(!split || !m_full_.empty(), "optimizer_tensors() of a sharded state without gather_for_save()");
     const float* m = split ? m_full_.data() : m_.data();
@@ -200,6 +217,19 @@ class CpuEngine final : public Engine, private UnitSource {
   // Whole moments from the checkpoint (any world size wrote them); this rank keeps its share.
   void load_optimizer(const TensorSource& read) override {
     moments();
+    if (const LoraAdapter* a = model_.adapter()) {  // lora_moments' names
+      const int64_t r = a->config().r;
+      for (const LoraTensorSpec& s : a->specs())
+        for (const bool b : {false, true}) {
+          const int64_t at = b ? s.b_offset : s.a_offset, n = b ? s.out * r : r * s.in;
+          for (auto [prefix, dst] : {std::pair{kLoraExpAvg, &m_}, std::pair{kLoraExpAvgSq, &v_}}) {
+            const std::vector<float> x = read(prefix + a->key(s, b), n);
+            DS_CHECK(static_cast<int64_t>(x.size()) == n, "optimizer state for {} has the wrong size", a->key(s, b));
+            std::copy(x.begin(), x.end(), dst->begin() + at);
+          }
+        }
+      return;
+    }
     size_t seg = 0;  // full: segments_ in flat order, at most one per parameter
     for (size_t k = 0; k < model_.params().size(); ++k) {
       const ParamSpec& p = model_.params()[k];
@@ -231,13 +261,30 @@ class CpuEngine final : public Engine, private UnitSource {
     return model_.to_tensors(model_.grads());
   }
 
+  LoraAdapter* adapter() override { return model_.adapter(); }
+
  private:
+  // The adapters' AdamW moments, as checkpoint tensors: "exp_avg.<PEFT key>", "exp_avg_sq.<PEFT key>" (F32 views of
+  // m_ / v_, which mirror the adapter's flat buffer).
+  static constexpr const char* kLoraExpAvg = "exp_avg.";
+  static constexpr const char* kLoraExpAvgSq = "exp_avg_sq.";
+  std::vector<SaveTensor> lora_moments(const LoraAdapter& a) {
+    std::vector<SaveTensor> out;
+    for (auto [prefix, buf] : {std::pair{kLoraExpAvg, &m_}, std::pair{kLoraExpAvgSq, &v_}})
+      for (SaveTensor t : a.tensors(*buf)) {
+        t.name = prefix + t.name;
+        out.push_back(std::move(t));
+      }
+    return out;
+  }
   bool sharded() const { return comm_ && comm_->world() > 1 && mode_ == ShardMode::Optimizer; }
   bool full() const { return comm_ && comm_->world() > 1 && mode_ == ShardMode::Full; }
   // The AdamW moments of [lo_, hi_) (full: of this rank's share, w_'s layout) exist from the first use of the
   // optimizer on (evaluation never allocates them).
   void moments() {
-    const size_t n = full() ? w_.size() : static_cast<size_t>(hi_ - lo_);
+    const size_t n = model_.adapter() ? model_.adapter()->values().size()
+                     : full()         ? w_.size()
+                                      : static_cast<size_t>(hi_ - lo_);
     if (m_.empty()) m_.assign(n, 0.0f);
     if (v_.empty()) v_.assign(n, 0.0f);
   }

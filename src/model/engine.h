@@ -206,6 +206,11 @@ class Engine {
   // a LoRA adapter on the model (Qwen35Model::set_adapter, CPU engine only), the adapters' under PEFT's keys.
   virtual std::vector<SaveTensor> grad_tensors() = 0;
 
+  // The LoRA adapter being trained (docs/lora.md: the base frozen, only the adapters have gradients and AdamW
+  // state; optimizer_tensors() then hold "exp_avg.<PEFT key>" / "exp_avg_sq.<PEFT key>"); null for a full run. The
+  // CPU engine only (make_engine refuses an adapter on the GPU).
+  virtual LoraAdapter* adapter() { return nullptr; }
+
   virtual size_t peak_bytes() const { return 0; }     // device memory high point (0 on the CPU)
   virtual size_t planned_bytes() const { return 0; }  // the GPU engine's one allocation (0 on the CPU)
   // The memory modes in use (resolved: never Auto). The CPU engine: fp32 state, nothing recomputed.

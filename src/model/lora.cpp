@@ -1,11 +1,13 @@
 #include "model/lora.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <set>
 
 #include "core/error.h"
 #include "core/files.h"
+#include "core/rng.h"
 
 namespace ds {
 
@@ -267,6 +269,30 @@ json lora_config_to_json(const LoraConfig& cfg, const std::string& base_model_na
       {"init_lora_weights", true},
       {"inference_mode", true},
   };
+}
+
+void LoraAdapter::init_peft(uint64_t seed) {
+  std::fill(values_.begin(), values_.end(), 0.0f);
+  for (size_t k = 0; k < specs_.size(); ++k) {
+    const LoraTensorSpec& s = specs_[k];
+    Rng rng(seed, 0x10a0000000ull + k);  // a stream range of its own (the model's init_param uses 1 + index)
+    const double bound = 1.0 / std::sqrt(static_cast<double>(s.in));
+    float* a = values_.data() + s.a_offset;
+    for (int64_t e = 0; e < config_.r * s.in; ++e) a[e] = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
+  }
+}
+
+uint64_t LoraAdapter::dropout_key(uint64_t seed, int64_t micro_index) {
+  return splitmix64(splitmix64(seed ^ 0xd80bd80bd80bull) + static_cast<uint64_t>(micro_index));
+}
+
+void LoraAdapter::dropout_mask(size_t k, int64_t rows, float* mask) const {
+  DS_CHECK(dropout_key_.has_value(), "LoRA: a dropout mask without a dropout key");
+  DS_CHECK(k < specs_.size(), "LoRA: no adapter {}", k);
+  const double p = config_.lora_dropout;
+  const float keep = static_cast<float>(1.0 / (1.0 - p));
+  Rng rng(*dropout_key_, k + 1);
+  for (int64_t e = 0; e < rows * specs_[k].in; ++e) mask[e] = rng.uniform() < p ? 0.0f : keep;
 }
 
 void LoraAdapter::save(const std::string& dir, const std::string& base_model_name_or_path) const {

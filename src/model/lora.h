@@ -8,6 +8,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,26 @@ class LoraAdapter {
   std::vector<float>& grads() { return grads_; }  // empty until zero_grads()
   void zero_grads() { grads_.assign(values_.size(), 0.0f); }
   bool multimodal_keys() const { return multimodal_keys_; }
+
+  // PEFT's initialisation (LoraConfig init_lora_weights=True; peft/tuners/lora/layer.py reset_lora_parameters):
+  // lora_A kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)) (nn.init.kaiming_uniform_: gain
+  // sqrt(2 / (1 + a^2)) = sqrt(1/3), bound gain * sqrt(3 / in)); lora_B zero. Deterministic in `seed`: spec k's
+  // lora_A draws from its own counter stream (core/rng.h), so a value depends only on (seed, k, index).
+  void init_peft(uint64_t seed);
+
+  // Dropout on lora_A's input in training (PEFT's lora_dropout; nn.Dropout: kept values scaled by 1 / (1 - p)).
+  // `key` names one micro-batch (the trainer derives it from the seed and the micro-batch's global index,
+  // dropout_key()); the model applies dropout in a forward_backward with a backward while a key is set and
+  // lora_dropout > 0; nullopt (the default) turns it off (eval, forward, generate).
+  void set_dropout_key(std::optional<uint64_t> key) { dropout_key_ = key; }
+  std::optional<uint64_t> dropout_key() const { return dropout_key_; }
+  // Spec k's keep mask for `rows` rows of its input ([rows, in]): 0 (dropped, probability lora_dropout) or
+  // 1 / (1 - lora_dropout), from the key set (ds::Error without one). The same values each call: the backward
+  // regenerates the forward's mask.
+  void dropout_mask(size_t k, int64_t rows, float* mask) const;
+  // The dropout key of micro-batch `micro_index` (0-based, over the run's whole history: step, rank, micro-batch)
+  // of a run seeded with `seed`.
+  static uint64_t dropout_key(uint64_t seed, int64_t micro_index);
   // PEFT's key of spec k's lora_A (b = false) or lora_B (b = true).
   std::string key(const LoraTensorSpec& s, bool b) const;
   // The tensors of `buffer` (values() or grads()) under PEFT's keys, as fp32 views (buffer must outlive the write).
@@ -102,6 +123,7 @@ class LoraAdapter {
   std::vector<LoraTensorSpec> specs_;
   std::vector<std::vector<size_t>> by_layer_;
   std::vector<float> values_, grads_;
+  std::optional<uint64_t> dropout_key_;
 };
 
 }  // namespace ds

@@ -394,7 +394,10 @@ struct Qwen35Model::Impl {
     const float* W;         // the base weight, in the layer's view
     const float *A, *B;     // lora_A [r, in], lora_B [out, r]
     float *dA, *dB;         // their gradients (null in a forward alone)
+    size_t spec;            // its index in the adapter's specs() (its dropout mask)
   };
+  // Training with lora_dropout > 0 and a dropout key set (LoraAdapter::set_dropout_key): lora_A reads dropout(x).
+  bool lora_dropout = false;
   std::vector<LoraLinear> lora;
   void lora_layer(int64_t i, const LayerParams<float*>& w) {
     lora.clear();
@@ -404,7 +407,7 @@ struct Qwen35Model::Impl {
       const LoraTensorSpec& s = a->specs()[k];
       float* g = a->grads().empty() ? nullptr : a->grads().data();
       lora.push_back({base_weight(w, s.module), a->values().data() + s.a_offset, a->values().data() + s.b_offset,
-                      g ? g + s.a_offset : nullptr, g ? g + s.b_offset : nullptr});
+                      g ? g + s.a_offset : nullptr, g ? g + s.b_offset : nullptr, k});
     }
   }
   static const float* base_weight(const LayerParams<float*>& w, LoraModule m) {
@@ -427,25 +430,39 @@ struct Qwen35Model::Impl {
       if (l.W == W) return &l;
     return nullptr;
   }
-  // y [N, n] += scaling * (x [N, K] A^T) B^T
+  // lora_A's input: x, or in training with dropout x * mask (LoraAdapter::dropout_mask, kept in `mask`).
+  const float* lora_input(const LoraLinear& l, const float* x, int64_t K, Buf& mask, Buf& xd) const {
+    if (!lora_dropout) return x;
+    mask.resize(static_cast<size_t>(N * K));
+    m.adapter_->dropout_mask(l.spec, N, mask.data());
+    xd.resize(mask.size());
+    for (size_t e = 0; e < xd.size(); ++e) xd[e] = x[e] * mask[e];
+    return xd.data();
+  }
+  // y [N, n] += scaling * (dropout(x) [N, K] A^T) B^T
   void lora_fwd(const LoraLinear& l, const float* x, float* y, int64_t K, int64_t n) const {
     const int64_t r = m.adapter_->config().r;
-    Buf u(static_cast<size_t>(N * r));
-    ops::linear_forward(x, l.A, u.data(), N, K, r);
+    Buf u(static_cast<size_t>(N * r)), mask, xd;
+    ops::linear_forward(lora_input(l, x, K, mask, xd), l.A, u.data(), N, K, r);
     const float s = static_cast<float>(m.adapter_->config().scaling());
     for (float& e : u) e *= s;
     ops::linear_forward(u.data(), l.B, y, N, r, n, /*accumulate=*/true);
   }
-  // With u = scaling * x A^T: dB += dy^T u, dA += (scaling * dy B)^T x, dx [N, K] += (scaling * dy B) A.
+  // With x' = dropout(x) (the forward's mask, regenerated) and u = scaling * x' A^T: dB += dy^T u,
+  // dA += (scaling * dy B)^T x', dx [N, K] += mask * ((scaling * dy B) A) (without dropout: mask = 1).
   void lora_bwd(const LoraLinear& l, const float* x, const float* dy, float* dx, int64_t K, int64_t n) const {
     const int64_t r = m.adapter_->config().r;
     const float s = static_cast<float>(m.adapter_->config().scaling());
-    Buf u(static_cast<size_t>(N * r)), du(static_cast<size_t>(N * r));
-    ops::linear_forward(x, l.A, u.data(), N, K, r);
+    Buf u(static_cast<size_t>(N * r)), du(static_cast<size_t>(N * r)), mask, xd;
+    const float* xa = lora_input(l, x, K, mask, xd);
+    ops::linear_forward(xa, l.A, u.data(), N, K, r);
     for (float& e : u) e *= s;
     ops::linear_backward(u.data(), l.B, dy, du.data(), l.dB, N, r, n);
     for (float& e : du) e *= s;
-    ops::linear_backward(x, l.A, du.data(), dx, l.dA, N, K, r, /*accumulate_dx=*/true);
+    if (!lora_dropout) return ops::linear_backward(x, l.A, du.data(), dx, l.dA, N, K, r, /*accumulate_dx=*/true);
+    Buf dxd(static_cast<size_t>(N * K));
+    ops::linear_backward(xa, l.A, du.data(), dxd.data(), l.dA, N, K, r);
+    for (size_t e = 0; e < dxd.size(); ++e) dx[e] += dxd[e] * mask[e];
   }
 
   // The weights and gradients unit by unit (model.h: UnitSource): from the source when one is set, else views of
@@ -458,6 +475,25 @@ struct Qwen35Model::Impl {
   float* grads_of(int64_t u) { return m.source_ ? m.source_->grads(u) : m.grads_.data() + unit_lo(u); }
   void grads_done(int64_t u) {
     if (m.source_) m.source_->grads_done(u);
+  }
+  // With an adapter the base is frozen: no base gradient is kept. The matrices' weight-gradient GEMMs are skipped
+  // (lin_bwd; in their view the matrices are null), the embedding's and lm_head's are not computed; the small
+  // parameters' gradients of a layer (norms, conv taps, A_log, dt_bias), which the ops compute with dx, go into a
+  // scratch of their size and are dropped.
+  bool frozen() const { return m.adapter_ != nullptr; }
+  Buf scratch;
+  LayerParams<float*> layer_grads(int64_t i) {
+    if (!frozen()) return layer_view(i, grads_of(1 + i));
+    const ParamUnit& u = m.units_[static_cast<size_t>(1 + i)];
+    std::unordered_map<int64_t, int64_t> small;  // offset -> place in the scratch, for the parameters without decay
+    int64_t n = 0;
+    for (const ParamSpec& p : m.params_)
+      if (p.offset >= u.lo && p.offset < u.hi && !p.weight_decay) small[p.offset] = n, n += p.numel;
+    scratch.assign(static_cast<size_t>(n), 0.0f);
+    return map_layer(m.layout_->layer_offsets(i), [&](int64_t off) -> float* {
+      const auto it = small.find(off);
+      return it == small.end() ? nullptr : scratch.data() + it->second;
+    });
   }
   int64_t unit_lo(int64_t u) const { return m.units_[static_cast<size_t>(u)].lo; }
   // Tensor `off` (a flat offset inside unit u) in a unit buffer that starts at `base`.
@@ -567,8 +603,10 @@ struct Qwen35Model::Impl {
                               dmixed.data(), gw.gdn.conv1d);
     lin_bwd(s.xn1.data(), w.gdn.in_proj_qkv, dmixed.data(), dxn.data(), gw.gdn.in_proj_qkv, H, CD, false);
     lin_bwd(s.xn1.data(), w.gdn.in_proj_z, dz.data(), dxn.data(), gw.gdn.in_proj_z, H, VD, true);
-    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_ba, db.data(), dxn.data(), gw.gdn.in_proj_ba, N, H, Hv, true);
-    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_a, da.data(), dxn.data(), gw.gdn.in_proj_a, N, H, Hv, true);
+    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_ba, db.data(), dxn.data(), frozen() ? nullptr : gw.gdn.in_proj_ba, N, H, Hv,
+                         true);
+    ops::linear_backward(s.xn1.data(), w.gdn.in_proj_a, da.data(), dxn.data(), frozen() ? nullptr : gw.gdn.in_proj_a, N, H, Hv,
+                         true);
   }
 
   // --- Gated full attention (HF Qwen3_5Attention, docs/model.md §2.5) ---
@@ -761,32 +799,35 @@ struct Qwen35Model::Impl {
     const int64_t hu = head_unit(), lu = lm_head_unit();
     const bool tied = lu != hu;
     float* lm_w = tied ? acquire(lu) : head_w;
-    float* lm_g = backward ? grads_of(lu) : nullptr;  // untied: the head's gradients, the final norm's too
+    const bool base_grads = backward && !frozen();
+    float* lm_g = base_grads ? grads_of(lu) : nullptr;  // untied: the head's gradients, the final norm's too
     ops::LinearCeResult ce = ops::linear_cross_entropy(
         hf.data(), at(lm_w, lu, mo().lm_head), batch.targets.data(), N, H, c.vocab_size, opt,
-        backward ? dhf.data() : nullptr, backward ? at(lm_g, lu, mo().lm_head) : nullptr,
+        backward ? dhf.data() : nullptr, base_grads ? at(lm_g, lu, mo().lm_head) : nullptr,
         cap && cap->logits ? cap->logits_values.data() : nullptr);
     LossResult r{ce.loss_sum, ce.z_loss_sum, ce.num_valid};
     if (tied) {
-      if (backward) grads_done(lu);  // the embedding's lm_head part; its lookup part comes last
+      if (base_grads) grads_done(lu);  // the embedding's lm_head part; its lookup part comes last
       release(lu);
     }
     if (!backward) {
       release(hu);
       return r;
     }
-    float* head_g = tied ? grads_of(hu) : lm_g;
-    Buf dh(N * H);
+    Buf dh(N * H), norm_scratch;
+    float* head_g = !base_grads ? nullptr : tied ? grads_of(hu) : lm_g;
+    if (!base_grads) norm_scratch.assign(static_cast<size_t>(H), 0.0f);
     ops::rmsnorm_backward(h.data(), at(head_w, hu, mo().norm), rstd_f.data(), dhf.data(), dh.data(),
-                          at(head_g, hu, mo().norm), N, H, true);
-    grads_done(hu);
+                          base_grads ? at(head_g, hu, mo().norm) : norm_scratch.data(), N, H, true);
+    if (base_grads) grads_done(hu);
     release(hu);
     for (int64_t i = c.num_hidden_layers - 1; i >= 0; --i) {
-      const LayerParams<float*> w = layer_view(i, acquire(1 + i)), gw = layer_view(i, grads_of(1 + i));
+      const LayerParams<float*> w = layer_view(i, acquire(1 + i)), gw = layer_grads(i);
       layer_backward(i, w, gw, caches[static_cast<size_t>(i)], dh);
-      grads_done(1 + i);
+      if (base_grads) grads_done(1 + i);
       release(1 + i);
     }
+    if (!base_grads) return r;
     float* ge = grads_of(0);
     ops::embedding_backward(batch.input_ids.data(), N, dh.data(), c.vocab_size, H, at(ge, 0, mo().embed_tokens));
     grads_done(0);
@@ -797,10 +838,12 @@ struct Qwen35Model::Impl {
 LossResult Qwen35Model::forward_backward(const PackedBatch& batch, double grad_scale, double z_loss,
                                          ForwardCapture* capture) {
   DS_CHECK(source_ || weights_.size() == static_cast<size_t>(num_parameters()), "model: the weights were released");
-  if (!source_ && grad_scale != 0.0 && grads_.size() != weights_.size()) grads_.assign(weights_.size(), 0.0f);
+  if (!source_ && !adapter_ && grad_scale != 0.0 && grads_.size() != weights_.size())
+    grads_.assign(weights_.size(), 0.0f);
   DS_CHECK(!(source_ && adapter_), "LoRA: an adapter cannot be used with --shard full yet");
   if (adapter_ && grad_scale != 0.0 && adapter_->grads().empty()) adapter_->zero_grads();
   Impl impl(*this, batch);
+  impl.lora_dropout = adapter_ && grad_scale != 0.0 && adapter_->dropout_key() && adapter_->config().lora_dropout > 0;
   return impl.run(grad_scale, z_loss, capture);
 }
 

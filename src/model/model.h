@@ -169,8 +169,10 @@ class Qwen35Model {
   // LoRA (model/lora.h, docs/lora.md): with an adapter set, each adapted linear layer adds scaling * (x lora_A^T)
   // lora_B^T to its output in forward_backward, last_logits and decode (in both precisions: the LoRA term itself is
   // fp32); a backward adds d(grad_scale * loss_sum) / d lora_A, lora_B into adapter->grads() (zeroed first when
-  // empty) and runs no weight-gradient GEMM for the frozen matrices (their entries of grads() stay as they were).
-  // No dropout (PEFT's eval mode). ds::Error when the adapter was built for another config; null removes it.
+  // empty) and computes no base gradient: no weight-gradient GEMM for the frozen matrices, grads() neither
+  // allocated nor changed. Dropout on lora_A's input only in a backward while the adapter has a dropout key
+  // (LoraAdapter::set_dropout_key: the trainer's), else PEFT's eval mode. ds::Error when the adapter was built for
+  // another config; null removes it.
   // Not with a unit source (forward_backward: ds::Error).
   void set_adapter(std::shared_ptr<LoraAdapter> a);
   LoraAdapter* adapter() const { return adapter_.get(); }

@@ -20,6 +20,7 @@
 #include "core/log.h"
 #include "model/model.h"
 #include "model/safetensors.h"
+#include "train/lora_train.h"
 #include "train/run_dir.h"
 
 namespace fs = std::filesystem;
@@ -113,6 +114,7 @@ SavedCheckpoint read_checkpoint_state(const std::string& dir) {
   if (st.contains("resumed_from") && st["resumed_from"].is_object()) c.resumed_from = st["resumed_from"];
   c.options = st["options"];
   if (st.contains("data")) c.data = st["data"];
+  if (st.contains("lora")) c.lora = st["lora"];
   return c;
 }
 
@@ -187,7 +189,9 @@ void Checkpoints::check_room_for_next_save(const ModelConfig& config, int64_t st
   if (step >= opt_.steps) return;
   int64_t next = opt_.steps;
   if (opt_.save_interval > 0) next = std::min(next, (step / opt_.save_interval + 1) * opt_.save_interval);
-  const int64_t need = checkpoint_bytes_estimate(config, opt_.optimizer_state);
+  // A LoRA checkpoint: the adapter and its two moments (fp32), the base's config.
+  const int64_t need = lora_.is_null() ? checkpoint_bytes_estimate(config, opt_.optimizer_state)
+                                       : 12 * lora_floats_ + kCheckpointSlackBytes;
   if (last_checkpoint.empty())
     check_room(need, fmt::format("not training: checkpoint-{} (due at step {})", next, next), ", before training");
   else
@@ -217,14 +221,16 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state,
     }
   } cleanup{tmp_dir};
   const int64_t shard_bytes = opt_.max_shard_mb * 1000000;
-  std::vector<SaveTensor> weights = engine.checkpoint_weight_tensors();
+  const LoraAdapter* lora = engine.adapter();  // a LoRA run saves the adapter, not the frozen base
+  std::vector<SaveTensor> weights = lora ? lora->tensors(lora->values()) : engine.checkpoint_weight_tensors();
   std::vector<SaveTensor> optimizer = engine.optimizer_tensors();
   // A checkpoint that cannot fit stops here with the sizes, before it fills the disk (which would also starve the
   // run's own log and metrics).
   check_room(stored_bytes(weights) + stored_bytes(optimizer) + kCheckpointSlackBytes,
              fmt::format("cannot save checkpoint-{}: it", state.step), "");
   make_new_dir(tmp_dir, fmt::format("checkpoint-{}'s temporary directory", state.step));
-  save_model_dir(tmp_dir, engine.config(), weights, DType::F32, shard_bytes);
+  if (lora) save_lora_checkpoint_weights(tmp_dir, engine.config(), *lora, lora_);
+  else save_model_dir(tmp_dir, engine.config(), weights, DType::F32, shard_bytes);
   // Fault-injection hook for the crash-safety tests: a pause inside every save, so that a kill aimed at "a save in
   // progress" lands there however fast the disk is. Unset in normal use.
   if (const char* pause = std::getenv("DELTASTACK_TEST_SAVE_PAUSE_MS"))
@@ -244,6 +250,7 @@ std::string Checkpoints::save(Engine& engine, const TrainerState& state,
           {"run_id", run_id_},
           {"session_id", session_id_}};
   if (!resumed_from_.is_null()) st["resumed_from"] = resumed_from_;
+  if (lora) st["lora"] = lora_;
   write_file_atomic((fs::path(tmp_dir) / "trainer_state.json").string(), st.dump(2) + "\n");
   fsync_dir(tmp_dir);
   cleanup.done = true;  // complete: kept if the rename fails (its error names it)

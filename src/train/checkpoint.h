@@ -41,6 +41,7 @@ struct SavedCheckpoint {
   nlohmann::json resumed_from;
   nlohmann::json options;
   nlohmann::json data;  // the data's fingerprint (Checkpoints' `data`); null in checkpoints of earlier versions
+  nlohmann::json lora;  // a LoRA run's base (Checkpoints::set_lora: "base_model", "base_fingerprint"); else null
   std::string path;     // of trainer_state.json
 };
 SavedCheckpoint read_checkpoint_state(const std::string& dir);
@@ -63,6 +64,14 @@ class Checkpoints {
   Checkpoints(const TrainOptions& opt, int64_t start_step, std::string run_id, std::string tokenizer_json,
               nlohmann::json data, nlohmann::json resumed_from = nullptr);
 
+  // A LoRA run (train/lora_train.h): each checkpoint holds the adapter (PEFT's adapter_config.json and
+  // adapter_model.safetensors, the base's config.json) instead of the weights, its AdamW moments, and `base` (what
+  // identifies the frozen base: "base_model", "base_fingerprint") as trainer_state.json's "lora"; adapter_floats:
+  // the adapter's size (the checkpoint's size estimate).
+  void set_lora(nlohmann::json base, int64_t adapter_floats) {
+    lora_ = std::move(base);
+    lora_floats_ = adapter_floats;
+  }
   // Whether the run saves a checkpoint after `step`: every --save-interval steps and at the last one.
   bool due(int64_t step) const;
   // Saves checkpoint-<state.step> (replacing one of the same step atomically), calls `saved` with its path once it
@@ -93,6 +102,8 @@ class Checkpoints {
   std::string tokenizer_json_;
   nlohmann::json data_;
   nlohmann::json resumed_from_;
+  nlohmann::json lora_;
+  int64_t lora_floats_ = 0;
 };
 
 }  // namespace ds

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "model/lora.h"
 
 namespace ds {
 
@@ -153,6 +154,21 @@ const std::vector<TrainOption>& train_options() {
           "1/ranks of it; gradients reduce-scattered, weights all-gathered) or full (the weights and gradients too: "
           "each layer gathered before its forward and backward; CPU engine)",
           one_of({"none", "optimizer", "full"}), kResumable | kNewerKey | kNotSaved),
+      opt("lora-rank", &O::lora_rank, 0, "LoRA: train a new adapter of this rank on the frozen base (--model), in "
+          "PEFT's format (docs/lora.md; CPU engine); 0 = train every parameter", in_range(int64_t{0}, int64_t{1} << 20),
+          kNewerKey),
+      opt("lora-alpha", &O::lora_alpha, 8.0, "LoRA: scaling alpha / rank (PEFT's lora_alpha)",
+          [](const std::string& f, double v) { DS_CHECK(std::isfinite(v), "--{} must be a finite number, got {}", f, v); },
+          kNewerKey),
+      opt("lora-dropout", &O::lora_dropout, 0.0, "LoRA: dropout on the adapters' input in training",
+          in_range(0.0, 1.0, true), kNewerKey),
+      opt("lora-targets", &O::lora_targets, "all-linear", "LoRA: the adapted linear layers: all-linear, or a comma "
+          "list of in_proj_qkv, in_proj_z, out_proj, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
+          [](const std::string& f, const std::string& v) { parse_lora_targets(split_lora_targets(v), "--" + f); },
+          kNewerKey),
+      opt("use-rslora", &O::use_rslora, false, "LoRA: scaling alpha / sqrt(rank) (rsLoRA)", {}, kNewerKey),
+      opt("adapter", &O::adapter, "", "LoRA: continue training this PEFT adapter directory (its rank, alpha, dropout "
+          "and targets) on the frozen base (--model)", {}, kNewerKey),
       opt("move-aside", &O::move_aside, false, "When --out holds another run's files (metrics, checkpoints): move "
           "them into OUT/previous-N/ instead of refusing to start", {}, kResumable | kNotSaved),
       opt("data-changed", &O::data_changed, "warn", "On --resume, when the data's fingerprint differs from the "
@@ -189,6 +205,30 @@ void validate(const TrainOptions& o) {
   DS_CHECK(o.val_data.empty() || o.val_fraction == 0 || !o.was_given("val-fraction"),
            "--val-data and --val-fraction contradict each other: with a separate evaluation set nothing is held out "
            "of --data");
+  // LoRA: --lora-rank starts an adapter, --adapter continues one (its adapter_config.json sets the rest).
+  DS_CHECK(!o.was_given("lora-rank") || o.lora_rank > 0, "--lora-rank 0: a LoRA rank must be at least 1 (leave "
+           "--lora-rank out to train every parameter)");
+  DS_CHECK(o.lora_rank == 0 || o.adapter.empty(), "--lora-rank and --adapter contradict each other: --adapter {} "
+           "continues that adapter with its own rank, alpha, dropout and targets (its adapter_config.json)",
+           o.adapter);
+  for (const char* f : {"lora-alpha", "lora-dropout", "lora-targets", "use-rslora"})
+    DS_CHECK(!o.was_given(f) || o.lora_rank > 0, "--{} {}", f,
+             o.adapter.empty() ? "needs --lora-rank (it configures a new LoRA adapter)"
+                               : "contradicts --adapter: the adapter's adapter_config.json sets it");
+  DS_CHECK(!o.was_given("adapter") || !o.adapter.empty(), "--adapter must not be empty");
+  DS_CHECK((o.lora_rank == 0 && o.adapter.empty()) || o.shard == "none", "--shard {}: LoRA trains with --shard none "
+           "(every rank holds the adapters and their small AdamW state; the frozen base has none)", o.shard);
+}
+
+std::vector<std::string> split_lora_targets(const std::string& list) {
+  std::vector<std::string> names;
+  size_t at = 0;
+  for (size_t comma; (comma = list.find(',', at)) != std::string::npos; at = comma + 1)
+    names.push_back(list.substr(at, comma - at));
+  names.push_back(list.substr(at));
+  for (const std::string& n : names)
+    DS_CHECK(!n.empty(), "--lora-targets \"{}\": an empty module name (names are separated by single commas)", list);
+  return names;
 }
 
 nlohmann::json options_to_json(const TrainOptions& o) {

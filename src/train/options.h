@@ -36,6 +36,12 @@ struct TrainOptions {
   std::string precision;  // bf16 | fp8 (the decoder's matrix GEMMs; docs/fp8.md)
   std::string gradients;  // fp32 | in-backward (model/engine.h Gradients)
   std::string shard;  // none | optimizer (several ranks; docs/distributed.md)
+  // LoRA (docs/lora.md): --lora-rank R > 0 trains a new adapter (0: every parameter), --adapter DIR continues one.
+  int64_t lora_rank;
+  double lora_alpha, lora_dropout;
+  std::string lora_targets;  // all-linear, or a comma list of module names (model/lora.h parse_lora_targets)
+  bool use_rslora;
+  std::string adapter;
   bool move_aside;
   std::string data_changed;
   std::vector<std::string> given;  // long names of the flags on the command line (without "--")
@@ -78,6 +84,9 @@ const TrainOption& train_option(std::string_view flag);  // ds::Error for a flag
 
 // ds::Error naming the flag of the first option out of range (or of two that contradict each other).
 void validate(const TrainOptions& o);
+
+// --lora-targets' comma list as names (parse_lora_targets, model/lora.h, checks them); ds::Error for an empty name.
+std::vector<std::string> split_lora_targets(const std::string& list);
 
 // The flags a --resume may change, as "--steps, --out, ..." (for messages and --help).
 std::string resumable_flags();

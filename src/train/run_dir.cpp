@@ -152,7 +152,8 @@ bool complete_checkpoint(const fs::path& dir) {
   std::error_code ec;
   auto file = [&](const char* n) { return fs::is_regular_file(fs::symlink_status(dir / n, ec)); };
   return file("trainer_state.json") && file("config.json") && file("tokenizer.json") &&
-         (file("model.safetensors") || file("model.safetensors.index.json")) &&
+         (file("model.safetensors") || file("model.safetensors.index.json") ||
+          (file("adapter_config.json") && file("adapter_model.safetensors"))) &&  // a LoRA run's: the adapter
          (file("optimizer.safetensors") || file("optimizer.safetensors.index.json"));
 }
 
@@ -162,6 +163,7 @@ bool is_checkpoint_file(const std::string& n) {
       std::all_of(n.begin() + static_cast<std::ptrdiff_t>(t + 5), n.end(), [](char c) { return c >= '0' && c <= '9'; }))
     return is_checkpoint_file(n.substr(0, t));
   return n == "config.json" || n == "tokenizer.json" || n == "trainer_state.json" || n == "generation_config.json" ||
+         n == "adapter_config.json" || n == "adapter_model.safetensors" ||  // a LoRA run's (train/lora_train.h)
          ((n.starts_with("model") || n.starts_with("optimizer")) &&
           (n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json")));
 }

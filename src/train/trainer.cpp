@@ -42,6 +42,7 @@
 #include "ops/registry.h"
 #include "train/checkpoint.h"
 #include "train/interrupt.h"
+#include "train/lora_train.h"
 #include "train/run_dir.h"
 
 namespace fs = std::filesystem;
@@ -71,6 +72,7 @@ TrainOptions run_options(const TrainOptions& cli, const SavedCheckpoint* resumed
   if (!resumed) {  // a resume reads neither: the checkpoint has its own config.json and tokenizer.json
     absolute_if_exists(opt.tokenizer);
     absolute_if_exists(opt.model);  // a path; preset names ("tiny", "2b") stay as they are
+    absolute_if_exists(opt.adapter);  // LoRA: the adapter a run started from (recorded; a resume reads its own)
   }
   validate(opt);
   return opt;
@@ -133,7 +135,8 @@ void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::stri
   }
   if (device != "cpu") return;
   const double host = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
-  const double state = 16.0 * static_cast<double>(cfg.num_parameters());
+  // LoRA: the frozen base's weights only (its adapters' state is small).
+  const double state = (lora_run(opt) ? 4.0 : 16.0) * static_cast<double>(cfg.num_parameters());
   const double acts = 4.0 * static_cast<double>(opt.micro_batch * opt.seq_len) *
                       static_cast<double>(cfg.num_hidden_layers) *
                       static_cast<double>(cfg.hidden_size + 2 * cfg.intermediate_size);
@@ -158,7 +161,7 @@ Qwen35Model build_model(const TrainOptions& opt, const std::string& device, cons
   check_fits(opt, cfg, device, comm);  // before any parameter is listed
   // For the GPU engine the weights are produced per parameter while it uploads them (no full host copy).
   Qwen35Model model(cfg, Qwen35Model::Deferred{});
-  if (!opt.resume.empty()) model.defer_load(opt.resume);
+  if (!opt.resume.empty() && !lora_run(opt)) model.defer_load(opt.resume);  // LoRA: the checkpoint has no base
   else if (fs::is_directory(opt.model) && (file_exists(opt.model + "/model.safetensors") ||
                                            file_exists(opt.model + "/model.safetensors.index.json")))
     model.defer_load(opt.model);
@@ -609,6 +612,8 @@ void check_run_options(const TrainOptions& opt, bool resumed, const std::string&
              "fp32", comm.world());
     DS_CHECK(opt.shard == "none", "--gradients in-backward keeps no gradient buffer to shard: use --shard none or "
              "--gradients fp32");
+    DS_CHECK(opt.lora_rank == 0 && opt.adapter.empty(), "--gradients in-backward with LoRA (--lora-rank / --adapter) "
+             "is not supported (the adapters' gradients are small: use --gradients fp32)");
   }
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   check_engine_knobs();  // and a bad DELTASTACK_ASYNC_OPTIMIZER / _DP_OVERLAP (the GPU engine reads them later)
@@ -932,6 +937,7 @@ int train(TrainOptions cli) {
   const TrainData data = load_data(opt, model.config(), tokenizer_json, tokenizer_file);
   check_same_on_every_rank(comm, "data (its fingerprint)", data.fingerprint);
   if (resumed) check_data_fingerprint(opt, resumed->data, data.fingerprint);
+  const json lora_base = lora_run(opt) ? attach_lora(opt, model, resumed ? &*resumed : nullptr) : json();
   const std::unique_ptr<Engine> engine = make_train_engine(opt, std::move(model), data, comm);
   TrainerState progress = start_state(*engine, opt, resumed, comm);
   const int64_t start_step = progress.step;
@@ -943,6 +949,7 @@ int train(TrainOptions cli) {
   // disk stops it there), and last the abandoned history's later checkpoints set aside (renames, no new bytes), out
   // of the way of this run's saves of the same steps.
   Checkpoints checkpoints(opt, start_step, id.run_id, tokenizer_json, data.fingerprint, id.resumed_from);
+  if (engine->adapter()) checkpoints.set_lora(lora_base, static_cast<int64_t>(engine->adapter()->values().size()));
   const std::unique_ptr<MetricsLog> metrics =
       settle_run_dir(opt, id, resumed.has_value(), start_step, checkpoints, *engine, run_dir.get(), comm);
 
@@ -1003,6 +1010,7 @@ int train(TrainOptions cli) {
           break;
         }
         if (a == opt.grad_accum - 1) engine->reduce_grads_during_next_backward();
+        set_lora_dropout(*engine, opt.seed, ((step - 1) * comm.world() + comm.rank()) * opt.grad_accum + a);
         loss_sum += engine->forward_backward(run.read_data([&] { return batches.micro(a); }), per_target, opt.z_loss).loss_sum;
       }
       if (unfinished) break;

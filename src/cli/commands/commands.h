@@ -46,15 +46,17 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
 // --device cuda without a usable device.
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
                  int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed, double top_p = 1.0,
-                 bool chat = false, const std::string& device = "auto");
+                 bool chat = false, const std::string& device = "auto", const std::string& adapter = "");
 
 // `deltastack eval`: mean loss and perplexity of a checkpoint on data files, packed into seq_len windows, as one
 // JSON object; a non-finite value is null, and a non-finite loss adds "error" and returns 1. device
 // "auto" (the GPU engine when a GPU is present), "cpu" (fp32 reference) or "cuda".
 // precision: "bf16" or "fp8" (the GEMMs of `--precision fp8`, emulated exactly on the CPU engine).
+// adapter (eval and generate): a PEFT LoRA adapter directory (or a LoRA run's checkpoint) applied to the model; the
+// CPU engine only (ds::Error for --device cuda; --device auto runs on the CPU).
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
              int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device = "auto",
-             const std::string& precision = "bf16");
+             const std::string& precision = "bf16", const std::string& adapter = "");
 
 // `deltastack plot`: an SVG of each run's metrics.jsonl (a run directory of `train`, or the file itself): loss, eval
 // loss, learning rate, grad norm and tokens/s against the step, five panels, every run a <polyline data-run="NAME">
@@ -69,8 +71,12 @@ int cmd_inspect(const std::string& path);
 
 // `deltastack export`: a checkpoint as an HF release-style model dir (config.json, weights as `dtype` "bf16" or
 // "f32" with A_log and linear_attn.norm.weight fp32, shards past max_shard_mb MB, tokenizer.json). `out` must not
-// exist or be empty; the checkpoint is validated by loading it.
-int cmd_export(const std::string& checkpoint, const std::string& out, const std::string& dtype, int64_t max_shard_mb);
+// exist or be empty; the checkpoint is validated by loading it. A LoRA checkpoint (train --lora-rank / --adapter)
+// exports as a PEFT adapter directory (adapter_config.json, adapter_model.safetensors fp32, tokenizer.json) that
+// peft.PeftModel.from_pretrained loads; with `merge`, as the model directory of its base with the adapter merged
+// (W += scaling * lora_B lora_A; the base's fingerprint checked). `merge` of a full checkpoint: ds::Error.
+int cmd_export(const std::string& checkpoint, const std::string& out, const std::string& dtype, int64_t max_shard_mb,
+               bool merge = false);
 
 // The GPU memory modes as given on a command line (`--memory`, `--optimizer-state`, `--recompute`; model/engine.h
 // apply_memory_flags).

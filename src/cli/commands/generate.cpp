@@ -50,6 +50,20 @@ Qwen35Model deferred_model(const std::string& model_dir) {
   return model;
 }
 
+// The device of eval / generate with `--adapter` (a LoRA adapter: the CPU engine only): auto becomes cpu, cuda is
+// the GPU engine's error. Without an adapter, `device` as given.
+std::string adapter_device(const std::string& device, const std::string& adapter) {
+  if (adapter.empty()) return device;
+  DS_CHECK(device != "cuda", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; use --device cpu");
+  chosen_device(device);  // a bad --device is still its error
+  return "cpu";
+}
+
+// --adapter DIR (a PEFT adapter directory, or a LoRA run's checkpoint) onto `model`; nothing when empty.
+void apply_adapter(Qwen35Model& model, const std::string& adapter) {
+  if (!adapter.empty()) model.set_adapter(std::make_shared<LoraAdapter>(LoraAdapter::load(adapter, model.config())));
+}
+
 // The GPU engine for `plan`, or null when the device resolved to cpu. With --device auto a model the GPU engine
 // cannot take (a shape its kernels lack, a plan larger than the free memory) is left to the CPU with a warning
 // naming the reason (null); with --device cuda that is the error.
@@ -68,7 +82,8 @@ std::unique_ptr<Engine> gpu_engine(const std::string& device, const std::string&
 
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
                  int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed, double top_p, bool chat,
-                 const std::string& device) {
+                 const std::string& device_flag, const std::string& adapter) {
+  const std::string device = adapter_device(device_flag, adapter);
   GenerateOptions opt;
   opt.sampling = {temperature, top_k, top_p};
   check_sampling(opt.sampling);
@@ -108,6 +123,7 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
   } else {
     cpu.emplace(cfg);
     cpu->load(model_dir);
+    apply_adapter(*cpu, adapter);
     next = decode_logits(*cpu);
   }
   // Streamed: the prompt at once, then each token's text as it comes. A token may end inside a UTF-8 character
@@ -132,8 +148,9 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
 }
 
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
-             int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device,
-             const std::string& precision) {
+             int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device_flag,
+             const std::string& precision, const std::string& adapter) {
+  const std::string device = adapter_device(device_flag, adapter);
   chosen_device(device);
   const Precision prec = parse_precision(precision);
   const ModelConfig cfg = ModelConfig::from_file(model_dir);
@@ -152,7 +169,11 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   GpuPlan plan = GpuPlan::forward_windows(micro_batch, seq_len, set.max_docs_per_window());
   plan.precision = prec;
   std::unique_ptr<Engine> engine = gpu_engine(device, model_dir, plan, "eval");
-  if (!engine) engine = make_engine("cpu", deferred_model(model_dir), plan);
+  if (!engine) {
+    Qwen35Model model = deferred_model(model_dir);
+    apply_adapter(model, adapter);
+    engine = make_engine("cpu", std::move(model), plan);
+  }
   double sum = 0;
   int64_t n = 0;
   for (int64_t w = 0; w < set.num_windows(); w += micro_batch) {

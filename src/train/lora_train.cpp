@@ -1,0 +1,171 @@
+#include "train/lora_train.h"
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/files.h"
+#include "core/log.h"
+#include "core/rng.h"
+#include "model/safetensors.h"
+#include "train/checkpoint.h"
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace ds {
+
+namespace {
+
+// Whether --model names a directory of HF weights (else a preset or config.json: the weights are initialised).
+bool has_weights(const std::string& model) {
+  return fs::is_directory(model) &&
+         (file_exists(model + "/model.safetensors") || file_exists(model + "/model.safetensors.index.json"));
+}
+
+// A LoRA checkpoint holds no base: the base its run recorded (`model`: a preset, or the path of a config.json or a
+// checkpoint directory) must still be there. ds::Error naming `where` (the checkpoint) and the path otherwise.
+void check_base_exists(const std::string& model, const std::string& where) {
+  std::error_code ec;
+  if (fs::exists(model, ec)) return;
+  try {
+    ModelConfig::preset(model);
+    return;
+  } catch (const Error&) {
+  }
+  fail("{}: its base model {} (options.model) does not exist: a LoRA checkpoint holds the adapter only; put the base "
+       "the adapter was trained on back at that path", where, model);
+}
+
+}  // namespace
+
+bool lora_run(const TrainOptions& o) { return o.lora_rank > 0 || !o.adapter.empty(); }
+
+LoraConfig lora_config_of(const TrainOptions& o) {
+  LoraConfig c;
+  c.r = o.lora_rank;
+  c.lora_alpha = o.lora_alpha;
+  c.lora_dropout = o.lora_dropout;
+  c.use_rslora = o.use_rslora;
+  c.target_modules = parse_lora_targets(split_lora_targets(o.lora_targets), "--lora-targets");
+  return c;
+}
+
+std::string weights_fingerprint(const std::vector<float>& w) {
+  uint64_t h = splitmix64(static_cast<uint64_t>(w.size()));
+  size_t i = 0;
+  for (; i + 1 < w.size(); i += 2) {
+    uint64_t pair = 0;
+    std::memcpy(&pair, w.data() + i, sizeof pair);
+    h = splitmix64(h ^ pair);
+  }
+  if (i < w.size()) {
+    uint32_t last = 0;
+    std::memcpy(&last, w.data() + i, sizeof last);
+    h = splitmix64(h ^ last);
+  }
+  return fmt::format("{:016x}", h);
+}
+
+bool multimodal_layout(const std::string& model) {
+  if (!has_weights(model)) return false;
+  const CheckpointReader ck(model);
+  for (const std::string& n : ck.names())
+    if (n.rfind("model.language_model.", 0) == 0) return true;
+  return false;
+}
+
+json attach_lora(const TrainOptions& opt, Qwen35Model& model, const SavedCheckpoint* resumed) {
+  // Before the base is materialized on the host (a GPU run's would not be): make_engine's refusal, early.
+  DS_CHECK(resolve_device(opt.device) == "cpu", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; use "
+           "--device cpu");
+  if (resumed) check_base_exists(opt.model, "--resume " + opt.resume);
+  model.materialize();
+  const std::string fingerprint = weights_fingerprint(model.weights());
+  std::shared_ptr<LoraAdapter> adapter;
+  if (resumed) {
+    DS_CHECK(resumed->lora.is_object() && resumed->lora.contains("base_fingerprint"), "{}: field \"lora\" (the "
+             "frozen base's fingerprint) is missing, but the options name a LoRA run (options.lora_rank {}, "
+             "options.adapter \"{}\")", resumed->path, opt.lora_rank, opt.adapter);
+    const json want = resumed->lora["base_fingerprint"];
+    DS_CHECK(want == json(fingerprint), "--resume {}: the base model's weights ({}) have the fingerprint {}, but the "
+             "adapter was trained on weights with the fingerprint {} ({}: lora.base_fingerprint): the base changed "
+             "since; resume with the base the adapter was trained on", opt.resume, opt.model, fingerprint, want.dump(),
+             resumed->path);
+    adapter = std::make_shared<LoraAdapter>(LoraAdapter::load(opt.resume, model.config()));
+  } else if (!opt.adapter.empty()) {
+    adapter = std::make_shared<LoraAdapter>(LoraAdapter::load(opt.adapter, model.config()));
+  } else {
+    adapter = std::make_shared<LoraAdapter>(model.config(), lora_config_of(opt), multimodal_layout(opt.model));
+    adapter->init_peft(opt.seed);
+  }
+  model.set_adapter(adapter);
+  const LoraConfig& c = adapter->config();
+  log_info("LoRA: rank {}, alpha {}{}, dropout {}, {} adapted matrices, {} trainable parameters ({:.3f}% of the "
+           "frozen base's {}); base fingerprint {}", c.r, c.lora_alpha, c.use_rslora ? " (rsLoRA)" : "",
+           c.lora_dropout, adapter->specs().size(), adapter->values().size(),
+           100.0 * static_cast<double>(adapter->values().size()) / static_cast<double>(model.num_parameters()),
+           model.num_parameters(), fingerprint);
+  return {{"base_model", opt.model}, {"base_fingerprint", fingerprint}};
+}
+
+void save_lora_checkpoint_weights(const std::string& dir, const ModelConfig& config, const LoraAdapter& adapter,
+                                  const json& base) {
+  adapter.save(dir, base.value("base_model", std::string()));
+  write_file_atomic((fs::path(dir) / "config.json").string(), config.to_json().dump(2) + "\n");
+}
+
+void set_lora_dropout(Engine& engine, uint64_t seed, int64_t micro_index) {
+  if (LoraAdapter* a = engine.adapter()) a->set_dropout_key(LoraAdapter::dropout_key(seed, micro_index));
+}
+
+bool is_lora_checkpoint(const std::string& dir) {
+  return file_exists((fs::path(dir) / "adapter_config.json").string()) &&
+         file_exists((fs::path(dir) / "trainer_state.json").string());
+}
+
+Qwen35Model lora_base_model(const std::string& dir) {
+  const SavedCheckpoint ck = read_checkpoint_state(dir);
+  const json& o = ck.options;
+  DS_CHECK(o.contains("model") && o["model"].is_string() && o.contains("seed") && o["seed"].is_number_unsigned(),
+           "{}: fields \"options.model\" and \"options.seed\" (the LoRA run's base) are missing or malformed",
+           ck.path);
+  DS_CHECK(ck.lora.is_object() && ck.lora.contains("base_fingerprint"), "{}: field \"lora\" (the frozen base's "
+           "fingerprint) is missing: not a LoRA checkpoint", ck.path);
+  const std::string model_path = o["model"].get<std::string>();
+  check_base_exists(model_path, dir);
+  Qwen35Model model(ModelConfig::from_file(dir));
+  if (has_weights(model_path)) model.load(model_path);
+  else model.init_weights(o["seed"].get<uint64_t>());
+  const std::string got = weights_fingerprint(model.weights());
+  DS_CHECK(ck.lora["base_fingerprint"] == json(got), "{}: the base model ({}) has the fingerprint {}, but the "
+           "adapter was trained on weights with the fingerprint {} (lora.base_fingerprint): the base changed since",
+           dir, model_path, got, ck.lora["base_fingerprint"].dump());
+  return model;
+}
+
+void merge_lora(Qwen35Model& model, const LoraAdapter& a) {
+  const int64_t r = a.config().r;
+  const float s = static_cast<float>(a.config().scaling());
+  for (const LoraTensorSpec& sp : a.specs()) {
+    const std::string name = fmt::format("model.layers.{}.{}.weight", sp.layer, lora_module_path(sp.module));
+    const ParamSpec& p = model.spec(name);
+    DS_CHECK(p.shape == std::vector<int64_t>({sp.out, sp.in}), "LoRA: the adapter of {} does not fit {}",
+             a.key(sp, false), name);
+    float* W = model.weight(name);
+    const float* A = a.values().data() + sp.a_offset;  // [r, in]
+    const float* B = a.values().data() + sp.b_offset;  // [out, r]
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < sp.out; ++o)
+      for (int64_t i = 0; i < sp.in; ++i) {
+        float acc = 0;
+        for (int64_t k = 0; k < r; ++k) acc += B[o * r + k] * A[k * sp.in + i];
+        W[o * sp.in + i] += s * acc;
+      }
+  }
+}
+
+}  // namespace ds
