@@ -271,24 +271,42 @@ TEST(Plan, AutoPicksExactModesBeforeLossyAndCheapRecomputeBeforeFull) {
   if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
   using ds::OptimizerState;
   using ds::Recompute;
+  using ds::Gradients;
+  using M = ds::MemoryModes;
   const auto all = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto);
   ASSERT_EQ(all.size(), 9u);
-  EXPECT_EQ(all.front(), std::make_pair(OptimizerState::Fp32, Recompute::None));
-  EXPECT_EQ(all[1], std::make_pair(OptimizerState::Fp32, Recompute::Selective));  // exact before lossy
-  EXPECT_EQ(all[2], std::make_pair(OptimizerState::Bf16, Recompute::None));
-  EXPECT_EQ(all[4], std::make_pair(OptimizerState::EightBit, Recompute::None));  // 8-bit moments after bf16 ones
-  EXPECT_EQ(all[5], std::make_pair(OptimizerState::EightBit, Recompute::Selective));
-  EXPECT_EQ(all[6], std::make_pair(OptimizerState::Fp32, Recompute::Full));
-  EXPECT_EQ(all.back(), std::make_pair(OptimizerState::EightBit, Recompute::Full));
+  EXPECT_EQ(all.front(), (M{OptimizerState::Fp32, Recompute::None, Gradients::Fp32}));
+  EXPECT_EQ(all[1], (M{OptimizerState::Fp32, Recompute::Selective, Gradients::Fp32}));  // exact before lossy
+  EXPECT_EQ(all[2], (M{OptimizerState::Bf16, Recompute::None, Gradients::Fp32}));
+  EXPECT_EQ(all[4], (M{OptimizerState::EightBit, Recompute::None, Gradients::Fp32}));  // 8-bit moments after bf16 ones
+  EXPECT_EQ(all[5], (M{OptimizerState::EightBit, Recompute::Selective, Gradients::Fp32}));
+  EXPECT_EQ(all[6], (M{OptimizerState::Fp32, Recompute::Full, Gradients::Fp32}));
+  EXPECT_EQ(all.back(), (M{OptimizerState::EightBit, Recompute::Full, Gradients::Fp32}));
   EXPECT_EQ(ds::memory_candidates(OptimizerState::Fp32, Recompute::Auto).size(), 3u);  // a given mode is kept
   EXPECT_EQ(ds::memory_candidates(OptimizerState::Bf16, Recompute::Full).size(), 1u);
   EXPECT_EQ(ds::memory_candidates(OptimizerState::EightBit, Recompute::Auto).size(), 3u);
+  // --gradients auto: with a norm pass (+85 % per step) the in-backward gradients after everything else; without
+  // one (the same speed, the same step) right after the fp32 buffer at each state and recompute.
+  const auto with_pass = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto, Gradients::Auto, true);
+  ASSERT_EQ(with_pass.size(), 18u);
+  for (size_t k = 0; k < 9; ++k) {
+    EXPECT_EQ(with_pass[k], all[k]);
+    EXPECT_EQ(with_pass[9 + k], (M{all[k].state, all[k].recompute, Gradients::InBackward}));
+  }
+  const auto no_pass = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto, Gradients::Auto, false);
+  ASSERT_EQ(no_pass.size(), 18u);
+  for (size_t k = 0; k < 9; ++k) {
+    EXPECT_EQ(no_pass[2 * k], all[k]);
+    EXPECT_EQ(no_pass[2 * k + 1], (M{all[k].state, all[k].recompute, Gradients::InBackward}));
+  }
+  EXPECT_EQ(ds::memory_candidates(OptimizerState::EightBit, Recompute::Full, Gradients::InBackward).size(), 1u);
   const ds::ModelConfig c = ds::ModelConfig::preset("2b");
   auto pick = [&](double gib) {
     ds::GpuPlan plan = ds::GpuPlan::windows(2, 8192, 1);
     plan.optimizer_state = OptimizerState::Auto;
     plan.recompute = Recompute::Auto;
     const ds::GpuPlan r = ds::resolve_memory_modes(c, plan, [&](const ds::GpuMemoryPlan& p) { return p.total <= gib * kGiB; });
+    EXPECT_EQ(r.gradients, Gradients::Fp32);  // not Auto here: the buffer stays
     return std::make_pair(r.optimizer_state, r.recompute);
   };
   EXPECT_EQ(pick(140), std::make_pair(OptimizerState::Fp32, Recompute::None));
@@ -297,8 +315,30 @@ TEST(Plan, AutoPicksExactModesBeforeLossyAndCheapRecomputeBeforeFull) {
   EXPECT_EQ(pick(45), std::make_pair(OptimizerState::EightBit, Recompute::Selective));  // 44.1 GiB; fp32 + full 41.9
   EXPECT_EQ(pick(40), std::make_pair(OptimizerState::Bf16, Recompute::Full));
   EXPECT_EQ(pick(1), std::make_pair(OptimizerState::EightBit, Recompute::Full));  // nothing fits: the leanest
-  // the 9B shape of the issue fits an H200 only with the bf16 state
+  // With --gradients auto, what fits nowhere else fits with the gradients in the backward: 27B on an H200 (the
+  // 8bit state, full recompute, in-backward: 125 GiB measured), and at 2B the slots win over full recompute only
+  // without a norm pass.
+  auto pick3 = [&](const ds::ModelConfig& m, int64_t mb, double gib, bool norm_pass) {
+    ds::GpuPlan plan = ds::GpuPlan::windows(mb, 8192, 1);
+    plan.optimizer_state = OptimizerState::Auto;
+    plan.recompute = Recompute::Auto;
+    plan.gradients = Gradients::Auto;
+    plan.norm_pass = norm_pass;
+    const ds::GpuPlan r = ds::resolve_memory_modes(m, plan, [&](const ds::GpuMemoryPlan& p) { return p.total <= gib * kGiB; });
+    return M{r.optimizer_state, r.recompute, r.gradients};
+  };
+  EXPECT_EQ(pick3(ds::ModelConfig::preset("27b"), 1, 140.4, true),
+            (M{OptimizerState::EightBit, Recompute::Full, Gradients::InBackward}));
+  EXPECT_EQ(pick3(c, 2, 140, true), (M{OptimizerState::Fp32, Recompute::None, Gradients::Fp32}));
+  EXPECT_EQ(pick3(c, 2, 45, true), (M{OptimizerState::EightBit, Recompute::Selective, Gradients::Fp32}));
+  EXPECT_EQ(pick3(c, 2, 45, false), (M{OptimizerState::Bf16, Recompute::Selective, Gradients::InBackward}));
   std::string out;
+  ASSERT_EQ(ds::test::run("plan --model 27b --seq-len 8192 --micro-batch 1", &out), 0) << out;
+  EXPECT_NE(out.find("gradients: in-backward (each unit updated in the backward; fp32 slots of the embedding, head and "
+                     "two layers; with --clip a norm-only pass first"), std::string::npos) << out;
+  EXPECT_NE(out.find("chosen by --memory auto"), std::string::npos) << out;
+  EXPECT_NE(out.find("GiB of 140.40 GiB: fits\n"), std::string::npos) << out;
+  // the 9B shape of the issue fits an H200 only with the bf16 state
   ASSERT_EQ(ds::test::run("plan --model 9b --seq-len 8192 --micro-batch 1", &out), 0) << out;
   EXPECT_NE(out.find("optimizer state bf16"), std::string::npos) << out;
   EXPECT_NE(out.find("GiB of 140.40 GiB: fits\n"), std::string::npos) << out;

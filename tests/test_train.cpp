@@ -155,7 +155,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(j["seed"], 1234u);
   EXPECT_EQ(j["val_data"], json::array());
   EXPECT_EQ(j["precision"], "bf16");
-  EXPECT_EQ(j["gradients"], "fp32");
+  EXPECT_EQ(j["gradients"], "auto");
   EXPECT_EQ(d.out, "runs/default");
   EXPECT_EQ(d.threads, 0);
   EXPECT_NO_THROW(ds::validate(d));

@@ -140,8 +140,8 @@ int main(int argc, char** argv) {
     cmd->add_option("--recompute", m.recompute, "auto, none, selective or full")->capture_default_str();
     cmd->add_option("--precision", m.precision, "bf16 or fp8 (the decoder's matrix GEMMs; docs/fp8.md)")
         ->capture_default_str();
-    cmd->add_option("--gradients", m.gradients, "fp32 or in-backward (the update in the backward, no gradient "
-                    "buffer; docs/memory.md)")->capture_default_str();
+    cmd->add_option("--gradients", m.gradients, "auto, fp32 or in-backward (the update in the backward, no "
+                    "gradient buffer; docs/memory.md)")->capture_default_str();
   };
   ds::cli::MemoryFlags bench_memory, plan_memory;
   add_memory_flags(bench_step, bench_memory);
@@ -166,6 +166,9 @@ int main(int argc, char** argv) {
   plan->add_option("--device-memory", plan_mem, "Device memory in GiB (default: an H200's 140.4)")->capture_default_str();
   plan->add_option("--attention", plan_attention, "cudnn or simple")->capture_default_str();
   add_memory_flags(plan, plan_memory);
+  plan_memory.clip = 1.0;  // train's default
+  plan->add_option("--clip", plan_memory.clip, "The run's max grad norm (0 = off): with --gradients in-backward it "
+                   "adds a norm-only pass, which --memory auto weighs")->capture_default_str();
   std::string plan_hf_config;
   plan->add_option("--hf-config", plan_hf_config,
                    "Write the model's HF config.json (Qwen3_5ForCausalLM) to this file instead of the plan");

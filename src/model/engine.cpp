@@ -638,11 +638,13 @@ Recompute parse_recompute(const std::string& s) {
   fail("--recompute must be auto, none, selective or full, got \"{}\"", s);
 }
 
-const char* gradients_name(Gradients g) { return g == Gradients::InBackward ? "in-backward" : "fp32"; }
+const char* gradients_name(Gradients g) {
+  return g == Gradients::InBackward ? "in-backward" : g == Gradients::Auto ? "auto" : "fp32";
+}
 Gradients parse_gradients(const std::string& s) {
-  for (Gradients v : {Gradients::Fp32, Gradients::InBackward})
+  for (Gradients v : {Gradients::Auto, Gradients::Fp32, Gradients::InBackward})
     if (s == gradients_name(v)) return v;
-  fail("--gradients must be fp32 or in-backward, got \"{}\"", s);
+  fail("--gradients must be auto, fp32 or in-backward, got \"{}\"", s);
 }
 
 InBackwardStep in_backward_step(Engine& e, const PackedBatch& b, double grad_scale, double z_loss,
@@ -683,11 +685,13 @@ Precision parse_precision(const std::string& s) {
 }
 
 void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::string& optimizer_state,
-                        const std::string& recompute) {
+                        const std::string& recompute, const std::string& gradients) {
   DS_CHECK(memory == "auto" || memory == "fixed", "--memory must be auto or fixed, got \"{}\"", memory);
   plan.optimizer_state = parse_optimizer_state(optimizer_state);
   plan.recompute = parse_recompute(recompute);
+  plan.gradients = parse_gradients(gradients);
   if (memory == "fixed") {
+    if (plan.gradients == Gradients::Auto) plan.gradients = Gradients::Fp32;
     if (plan.optimizer_state == OptimizerState::Auto) plan.optimizer_state = OptimizerState::Fp32;
     if (plan.recompute == Recompute::Auto) plan.recompute = Recompute::Selective;
   }
@@ -723,7 +727,7 @@ std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host,
            optimizer_state_name(plan.optimizer_state));
   host.set_precision(plan.precision);
   auto cpu = std::make_unique<CpuEngine>(std::move(host));
-  cpu->set_gradients(plan.gradients);
+  cpu->set_gradients(plan.gradients == Gradients::Auto ? Gradients::Fp32 : plan.gradients);  // host memory: no need
   return cpu;
 }
 

@@ -67,20 +67,23 @@ Recompute parse_recompute(const std::string& s);             // ds::Error naming
 //         with the clip factor known; with --clip 0 and --nan-policy stop the norm pass is skipped. The result is
 //         the fp32 mode's, bitwise (the same gradients, the same per-unit sums). One micro-batch per step
 //         (--grad-accum 1) and one rank.
-enum class Gradients { Fp32, InBackward };
-const char* gradients_name(Gradients g);          // "fp32" | "in-backward"
+//   auto: chosen with the other memory modes to fit the device (memory_candidates, model/gpu_plan.h): fp32 where
+//         it fits; in-backward, without a norm pass, right after fp32 at the same state and recompute (the same
+//         speed), with one (GpuPlan::norm_pass: 1.85x the step) only after everything else.
+enum class Gradients { Auto, Fp32, InBackward };
+const char* gradients_name(Gradients g);          // "auto" | "fp32" | "in-backward"
 Gradients parse_gradients(const std::string& s);  // ds::Error naming --gradients
 
 // Precision (`--precision`): model/model.h.
 const char* precision_name(Precision p);         // "bf16" | "fp8"
 Precision parse_precision(const std::string& s);  // ds::Error naming --precision
 
-// The memory flags into plan: `optimizer_state` and `recompute` as given ("auto" or a mode); with memory "fixed"
-// an "auto" one becomes fp32 / selective, with memory "auto" it stays Auto (the engine resolves it to fit the
-// device). ds::Error naming the flag for any other value.
+// The memory flags into plan: `optimizer_state`, `recompute` and `gradients` as given ("auto" or a mode); with
+// memory "fixed" an "auto" one becomes fp32 / selective / fp32, with memory "auto" it stays Auto (the engine resolves
+// it to fit the device). ds::Error naming the flag for any other value.
 struct GpuPlan;
 void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::string& optimizer_state,
-                        const std::string& recompute);
+                        const std::string& recompute, const std::string& gradients = "fp32");
 
 // Sizes a GPU engine plans its memory for (the CPU engine ignores them).
 struct GpuPlan {
@@ -93,6 +96,9 @@ struct GpuPlan {
   Recompute recompute = Recompute::Selective;
   Precision precision = Precision::Bf16;
   Gradients gradients = Gradients::Fp32;
+  // Whether a Gradients::InBackward step needs its norm-only pass (--clip > 0 or --nan-policy skip; in_backward_step):
+  // what that mode costs, for `auto` (memory_candidates).
+  bool norm_pass = true;
   // --shard optimizer on the GPU engine (ZeRO-1; docs/distributed.md): this rank of shard_world keeps and
   // updates only its even share of the flat parameters' AdamW state (model/gpu_params.h ParamShard);
   // shard_world 0: the whole state (no sharding).
@@ -116,6 +122,8 @@ struct GpuPlan {
     GpuPlan p = windows(micro_batch, seq_len, docs_per_window);
     p.optimizer_state = OptimizerState::Auto;
     p.recompute = Recompute::Auto;
+    p.gradients = Gradients::Auto;  // a forward never reads the gradients: the slots are as good as the buffer
+    p.norm_pass = false;
     return p;
   }
 };

@@ -800,7 +800,8 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   size_t free_b = 0, total_b = 0;
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  if (m.plan.optimizer_state == OptimizerState::Auto || m.plan.recompute == Recompute::Auto) {
+  if (m.plan.optimizer_state == OptimizerState::Auto || m.plan.recompute == Recompute::Auto ||
+      m.plan.gradients == Gradients::Auto) {
     // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h).
     m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + (512u << 20) < free_b; });
   }
@@ -830,9 +831,11 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     m.arena_bytes = sizing.off;
   }
   DS_CHECK(m.arena_bytes + (512u << 20) < free_b,
-           "gpu: the memory plan (optimizer state {}, recompute {}) needs {:.2f} GiB but only {:.2f} GiB is free; lower "
-           "--micro-batch or --seq-len, or choose leaner modes (--optimizer-state bf16 or 8bit, --recompute full; "
-           "`deltastack plan` shows each)", ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_name(m.plan.recompute),
+           "gpu: the memory plan (optimizer state {}, recompute {}, gradients {}) needs {:.2f} GiB but only {:.2f} GiB "
+           "is free; lower --micro-batch or --seq-len, or choose leaner modes (--optimizer-state bf16 or 8bit, "
+           "--recompute full, --gradients in-backward; `deltastack plan` shows each)",
+           ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_name(m.plan.recompute),
+           ds::gradients_name(m.plan.gradients),
            m.arena_bytes / 1073741824.0, free_b / 1073741824.0);
   DS_CUDA_CHECK(cudaMalloc(&m.arena_base, m.arena_bytes));
   Arena real;
@@ -853,10 +856,11 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
            "gpu: the host model holds {} weights, expected {} (released or not loaded)", host.weights().size(), m.P);
   m.store->upload([&](size_t k, float* dst) { host.fill_param(k, dst); }, m.stream);
   m.note_peak();
-  log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}), one allocation of {:.2f} GiB for {} tokens x "
-           "{} documents per micro-batch; gated delta rule: {}, attention: {}", cuda_device_name(),
-           ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_name(m.plan.recompute), m.arena_bytes / 1073741824.0, plan.max_tokens, plan.max_seqs, m.gdn ? m.gdn->name() : "-",
-           m.attn ? m.attn->name() : "-");
+  log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}, gradients {}), one allocation of {:.2f} GiB for "
+           "{} tokens x {} documents per micro-batch; gated delta rule: {}, attention: {}", cuda_device_name(),
+           ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_name(m.plan.recompute),
+           ds::gradients_name(m.plan.gradients), m.arena_bytes / 1073741824.0, plan.max_tokens, plan.max_seqs,
+           m.gdn ? m.gdn->name() : "-", m.attn ? m.attn->name() : "-");
 }
 
 GpuModel::~GpuModel() = default;

@@ -80,8 +80,8 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   DS_CHECK(attention == "cudnn" || attention == "simple", "plan: attention must be cudnn or simple (got \"{}\")",
            attention);
   DS_CHECK(plan_in.max_tokens > 0 && plan_in.max_seqs > 0, "plan: the batch must hold at least one token");
-  DS_CHECK(plan_in.optimizer_state != OptimizerState::Auto && plan_in.recompute != Recompute::Auto,
-           "plan: resolve the memory modes first (resolve_memory_modes)");
+  DS_CHECK(plan_in.optimizer_state != OptimizerState::Auto && plan_in.recompute != Recompute::Auto &&
+           plan_in.gradients != Gradients::Auto, "plan: resolve the memory modes first (resolve_memory_modes)");
   const GpuPlan plan = resolved(plan_in);
   c.validate();
   const std::vector<ParamSpec> params = qwen35_params(c);  // the table only: no memory for the values
@@ -133,27 +133,38 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   return out;
 }
 
-std::vector<std::pair<OptimizerState, Recompute>> memory_candidates(OptimizerState s, Recompute r) {
+std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradients g, bool norm_pass) {
   // Exact modes before lossy ones, cheap recompute before expensive: the fp32 state with no or selective recompute
   // (bitwise the same results), then the bf16 state with those, then the 8bit state (lossier: its moments carry
-  // 8-bit codes), then full recompute (one more forward per step, +25 %) in the same state order.
+  // 8-bit codes), then full recompute (one more forward per step, +25 %) in the same state order. The in-backward
+  // gradients are bitwise the fp32 buffer's step: right after it without a norm pass, after everything with one.
   using OS = OptimizerState;
   using RC = Recompute;
   const std::pair<OS, RC> order[] = {{OS::Fp32, RC::None},     {OS::Fp32, RC::Selective},     {OS::Bf16, RC::None},
                                      {OS::Bf16, RC::Selective}, {OS::EightBit, RC::None},      {OS::EightBit, RC::Selective},
                                      {OS::Fp32, RC::Full},      {OS::Bf16, RC::Full},          {OS::EightBit, RC::Full}};
-  std::vector<std::pair<OptimizerState, Recompute>> out;
-  for (const auto& [st, rc] : order)
-    if ((r == Recompute::Auto || r == rc) && (s == OptimizerState::Auto || s == st)) out.emplace_back(st, rc);
+  std::vector<MemoryModes> out;
+  auto add = [&](OS st, RC rc, Gradients gr) {
+    if ((r == RC::Auto || r == rc) && (s == OS::Auto || s == st) && (g == Gradients::Auto || g == gr))
+      out.push_back({st, rc, gr});
+  };
+  for (const auto& [st, rc] : order) {
+    add(st, rc, Gradients::Fp32);
+    if (!norm_pass) add(st, rc, Gradients::InBackward);
+  }
+  if (norm_pass)
+    for (const auto& [st, rc] : order) add(st, rc, Gradients::InBackward);
   return out;
 }
 
 GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
                              const std::string& attention) {
-  const auto candidates = memory_candidates(plan.optimizer_state, plan.recompute);
+  const auto candidates = memory_candidates(plan.optimizer_state, plan.recompute, plan.gradients, plan.norm_pass);
   for (size_t k = 0; k < candidates.size(); ++k) {
     GpuPlan p = plan;
-    std::tie(p.optimizer_state, p.recompute) = candidates[k];
+    p.optimizer_state = candidates[k].state;
+    p.recompute = candidates[k].recompute;
+    p.gradients = candidates[k].gradients;
     if (k + 1 == candidates.size() || fits(plan_gpu_memory(c, p, attention))) return p;
   }
   return plan;  // unreachable: at least one candidate
@@ -167,7 +178,7 @@ namespace ds {
 GpuMemoryPlan plan_gpu_memory(const ModelConfig&, const GpuPlan&, const std::string&) {
   fail("plan: this build has no CUDA support (configure with -DDELTASTACK_CUDA=ON and nvcc on PATH)");
 }
-std::vector<std::pair<OptimizerState, Recompute>> memory_candidates(OptimizerState, Recompute) { return {}; }
+std::vector<MemoryModes> memory_candidates(OptimizerState, Recompute, Gradients, bool) { return {}; }
 GpuPlan resolve_memory_modes(const ModelConfig&, GpuPlan, const std::function<bool(const GpuMemoryPlan&)>&,
                              const std::string&) {
   fail("plan: this build has no CUDA support (configure with -DDELTASTACK_CUDA=ON and nvcc on PATH)");

@@ -63,14 +63,24 @@ struct GpuMemoryPlan {
 // gated delta rule where it takes the shapes (head dim 128), else the simple one; cuDNN attention (its workspace
 // estimated from its length buckets: 1.125 x the largest bucket's B·Hq·S²·2-byte dP, as cuDNN 9.19 measured on the
 // H200) unless attention = "simple". ds::Error in a build without CUDA support.
-// plan's optimizer_state and recompute must be resolved (not Auto): ds::Error otherwise.
+// plan's optimizer_state, recompute and gradients must be resolved (not Auto): ds::Error otherwise.
 GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan, const std::string& attention = "cudnn");
 
-// The (optimizer state, recompute) pairs that `auto` chooses among, in the order tried: fp32 with none, then
-// selective recompute (both bitwise the results of any policy), bf16 with none, then selective, 8bit with none,
-// then selective, then full recompute with fp32, bf16, 8bit (full costs one more forward per step); a mode that is
-// not Auto keeps its value.
-std::vector<std::pair<OptimizerState, Recompute>> memory_candidates(OptimizerState s, Recompute r);
+// The memory modes `auto` chooses among, in the order tried, cheapest first (docs/memory.md): the (optimizer state,
+// recompute) pairs fp32 with none, then selective recompute (both bitwise the results of any policy), bf16 with
+// none, then selective, 8bit with none, then selective, then full recompute with fp32, bf16, 8bit (full costs one
+// more forward per step, +25-33 %); each with the fp32 gradient buffer, and without a norm pass (norm_pass false)
+// the in-backward gradients right after it (the same speed, bitwise the same step); with a norm pass (+85 %, measured
+// at 9B) the in-backward gradients after all of those, in the same pair order. A mode that is not Auto keeps its
+// value.
+struct MemoryModes {
+  OptimizerState state;
+  Recompute recompute;
+  Gradients gradients;
+  bool operator==(const MemoryModes&) const = default;
+};
+std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradients g = Gradients::Fp32,
+                                           bool norm_pass = true);
 // plan with its Auto modes replaced by the first candidate whose plan `fits` (the last, leanest one when none
 // does: the caller reports what it needs). Modes already given are kept.
 GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,

@@ -141,11 +141,14 @@ const std::vector<TrainOption>& train_options() {
           "The decoder's matrix GEMMs: bf16 (exact) or fp8 (E4M3/E5M2 with per-tensor current scaling; the CPU "
           "engine emulates the casts; docs/fp8.md)",
           one_of({"bf16", "fp8"}), kResumable | kNewerKey),
-      opt("gradients", &O::gradients, "fp32",
-          "fp32 (one gradient buffer, 4 bytes per parameter) or in-backward (each layer's AdamW update runs in the "
-          "backward as soon as its gradients are final: no gradient buffer; with --clip a norm-only pass first; "
-          "--grad-accum 1, one rank; docs/memory.md)",
-          one_of({"fp32", "in-backward"}), kResumable | kNewerKey),
+      // Checkpoints of earlier versions kept the gradient buffer: their resume keeps it.
+      older_reads(opt("gradients", &O::gradients, "auto",
+                      "fp32 (one gradient buffer, 4 bytes per parameter), in-backward (each layer's AdamW update "
+                      "runs in the backward as soon as its gradients are final: no gradient buffer; with --clip a "
+                      "norm-only pass first; --grad-accum 1, one rank; docs/memory.md) or auto (in-backward only "
+                      "where fp32 does not fit)",
+                      one_of({"auto", "fp32", "in-backward"}), kResumable | kNewerKey),
+                  std::string("fp32")),
       opt("memory", &O::memory, "auto",
           "auto: the memory modes not given are chosen to fit the GPU (docs/memory.md); fixed: fp32 and selective",
           one_of({"auto", "fixed"}), kResumable | kNewerKey | kNotSaved),

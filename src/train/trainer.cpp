@@ -98,6 +98,17 @@ std::string tokenizer_path(const TrainOptions& opt) {
 // as the engine's (`deltastack plan`) with one document per window (the fewest: the engine's plan, made once the
 // data is read, is at least as large) in the leanest modes the flags allow, with either attention kernel, must fit
 // the free device memory (docs/memory.md).
+// The run's memory flags into plan (apply_memory_flags). --gradients auto may choose in-backward only where that
+// mode runs (one micro-batch per step, one rank, no --shard, no LoRA; check_run_options refuses it given
+// explicitly otherwise), and knows whether its step needs the norm pass (--clip > 0 or --nan-policy skip).
+void apply_train_memory_flags(GpuPlan& plan, const TrainOptions& opt, const dist::Communicator& comm) {
+  apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute, opt.gradients);
+  const bool in_backward_runs = opt.grad_accum == 1 && comm.world() == 1 && opt.shard == "none" &&
+                                opt.lora_rank == 0 && opt.adapter.empty();
+  if (plan.gradients == Gradients::Auto && !in_backward_runs) plan.gradients = Gradients::Fp32;
+  plan.norm_pass = opt.clip > 0 || opt.nan_policy == "skip";
+}
+
 void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::string& device,
                 const dist::Communicator& comm) {
   constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();  // int32 token and document indices
@@ -109,8 +120,7 @@ void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::stri
     const size_t free = cuda_free_bytes(), slack = size_t{512} << 20;  // the engine's margin (gpu_model.cpp)
     if (free == 0) return;
     GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, 1);
-    apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
-    plan.gradients = parse_gradients(opt.gradients);
+    apply_train_memory_flags(plan, opt, comm);
     if (opt.shard == "optimizer") {
       plan.shard_rank = comm.rank();
       plan.shard_world = comm.world();
@@ -715,9 +725,8 @@ void bind_rank_cpus(dist::Communicator& comm, const std::string& device) {
 std::unique_ptr<Engine> make_train_engine(TrainOptions& opt, Qwen35Model&& model, const TrainData& data,
                                           dist::Communicator& comm) {
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
-  apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute);
+  apply_train_memory_flags(plan, opt, comm);
   plan.precision = parse_precision(opt.precision);
-  plan.gradients = parse_gradients(opt.gradients);
   if (opt.shard == "optimizer" && comm.on_device()) {  // the GPU engine plans its memory for this rank's share
     plan.shard_rank = comm.rank();
     plan.shard_world = comm.world();

@@ -377,9 +377,9 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
                    const MemoryFlags& memory, bool profile) {
   // The flags first: a typo is an error at once, not after the model's weights are made (a minute at 9B).
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
-  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
+  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients);
   plan.precision = parse_precision(memory.precision);
-  plan.gradients = parse_gradients(memory.gradients);
+  plan.norm_pass = memory.clip > 0;
   DS_CHECK(memory.clip >= 0 && std::isfinite(memory.clip), "bench step: --clip must be >= 0, got {}", memory.clip);
   DS_CHECK(seq_len >= 2 && micro_batch >= 1 && steps >= 1, "bench step: bad --seq-len/--micro-batch/--steps");
   DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");

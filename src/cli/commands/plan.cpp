@@ -48,10 +48,12 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
            seq_len, cfg.max_position_embeddings);
   constexpr double GiB = 1073741824.0;
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, docs_per_window);
-  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute);
+  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients);
   plan.precision = parse_precision(memory.precision);
-  plan.gradients = parse_gradients(memory.gradients);
-  const bool chosen_state = plan.optimizer_state == OptimizerState::Auto, chosen_rc = plan.recompute == Recompute::Auto;
+  DS_CHECK(memory.clip >= 0 && std::isfinite(memory.clip), "plan: --clip must be >= 0, got {}", memory.clip);
+  plan.norm_pass = memory.clip > 0;
+  const bool chosen_state = plan.optimizer_state == OptimizerState::Auto, chosen_rc = plan.recompute == Recompute::Auto,
+             chosen_grads = plan.gradients == Gradients::Auto;
   plan = resolve_memory_modes(cfg, plan, [&](const GpuMemoryPlan& q) { return q.total / GiB <= device_memory_gib; },
                               attention);
   const GpuMemoryPlan p = plan_gpu_memory(cfg, plan, attention);
@@ -70,10 +72,14 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
              optimizer_state_name(plan.optimizer_state), state_what, chosen_state ? "; chosen by --memory auto" : "",
              recompute_name(plan.recompute), rc_what, chosen_rc ? "; chosen by --memory auto" : "",
              p.gated_delta_rule.empty() ? "-" : p.gated_delta_rule, p.attention.empty() ? "-" : p.attention);
-  fmt::print("  gradients: {}\n", plan.gradients == Gradients::InBackward
-                                     ? "in-backward (each unit updated in the backward; fp32 slots of the embedding, "
-                                       "head and two layers)"
-                                     : "fp32 (one buffer of every parameter)");
+  fmt::print("  gradients: {}{}\n",
+             plan.gradients == Gradients::InBackward
+                 ? (plan.norm_pass ? "in-backward (each unit updated in the backward; fp32 slots of the embedding, "
+                                     "head and two layers; with --clip a norm-only pass first, about 1.85x the step)"
+                                   : "in-backward (each unit updated in the backward; fp32 slots of the embedding, "
+                                     "head and two layers)")
+                 : "fp32 (one buffer of every parameter)",
+             chosen_grads ? "; chosen by --memory auto" : "");
   // Bytes per parameter beside each part: the figure the optimizer-state and gradient modes trade in.
   const double per = static_cast<double>(cfg.num_parameters());
   for (size_t u = 0; u < p.by_use.size(); ++u)
