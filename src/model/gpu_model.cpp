@@ -1048,6 +1048,16 @@ void GpuModel::write_optimizer_state(int which, int64_t first, int64_t count, co
   impl_->optimizer->write_state(which, first, count, src, impl_->stream);
 }
 
+bool GpuModel::optimizer_codes_8bit(size_t k) const { return impl_->optimizer->codes_8bit(k); }
+void GpuModel::read_optimizer_codes(int which, int64_t first, int64_t count, uint8_t* dst) const {
+  impl_->join_side();
+  impl_->optimizer->read_codes(which, first, count, dst, impl_->stream);
+}
+void GpuModel::read_optimizer_block_scales(int which, size_t k, int64_t first_block, int64_t count, float* dst) const {
+  impl_->join_side();
+  impl_->optimizer->read_block_scales(which, k, first_block, count, dst, impl_->stream);
+}
+
 void GpuModel::download_grads(std::vector<float>& out) const {
   out.resize(static_cast<size_t>(impl_->P));
   read(Buffer::Grads, 0, impl_->P, out.data());
@@ -1084,6 +1094,9 @@ std::string GpuModel::optimizer_state_name(int, const ParamSpec&) const { return
 void GpuModel::read_optimizer_state(int, int64_t, int64_t, float*) const {}
 void GpuModel::write_optimizer_state(int, int64_t, int64_t, const float*) {}
 void GpuModel::download_grads(std::vector<float>&) const {}
+bool GpuModel::optimizer_codes_8bit(size_t) const { return false; }
+void GpuModel::read_optimizer_codes(int, int64_t, int64_t, uint8_t*) const {}
+void GpuModel::read_optimizer_block_scales(int, size_t, int64_t, int64_t, float*) const {}
 GpuModel::DeviceGrads GpuModel::device_grads() { return {nullptr, 0, nullptr}; }
 GpuModel::ShardBuffers GpuModel::shard_buffers() { return {}; }
 void GpuModel::reduce_grads_during_next_backward(std::function<void(float*, int64_t, void*)>) {}
