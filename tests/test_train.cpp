@@ -188,6 +188,15 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(r.resume, "ck");
   cli.given.push_back("lr");
   expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "--lr cannot change on --resume");
+  cli.given.pop_back();
+  old["micro_batch"] = 2.5;  // an edited file: not silently truncated to 2
+  expect_error([&] { ds::resumed_options(cli, old, "st.json"); },
+               "st.json: field \"options.micro_batch\" must be an integer, got 2.5");
+  old["micro_batch"] = true;
+  expect_error([&] { ds::resumed_options(cli, old, "st.json"); },
+               "st.json: field \"options.micro_batch\" must be an integer, got true");
+  old["micro_batch"] = 2;
+  EXPECT_EQ(ds::resumed_options(cli, old, "st.json").micro_batch, 2);
   old.erase("seq_len");
   expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "st.json: field \"options.seq_len\" is missing");
 

@@ -333,8 +333,17 @@ void SafetensorsReader::parse() {
     if (prev && t->begin < prev->end)
       fail("{}: tensors '{}' [{}, {}] and '{}' [{}, {}] overlap", p, prev->name, prev->begin, prev->end, t->name,
            t->begin, t->end);
+    // The format's rule (the safetensors library's own check): the tensors tile the data buffer, no byte unclaimed.
+    const uint64_t expect = prev ? prev->end : 0;
+    if (t->begin != expect)
+      fail("{}: tensor '{}' starts at byte {} of the data buffer, but the bytes before it end at {}: a gap no tensor "
+           "claims (a damaged or hand-made file)", p, t->name, t->begin, expect);
     if (!prev || t->end > prev->end) prev = t;
   }
+  const uint64_t used = prev ? prev->end : 0;
+  if (used != data_size)
+    fail("{}: the tensors claim {} bytes of the {}-byte data buffer: {} trailing bytes no tensor claims (a damaged "
+         "or concatenated file)", p, used, data_size, data_size - used);
 }
 
 const TensorInfo* SafetensorsReader::find(const std::string& name) const {

@@ -217,9 +217,12 @@ void Checkpoints::check_room(int64_t need, const std::string& what, const std::s
     avail = std::strtoll(v.c_str(), nullptr, 10);
     ec.clear();
   }
-  DS_CHECK(ec || avail >= need, "{} needs {:.2f} GiB but only {:.2f} GiB is free on the filesystem of {}: free "
-           "space there, or use --keep-last / a larger disk{}", what, need / 1073741824.0,
-           static_cast<double>(avail) / 1073741824.0, opt_.out, then);
+  if (ec || avail >= need) return;
+  // GiB with two decimals, or bytes where those would print the same number for both.
+  std::string n = fmt::format("{:.2f} GiB", need / 1073741824.0), a = fmt::format("{:.2f} GiB", avail / 1073741824.0);
+  if (n == a) n = fmt::format("{} bytes", need), a = fmt::format("{} bytes", avail);
+  fail("{} needs {} but only {} is free on the filesystem of {}: free space there, or use --keep-last / a larger "
+       "disk{}", what, n, a, opt_.out, then);
 }
 
 void Checkpoints::check_room_for_next_save(const ModelConfig& config, int64_t step,
