@@ -307,6 +307,11 @@ TEST(Train, GradientsInBackwardIsTheFp32Step) {
   std::string log;
   EXPECT_NE(run("train " + args + " --gradients in-backward --grad-accum 2 --out " + dir + "/e", &log), 0);
   EXPECT_NE(log.find("--grad-accum must be 1"), std::string::npos) << log;
+  // A resume cannot change --grad-accum (nor --micro-batch): the error says so instead of advising them.
+  ASSERT_EQ(run("train " + args + " --steps 1 --grad-accum 2 --out " + dir + "/g"), 0);
+  EXPECT_NE(run("train --resume " + dir + "/g/checkpoint-1 --steps 2 --gradients in-backward", &log), 0);
+  EXPECT_NE(log.find("a resume keeps it); use --gradients fp32"), std::string::npos) << log;
+  EXPECT_EQ(log.find("raise --micro-batch"), std::string::npos) << log;
   EXPECT_NE(run("train " + args + " --gradients fused --out " + dir + "/f"), 0);
   fs::remove_all(dir);
 }
