@@ -401,7 +401,8 @@ TEST(LoraTrain, ResumeAndMergeCheckTheBaseFingerprint) {
 
 // `export` of a LoRA checkpoint: the PEFT adapter directory (the checkpoint's adapter values, its tokenizer), and
 // with --merge the base with the adapter merged, whose logits are the base-with-adapter's within 1e-5; eval and
-// generate --adapter on the base give what the merged model gives. A full checkpoint refuses --merge.
+// generate --adapter on the base give what the merged model gives. A full checkpoint refuses --merge; an adapter
+// given as --model is an error saying to give it as --adapter; an export into a missing parent creates it.
 TEST(LoraTrain, ExportAdapterAndMergedModelAgreeWithEvalAndGenerate) {
   const auto [dir, base, lora] = lora_setup("lora_export");
   std::string log;
@@ -460,6 +461,16 @@ TEST(LoraTrain, ExportAdapterAndMergedModelAgreeWithEvalAndGenerate) {
   EXPECT_NE(log.find("the GPU engine does not support LoRA yet; use --device cpu"), std::string::npos) << log;
   EXPECT_EQ(run("export " + base + " " + dir + "/full --merge", &log), 1);
   EXPECT_NE(log.find("is not a LoRA checkpoint"), std::string::npos) << log;
+  // README's `export CKPT out/adapter` into a fresh out/: the missing parent is created.
+  ASSERT_EQ(run("export " + ck + " " + dir + "/out/adapter", &log), 0) << log;
+  EXPECT_TRUE(ds::read_file(dir + "/out/adapter/adapter_model.safetensors") ==
+              ds::read_file(dir + "/adapter/adapter_model.safetensors"));
+  // The adapter given as --model (it holds no weights): the error says how to give it.
+  for (const std::string& a : {dir + "/adapter", ck}) {
+    EXPECT_EQ(run("generate --model " + a + gen, &log), 1);
+    EXPECT_NE(log.find(a + ": holds a LoRA adapter (adapter_config.json), not a model's weights: give the base model "
+                       "as --model and this directory as --adapter"), std::string::npos) << log;
+  }
   fs::remove_all(dir);
 }
 
