@@ -380,7 +380,8 @@ TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
 // first (in_backward_step, clipping active at step 3) and without it: every loss, the gradient norm, an evaluation
 // between steps, and the weights and moments at the end are bitwise equal. In the fp32 and 8bit states, with
 // selective and full recompute, with a tied and an untied lm_head (the head's slot shared with the embedding's, or
-// its own).
+// its own). Step 4 runs without a backward (grad_scale 0, as for a batch without targets): the update over zero
+// gradients runs in both modes.
 TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
   DS_SKIP_WITHOUT_GPU();
   for (const bool tied : {true, false}) {
@@ -416,14 +417,15 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
           for (int64_t t = 1; t <= 5; ++t) {
             ap.step = t;
             const double step_clip = t == 3 ? clip : 0.0;
+            const double step_scale = t == 4 ? 0.0 : scale;  // a batch without targets: an update over zero gradients
             if (g == ds::Gradients::InBackward) {
-              const ds::InBackwardStep s = ds::in_backward_step(*gpu, b, scale, 0.0, ap, step_clip, norm_first);
+              const ds::InBackwardStep s = ds::in_backward_step(*gpu, b, step_scale, 0.0, ap, step_clip, norm_first);
               EXPECT_TRUE(s.updated);
               r.values.push_back(s.result.loss_sum);
               r.values.push_back(s.grad_sum_squares);
             } else {
               gpu->zero_grads();
-              r.values.push_back(gpu->forward_backward(b, scale).loss_sum);
+              r.values.push_back(gpu->forward_backward(b, step_scale).loss_sum);
               const double ss = gpu->grad_sum_squares(), norm = std::sqrt(ss);
               r.values.push_back(ss);
               ds::ops::AdamWParams q = ap;
@@ -449,6 +451,7 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
         };
         const Run ref = run(ds::Gradients::Fp32, 0.5, false);
         ASSERT_GT(std::sqrt(ref.values[6]), 0.5) << "step 3 should clip";  // values: l1 s1 l2 s2 eval l3 s3 ...
+        ASSERT_EQ(ref.values[8], 0.0) << "step 4 has no gradient";
         const Run one = run(ds::Gradients::InBackward, 0.5, false), two = run(ds::Gradients::InBackward, 0.5, true);
         EXPECT_EQ(ref.values, one.values);
         EXPECT_EQ(ref.values, two.values);

@@ -47,7 +47,9 @@ class CpuEngine final : public Engine, private UnitSource {
   const ModelConfig& config() const override { return model_.config(); }
   const std::vector<ParamSpec>& params() const override { return model_.params(); }
   LossResult forward_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) override {
-    if (gradients_ == Gradients::InBackward && grad_scale != 0.0) return forward_backward_in_backward(b, grad_scale, z_loss, cap);
+    // An armed pass also when grad_scale is 0 (a step whose batch has no targets): its update still runs.
+    if (gradients_ == Gradients::InBackward && (armed_ || grad_scale != 0.0))
+      return forward_backward_in_backward(b, grad_scale, z_loss, cap);
     if (!full()) return model_.forward_backward(b, grad_scale, z_loss, cap);
     begin_units(grad_scale != 0.0 ? order_fb_ : order_f_);
     const LossResult r = model_.forward_backward(b, grad_scale, z_loss, cap);
@@ -142,7 +144,9 @@ class CpuEngine final : public Engine, private UnitSource {
  private:
   // Gradients::InBackward on the CPU engine: the same semantics over the host buffers (the memory it saves is the
   // GPU engine's point): the armed pass's gradients are made from zero, their sum of squares kept, and the armed
-  // update applied after the backward. Bitwise the fp32 mode's step.
+  // update applied after the backward. Bitwise the fp32 mode's step, also for grad_scale 0 (no backward: the
+  // gradients stay zero, their sum is 0 and the update runs over them, as the fp32 mode's step over its zeroed
+  // buffer does).
   LossResult forward_backward_in_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) {
     DS_CHECK(armed_, "internal: a --gradients in-backward backward without arm_in_backward()");
     armed_ = false;

@@ -171,7 +171,10 @@ class Engine {
   virtual double grad_sum_squares() = 0;
   // Gradients::InBackward only (the `gradients()` in use): what the next forward_backward's backward does with each
   // unit's final gradients. update null: their sums of squares are kept (grad_sum_squares) and nothing else (the
-  // norm pass); else the AdamW update `*update` (p.grad_scale: the clip factor) of the unit, its sum kept too.
+  // norm pass); else the AdamW update `*update` (p.grad_scale: the clip factor) of the unit, its sum kept too. A
+  // forward_backward with grad_scale 0 (a batch without targets) still consumes the arming: it runs no backward, so
+  // every unit's gradients are zero, their sums 0, and an armed update runs over them (as the fp32 mode's
+  // optimizer_step after a zero_grads() does: the moments decay, the weight decay applies, the step counts).
   // ds::Error in the fp32 mode. in_backward_step() (below) is the step built on it.
   virtual void arm_in_backward(const ops::AdamWParams* /*update*/) {
     fail("internal: arm_in_backward() needs --gradients in-backward");

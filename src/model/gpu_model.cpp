@@ -709,6 +709,16 @@ struct GpuModel::Impl {
         K::embedding_backward(B.emb_uniq, B.emb_starts, B.emb_pos, num_uniq, d.dh, mp.grad.embed_tokens, H, stream);
       }
       unit_final(0);  // the embedding (and a tied lm_head): last
+    } else if (in_backward() && ib_armed) {
+      // An armed pass over a batch without targets (grad_scale 0, no backward): every unit's gradients are zero;
+      // their sums and the armed update run over the zeroed slots in the backward's unit order, as the fp32 mode's
+      // step runs over its zeroed buffer (model/engine.h arm_in_backward).
+      ib_armed = false;
+      for (size_t u = static_cast<size_t>(L + 1);; --u) {
+        begin_unit(u);
+        update_in_backward(u);
+        if (u == 0) break;
+      }
     }
     reduce = nullptr;  // armed for one backward
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));

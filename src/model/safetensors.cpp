@@ -18,6 +18,7 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "core/files.h"
+#include "model/config.h"
 
 static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
 
@@ -721,6 +722,7 @@ CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
     } else if (has_one) {
       single_path = one.string();
     } else {
+      check_not_adapter_dir(path);
       fail("{}: checkpoint directory has neither model.safetensors nor model.safetensors.index.json", path);
     }
   } else {

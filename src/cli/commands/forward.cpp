@@ -10,6 +10,7 @@
 #include "model/forward_inputs.h"
 #include "model/model.h"
 #include "model/safetensors.h"
+#include "train/lora_train.h"
 
 namespace ds::cli {
 
@@ -26,7 +27,7 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
   DS_CHECK(adapter.empty() || device == "cpu", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; "
            "use --device cpu");
   model.load(model_dir);
-  if (!adapter.empty()) model.set_adapter(std::make_shared<LoraAdapter>(LoraAdapter::load(adapter, model.config())));
+  if (!adapter.empty()) model.set_adapter(load_adapter(adapter, model, model_dir));
   const ModelConfig c = model.config();
   SafetensorsReader in(inputs);
   ForwardInputs fi = read_forward_inputs(in, c.vocab_size);
