@@ -271,6 +271,14 @@ TEST(Train, Fp8PrecisionTrainsResumesAndMaySwitch) {
   fs::remove_all(dir);
 }
 
+// `train ARGS` into fresh dir/a (the fp32 gradient buffer) and dir/b (--gradients in-backward).
+static void train_fp32_and_in_backward(const std::string& args, const std::string& dir) {
+  fs::remove_all(dir + "/a");
+  fs::remove_all(dir + "/b");
+  ASSERT_EQ(run("train " + args + " --out " + dir + "/a"), 0);
+  ASSERT_EQ(run("train " + args + " --gradients in-backward --out " + dir + "/b"), 0);
+}
+
 // --gradients in-backward on the CPU engine (the same semantics over its host buffers; model/engine.h Gradients):
 // the trainer's in-backward step (the norm pass, the clip factor from it, the updating pass) is bitwise the fp32
 // mode's step with clipping active, without the norm pass (--clip 0), and with --nan-policy skip (the norm pass
@@ -286,10 +294,7 @@ TEST(Train, GradientsInBackwardIsTheFp32Step) {
   };
   for (const char* extra : {" --clip 0.05", " --clip 0", " --clip 0.05 --nan-policy skip"}) {
     SCOPED_TRACE(extra);
-    fs::remove_all(dir + "/a");
-    fs::remove_all(dir + "/b");
-    ASSERT_EQ(run("train " + args + extra + " --out " + dir + "/a"), 0);
-    ASSERT_EQ(run("train " + args + extra + " --gradients in-backward --out " + dir + "/b"), 0);
+    train_fp32_and_in_backward(args + extra, dir);
     const auto la = train_losses(dir + "/a/metrics.jsonl"), lb = train_losses(dir + "/b/metrics.jsonl");
     const auto na = norms(dir + "/a/metrics.jsonl"), nb = norms(dir + "/b/metrics.jsonl");
     ASSERT_EQ(la.size(), 4u);
@@ -354,10 +359,7 @@ TEST(Train, GradientsInBackwardStepWithoutTargets) {
   };
   for (const char* extra : {" --clip 0", " --clip 1"}) {
     SCOPED_TRACE(extra);
-    fs::remove_all(dir + "/a");
-    fs::remove_all(dir + "/b");
-    ASSERT_EQ(run("train " + args + extra + " --out " + dir + "/a"), 0);
-    ASSERT_EQ(run("train " + args + extra + " --gradients in-backward --out " + dir + "/b"), 0);
+    train_fp32_and_in_backward(args + extra, dir);
     const auto sa = steps(dir + "/a/metrics.jsonl"), sb = steps(dir + "/b/metrics.jsonl");
     ASSERT_EQ(sa.size(), 10u);
     const auto no_targets = std::count_if(sa.begin(), sa.end(), [](auto& s) { return s.first == 0.0; });

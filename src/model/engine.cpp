@@ -679,7 +679,7 @@ InBackwardStep in_backward_step(Engine& e, const PackedBatch& b, double grad_sca
     out.result = first;
     out.grad_sum_squares = sumsq;
     if (!std::isfinite(first.loss_sum) || !std::isfinite(norm)) return out;
-    if (clip > 0 && norm > clip) p.grad_scale = clip / (norm + 1e-6);
+    p.grad_scale = clip_factor(norm, clip);
     e.arm_in_backward(&p);
     out.result = e.forward_backward(b, grad_scale, z_loss);
     out.updated = true;

@@ -258,6 +258,10 @@ std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host,
 // backward with p.grad_scale = the clip factor (clip / (norm + 1e-6) when the norm exceeds clip > 0, else 1, as the
 // fp32 mode's step computes it); without the norm pass, the updating pass alone (p.grad_scale 1) and the norm its
 // backward took. `updated` false: the norm pass found a non-finite loss or norm and nothing was updated.
+// Global-norm clipping's factor on the gradients: clip / (norm + 1e-6) when clip > 0 and the norm exceeds it,
+// else 1 (torch.nn.utils.clip_grad_norm_'s rule; the trainer's, bench step's and in_backward_step's one definition).
+inline double clip_factor(double norm, double clip) { return clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0; }
+
 struct InBackwardStep {
   LossResult result;
   double grad_sum_squares = 0;

@@ -1040,8 +1040,7 @@ int train(TrainOptions cli) {
       run.skip_update(step, loss, gnorm, lr, batches.tokens);
     } else {
       if (!updated) {
-        const double clip_scale = (opt.clip > 0 && gnorm > opt.clip) ? opt.clip / (gnorm + 1e-6) : 1.0;
-        engine->optimizer_step(adamw_params(opt, lr, ++progress.optimizer_steps, clip_scale));
+        engine->optimizer_step(adamw_params(opt, lr, ++progress.optimizer_steps, clip_factor(gnorm, opt.clip)));
       }
       run.log_step(step, loss, gnorm, lr, batches.tokens, t0);
     }

@@ -415,7 +415,7 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
     LossResult r = gpu->forward_backward(b, scale);
     double gn = std::sqrt(gpu->grad_sum_squares());
     ops::AdamWParams q = ap;
-    q.grad_scale = memory.clip > 0 && gn > memory.clip ? memory.clip / (gn + 1e-6) : 1.0;
+    q.grad_scale = clip_factor(gn, memory.clip);
     gpu->optimizer_step(q);
     return std::pair<double, double>{r.loss_sum * scale, gn};
   };

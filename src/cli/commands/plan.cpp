@@ -72,13 +72,11 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
              optimizer_state_name(plan.optimizer_state), state_what, chosen_state ? "; chosen by --memory auto" : "",
              recompute_name(plan.recompute), rc_what, chosen_rc ? "; chosen by --memory auto" : "",
              p.gated_delta_rule.empty() ? "-" : p.gated_delta_rule, p.attention.empty() ? "-" : p.attention);
-  fmt::print("  gradients: {}{}\n",
-             plan.gradients == Gradients::InBackward
-                 ? (plan.norm_pass ? "in-backward (each unit updated in the backward; fp32 slots of the embedding, "
-                                     "head and two layers; with --clip a norm-only pass first, about 1.85x the step)"
-                                   : "in-backward (each unit updated in the backward; fp32 slots of the embedding, "
-                                     "head and two layers)")
-                 : "fp32 (one buffer of every parameter)",
+  const bool ib = plan.gradients == Gradients::InBackward;
+  fmt::print("  gradients: {}{}{}\n",
+             ib ? "in-backward (each unit updated in the backward; fp32 slots of the embedding, head and two layers"
+                : "fp32 (one buffer of every parameter)",
+             !ib ? "" : plan.norm_pass ? "; with --clip a norm-only pass first, about 1.85x the step)" : ")",
              chosen_grads ? "; chosen by --memory auto" : "");
   // Bytes per parameter beside each part: the figure the optimizer-state and gradient modes trade in.
   const double per = static_cast<double>(cfg.num_parameters());
