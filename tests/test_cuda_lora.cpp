@@ -3,7 +3,7 @@
 // there, test_lora.cpp): the loss and logits within the bf16 bands of the other CudaEngine tests (1e-2), the adapters'
 // gradients within 5e-2 relative L2; AdamW steps with dropout (the same masks on both engines) tracking the CPU's; a
 // resume from the engine's checkpoint tensors bitwise; the frozen base unchanged and without gradients; the plan's
-// adapter bytes; and `deltastack train --device cuda --lora-rank` end to end (resume bitwise, a CPU checkpoint
+// adapter bytes; --precision fp8 (the base's dgrad in FP8, the LoRA term bf16) against the CPU's emulation; and `deltastack train --device cuda --lora-rank` end to end (resume bitwise, a CPU checkpoint
 // continued on the GPU, forward --grads under PEFT's keys).
 #ifdef DELTASTACK_CUDA
 
@@ -47,14 +47,14 @@ ds::PackedBatch fixture_batch(const ds::ModelConfig& c) {
 
 // The fixture's base with a copy of `adapter` (its values; dropout as given) on engine `device`.
 std::unique_ptr<ds::Engine> engine_with(const std::string& device, const ds::LoraAdapter& adapter,
-                                        const ds::PackedBatch& b) {
+                                        const ds::PackedBatch& b, ds::Precision precision = ds::Precision::Bf16) {
   ds::Qwen35Model m(ds::ModelConfig::from_file(fixture(kBase)));
   m.load(fixture(kBase));
   m.set_adapter(std::make_shared<ds::LoraAdapter>(adapter));
-  ds::GpuPlan plan = ds::GpuPlan::windows(1, b.size(), static_cast<int64_t>(b.cu_seqlens.size()) - 1);
+  ds::GpuPlan plan;  // exactly this batch
   plan.max_tokens = b.size();
   plan.max_seqs = static_cast<int64_t>(b.cu_seqlens.size()) - 1;
-  plan.rows = 0;
+  plan.precision = precision;
   return ds::make_engine(device, std::move(m), plan);
 }
 
@@ -119,6 +119,28 @@ TEST(CudaLora, ForwardAndAdapterGradsMatchCpu) {
   const std::vector<float> want(cc.logits_values.end() - V, cc.logits_values.end());
   EXPECT_LE(rel_l2(last, want), 1e-2);
   EXPECT_EQ(static_cast<int64_t>(gc.logits_values.size()), N * V);
+}
+
+// --precision fp8: the frozen base's GEMMs in FP8 (dgrad only: no weight-gradient cast or GEMM), the LoRA term in
+// bf16; against the CPU engine's emulation of the same casts (docs/fp8.md): loss within 2e-2, adapter gradients
+// within 1e-1 relative L2.
+TEST(CudaLora, Fp8BaseKeepsTheLoraTermAndTracksTheCpuEmulation) {
+  DS_SKIP_WITHOUT_GPU();
+  const ds::ModelConfig c = ds::ModelConfig::from_file(fixture(kBase));
+  const ds::LoraAdapter a = ds::LoraAdapter::load(fixture(kAdapter), c);
+  const ds::PackedBatch b = fixture_batch(c);
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  std::unique_ptr<ds::Engine> cpu = engine_with("cpu", a, b, ds::Precision::Fp8),
+                              gpu = engine_with("cuda", a, b, ds::Precision::Fp8);
+  if (gpu->precision() != ds::Precision::Fp8) GTEST_SKIP() << "the FP8 GEMM backend failed its probe here";
+  cpu->zero_grads();
+  gpu->zero_grads();
+  const ds::LossResult rc = cpu->forward_backward(b, scale), rg = gpu->forward_backward(b, scale);
+  EXPECT_LE(std::abs(rg.loss_sum - rc.loss_sum) / rc.loss_sum, 2e-2);
+  const double err = rel_l2(flat(values_of(gpu->grad_tensors())), flat(values_of(cpu->grad_tensors())));
+  std::printf("[ measured ] fp8 GPU LoRA vs the CPU's emulation: loss %.3g, adapter grads %.3g (rel. L2)\n",
+              std::abs(rg.loss_sum - rc.loss_sum) / rc.loss_sum, err);
+  EXPECT_LE(err, 1e-1);
 }
 
 // The base is frozen in bf16: its weights read back as the bf16 rounding of the host's, unchanged by updates; its
