@@ -256,7 +256,7 @@ TEST(CudaLora, ResumeFromCheckpointTensorsIsBitwise) {
   for (const auto& [k, v] : cpu_names) EXPECT_EQ(moments.at(k).size(), v.size()) << k;
   const double l3 = step(*one, 3), l4 = step(*one, 4);
   std::unique_ptr<ds::Engine> two = engine_with("cuda", saved, b);
-  two->load_optimizer([&](const std::string& name, int64_t n) {
+  two->load_optimizer([&](const std::string& name, int64_t n, int64_t /*flat_offset*/) {
     EXPECT_EQ(static_cast<int64_t>(moments.at(name).size()), n) << name;
     return moments.at(name);
   });

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <thread>
@@ -37,6 +38,8 @@
 #include "ops/adamw/adamw.h"
 #include "ops/adamw/q8_state.h"
 #include "test_util.h"
+#include "train/checkpoint.h"
+#include "train_test_util.h"
 
 namespace {
 
@@ -377,7 +380,8 @@ TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
 // first (in_backward_step, clipping active at step 3) and without it: every loss, the gradient norm, an evaluation
 // between steps, and the weights and moments at the end are bitwise equal. In the fp32 and 8bit states, with
 // selective and full recompute, with a tied and an untied lm_head (the head's slot shared with the embedding's, or
-// its own).
+// its own). Step 4 runs without a backward (grad_scale 0, as for a batch without targets): the update over zero
+// gradients runs in both modes.
 TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
   DS_SKIP_WITHOUT_GPU();
   for (const bool tied : {true, false}) {
@@ -413,14 +417,15 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
           for (int64_t t = 1; t <= 5; ++t) {
             ap.step = t;
             const double step_clip = t == 3 ? clip : 0.0;
+            const double step_scale = t == 4 ? 0.0 : scale;  // a batch without targets: an update over zero gradients
             if (g == ds::Gradients::InBackward) {
-              const ds::InBackwardStep s = ds::in_backward_step(*gpu, b, scale, 0.0, ap, step_clip, norm_first);
+              const ds::InBackwardStep s = ds::in_backward_step(*gpu, b, step_scale, 0.0, ap, step_clip, norm_first);
               EXPECT_TRUE(s.updated);
               r.values.push_back(s.result.loss_sum);
               r.values.push_back(s.grad_sum_squares);
             } else {
               gpu->zero_grads();
-              r.values.push_back(gpu->forward_backward(b, scale).loss_sum);
+              r.values.push_back(gpu->forward_backward(b, step_scale).loss_sum);
               const double ss = gpu->grad_sum_squares(), norm = std::sqrt(ss);
               r.values.push_back(ss);
               ds::ops::AdamWParams q = ap;
@@ -446,6 +451,7 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
         };
         const Run ref = run(ds::Gradients::Fp32, 0.5, false);
         ASSERT_GT(std::sqrt(ref.values[6]), 0.5) << "step 3 should clip";  // values: l1 s1 l2 s2 eval l3 s3 ...
+        ASSERT_EQ(ref.values[8], 0.0) << "step 4 has no gradient";
         const Run one = run(ds::Gradients::InBackward, 0.5, false), two = run(ds::Gradients::InBackward, 0.5, true);
         EXPECT_EQ(ref.values, one.values);
         EXPECT_EQ(ref.values, two.values);
@@ -456,6 +462,67 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
         EXPECT_LT(ref.values[ref.values.size() - 2], ref.values[0]);  // it trains (step 5's loss below step 1's)
       }
   }
+}
+
+// The 8bit state's checkpoint entries (model/engine.h moment_scale_name): the GEMM weights' moments as U8 codes with
+// F32 block scales, the small parameters' as F32; written by optimizer_tensors, read back by the trainer's loader
+// (train/checkpoint.cpp load_optimizer_state) into a fresh engine, which then takes the same next steps bitwise; and
+// into a fp32-state engine, whose moments are the codes' dequantized values.
+TEST(CudaEngine, EightBitCheckpointStoresCodesAndResumesBitwise) {
+  DS_SKIP_WITHOUT_GPU();
+  ds::Qwen35Model host = tiny_chunked_host(23);
+  const ds::ModelConfig& c = host.config();
+  const ds::PackedBatch b = make_batch({60, 100, 33}, c.vocab_size, 37);
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  ds::GpuPlan plan = ds::GpuPlan::windows(1, b.size(), 3);
+  plan.optimizer_state = ds::OptimizerState::EightBit;
+  plan.recompute = ds::Recompute::Selective;
+  plan.gradients = ds::Gradients::Fp32;
+  ds::ops::AdamWParams ap;
+  ap.lr = 3e-3;
+  ap.weight_decay = 0.1;
+  auto step = [&](ds::Engine& e, int64_t t) {
+    e.zero_grads();
+    const double loss = e.forward_backward(b, scale).loss_sum;
+    ap.step = t;
+    e.optimizer_step(ap);
+    return loss;
+  };
+  std::unique_ptr<ds::Engine> a = ds::make_engine("cuda", host, plan);
+  for (int64_t t = 1; t <= 3; ++t) step(*a, t);
+  const std::string dir = ds::test::fresh_tmpdir("cuda_codes");
+  const std::vector<ds::SaveTensor> opt = a->optimizer_tensors();
+  int u8 = 0;
+  for (const ds::SaveTensor& t : opt) u8 += t.dtype == ds::DType::U8;
+  EXPECT_GT(u8, 0);
+  ds::write_safetensors(dir + "/optimizer.safetensors", opt);
+  ds::write_safetensors(dir + "/model.safetensors", a->checkpoint_weight_tensors());
+  ds::Qwen35Model from(c, ds::Qwen35Model::Deferred{});
+  from.defer_load(dir + "/model.safetensors");
+  std::unique_ptr<ds::Engine> r = ds::make_engine("cuda", from, plan);
+  ds::load_optimizer_state(*r, dir);
+  for (int64_t t = 4; t <= 5; ++t) EXPECT_EQ(step(*a, t), step(*r, t)) << "step " << t;
+  // Into the fp32 state: the moments are the codes' values.
+  ds::GpuPlan p32 = plan;
+  p32.optimizer_state = ds::OptimizerState::Fp32;
+  std::unique_ptr<ds::Engine> f = ds::make_engine("cuda", from, p32);
+  ds::load_optimizer_state(*f, dir);
+  const ds::CheckpointReader ck(dir + "/optimizer.safetensors");
+  for (const ds::ParamSpec& p : f->params()) {
+    if (!ds::is_matrix(p)) continue;
+    const std::string name = "exp_avg." + p.name;
+    ASSERT_EQ(ck.info(name).dtype, ds::DType::U8) << name;
+    const std::string codes = ck.copy_bytes(name);
+    const std::vector<float> sc = ck.read_f32(ds::moment_scale_name(name));
+    std::vector<float> want(static_cast<size_t>(p.numel)), got(want.size());
+    ds::ops::dequantize_moment_8bit(0, reinterpret_cast<const uint8_t*>(codes.data()), sc.data(), p.numel, p.offset,
+                                    want.data());
+    for (const ds::SaveTensor& t : f->optimizer_tensors())
+      if (t.name == name) t.f32_reader(0, p.numel, got.data());
+    EXPECT_TRUE(want == got) << name;
+    break;  // one tensor is enough: the loader is the same for all
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // --shard optimizer's offsets at ranks other than 0 (model/gpu_params.h ParamShard, GpuAdamW's share-local

@@ -349,8 +349,9 @@ TEST(LoraTrain, SigintSavesTheAdapterAndResumesBitwise) {
   fs::remove_all(dir);
 }
 
-// A resume whose base weights changed since (the same path, other values) stops with the fingerprints; so does an
-// export --merge of its checkpoint; a base that is gone is named as such.
+// A resume whose base weights changed since (the same path, other values) stops with the fingerprints; so do an
+// export --merge of its checkpoint and the checkpoint as eval / generate / forward / train --adapter on that base;
+// a base that is gone is named as such, and a base made from a config.json is not needed at its path.
 TEST(LoraTrain, ResumeAndMergeCheckTheBaseFingerprint) {
   const auto [dir, base, lora] = lora_setup("lora_fingerprint");
   std::string log;
@@ -367,18 +368,44 @@ TEST(LoraTrain, ResumeAndMergeCheckTheBaseFingerprint) {
   EXPECT_EQ(run("export " + dir + "/a/checkpoint-2 " + dir + "/m --merge", &log), 1);
   EXPECT_NE(log.find("the base changed since"), std::string::npos) << log;
   EXPECT_FALSE(fs::exists(dir + "/m"));
+  // The checkpoint as --adapter of the changed base (the same shapes): refused by eval, generate, forward and train,
+  // naming both fingerprints, where it once applied silently.
+  const std::string fp = json::parse(ds::read_file(dir + "/a/checkpoint-2/trainer_state.json"))["lora"]["base_fingerprint"];
+  ds::write_file_atomic(dir + "/text.txt", "To be, or not to be, that is the question.");
+  for (const std::string& cmd : {"eval --model " + base + " --data " + dir + "/text.txt --seq-len 16",
+                                 "generate --model " + base + " --prompt To --max-new-tokens 2",
+                                 "forward --model " + base + " --inputs " + fixture(kBase + "/inputs.safetensors") +
+                                     " --output " + dir + "/o.safetensors",
+                                 "train " + lora + " --steps 1 --out " + dir + "/c"}) {
+    SCOPED_TRACE(cmd);
+    EXPECT_EQ(run(cmd + " --threads 1 --adapter " + dir + "/a/checkpoint-2", &log), 1);
+    EXPECT_NE(log.find("an adapter fits only the base it was trained on"), std::string::npos) << log;
+    EXPECT_NE(log.find(fp), std::string::npos) << log;
+  }
+  EXPECT_FALSE(fs::exists(dir + "/o.safetensors"));
   // The base gone (the checkpoint holds only the adapter): both say so, naming its path.
   fs::rename(dir + "/base", dir + "/moved");
   EXPECT_EQ(run("train --resume " + dir + "/a/checkpoint-1 --threads 1 --out " + dir + "/b", &log), 1);
   EXPECT_NE(log.find("its base model " + base + " (options.model) does not exist"), std::string::npos) << log;
   EXPECT_EQ(run("export " + dir + "/a/checkpoint-2 " + dir + "/m --merge", &log), 1);
   EXPECT_NE(log.find("its base model " + base + " (options.model) does not exist"), std::string::npos) << log;
+  // A base made from a config.json and the seed needs nothing at its path: with the file gone, resume and
+  // export --merge rebuild it from the checkpoint's config.json (its fingerprint checked).
+  std::string small = ds::test::small_setup(dir);
+  fs::copy_file(dir + "/config.json", dir + "/base.json");
+  small.replace(small.find(dir + "/config.json"), dir.size() + 12, dir + "/base.json");
+  ASSERT_EQ(run("train " + small + " --lora-rank 2 --steps 1 --threads 1 --out " + dir + "/d", &log), 0) << log;
+  fs::remove(dir + "/base.json");
+  EXPECT_EQ(run("train --resume " + dir + "/d/checkpoint-1 --steps 2 --threads 1", &log), 0) << log;
+  EXPECT_EQ(run("export " + dir + "/d/checkpoint-2 " + dir + "/dm --merge", &log), 0) << log;
+  EXPECT_TRUE(fs::exists(dir + "/dm/model.safetensors"));
   fs::remove_all(dir);
 }
 
 // `export` of a LoRA checkpoint: the PEFT adapter directory (the checkpoint's adapter values, its tokenizer), and
 // with --merge the base with the adapter merged, whose logits are the base-with-adapter's within 1e-5; eval and
-// generate --adapter on the base give what the merged model gives. A full checkpoint refuses --merge.
+// generate --adapter on the base give what the merged model gives. A full checkpoint refuses --merge; an adapter
+// given as --model is an error saying to give it as --adapter; an export into a missing parent creates it.
 TEST(LoraTrain, ExportAdapterAndMergedModelAgreeWithEvalAndGenerate) {
   const auto [dir, base, lora] = lora_setup("lora_export");
   std::string log;
@@ -434,6 +461,16 @@ TEST(LoraTrain, ExportAdapterAndMergedModelAgreeWithEvalAndGenerate) {
   // --merge of a full checkpoint is an error.
   EXPECT_EQ(run("export " + base + " " + dir + "/full --merge", &log), 1);
   EXPECT_NE(log.find("is not a LoRA checkpoint"), std::string::npos) << log;
+  // README's `export CKPT out/adapter` into a fresh out/: the missing parent is created.
+  ASSERT_EQ(run("export " + ck + " " + dir + "/out/adapter", &log), 0) << log;
+  EXPECT_TRUE(ds::read_file(dir + "/out/adapter/adapter_model.safetensors") ==
+              ds::read_file(dir + "/adapter/adapter_model.safetensors"));
+  // The adapter given as --model (it holds no weights): the error says how to give it.
+  for (const std::string& a : {dir + "/adapter", ck}) {
+    EXPECT_EQ(run("generate --model " + a + gen, &log), 1);
+    EXPECT_NE(log.find(a + ": holds a LoRA adapter (adapter_config.json), not a model's weights: give the base model "
+                       "as --model and this directory as --adapter"), std::string::npos) << log;
+  }
   fs::remove_all(dir);
 }
 

@@ -27,6 +27,7 @@
 #include "core/cpu_blas.h"
 #include "core/cuda/device.h"
 #include "core/files.h"
+#include "train/checkpoint.h"
 #include "train/run_dir.h"
 #include "train_test_util.h"
 
@@ -874,6 +875,14 @@ TEST(RunSafety, SaveRefusedWhenTheDiskIsTooSmall) {
   EXPECT_EQ(rc, 1) << log;
   EXPECT_TRUE(contains(log, "not training: checkpoint-2 (due at step 2) needs")) << log;
   EXPECT_TRUE(contains(log, "GiB but only 0.00 GiB is free")) << log;
+  // One byte short: the two sizes would print as the same GiB, so they are given in bytes.
+  const int64_t need = ds::checkpoint_bytes_estimate(ds::ModelConfig::from_file(dir + "/config.json"), "fp32");
+  {
+    const std::string short_by_one = std::to_string(need - 1);
+    const ScopedEnv env({{"DELTASTACK_TEST_DISK_FREE_BYTES", short_by_one.c_str()}});
+    EXPECT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 2 --out " + out, &log), 1) << log;
+  }
+  EXPECT_TRUE(contains(log, fmt::format("needs {} bytes but only {} bytes is free", need, need - 1))) << log;
   EXPECT_FALSE(fs::exists(out + "/.checkpoint-2.tmp"));
   EXPECT_FALSE(fs::exists(out + "/checkpoint-2"));
   EXPECT_FALSE(contains(read_or_empty(out + "/metrics.jsonl"), "\"loss\"")) << "a step was trained";

@@ -486,11 +486,16 @@ TEST_F(SafetensorsTmp, CorruptFilesRaiseErrorsNamingTheFile) {
   expect_bad_file(put("badutf8.safetensors", image("{\"\xff\":{}}", 0)), "JSON");
   expect_bad_file(path("does_not_exist.safetensors"), "cannot open");
 
-  // Tolerated: trailing padding, gaps, zero-size tensors sharing an offset, empty header object.
+  // Refused as the safetensors library refuses them: a gap before a tensor, bytes after the last one.
+  expect_bad_file(put("gap.safetensors", image(R"({"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})", 6)),
+                  "a gap no tensor claims");
+  expect_bad_file(put("trailing.safetensors", image(R"({"b":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})", 10)),
+                  "6 trailing bytes");
+  // Tolerated: header padding, zero-size tensors sharing an offset (anywhere), empty header object.
   ds::SafetensorsReader ok1(put("ok1.safetensors",
-                                image(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[4,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})" +
+                                image(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[4,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})" +
                                           std::string(5, ' '),
-                                      10)));
+                                      4)));
   EXPECT_EQ(ok1.read_i64("b").size(), 4u);
   ds::SafetensorsReader ok2(put("ok2.safetensors", image("{}", 0)));
   EXPECT_TRUE(ok2.tensors().empty());

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -188,6 +189,15 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(r.resume, "ck");
   cli.given.push_back("lr");
   expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "--lr cannot change on --resume");
+  cli.given.pop_back();
+  old["micro_batch"] = 2.5;  // an edited file: not silently truncated to 2
+  expect_error([&] { ds::resumed_options(cli, old, "st.json"); },
+               "st.json: field \"options.micro_batch\" must be an integer, got 2.5");
+  old["micro_batch"] = true;
+  expect_error([&] { ds::resumed_options(cli, old, "st.json"); },
+               "st.json: field \"options.micro_batch\" must be an integer, got true");
+  old["micro_batch"] = 2;
+  EXPECT_EQ(ds::resumed_options(cli, old, "st.json").micro_batch, 2);
   old.erase("seq_len");
   expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "st.json: field \"options.seq_len\" is missing");
 
@@ -306,7 +316,59 @@ TEST(Train, GradientsInBackwardIsTheFp32Step) {
   std::string log;
   EXPECT_NE(run("train " + args + " --gradients in-backward --grad-accum 2 --out " + dir + "/e", &log), 0);
   EXPECT_NE(log.find("--grad-accum must be 1"), std::string::npos) << log;
+  // A resume cannot change --grad-accum (nor --micro-batch): the error says so instead of advising them.
+  ASSERT_EQ(run("train " + args + " --steps 1 --grad-accum 2 --out " + dir + "/g"), 0);
+  EXPECT_NE(run("train --resume " + dir + "/g/checkpoint-1 --steps 2 --gradients in-backward", &log), 0);
+  EXPECT_NE(log.find("a resume keeps it); use --gradients fp32"), std::string::npos) << log;
+  EXPECT_EQ(log.find("raise --micro-batch"), std::string::npos) << log;
   EXPECT_NE(run("train " + args + " --gradients fused --out " + dir + "/f"), 0);
+  fs::remove_all(dir);
+}
+
+// --gradients in-backward on steps whose batch has no targets (prompt/completion lines whose long prompts fill
+// whole windows: a window of prompt tokens only has no label): the fp32 mode takes an AdamW step over zero
+// gradients there (grad norm 0; the moments decay, the weight decay applies), and so must the update in the backward
+// (it once skipped it, counted it and logged the previous step's grad norm). Losses, grad norms, weights and moments
+// bitwise the fp32 mode's, with and without the norm pass.
+TEST(Train, GradientsInBackwardStepWithoutTargets) {
+  const std::string dir = tmpdir("inbwd_nolabels");
+  std::istringstream words_in(ds::read_file(ds::test::data_path("tiny_shakespeare.txt")).substr(0, 20000));
+  std::vector<std::string> words;
+  for (std::string w; words_in >> w;) words.push_back(w);
+  std::string jsonl;
+  size_t at = 0;
+  auto take = [&](size_t n) {
+    std::string s;
+    for (size_t i = 0; i < n; ++i) s += (i ? " " : "") + words[at++ % words.size()];
+    return s;
+  };
+  for (int i = 0; i < 40; ++i) jsonl += json{{"prompt", take(i % 3 == 0 ? 6 : 90)}, {"completion", take(3)}}.dump() + "\n";
+  ds::write_file_atomic(dir + "/sft.jsonl", jsonl);
+  const std::string args = ds::test::small_setup_on(dir, dir + "/sft.jsonl") +
+                           " --micro-batch 1 --steps 10 --warmup 1 --threads 1 --save-interval 10";
+  auto steps = [](const std::string& path) {
+    std::vector<std::pair<double, double>> v;  // loss, grad norm
+    for (auto& j : metrics(path))
+      if (j.contains("grad_norm")) v.emplace_back(j["loss"].get<double>(), j["grad_norm"].get<double>());
+    return v;
+  };
+  for (const char* extra : {" --clip 0", " --clip 1"}) {
+    SCOPED_TRACE(extra);
+    fs::remove_all(dir + "/a");
+    fs::remove_all(dir + "/b");
+    ASSERT_EQ(run("train " + args + extra + " --out " + dir + "/a"), 0);
+    ASSERT_EQ(run("train " + args + extra + " --gradients in-backward --out " + dir + "/b"), 0);
+    const auto sa = steps(dir + "/a/metrics.jsonl"), sb = steps(dir + "/b/metrics.jsonl");
+    ASSERT_EQ(sa.size(), 10u);
+    const auto no_targets = std::count_if(sa.begin(), sa.end(), [](auto& s) { return s.first == 0.0; });
+    ASSERT_GE(no_targets, 2) << "the data should give steps without targets";
+    ASSERT_LT(no_targets, 9) << "and steps with targets";
+    for (const auto& s : sa)
+      if (s.first == 0.0) EXPECT_EQ(s.second, 0.0);
+    EXPECT_EQ(sa, sb);
+    for (const char* f : {"/checkpoint-10/model.safetensors", "/checkpoint-10/optimizer.safetensors"})
+      EXPECT_TRUE(ds::read_file(dir + "/a" + f) == ds::read_file(dir + "/b" + f)) << f;
+  }
   fs::remove_all(dir);
 }
 

@@ -205,6 +205,12 @@ TempDir::TempDir(const std::string& dest, const std::string& suffix, bool hidden
     if (file_identity(path_ + "/" + kTempMarker).exists &&
         read_file(path_ + "/" + kTempMarker) == marker_text(::getpid()))
       remove_entry(path_);
+    // The destination's missing parents, as `mkdir -p` (train --out does the same): `export CKPT out/adapter`
+    // into a fresh `out/`.
+    std::error_code ec;
+    const fs::path parent = fs::path(path_).parent_path();
+    if (!parent.empty()) fs::create_directories(parent, ec);
+    DS_CHECK(!ec, "{}: cannot create its parent directory {} ({})", what_, parent.string(), ec.message());
     make_new_dir(path_, what_ + " (its temporary directory)");
     made = true;
     test_gate("DELTASTACK_TEST_TEMPDIR_GATE");

@@ -62,7 +62,8 @@ void replace_checked(const std::string& from, const std::string& to, const FileI
 class TempDir {
  public:
   static constexpr const char* kTempMarker = ".deltastack-temp";
-  // `dest`: the final path; `suffix`: between its name and the pid (".tmp."); `hidden`: a "." before the name.
+  // `dest`: the final path (its missing parent directories are created); `suffix`: between its name and the pid
+  // (".tmp."); `hidden`: a "." before the name.
   TempDir(const std::string& dest, const std::string& suffix, bool hidden, const std::string& what);
   ~TempDir();
   TempDir(const TempDir&) = delete;

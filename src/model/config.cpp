@@ -218,9 +218,17 @@ int64_t ModelConfig::num_parameters() const {
   return total;
 }
 
+void check_not_adapter_dir(const std::string& dir) {
+  std::error_code ec;
+  DS_CHECK(!std::filesystem::exists(std::filesystem::path(dir) / "adapter_config.json", ec), "{}: holds a LoRA adapter "
+           "(adapter_config.json), not a model's weights: give the base model as --model and this directory as "
+           "--adapter", dir);
+}
+
 ModelConfig ModelConfig::from_file(const std::string& path) {
   std::string file = path;
   if (std::filesystem::is_directory(path)) file = (std::filesystem::path(path) / "config.json").string();
+  if (!file_exists(file) && std::filesystem::is_directory(path)) check_not_adapter_dir(path);
   DS_CHECK(file_exists(file), "{}: config file not found", file);
   DS_CHECK(!file.ends_with(".safetensors"), "{}: a safetensors weights file, not a model config; give the checkpoint "
            "directory that holds it beside its config.json (or a config.json)", file);

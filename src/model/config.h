@@ -59,4 +59,9 @@ struct ModelConfig {
   nlohmann::json to_json() const;
 };
 
+// ds::Error when the model directory `dir` holds a LoRA adapter (adapter_config.json: PEFT's files or a LoRA run's
+// checkpoint, no base weights; docs/lora.md), saying to give it as --adapter and its base as --model. Called where a
+// model directory lacks its config.json or weights.
+void check_not_adapter_dir(const std::string& dir);
+
 }  // namespace ds

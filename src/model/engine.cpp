@@ -14,6 +14,7 @@
 #include "dist/communicator.h"
 #include "model/gpu_fp8.h"
 #include "model/gpu_model.h"
+#include "ops/adamw/q8_state.h"
 
 namespace ds {
 
@@ -68,7 +69,9 @@ class CpuEngine final : public Engine, private UnitSource {
   const ModelConfig& config() const override { return model_.config(); }
   const std::vector<ParamSpec>& params() const override { return model_.params(); }
   LossResult forward_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) override {
-    if (gradients_ == Gradients::InBackward && grad_scale != 0.0) return forward_backward_in_backward(b, grad_scale, z_loss, cap);
+    // An armed pass also when grad_scale is 0 (a step whose batch has no targets): its update still runs.
+    if (gradients_ == Gradients::InBackward && (armed_ || grad_scale != 0.0))
+      return forward_backward_in_backward(b, grad_scale, z_loss, cap);
     if (!full()) return model_.forward_backward(b, grad_scale, z_loss, cap);
     begin_units(grad_scale != 0.0 ? order_fb_ : order_f_);
     const LossResult r = model_.forward_backward(b, grad_scale, z_loss, cap);
@@ -163,7 +166,9 @@ class CpuEngine final : public Engine, private UnitSource {
  private:
   // Gradients::InBackward on the CPU engine: the same semantics over the host buffers (the memory it saves is the
   // GPU engine's point): the armed pass's gradients are made from zero, their sum of squares kept, and the armed
-  // update applied after the backward. Bitwise the fp32 mode's step.
+  // update applied after the backward. Bitwise the fp32 mode's step, also for grad_scale 0 (no backward: the
+  // gradients stay zero, their sum is 0 and the update runs over them, as the fp32 mode's step over its zeroed
+  // buffer does).
   LossResult forward_backward_in_backward(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) {
     DS_CHECK(armed_, "internal: a --gradients in-backward backward without arm_in_backward()");
     armed_ = false;
@@ -242,7 +247,7 @@ class CpuEngine final : public Engine, private UnitSource {
     if (const LoraAdapter* a = model_.adapter()) {  // lora_moments' names
       for (const LoraTensorRef& t : lora_tensor_refs(*a))
         for (auto [prefix, dst] : {std::pair{kLoraExpAvg, &m_}, std::pair{kLoraExpAvgSq, &v_}}) {
-          const std::vector<float> x = read(prefix + t.key, t.numel);
+          const std::vector<float> x = read(prefix + t.key, t.numel, -1);
           DS_CHECK(static_cast<int64_t>(x.size()) == t.numel, "optimizer state for {} has the wrong size", t.key);
           std::copy(x.begin(), x.end(), dst->begin() + t.offset);
         }
@@ -251,7 +256,8 @@ class CpuEngine final : public Engine, private UnitSource {
     size_t seg = 0;  // full: segments_ in flat order, at most one per parameter
     for (size_t k = 0; k < model_.params().size(); ++k) {
       const ParamSpec& p = model_.params()[k];
-      const std::vector<float> em = read(exp_avg_name(p), p.numel), ev = read(exp_avg_sq_name(p), p.numel);
+      const std::vector<float> em = read(exp_avg_name(p), p.numel, p.offset),
+                               ev = read(exp_avg_sq_name(p), p.numel, p.offset);
       DS_CHECK(static_cast<int64_t>(em.size()) == p.numel && static_cast<int64_t>(ev.size()) == p.numel,
                "optimizer state for {} has the wrong size", p.name);
       if (full()) {
@@ -578,14 +584,28 @@ class CudaEngine final : public Engine {
                                              moments_dtype(p)));
       return out;
     }
-    for (const ParamSpec& p : params_)
+    for (size_t pi = 0; pi < params_.size(); ++pi) {
+      const ParamSpec& p = params_[pi];
       for (int k = 0; k < gpu->optimizer_state_count(); ++k) {
         const int64_t base = p.offset;
-        out.push_back(make_tensor_f32_reader(gpu->optimizer_state_name(k, p), p.shape,
-                                             [gpu, k, base](int64_t first, int64_t count, float* dst) {
-                                               gpu->read_optimizer_state(k, base + first, count, dst);
-                                             }, moments_dtype(p)));
+        const std::string name = gpu->optimizer_state_name(k, p);
+        if (!gpu->optimizer_codes_8bit(pi)) {
+          out.push_back(make_tensor_f32_reader(name, p.shape, [gpu, k, base](int64_t first, int64_t count, float* dst) {
+            gpu->read_optimizer_state(k, base + first, count, dst);
+          }, moments_dtype(p)));
+          continue;
+        }
+        // The 8bit state's codes and block scales as they are (moment_scale_name, model/engine.h): bitwise.
+        out.push_back(make_tensor_bytes_reader(name, DType::U8, p.shape, [gpu, k, base](int64_t first, int64_t count,
+                                                                                    uint8_t* dst) {
+          gpu->read_optimizer_codes(k, base + first, count, dst);
+        }));
+        out.push_back(make_tensor_f32_reader(moment_scale_name(name), {ops::q8_state::num_blocks(p.offset, p.numel)},
+                                             [gpu, k, pi](int64_t first, int64_t count, float* dst) {
+                                               gpu->read_optimizer_block_scales(k, pi, first, count, dst);
+                                             }));
       }
+    }
     return out;
   }
   void load_optimizer(const TensorSource& read) override {
@@ -593,7 +613,7 @@ class CudaEngine final : public Engine {
       for (const LoraTensorRef& t : lora_)
         for (auto [prefix, which] : {std::pair{kLoraExpAvg, GpuModel::LoraBuffer::ExpAvg},
                                      std::pair{kLoraExpAvgSq, GpuModel::LoraBuffer::ExpAvgSq}}) {
-          const std::vector<float> x = read(prefix + t.key, t.numel);
+          const std::vector<float> x = read(prefix + t.key, t.numel, -1);
           DS_CHECK(static_cast<int64_t>(x.size()) == t.numel, "optimizer state for {} has the wrong size", t.key);
           gpu_->write_lora(which, t.offset, t.numel, x.data());
         }
@@ -602,7 +622,7 @@ class CudaEngine final : public Engine {
     for (const ParamSpec& p : params_)
       for (int k = 0; k < gpu_->optimizer_state_count(); ++k) {
         const std::string name = gpu_->optimizer_state_name(k, p);
-        const std::vector<float> x = read(name, p.numel);
+        const std::vector<float> x = read(name, p.numel, p.offset);
         DS_CHECK(static_cast<int64_t>(x.size()) == p.numel, "optimizer state {} has the wrong size", name);
         gpu_->write_optimizer_state(k, p.offset, p.numel, x.data());
       }
@@ -635,7 +655,8 @@ class CudaEngine final : public Engine {
     return bf16_weights(gpu_->optimizer_state()) && is_matrix(p);
   }
   // The dtype that stores a parameter's moments losslessly: BF16 for the bf16 state's bf16 moments; F32 otherwise
-  // (the 8-bit state's moments dequantized: they re-quantize bitwise, ops/adamw/q8_state.h).
+  // (where the 8-bit state is sharded, its moments dequantized: they re-quantize bitwise, ops/adamw/q8_state.h;
+  // unsharded they are stored as their codes, optimizer_tensors).
   DType moments_dtype(const ParamSpec& p) const {
     return gpu_->optimizer_state() == OptimizerState::Bf16 && is_matrix(p) ? DType::BF16 : DType::F32;
   }

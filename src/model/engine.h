@@ -134,9 +134,21 @@ struct GpuPlan {
   }
 };
 
-// Reads fp32 values of the named tensor, numel elements; ds::Error naming the file and tensor when it is missing
-// or has another element count. The trainer passes a checkpoint reader here on resume.
-using TensorSource = std::function<std::vector<float>(const std::string& name, int64_t numel)>;
+// Reads fp32 values of the named tensor, numel elements, the first of them flat parameter element `flat_offset`
+// (ParamSpec::offset; -1 for a tensor outside the flat parameters, e.g. a LoRA adapter's state); ds::Error naming
+// the file and tensor when it is missing or has another element count. The trainer passes a checkpoint reader here
+// on resume; it dequantizes a moment stored as 8-bit codes (moment_scale_name) by the flat offset's blocks.
+using TensorSource = std::function<std::vector<float>(const std::string& name, int64_t numel, int64_t flat_offset)>;
+
+// The 8bit state's moments in checkpoints (ops/adamw/q8_state.h): "exp_avg.<param>" / "exp_avg_sq.<param>" hold the
+// U8 codes (of m, and of sqrt(v)) in the parameter's shape, and moment_scale_name of that name ("exp_avg_scale.
+// <param>" / "exp_avg_sq_scale.<param>") the F32 scale of each 256-element block of the flat parameter range
+// (ops::q8_state::num_blocks(offset, numel) of them; the first and last block may be cut by the parameter's ends).
+// 1 byte per element instead of F32's 4, bitwise the device's state.
+inline std::string moment_scale_name(const std::string& state_name) {
+  const size_t dot = state_name.find('.');
+  return state_name.substr(0, dot) + "_scale" + state_name.substr(dot);
+}
 
 class Engine {
  public:
@@ -165,7 +177,10 @@ class Engine {
   virtual double grad_sum_squares() = 0;
   // Gradients::InBackward only (the `gradients()` in use): what the next forward_backward's backward does with each
   // unit's final gradients. update null: their sums of squares are kept (grad_sum_squares) and nothing else (the
-  // norm pass); else the AdamW update `*update` (p.grad_scale: the clip factor) of the unit, its sum kept too.
+  // norm pass); else the AdamW update `*update` (p.grad_scale: the clip factor) of the unit, its sum kept too. A
+  // forward_backward with grad_scale 0 (a batch without targets) still consumes the arming: it runs no backward, so
+  // every unit's gradients are zero, their sums 0, and an armed update runs over them (as the fp32 mode's
+  // optimizer_step after a zero_grads() does: the moments decay, the weight decay applies, the step counts).
   // ds::Error in the fp32 mode. in_backward_step() (below) is the step built on it.
   virtual void arm_in_backward(const ops::AdamWParams* /*update*/) {
     fail("internal: arm_in_backward() needs --gradients in-backward");
@@ -207,8 +222,8 @@ class Engine {
   // (no copy of the whole state in host memory). The engine must outlive the write.
   //   weight_tensors: the parameters with HF names (A_log and linear_attn.norm.weight stay F32 whatever dtype);
   //   optimizer_tensors: the optimizer's own state ("exp_avg.<name>", "exp_avg_sq.<name>" for AdamW; F32, or
-  //   BF16 where the moments live in bf16: lossless either way; the 8-bit state's moments dequantized to F32,
-  //   which re-quantize to the same codes and scales).
+  //   BF16 where the moments live in bf16: lossless either way; the 8-bit state's moments as U8 codes with their
+  //   F32 block scales, moment_scale_name, or dequantized to F32 where the state is sharded: bitwise either way).
   virtual std::vector<SaveTensor> weight_tensors(DType dtype = DType::F32) = 0;
   // The weights as a checkpoint keeps them: lossless in the smallest dtype (F32; BF16 for a weight that lives in
   // bf16 only, bf16_weights(OptimizerState)).

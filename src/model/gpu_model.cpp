@@ -766,6 +766,16 @@ struct GpuModel::Impl {
         K::embedding_backward(B.emb_uniq, B.emb_starts, B.emb_pos, num_uniq, d.dh, mp.grad.embed_tokens, H, stream);
       }
       unit_final(0);  // the embedding (and a tied lm_head): last
+    } else if (in_backward() && ib_armed) {
+      // An armed pass over a batch without targets (grad_scale 0, no backward): every unit's gradients are zero;
+      // their sums and the armed update run over the zeroed slots in the backward's unit order, as the fp32 mode's
+      // step runs over its zeroed buffer (model/engine.h arm_in_backward).
+      ib_armed = false;
+      for (size_t u = static_cast<size_t>(L + 1);; --u) {
+        begin_unit(u);
+        update_in_backward(u);
+        if (u == 0) break;
+      }
     }
     reduce = nullptr;  // armed for one backward
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -1156,6 +1166,16 @@ void GpuModel::write_optimizer_state(int which, int64_t first, int64_t count, co
   impl_->optimizer->write_state(which, first, count, src, impl_->stream);
 }
 
+bool GpuModel::optimizer_codes_8bit(size_t k) const { return impl_->optimizer->codes_8bit(k); }
+void GpuModel::read_optimizer_codes(int which, int64_t first, int64_t count, uint8_t* dst) const {
+  impl_->join_side();
+  impl_->optimizer->read_codes(which, first, count, dst, impl_->stream);
+}
+void GpuModel::read_optimizer_block_scales(int which, size_t k, int64_t first_block, int64_t count, float* dst) const {
+  impl_->join_side();
+  impl_->optimizer->read_block_scales(which, k, first_block, count, dst, impl_->stream);
+}
+
 void GpuModel::download_grads(std::vector<float>& out) const {
   out.resize(static_cast<size_t>(impl_->P));
   read(Buffer::Grads, 0, impl_->P, out.data());
@@ -1195,6 +1215,9 @@ void GpuModel::download_grads(std::vector<float>&) const {}
 LoraAdapter* GpuModel::adapter() const { return nullptr; }
 void GpuModel::read_lora(LoraBuffer, int64_t, int64_t, float*) const {}
 void GpuModel::write_lora(LoraBuffer, int64_t, int64_t, const float*) {}
+bool GpuModel::optimizer_codes_8bit(size_t) const { return false; }
+void GpuModel::read_optimizer_codes(int, int64_t, int64_t, uint8_t*) const {}
+void GpuModel::read_optimizer_block_scales(int, size_t, int64_t, int64_t, float*) const {}
 GpuModel::DeviceGrads GpuModel::device_grads() { return {nullptr, 0, nullptr}; }
 GpuModel::ShardBuffers GpuModel::shard_buffers() { return {}; }
 void GpuModel::reduce_grads_during_next_backward(std::function<void(float*, int64_t, void*)>) {}

@@ -162,6 +162,31 @@ void GpuAdamW::read_q8(int which, size_t k, int64_t first, int64_t count, float*
   }
 }
 
+void GpuAdamW::read_codes(int which, int64_t first, int64_t count, uint8_t* dst, cudaStream_t stream) const {
+  DS_CHECK(which == 0 || which == 1, "adamw: state tensor {} does not exist", which);
+  const size_t k = store_.param_at(first, count);
+  DS_CHECK(codes_8bit(k), "adamw: {} has no 8-bit codes (state {}, sharded {})", store_.params()[k].name,
+           optimizer_state_name(store_.state()), store_.sharded());
+  if (count == 0) return;
+  DS_CUDA_CHECK(cudaMemcpyAsync(dst, (which == 0 ? mq_ : vq_) + (first - store_.share_lo()), count,
+                                cudaMemcpyDeviceToHost, stream));
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void GpuAdamW::read_block_scales(int which, size_t k, int64_t first_block, int64_t count, float* dst,
+                                 cudaStream_t stream) const {
+  DS_CHECK(which == 0 || which == 1, "adamw: state tensor {} does not exist", which);
+  DS_CHECK(codes_8bit(k), "adamw: {} has no 8-bit codes", store_.params()[k].name);
+  const auto [a, b] = piece(k);
+  DS_CHECK(first_block >= 0 && count >= 0 && first_block + count <= Q::num_blocks(a, b - a),
+           "adamw: block scales [{}, {}) outside the {} of {}", first_block, first_block + count,
+           Q::num_blocks(a, b - a), store_.params()[k].name);
+  if (count == 0) return;
+  DS_CUDA_CHECK(cudaMemcpyAsync(dst, (which == 0 ? ma_ : va_) + q0_[k] + first_block, count * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream));
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
 // Whole blocks only (a block's scale depends on all of its elements): the slab must start and end on a block
 // boundary of the parameter (its ends, or multiples of 256, which every share boundary is).
 void GpuAdamW::write_q8(int which, size_t k, int64_t first, int64_t count, const float* src, cudaStream_t stream) {

@@ -4,7 +4,8 @@
 // offsets; bf16-only parameters (the bf16 layout's GEMM weights) get bf16 moments at their flat offsets and the
 // stochastic-rounding update of ops/adamw/bf16_state.h, or in the 8bit state 8-bit codes of m and sqrt(v) at their
 // flat offsets with one fp32 scale per block (ops/adamw/q8_state.h). Checkpoints hold fp32 values in every state
-// (bf16 widened exactly, 8-bit codes dequantized; an fp32 value loaded into a bf16 moment is rounded to nearest,
+// (bf16 widened exactly, 8-bit codes dequantized; checkpoints store the 8-bit codes themselves through read_codes /
+// read_block_scales, and the loader dequantizes them; an fp32 value loaded into a bf16 moment is rounded to nearest,
 // into an 8-bit one quantized, which gives back a saved 8-bit state bitwise), so a run may resume in another state.
 #pragma once
 #ifdef DELTASTACK_CUDA
@@ -40,6 +41,14 @@ class GpuOptimizer {
   virtual std::string state_name(int which, const ParamSpec& p) const = 0;
   virtual void read_state(int which, int64_t first, int64_t count, float* dst, cudaStream_t stream) const = 0;
   virtual void write_state(int which, int64_t first, int64_t count, const float* src, cudaStream_t stream) = 0;
+  // The 8bit state as stored (model/engine.h moment_scale_name), unsharded: whether parameter k's moments are 8-bit
+  // codes; the codes of flat elements [first, first + count) (inside one such parameter); and `count` of the block
+  // scales of parameter k from its block `first_block` (q8_state::num_blocks(offset, numel) blocks in all).
+  virtual bool codes_8bit(size_t /*k*/) const { return false; }
+  virtual void read_codes(int /*which*/, int64_t /*first*/, int64_t /*count*/, uint8_t* /*dst*/,
+                          cudaStream_t /*stream*/) const {}
+  virtual void read_block_scales(int /*which*/, size_t /*k*/, int64_t /*first_block*/, int64_t /*count*/,
+                                 float* /*dst*/, cudaStream_t /*stream*/) const {}
 };
 
 class GpuAdamW final : public GpuOptimizer {
@@ -56,6 +65,10 @@ class GpuAdamW final : public GpuOptimizer {
   }
   void read_state(int which, int64_t first, int64_t count, float* dst, cudaStream_t stream) const override;
   void write_state(int which, int64_t first, int64_t count, const float* src, cudaStream_t stream) override;
+  bool codes_8bit(size_t k) const override { return mq_ && !store_.sharded() && store_.fp32_offset(k) < 0; }
+  void read_codes(int which, int64_t first, int64_t count, uint8_t* dst, cudaStream_t stream) const override;
+  void read_block_scales(int which, size_t k, int64_t first_block, int64_t count, float* dst,
+                         cudaStream_t stream) const override;
 
  private:
   using bf16 = ds::cuda::bf16;

@@ -51,7 +51,7 @@ std::vector<LoraModule> parse_lora_targets(const std::vector<std::string>& names
 // a ds::Error naming the file and the field: peft_type other than LORA, bias other than "none", use_dora,
 // fan_in_fan_out, modules_to_save, layers_to_transform, layers_pattern, rank_pattern, alpha_pattern,
 // exclude_modules, target_modules as a regular expression, and any field deltastack does not know that is set (not
-// null, false, 0, "", [] or {}), except PEFT's bookkeeping and initialisation-only fields (docs/lora.md lists them).
+// null, false, "", [] or {}), except PEFT's bookkeeping and initialisation-only fields (docs/lora.md lists them).
 LoraConfig read_lora_config(const std::string& dir);
 // The same checks on a parsed adapter_config.json (errors name `path`).
 LoraConfig parse_lora_config(const nlohmann::json& j, const std::string& path);

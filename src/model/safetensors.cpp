@@ -18,6 +18,7 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "core/files.h"
+#include "model/config.h"
 
 static_assert(std::endian::native == std::endian::little, "safetensors I/O assumes a little-endian host");
 
@@ -333,8 +334,17 @@ void SafetensorsReader::parse() {
     if (prev && t->begin < prev->end)
       fail("{}: tensors '{}' [{}, {}] and '{}' [{}, {}] overlap", p, prev->name, prev->begin, prev->end, t->name,
            t->begin, t->end);
+    // The format's rule (the safetensors library's own check): the tensors tile the data buffer, no byte unclaimed.
+    const uint64_t expect = prev ? prev->end : 0;
+    if (t->begin != expect)
+      fail("{}: tensor '{}' starts at byte {} of the data buffer, but the bytes before it end at {}: a gap no tensor "
+           "claims (a damaged or hand-made file)", p, t->name, t->begin, expect);
     if (!prev || t->end > prev->end) prev = t;
   }
+  const uint64_t used = prev ? prev->end : 0;
+  if (used != data_size)
+    fail("{}: the tensors claim {} bytes of the {}-byte data buffer: {} trailing bytes no tensor claims (a damaged "
+         "or concatenated file)", p, used, data_size, data_size - used);
 }
 
 const TensorInfo* SafetensorsReader::find(const std::string& name) const {
@@ -346,6 +356,14 @@ const TensorInfo& SafetensorsReader::get(const std::string& name) const {
   const TensorInfo* t = find(name);
   if (!t) fail("{}: no tensor named '{}'", path_, name);
   return *t;
+}
+
+std::string SafetensorsReader::copy_bytes(const std::string& name) const {
+  const TensorInfo& t = get(name);
+  std::string buf;
+  const char* p = payload(t, &buf);
+  if (p != buf.data()) buf.assign(p, t.end - t.begin);  // an in-memory image: copy the bytes out
+  return buf;
 }
 
 std::string_view SafetensorsReader::raw_bytes(const std::string& name) const {
@@ -431,17 +449,21 @@ SaveTensor make_tensor_f32(const std::string& name, std::vector<int64_t> shape, 
 }
 
 namespace {
-// A tensor entry whose fp32 values come later (a view or a reader); `has_source`: the caller has them.
-SaveTensor f32_entry(const std::string& name, std::vector<int64_t> shape, bool has_source, DType as, int64_t* numel) {
+// A tensor entry whose values come later (a view or a reader); `has_source`: the caller has them.
+SaveTensor later_entry(const std::string& name, std::vector<int64_t> shape, bool has_source, DType as, int64_t* numel) {
   check_shape_for_write(name, shape, numel);
   if (*numel > 0 && !has_source) fail("tensor '{}': no values for {} elements", name, *numel);
-  if (as != DType::F32 && as != DType::BF16)
-    fail("tensor '{}': cannot store fp32 values as {} (only F32 and BF16)", name, dtype_name(as));
   SaveTensor t;
   t.name = name;
   t.dtype = as;
   t.shape = std::move(shape);
   return t;
+}
+// The same for fp32 values, stored F32 or BF16.
+SaveTensor f32_entry(const std::string& name, std::vector<int64_t> shape, bool has_source, DType as, int64_t* numel) {
+  if (as != DType::F32 && as != DType::BF16)
+    fail("tensor '{}': cannot store fp32 values as {} (only F32 and BF16)", name, dtype_name(as));
+  return later_entry(name, std::move(shape), has_source, as, numel);
 }
 }  // namespace
 
@@ -457,6 +479,14 @@ SaveTensor make_tensor_f32_reader(const std::string& name, std::vector<int64_t> 
   int64_t n = 0;
   SaveTensor t = f32_entry(name, std::move(shape), static_cast<bool>(reader), as, &n);
   if (n > 0) t.f32_reader = std::move(reader);
+  return t;
+}
+
+SaveTensor make_tensor_bytes_reader(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                                    std::function<void(int64_t, int64_t, uint8_t*)> reader) {
+  int64_t n = 0;
+  SaveTensor t = later_entry(name, std::move(shape), static_cast<bool>(reader), dtype, &n);
+  if (n > 0) t.byte_reader = std::move(reader);
   return t;
 }
 
@@ -486,6 +516,11 @@ uint64_t payload_bytes(const SaveTensor& t, const std::string& what) {
   uint64_t need = 0;
   if (__builtin_mul_overflow(static_cast<uint64_t>(n), dsize, &need))
     fail("{}: tensor '{}': shape {} has too many bytes", what, t.name, shape_str(t.shape));
+  if (t.byte_reader) {
+    if (!t.bytes.empty() || t.f32_source || t.f32_reader)
+      fail("{}: tensor '{}': more than one source of values", what, t.name);
+    return need;
+  }
   if (t.f32_source || t.f32_reader) {
     if (!t.bytes.empty() || (t.f32_source && t.f32_reader))
       fail("{}: tensor '{}': more than one source of values", what, t.name);
@@ -503,6 +538,16 @@ uint64_t payload_bytes(const SaveTensor& t, const std::string& what) {
 template <typename Sink>
 void emit_payload(const SaveTensor& t, uint64_t bytes, Sink&& sink) {
   constexpr uint64_t kPiece = uint64_t{1} << 20;
+  if (t.byte_reader) {
+    const uint64_t size = dtype_size(t.dtype), n = bytes / size;
+    std::vector<uint8_t> b(static_cast<size_t>(std::min(n, kPiece) * size));
+    for (uint64_t i = 0; i < n; i += kPiece) {
+      const uint64_t m = std::min(kPiece, n - i);
+      t.byte_reader(static_cast<int64_t>(i), static_cast<int64_t>(m), b.data());
+      sink(b.data(), m * size);
+    }
+    return;
+  }
   if (t.f32_reader) {
     const uint64_t n = bytes / (t.dtype == DType::F32 ? 4 : 2);
     std::vector<float> f(static_cast<size_t>(std::min(n, kPiece)));
@@ -677,6 +722,7 @@ CheckpointReader::CheckpointReader(const std::string& path) : path_(path) {
     } else if (has_one) {
       single_path = one.string();
     } else {
+      check_not_adapter_dir(path);
       fail("{}: checkpoint directory has neither model.safetensors nor model.safetensors.index.json", path);
     }
   } else {
@@ -750,6 +796,12 @@ std::vector<int64_t> CheckpointReader::read_i64(const std::string& name) const {
   auto it = where_.find(name);
   if (it == where_.end()) fail("{}: checkpoint has no tensor named '{}'", path_, name);
   return shards_[it->second]->read_i64(name);
+}
+
+std::string CheckpointReader::copy_bytes(const std::string& name) const {
+  auto it = where_.find(name);
+  if (it == where_.end()) fail("{}: checkpoint has no tensor named '{}'", path_, name);
+  return shards_[it->second]->copy_bytes(name);
 }
 
 }  // namespace ds

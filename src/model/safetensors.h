@@ -58,6 +58,8 @@ class SafetensorsReader {
   std::vector<int64_t> read_i64(const std::string& name) const;
   // The tensor's raw little-endian payload (end - begin bytes), valid while the reader lives. Throws if absent.
   std::string_view raw_bytes(const std::string& name) const;
+  // The same bytes as a copy the caller owns (nothing kept in the reader: a large tensor read once).
+  std::string copy_bytes(const std::string& name) const;
 
  private:
   SafetensorsReader() = default;
@@ -90,10 +92,16 @@ struct SaveTensor {
   // Or fp32 values produced on demand, in slabs, while the file is written (e.g. read from a GPU): fills
   // dst[0, count) with elements [first, first + count) of the tensor (row-major).
   std::function<void(int64_t first, int64_t count, float* dst)> f32_reader;
+  // Or the raw little-endian element bytes, in slabs: fills dst with elements [first, first + count) of the
+  // tensor in its dtype (count * dtype_size bytes); e.g. U8 codes read from a GPU.
+  std::function<void(int64_t first, int64_t count, uint8_t* dst)> byte_reader;
 };
 // fp32 values stored as `as` (F32, BF16 with round-to-nearest-even, F16 not supported -> ds::Error).
 SaveTensor make_tensor_f32(const std::string& name, std::vector<int64_t> shape, const float* values,
                            DType as = DType::F32);
+// Elements of any dtype produced on demand by `reader` (SaveTensor::byte_reader) while the file is written.
+SaveTensor make_tensor_bytes_reader(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                                    std::function<void(int64_t first, int64_t count, uint8_t* dst)> reader);
 // The same without copying: the values are read (and converted) when the file is written.
 SaveTensor make_tensor_f32_view(const std::string& name, std::vector<int64_t> shape, const float* values,
                                 DType as = DType::F32);
@@ -143,6 +151,7 @@ class CheckpointReader {
   const TensorInfo& info(const std::string& name) const;    // throws if absent
   std::vector<float> read_f32(const std::string& name) const;    // float dtypes only (see SafetensorsReader)
   std::vector<int64_t> read_i64(const std::string& name) const;  // integer dtypes only (see SafetensorsReader)
+  std::string copy_bytes(const std::string& name) const;         // the payload, copied (see SafetensorsReader)
 
  private:
   std::string path_;

@@ -18,8 +18,11 @@
 #include "core/files.h"
 #include "core/fs_safety.h"
 #include "core/log.h"
+#include "model/engine.h"
 #include "model/model.h"
 #include "model/safetensors.h"
+#include "ops/adamw/adamw.h"
+#include "ops/adamw/q8_state.h"
 #include "train/lora_train.h"
 #include "train/run_dir.h"
 
@@ -118,14 +121,47 @@ SavedCheckpoint read_checkpoint_state(const std::string& dir) {
   return c;
 }
 
+// A moment stored as the 8bit state's codes (moment_scale_name, model/engine.h): the U8 codes and their block scales,
+// dequantized exactly as the kernel decodes them (ops::dequantize_moment_8bit), by the flat offset's blocks.
+// ds::Error naming the file and tensor for a tensor outside the flat parameters, a count that does not match, or a
+// non-finite or negative scale.
+static std::vector<float> read_moment_codes(const CheckpointReader& os, const std::string& name, int64_t numel,
+                                            int64_t flat_offset, std::set<std::string>& ours) {
+  const std::string scale_name = moment_scale_name(name);
+  ours.insert(scale_name);
+  DS_CHECK(flat_offset >= 0, "{}: optimizer state {} is stored as 8-bit codes, which only the flat parameters' "
+           "moments may be", os.path(), name);
+  const int which = name.rfind("exp_avg_sq.", 0) == 0 ? 1 : 0;
+  DS_CHECK(which == 1 || name.rfind("exp_avg.", 0) == 0, "{}: optimizer state {} is stored as 8-bit codes, but it "
+           "is no AdamW moment (exp_avg / exp_avg_sq)", os.path(), name);
+  const std::string codes = os.copy_bytes(name);
+  DS_CHECK(static_cast<int64_t>(codes.size()) == numel, "{}: optimizer state {} has {} codes, expected {}", os.path(),
+           name, codes.size(), numel);
+  DS_CHECK(os.has(scale_name), "{}: optimizer state {} is stored as 8-bit codes without its block scales {}",
+           os.path(), name, scale_name);
+  const std::vector<float> scale = os.read_f32(scale_name);
+  const int64_t blocks = ops::q8_state::num_blocks(flat_offset, numel);
+  DS_CHECK(static_cast<int64_t>(scale.size()) == blocks, "{}: {} has {} block scales, expected {} (256-element blocks "
+           "of the flat range [{}, {}))", os.path(), scale_name, scale.size(), blocks, flat_offset, flat_offset + numel);
+  for (size_t i = 0; i < scale.size(); ++i)
+    DS_CHECK(std::isfinite(scale[i]) && scale[i] >= 0.0f, "{}: {} holds {} at index {}; a block scale must be finite "
+             "and >= 0: the checkpoint is corrupt", os.path(), scale_name, scale[i], i);
+  std::vector<float> x(static_cast<size_t>(numel));
+  ops::dequantize_moment_8bit(which, reinterpret_cast<const uint8_t*>(codes.data()), scale.data(), numel, flat_offset,
+                              x.data());
+  return x;
+}
+
 void load_optimizer_state(Engine& engine, const std::string& dir) {
   // optimizer.safetensors, or optimizer.safetensors.index.json with its shards.
   const fs::path index = fs::path(dir) / "optimizer.safetensors.index.json";
   CheckpointReader os(fs::exists(index) ? index.string() : (fs::path(dir) / "optimizer.safetensors").string());
   std::set<std::string> ours;  // the names this engine reads
-  engine.load_optimizer([&](const std::string& name, int64_t numel) {
+  engine.load_optimizer([&](const std::string& name, int64_t numel, int64_t flat_offset) {
     ours.insert(name);
-    std::vector<float> x = os.read_f32(name);
+    std::vector<float> x = os.has(name) && os.info(name).dtype == DType::U8
+                               ? read_moment_codes(os, name, numel, flat_offset, ours)
+                               : os.read_f32(name);
     DS_CHECK(static_cast<int64_t>(x.size()) == numel, "{}: optimizer state {} has {} values, expected {}", os.path(),
              name, x.size(), numel);
     // A corrupt moment would turn into NaN weights at the first update (and a checkpoint that cannot be loaded).
@@ -164,7 +200,9 @@ Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::strin
 int64_t checkpoint_bytes_estimate(const ModelConfig& config, const std::string& optimizer_state) {
   int64_t numel = 0;
   for (const ParamSpec& p : qwen35_params(config)) numel += p.numel;
-  return numel * (optimizer_state == "bf16" ? 6 : 12) + kCheckpointSlackBytes;
+  // F32 weights and moments (fp32), BF16 weights and moments (bf16), BF16 weights and 8-bit codes + a scale per
+  // 256 (8bit; the small parameters' F32 rounded up).
+  return numel * (optimizer_state == "bf16" ? 6 : optimizer_state == "8bit" ? 5 : 12) + kCheckpointSlackBytes;
 }
 
 void Checkpoints::check_room(int64_t need, const std::string& what, const std::string& then) const {
@@ -179,9 +217,12 @@ void Checkpoints::check_room(int64_t need, const std::string& what, const std::s
     avail = std::strtoll(v.c_str(), nullptr, 10);
     ec.clear();
   }
-  DS_CHECK(ec || avail >= need, "{} needs {:.2f} GiB but only {:.2f} GiB is free on the filesystem of {}: free "
-           "space there, or use --keep-last / a larger disk{}", what, need / 1073741824.0,
-           static_cast<double>(avail) / 1073741824.0, opt_.out, then);
+  if (ec || avail >= need) return;
+  // GiB with two decimals, or bytes where those would print the same number for both.
+  std::string n = fmt::format("{:.2f} GiB", need / 1073741824.0), a = fmt::format("{:.2f} GiB", avail / 1073741824.0);
+  if (n == a) n = fmt::format("{} bytes", need), a = fmt::format("{} bytes", avail);
+  fail("{} needs {} but only {} is free on the filesystem of {}: free space there, or use --keep-last / a larger "
+       "disk{}", what, n, a, opt_.out, then);
 }
 
 void Checkpoints::check_room_for_next_save(const ModelConfig& config, int64_t step,

@@ -27,18 +27,27 @@ bool has_weights(const std::string& model) {
          (file_exists(model + "/model.safetensors") || file_exists(model + "/model.safetensors.index.json"));
 }
 
-// A LoRA checkpoint holds no base: the base its run recorded (`model`: a preset, or the path of a config.json or a
-// checkpoint directory) must still be there. ds::Error naming `where` (the checkpoint) and the path otherwise.
+// A LoRA checkpoint holds no base: the base its run recorded (`model`: a preset, a config.json, or a checkpoint
+// directory) must still be there, unless it is a preset or a config.json (the base is then initialised from the
+// saved seed on the checkpoint's own config.json: nothing at the path is read). ds::Error naming `where` (the
+// checkpoint) and the path otherwise.
 void check_base_exists(const std::string& model, const std::string& where) {
   std::error_code ec;
-  if (fs::exists(model, ec)) return;
-  try {
-    ModelConfig::preset(model);
+  const auto presets = ModelConfig::preset_names();
+  if (fs::exists(model, ec) || fs::path(model).extension() == ".json" ||
+      std::count(presets.begin(), presets.end(), model))
     return;
-  } catch (const Error&) {
-  }
   fail("{}: its base model {} (options.model) does not exist: a LoRA checkpoint holds the adapter only; put the base "
        "the adapter was trained on back at that path", where, model);
+}
+
+// The fingerprint `got` of the base rebuilt from the checkpoint's record against the one it trained on (`lora`: the
+// checkpoint's "lora" record). ds::Error naming `where` (the checkpoint), the base's path and both fingerprints.
+void check_base_fingerprint(const json& lora, const std::string& got, const std::string& model,
+                            const std::string& where) {
+  DS_CHECK(lora["base_fingerprint"] == json(got), "{}: the base model's weights ({}) have the fingerprint {}, but the "
+           "adapter was trained on weights with the fingerprint {} (lora.base_fingerprint): the base changed since; "
+           "use the base the adapter was trained on", where, model, got, lora["base_fingerprint"].dump());
 }
 
 }  // namespace
@@ -125,14 +134,10 @@ json attach_lora(const TrainOptions& opt, Qwen35Model& model, const SavedCheckpo
     DS_CHECK(resumed->lora.is_object() && resumed->lora.contains("base_fingerprint"), "{}: field \"lora\" (the "
              "frozen base's fingerprint) is missing, but the options name a LoRA run (options.lora_rank {}, "
              "options.adapter \"{}\")", resumed->path, opt.lora_rank, opt.adapter);
-    const json want = resumed->lora["base_fingerprint"];
-    DS_CHECK(want == json(fingerprint), "--resume {}: the base model's weights ({}) have the fingerprint {}, but the "
-             "adapter was trained on weights with the fingerprint {} ({}: lora.base_fingerprint): the base changed "
-             "since; resume with the base the adapter was trained on", opt.resume, opt.model, fingerprint, want.dump(),
-             resumed->path);
+    check_base_fingerprint(resumed->lora, fingerprint, opt.model, "--resume " + opt.resume);
     adapter = std::make_shared<LoraAdapter>(LoraAdapter::load(opt.resume, model.config()));
   } else if (!opt.adapter.empty()) {
-    adapter = std::make_shared<LoraAdapter>(LoraAdapter::load(opt.adapter, model.config()));
+    adapter = load_adapter(opt.adapter, model, opt.model);
   } else {
     adapter = std::make_shared<LoraAdapter>(model.config(), lora_config_of(opt), multimodal_layout(opt.model));
     adapter->init_peft(opt.seed);
@@ -175,11 +180,21 @@ Qwen35Model lora_base_model(const std::string& dir) {
   Qwen35Model model(ModelConfig::from_file(dir));
   if (has_weights(model_path)) model.load(model_path);
   else model.init_weights(o["seed"].get<uint64_t>());
-  const std::string got = model_fingerprint(model);
-  DS_CHECK(ck.lora["base_fingerprint"] == json(got), "{}: the base model ({}) has the fingerprint {}, but the "
-           "adapter was trained on weights with the fingerprint {} (lora.base_fingerprint): the base changed since",
-           dir, model_path, got, ck.lora["base_fingerprint"].dump());
+  check_base_fingerprint(ck.lora, model_fingerprint(model), model_path, dir);
   return model;
+}
+
+std::shared_ptr<LoraAdapter> load_adapter(const std::string& dir, Qwen35Model& model, const std::string& model_path) {
+  auto adapter = std::make_shared<LoraAdapter>(LoraAdapter::load(dir, model.config()));
+  if (!is_lora_checkpoint(dir)) return adapter;
+  const json lora = read_checkpoint_state(dir).lora;
+  if (!lora.is_object() || !lora.contains("base_fingerprint")) return adapter;
+  const std::string got = model_fingerprint(model);  // parameter by parameter: a deferred base stays deferred
+  DS_CHECK(lora["base_fingerprint"] == json(got), "--adapter {}: this LoRA checkpoint was trained on the base {} "
+           "(fingerprint {}, its trainer_state.json: lora.base_fingerprint), but the weights of --model {} have the "
+           "fingerprint {}: an adapter fits only the base it was trained on", dir, lora.value("base_model", json()).dump(),
+           lora["base_fingerprint"].dump(), model_path, got);
+  return adapter;
 }
 
 void merge_lora(Qwen35Model& model, const LoraAdapter& a) {

@@ -5,6 +5,7 @@
 // base's --model, "base_fingerprint": weights_fingerprint of its weights}, checked at resume and at export --merge.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -80,6 +81,13 @@ bool is_lora_checkpoint(const std::string& dir);
 // options' --model directory, or initialised from the saved --seed for a preset or config.json), its fingerprint
 // checked against trainer_state.json's (ds::Error naming both and the base's path).
 Qwen35Model lora_base_model(const std::string& dir);
+
+// The adapter in `dir` (LoraAdapter::load) for `model`. When `dir` is a LoRA checkpoint of `deltastack train`
+// (trainer_state.json records its base's fingerprint), `model`'s weights (materialized here) must be that base:
+// ds::Error naming dir, the recorded base, `model_path` (the --model given) and both fingerprints otherwise (same
+// shapes, other weights: the adapter would apply silently to a base it was not trained on). A PEFT adapter directory
+// records no fingerprint: only its shapes are checked. train --adapter, eval, generate and forward --adapter.
+std::shared_ptr<LoraAdapter> load_adapter(const std::string& dir, Qwen35Model& model, const std::string& model_path);
 
 // W += scaling * lora_B lora_A for every adapted matrix of `model` (the merged model computes what the base with
 // the adapter computes, without dropout). ds::Error when the adapter does not fit the model.

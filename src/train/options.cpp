@@ -257,7 +257,15 @@ TrainOptions resumed_options(const TrainOptions& cli, const nlohmann::json& save
     const std::string field = "options." + e.key();
     try {
       if (e.has(kNewerKey) && !saved.contains(e.key())) (e.set_older ? e.set_older : e.set_default)(r);
-      else std::visit([&](auto m) { saved.at(e.key()).get_to(r.*m); }, e.member);
+      else
+        std::visit([&](auto m) {
+          using T = std::remove_cvref_t<decltype(r.*m)>;
+          const nlohmann::json& v = saved.at(e.key());
+          // nlohmann converts 2.5 to the integer 2 (and true to 1) without a word: an integer option takes integers.
+          if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>)
+            if (!v.is_number_integer()) throw nlohmann::json::type_error::create(302, "not an integer", &v);
+          v.get_to(r.*m);
+        }, e.member);
     } catch (const nlohmann::json::exception&) {
       if (!saved.contains(e.key())) fail("{}: field \"{}\" is missing", src, field);
       const char* want = std::visit([](auto m) {

@@ -617,8 +617,9 @@ void check_run_options(const TrainOptions& opt, bool resumed, const std::string&
            "only: the GPU engine has no per-layer parameter gathers yet (use --shard optimizer or none, or --device cpu)");
   if (opt.gradients == "in-backward") {  // each unit's update runs in its backward (model/engine.h Gradients)
     DS_CHECK(opt.grad_accum == 1, "--gradients in-backward updates each layer during the backward, so every "
-             "backward is a whole step: --grad-accum must be 1 (got {}); raise --micro-batch, or use --gradients fp32",
-             opt.grad_accum);
+             "backward is a whole step: --grad-accum must be 1 (got {}{}); {}use --gradients fp32", opt.grad_accum,
+             resumed ? fmt::format(": the run of --resume {} has it, and a resume keeps it", opt.resume) : "",
+             resumed ? "" : "raise --micro-batch, or ");
     DS_CHECK(comm.world() == 1, "--gradients in-backward runs on one rank (this launch has {}): use --gradients "
              "fp32", comm.world());
     DS_CHECK(opt.shard == "none", "--gradients in-backward keeps no gradient buffer to shard: use --shard none or "

@@ -10,6 +10,7 @@
 #include "model/forward_inputs.h"
 #include "model/model.h"
 #include "model/safetensors.h"
+#include "train/lora_train.h"
 
 namespace ds::cli {
 
@@ -24,7 +25,7 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
   const FileIdentity grads_before = grads.empty() ? FileIdentity{} : file_identity(grads);
   Qwen35Model model(ModelConfig::from_file(model_dir));
   model.load(model_dir);
-  if (!adapter.empty()) model.set_adapter(std::make_shared<LoraAdapter>(LoraAdapter::load(adapter, model.config())));
+  if (!adapter.empty()) model.set_adapter(load_adapter(adapter, model, model_dir));
   const ModelConfig c = model.config();
   SafetensorsReader in(inputs);
   ForwardInputs fi = read_forward_inputs(in, c.vocab_size);

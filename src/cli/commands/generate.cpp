@@ -22,6 +22,7 @@
 #include "model/engine.h"
 #include "model/generate.h"
 #include "model/model.h"
+#include "train/lora_train.h"
 
 namespace ds::cli {
 
@@ -51,8 +52,9 @@ Qwen35Model deferred_model(const std::string& model_dir) {
 }
 
 // --adapter DIR (a PEFT adapter directory, or a LoRA run's checkpoint) onto `model`; nothing when empty.
-void apply_adapter(Qwen35Model& model, const std::string& adapter) {
-  if (!adapter.empty()) model.set_adapter(std::make_shared<LoraAdapter>(LoraAdapter::load(adapter, model.config())));
+// A LoRA checkpoint's recorded base must be `model_dir`'s weights (load_adapter).
+void apply_adapter(Qwen35Model& model, const std::string& adapter, const std::string& model_dir) {
+  if (!adapter.empty()) model.set_adapter(load_adapter(adapter, model, model_dir));
 }
 
 // The GPU engine for `plan`, or null when the device resolved to cpu. With --device auto a model the GPU engine
@@ -63,7 +65,7 @@ std::unique_ptr<Engine> gpu_engine(const std::string& device, const std::string&
   if (chosen_device(device) != "cuda") return nullptr;
   try {
     Qwen35Model model = deferred_model(model_dir);
-    apply_adapter(model, adapter);
+    apply_adapter(model, adapter, model_dir);
     return make_engine("cuda", std::move(model), plan);
   } catch (const Error& e) {
     if (device == "cuda") throw;
@@ -117,7 +119,7 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
   } else {
     cpu.emplace(cfg);
     cpu->load(model_dir);
-    apply_adapter(*cpu, adapter);
+    apply_adapter(*cpu, adapter, model_dir);
     next = decode_logits(*cpu);
   }
   // Streamed: the prompt at once, then each token's text as it comes. A token may end inside a UTF-8 character
@@ -165,7 +167,7 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   std::unique_ptr<Engine> engine = gpu_engine(device, model_dir, plan, "eval", adapter);
   if (!engine) {
     Qwen35Model model = deferred_model(model_dir);
-    apply_adapter(model, adapter);
+    apply_adapter(model, adapter, model_dir);
     engine = make_engine("cpu", std::move(model), plan);
   }
   double sum = 0;
