@@ -2,9 +2,10 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step torch cpu-blas bench-step memory curves fp8 curves-fp8 curves-modes
+# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 curves-fp8 curves-modes
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
+# peer-lora, LoRA steps, ours (bench step --lora-rank) vs transformers + PEFT LoRA: scripts/peer_lora_step.py, LORA_RUNS;
 # torch, deltastack.torch: the extension, python/tests, scripts/torch_step.py (docs/torch.md);
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
 # (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_RUNS); curves-modes, each mode's curve against the exact one (CURVE_SPECS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
@@ -202,6 +203,36 @@ if has cpu-blas; then
     echo "cpu-blas $mode: rc $rc in $ms ms; $(grep -iE "eval" /tmp/ds_cpu_$mode.log | tail -1)" | tee -a "$OUT/cpu_blas.txt"
   done
 fi
+# The summary of a peer stage's lines (FILE, stage name): "[ours P SxB] ... step X ms ... tokens/s ... peak G GiB" and
+# "[peer P SxB ROW] step_result {...}" lines, ours / peer per run and row.
+peer_summary() {
+  python3 - "$1" "$2" <<'PY'
+import json, re, sys
+ours, peers, last = {}, {}, {}
+for line in open(sys.argv[1]):
+    m = re.match(r"\[ours (\S+ \S+)\]\s+step ([\d.]+) ms \(median\) \| (\d+) tokens/s .*?peak ([\d.]+) GiB", line)
+    if m:
+        ours[m[1]] = (float(m[3]), float(m[4]))
+    m = re.match(r"\[peer (\S+ \S+) (\S+)\] (.*)", line)
+    if m:
+        last[m[1], m[2]] = m[3].strip()
+        if m[3].startswith("step_result "):
+            peers[m[1], m[2]] = json.loads(m[3][len("step_result "):])
+print(f"{sys.argv[2]} summary (ratios = ours / peer):")
+for run, (tok, peak) in ours.items():
+    print(f"  {run}: ours {tok:.0f} tokens/s, peak {peak:.1f} GiB")
+for (run, row), tail in last.items():
+    r = peers.get((run, row))
+    if r and r["status"] == "ok":
+        vs = (f" -> ours/peer {ours[run][0] / r['tokens_per_s']:.2f}x tokens/s, {ours[run][1] / r['peak_gib']:.2f}x memory"
+              if run in ours else "")
+        print(f"  {run} {row}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']} tokens/s, peak {r['peak_gib']:.1f} GiB{vs}")
+    elif r:
+        print(f"  {run} {row}: {r['status']} ({r['peak_gib']:.1f} GiB peak)")
+    else:
+        print(f"  {run} {row}: no result: {tail[:200]}")
+PY
+}
 if has peer-step; then
   # Full training steps, ours (`bench step`) against the strongest PyTorch peer (scripts/peer_step.py: transformers'
   # Qwen3.5 with fla's GDN, conv1d and gated RMSNorm and Liger's fused linear CE, RMSNorm and SwiGLU; fla and
@@ -233,32 +264,35 @@ if has peer-step; then
       [ "$rc" = 0 ] || status=1
     done
   done
-  python3 - "$OUT/peer_step.txt" <<'PY'
-import json, re, sys
-ours, peers, last = {}, {}, {}
-for line in open(sys.argv[1]):
-    m = re.match(r"\[ours (\S+ \S+)\]\s+step ([\d.]+) ms \(median\) \| (\d+) tokens/s .*?peak ([\d.]+) GiB", line)
-    if m:
-        ours[m[1]] = (float(m[3]), float(m[4]))
-    m = re.match(r"\[peer (\S+ \S+) (\S+)\] (.*)", line)
-    if m:
-        last[m[1], m[2]] = m[3].strip()
-        if m[3].startswith("step_result "):
-            peers[m[1], m[2]] = json.loads(m[3][len("step_result "):])
-print("peer-step summary (ratios = ours / peer):")
-for run, (tok, peak) in ours.items():
-    print(f"  {run}: ours {tok:.0f} tokens/s, peak {peak:.1f} GiB")
-for (run, row), tail in last.items():
-    r = peers.get((run, row))
-    if r and r["status"] == "ok":
-        vs = (f" -> ours/peer {ours[run][0] / r['tokens_per_s']:.2f}x tokens/s, {ours[run][1] / r['peak_gib']:.2f}x memory"
-              if run in ours else "")
-        print(f"  {run} {row}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']} tokens/s, peak {r['peak_gib']:.1f} GiB{vs}")
-    elif r:
-        print(f"  {run} {row}: {r['status']} ({r['peak_gib']:.1f} GiB peak)")
-    else:
-        print(f"  {run} {row}: no result: {tail[:200]}")
-PY
+  peer_summary "$OUT/peer_step.txt" peer-step
+fi
+if has peer-lora; then
+  # LoRA training steps (issue 26, item 5), ours (`bench step --lora-rank R`: the base frozen in bf16, the adapters on
+  # every linear layer) against transformers + PEFT LoRA on the same targets at the same rank, bf16 base, with fla and
+  # Liger (scripts/peer_lora_step.py; peft and accelerate beside fla and liger_kernel in .peers/site, carried:
+  # scripts/fetch_peers.sh), the model config from our binary. LORA_RUNS: space-separated PRESET:SEQ:MB (default
+  # "9b:8192:1"; "27b:8192:1" too for the issue's second shape), LORA_RANK (16), LORA_TIMEOUT s per run (600).
+  # Lines: "[ours P SxB] ...", "[peer P SxB peer-lora] ..."; the summary gives ours / peer.
+  : >"$OUT/peer_lora.txt"
+  peers=1
+  for d in fla liger_kernel peft accelerate; do
+    [ -d .peers/site/$d ] || { echo "peer-lora: .peers/site/$d not carried (scripts/fetch_peers.sh)" | tee -a "$OUT/peer_lora.txt"; peers=0; }
+  done
+  for run in ${LORA_RUNS:-9b:8192:1}; do
+    IFS=: read -r preset seq mb <<<"$run"
+    tag="$preset ${seq}x$mb"
+    timeout ${LORA_TIMEOUT:-600} $BUILD/deltastack bench step --preset $preset --seq-len $seq --micro-batch $mb \
+      --lora-rank ${LORA_RANK:-16} 2>&1 | sed "s/^/[ours $tag] /" | tee -a "$OUT/peer_lora.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    [ $peers = 1 ] || continue
+    PYTHONPATH=$PWD/.peers/site timeout ${LORA_TIMEOUT:-600} python3 scripts/peer_lora_step.py --preset $preset \
+      --seq-len $seq --micro-batch $mb --rank ${LORA_RANK:-16} --deltastack $BUILD/deltastack 2>&1 | grep -v "Warning" |
+      sed "s/^/[peer $tag peer-lora] /" | tee -a "$OUT/peer_lora.txt"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 124 ] && echo "[peer $tag peer-lora] timed out after ${LORA_TIMEOUT:-600} s" | tee -a "$OUT/peer_lora.txt"
+    [ "$rc" = 0 ] || status=1
+  done
+  peer_summary "$OUT/peer_lora.txt" peer-lora
 fi
 if has bench-step; then
   for preset in ${BENCH_PRESETS:-2b}; do

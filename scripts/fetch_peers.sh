@@ -10,6 +10,9 @@
 #                  0.5.2, the version of the 2026-12-01 peer numbers), only when .peers/site/fla is not there already
 #                  (a source tree put there by hand is kept; FLA_REFETCH=1 replaces it), with einops, which it imports
 #   pytest         pytest, pluggy, iniconfig, exceptiongroup: for python/tests on the device (stage `torch`)
+#   peft           Hugging Face PEFT's wheel (PEFT_VERSION, default 0.21.2, the version of the tiny LoRA fixture) for
+#                  the LoRA peer (scripts/peer_lora_step.py, stage `peer-lora`), with accelerate, which peft imports
+#                  (pure Python), and psutil, which accelerate imports (its abi3 manylinux wheel, any CPython 3)
 # Wheels only (--no-deps), unpacked with Python's zipfile: nothing is installed on this machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +34,16 @@ for p in pytest pluggy iniconfig exceptiongroup; do
   pip download --no-deps --only-binary=:all: -d "$WHL" "$p" >/dev/null
   unpack "$(ls -t "$WHL"/$p-*.whl | head -1)"
 done
+# PEFT for the LoRA peer, and what it imports beyond the device's torch, transformers, numpy, pyyaml and safetensors.
+for spec in "peft==${PEFT_VERSION:-0.21.2}" accelerate; do
+  p=${spec%%=*}
+  rm -rf "$SITE/$p" "$SITE"/$p-*.dist-info
+  pip download --no-deps --only-binary=:all: -d "$WHL" "$spec" >/dev/null
+  unpack "$(ls -t "$WHL"/$p-*.whl | head -1)"
+done
+rm -rf "$SITE"/psutil "$SITE"/psutil-*.dist-info
+pip download --no-deps --only-binary=:all: --platform manylinux2014_x86_64 -d "$WHL" psutil >/dev/null
+unpack "$(ls -t "$WHL"/psutil-*.whl | head -1)"
 if [ ! -d "$SITE/fla" ] || [ "${FLA_REFETCH:-0}" = 1 ]; then
   rm -rf "$SITE"/fla "$SITE"/fla_core-*.dist-info
   pip download --no-deps --only-binary=:all: -d "$WHL" "fla-core==${FLA_VERSION:-0.5.2}" >/dev/null

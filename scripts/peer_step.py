@@ -234,7 +234,8 @@ def liger_patch():
 def run(args, config, label, desc, prepare=None, check=None):
     """Builds the model and the optimizer on args.device, times the steps (or, with --dry-run, runs one) and prints
     the result lines. args: device, optimizer_state ('bf16' | 'fp32'), micro_batch, seq_len, steps, warmup,
-    max_grad_norm (0: no clip), dry_run, row. prepare(model) runs on the built model before the optimizer is made
+    max_grad_norm (0: no clip), dry_run, row, and optionally autocast (bf16 autocast on or off; default: with the
+    fp32 state). The optimizer takes the parameters that get gradients (all, or a LoRA run's adapters). prepare(model) runs on the built model before the optimizer is made
     (Liger's patch; scripts/torch_step.py: the deltastack.torch patch); check() runs after the first step (raises
     or exits when what should have run did not)."""
     from transformers import Qwen3_5ForCausalLM
@@ -259,11 +260,12 @@ def run(args, config, label, desc, prepare=None, check=None):
     if prepare is not None:
         prepare(model)
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.1, fused=cuda, foreach=None if cuda else True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, weight_decay=0.1, fused=cuda, foreach=None if cuda else True)
     gen = torch.Generator(device="cpu").manual_seed(0)
     B, S = args.micro_batch, args.seq_len
     ids = torch.randint(0, config.vocab_size, (B, S), generator=gen).to(dev)
-    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=not bf16_state)
+    # bf16 autocast with the fp32 state; args.autocast (scripts/peer_lora_step.py: fp32 adapters on a bf16 base) sets it
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=getattr(args, "autocast", not bf16_state))
 
     def step():
         with autocast:

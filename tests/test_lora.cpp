@@ -3,15 +3,17 @@
 // the writer round trip.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-#include <sys/wait.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "core/files.h"
+#include "core/rng.h"
 #include "model/forward_inputs.h"
 #include "model/lora.h"
 #include "model/model.h"
@@ -241,21 +243,6 @@ TEST(Lora, BadAdapterTensorsAreClearErrors) {
   fs::remove_all(dir);
 }
 
-// The GPU engine refuses an adapter with the message that says what to do (checked before any device is needed).
-TEST(Lora, GpuEngineRefusesAdapter) {
-  const std::string dir = tmpdir("gpu");
-  const int st = std::system((std::string(DELTASTACK_BIN) + " forward --device cuda --model " +
-                              fixture("hf_qwen35_tiny_a") + " --inputs " +
-                              fixture("hf_qwen35_tiny_a/inputs.safetensors") + " --adapter " + fixture(kAdapter) +
-                              " --output " + dir + "/o.safetensors > " + dir + "/log 2>&1")
-                                 .c_str());
-  EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 1);
-  const std::string log = ds::read_file(dir + "/log");
-  EXPECT_NE(log.find("the GPU engine does not support LoRA yet; use --device cpu"), std::string::npos) << log;
-  EXPECT_FALSE(fs::exists(dir + "/o.safetensors"));
-  fs::remove_all(dir);
-}
-
 // Generation's paths apply the adapter too: the carried decode state, token by token, gives last_logits of the
 // whole sequence (up to fp32 rounding), and both differ from the base model's.
 TEST(Lora, DecodeAndLastLogitsApplyTheAdapter) {
@@ -288,4 +275,51 @@ TEST(Lora, Fp8BaseGemmsKeepTheLoraTerm) {
   for (const ds::LoraTensorSpec& s : a->specs())
     std::fill(a->values().begin() + s.b_offset, a->values().begin() + s.b_offset + s.out * a->config().r, 0.0f);
   EXPECT_EQ(logits_of(m), base);
+}
+
+// The dropout masks are one draw shared by both engines (core/rng.h dropout_drops; the GPU engine's kernel in
+// ops/elementwise/dropout.cu calls the same function): the counter-indexed values are Rng's sequence, and
+// dropout_mask is exactly 0 where dropout_drops says so and 1 / (1 - p) elsewhere, at the rate p.
+TEST(Lora, DropoutMaskIsTheSharedCounterDraw) {
+  ds::Rng rng(0x5eed, 7);
+  const uint64_t key = ds::rng_stream_key(0x5eed, 7);
+  for (uint64_t i = 0; i < 1000; ++i) ASSERT_EQ(rng.uniform(), ds::rng_uniform_at(key, i)) << i;
+  const ds::ModelConfig c = ds::ModelConfig::from_file(fixture("hf_qwen35_tiny_a"));
+  ds::LoraConfig cfg = ds::LoraAdapter::load(fixture(kAdapter), c).config();
+  cfg.lora_dropout = 0.25;
+  ds::LoraAdapter a(c, cfg);
+  a.set_dropout_key(ds::LoraAdapter::dropout_key(99, 3));
+  const size_t k = a.specs().size() - 1;
+  const int64_t rows = 37, n = rows * a.specs()[k].in;
+  std::vector<float> mask(static_cast<size_t>(n));
+  a.dropout_mask(k, rows, mask.data());
+  const uint64_t stream = a.dropout_stream(k);
+  EXPECT_NE(stream, a.dropout_stream(k - 1));
+  int64_t dropped = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    const bool d = ds::dropout_drops(stream, static_cast<uint64_t>(e), 0.25);
+    ASSERT_EQ(mask[static_cast<size_t>(e)], d ? 0.0f : static_cast<float>(1.0 / 0.75)) << e;
+    dropped += d;
+  }
+  EXPECT_NEAR(static_cast<double>(dropped) / static_cast<double>(n), 0.25, 0.02);
+  a.set_dropout_key(std::nullopt);
+  EXPECT_NE(error_of([&] { a.dropout_stream(k); }).find("without a dropout key"), std::string::npos);
+}
+
+// lora_tensor_specs (what the GPU plan sizes the adapters with) is the adapter's own layout.
+TEST(Lora, TensorSpecsWithoutValuesAreTheAdaptersLayout) {
+  const ds::ModelConfig c = ds::ModelConfig::from_file(fixture("hf_qwen35_tiny_a"));
+  const ds::LoraAdapter a = ds::LoraAdapter::load(fixture(kAdapter), c);
+  const std::vector<ds::LoraTensorSpec> specs = ds::lora_tensor_specs(c, a.config());
+  ASSERT_EQ(specs.size(), a.specs().size());
+  for (size_t k = 0; k < specs.size(); ++k) {
+    EXPECT_EQ(specs[k].a_offset, a.specs()[k].a_offset);
+    EXPECT_EQ(specs[k].b_offset, a.specs()[k].b_offset);
+    EXPECT_EQ(specs[k].in, a.specs()[k].in);
+    EXPECT_EQ(specs[k].out, a.specs()[k].out);
+  }
+  EXPECT_EQ(ds::lora_num_values(specs, a.config().r), static_cast<int64_t>(a.values().size()));
+  ds::LoraConfig none = a.config();
+  none.r = 0;
+  EXPECT_NE(error_of([&] { ds::lora_tensor_specs(c, none); }).find("r must be positive"), std::string::npos);
 }

@@ -6,11 +6,14 @@
 #include <nlohmann/json.hpp>
 #include <signal.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/files.h"
 #include "model/engine.h"
@@ -455,10 +458,7 @@ TEST(LoraTrain, ExportAdapterAndMergedModelAgreeWithEvalAndGenerate) {
   ASSERT_EQ(run("generate --model " + base + " --adapter " + dir + "/adapter" + gen, &g_adapter), 0) << g_adapter;
   ASSERT_EQ(run("generate --model " + dir + "/merged" + gen, &g_merged), 0) << g_merged;
   EXPECT_EQ(g_adapter.substr(g_adapter.rfind("Hello")), g_merged.substr(g_merged.rfind("Hello")));
-  // The GPU engine keeps refusing an adapter; --merge of a full checkpoint is an error.
-  EXPECT_EQ(run("eval --model " + base + " --adapter " + dir + "/adapter --data " + dir + "/corpus.txt --device cuda",
-                &log), 1);
-  EXPECT_NE(log.find("the GPU engine does not support LoRA yet; use --device cpu"), std::string::npos) << log;
+  // --merge of a full checkpoint is an error.
   EXPECT_EQ(run("export " + base + " " + dir + "/full --merge", &log), 1);
   EXPECT_NE(log.find("is not a LoRA checkpoint"), std::string::npos) << log;
   // README's `export CKPT out/adapter` into a fresh out/: the missing parent is created.
@@ -489,7 +489,6 @@ TEST(LoraTrain, ContradictoryFlagsAreClearErrors) {
       {"--lora-rank 4 --lora-dropout 1", "--lora-dropout must be in [0, 1)"},
       {"--lora-rank 4 --lora-targets q_proj,,v_proj", "an empty module name"},
       {"--lora-rank 4 --lora-targets q_proj,lm_head", "target module \"lm_head\" is not one deltastack adapts"},
-      {"--lora-rank 4 --device cuda", "the GPU engine does not support LoRA yet; use --device cpu"},
   };
   for (const auto& [flags, needle] : cases) {
     std::string log;
@@ -497,4 +496,34 @@ TEST(LoraTrain, ContradictoryFlagsAreClearErrors) {
     EXPECT_NE(log.find(needle), std::string::npos) << flags << ": " << log;
   }
   fs::remove_all(dir);
+}
+
+// The base's fingerprint fed in pieces (model_fingerprint: parameter by parameter, so a GPU run's deferred base is
+// never whole on the host) is the whole buffer's, for any split (odd ones leave a value waiting for its pair); one
+// changed bit changes it.
+TEST(LoraTrain, FingerprintInPiecesIsTheWholeBuffers) {
+  std::vector<float> w(1001);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::sin(0.37f * static_cast<float>(i));
+  const std::string whole = ds::weights_fingerprint(w);
+  for (int64_t split : {0, 1, 2, 7, 500, 1000, 1001}) {
+    ds::WeightsFingerprint f(static_cast<int64_t>(w.size()));
+    f.add(w.data(), split);
+    f.add(w.data() + split, 3 < static_cast<int64_t>(w.size()) - split ? 3 : static_cast<int64_t>(w.size()) - split);
+    const int64_t done = split + std::min<int64_t>(3, static_cast<int64_t>(w.size()) - split);
+    f.add(w.data() + done, static_cast<int64_t>(w.size()) - done);
+    EXPECT_EQ(f.hex(), whole) << "split " << split;
+  }
+  std::vector<float> v = w;
+  uint32_t bits = 0;
+  std::memcpy(&bits, &v[1000], 4);
+  bits ^= 1;
+  std::memcpy(&v[1000], &bits, 4);
+  EXPECT_NE(ds::weights_fingerprint(v), whole);
+  // A deferred model (what a GPU run builds) and the loaded one.
+  const ds::Qwen35Model loaded = fixture_base();
+  ds::Qwen35Model deferred(ds::ModelConfig::from_file(fixture(kBase)), ds::Qwen35Model::Deferred{});
+  deferred.defer_load(fixture(kBase));
+  EXPECT_EQ(ds::model_fingerprint(deferred), ds::weights_fingerprint(loaded.weights()));
+  EXPECT_TRUE(deferred.deferred());
+  EXPECT_EQ(ds::model_fingerprint(loaded), ds::weights_fingerprint(loaded.weights()));
 }

@@ -14,8 +14,10 @@
 #include "model/config.h"
 #include "model/gpu_params.h"
 #include "model/gpu_plan.h"
+#include "model/lora.h"
 #include "model/model.h"
 #include "model/params.h"
+#include "test_util.h"
 #include "train_test_util.h"
 
 namespace {
@@ -361,3 +363,52 @@ TEST(Plan, EvalLeavesTheModesToTheDevice) {
 }
 
 }  // namespace
+
+// A LoRA plan (GpuPlan::lora; model/gpu_lora.h): the base frozen in the bf16 layout (2 B per parameter + an fp32
+// master of the small ones), no base gradient (only a scratch of one unit's small parameters) and no base optimizer
+// state; the adapters' fp32 master + bf16 copy (6 B), gradients (4 B) and two moments (8 B) per adapter value. The
+// optimizer-state and gradient flags do not apply (resolved), in-backward and --shard optimizer are errors, and
+// `plan --lora-rank` prints it.
+TEST(Plan, LoraFreezesTheBaseAndCountsTheAdapters) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  using ds::MemoryUse;
+  const ds::ModelConfig c = ds::ModelConfig::preset("9b");
+  ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
+  plan.recompute = ds::Recompute::Selective;
+  plan.lora.r = 16;
+  plan.lora.lora_alpha = 8;
+  plan.lora.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  const double A = static_cast<double>(ds::lora_num_values(ds::lora_tensor_specs(c, plan.lora), 16));
+  double P = static_cast<double>(c.num_parameters()), small = 0;
+  for (const ds::ParamSpec& p : ds::qwen35_params(c))
+    if (!ds::is_matrix(p)) small += static_cast<double>(p.numel);
+  EXPECT_GT(A, 1e7);     // 9B at rank 16: tens of millions of adapter values,
+  EXPECT_LT(A, 1e-2 * P);  // under 1 % of the base
+  const ds::GpuMemoryPlan l = ds::plan_gpu_memory(c, plan);
+  const double slack = 256.0 * 2000;
+  EXPECT_NEAR(use(l, MemoryUse::Parameters), 2 * P + 4 * small + 6 * A, slack);
+  EXPECT_LT(use(l, MemoryUse::Gradients), 4 * A + 4 * small + slack);
+  EXPECT_GT(use(l, MemoryUse::Gradients), 4 * A);
+  EXPECT_NEAR(use(l, MemoryUse::Optimizer), 8 * A, slack);
+  // against the full run's leanest state with the same activations: 8 B per base parameter less, about
+  const ds::GpuMemoryPlan f = plan_modes("9b", 8192, 1, ds::OptimizerState::Bf16, ds::Recompute::Selective);
+  EXPECT_GT(static_cast<double>(f.total - l.total), 7.5 * P);
+  EXPECT_NEAR(use(l, MemoryUse::Kept), use(f, MemoryUse::Kept), 256.0 * 400);
+  // the memory flags of a full run are resolved away; the modes LoRA does not run are errors
+  plan.optimizer_state = ds::OptimizerState::EightBit;
+  EXPECT_EQ(ds::plan_gpu_memory(c, plan).total, l.total);
+  plan.gradients = ds::Gradients::InBackward;
+  EXPECT_NE(ds::test::error_of([&] { ds::plan_gpu_memory(c, plan); }).find("--gradients in-backward with LoRA"),
+            std::string::npos);
+  plan.gradients = ds::Gradients::Fp32;
+  plan.shard_world = 2;
+  EXPECT_NE(ds::test::error_of([&] { ds::plan_gpu_memory(c, plan); }).find("--shard optimizer with LoRA"),
+            std::string::npos);
+  std::string log;
+  ASSERT_EQ(ds::test::run("plan --model 9b --seq-len 8192 --micro-batch 1 --lora-rank 16 --device-memory 139", &log), 0)
+      << log;
+  EXPECT_NE(log.find("LoRA rank 16 (all-linear): the base frozen in bf16"), std::string::npos) << log;
+  EXPECT_NE(log.find("fits"), std::string::npos) << log;
+  EXPECT_EQ(ds::test::run("plan --model 9b --lora-rank -1", &log), 1);
+  EXPECT_NE(log.find("--lora-rank must be >= 0"), std::string::npos) << log;
+}

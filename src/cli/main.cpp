@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
                       "the adapter's (PEFT keys)");
   std::string forward_adapter;
   forward->add_option("--adapter", forward_adapter, "PEFT LoRA adapter dir (adapter_config.json, "
-                      "adapter_model.safetensors) applied to the model; CPU engine only (docs/lora.md)");
+                      "adapter_model.safetensors) applied to the model, on either engine (docs/lora.md)");
   std::string forward_device = "cpu";
   forward->add_option("--device", forward_device, "cpu (fp32 reference, default) or cuda (bf16)");
   bool overwrite = false;
@@ -76,8 +76,8 @@ int main(int argc, char** argv) {
   gen->add_option("--top-p", top_p, "Sample from the most likely ids whose probability reaches p (1 = off)")
       ->capture_default_str();
   std::string gen_adapter, eval_adapter;
-  const char* adapter_help = "PEFT LoRA adapter dir (or a LoRA run's checkpoint) applied to --model, the base; CPU "
-                             "engine only (docs/lora.md)";
+  const char* adapter_help = "PEFT LoRA adapter dir (or a LoRA run's checkpoint) applied to --model, the base, on "
+                             "either engine (docs/lora.md)";
   gen->add_option("--adapter", gen_adapter, adapter_help);
   gen->add_flag("--chat", chat, "The prompt is a user turn of the chat template; the reply stops at <|im_end|>");
   std::string gen_device = "auto";
@@ -142,6 +142,8 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     cmd->add_option("--gradients", m.gradients, "auto, fp32 or in-backward (the update in the backward, no "
                     "gradient buffer; docs/memory.md)")->capture_default_str();
+    cmd->add_option("--lora-rank", m.lora_rank, "A LoRA run of this rank on every linear layer (the base frozen in "
+                    "bf16; docs/lora.md); 0 = a full run")->capture_default_str();
   };
   ds::cli::MemoryFlags bench_memory, plan_memory;
   add_memory_flags(bench_step, bench_memory);

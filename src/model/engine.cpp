@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <utility>
 
 #include "core/cuda/device.h"
@@ -22,6 +23,27 @@ namespace {
 // AdamW state names in optimizer.safetensors (fp32, one pair per parameter).
 std::string exp_avg_name(const ParamSpec& p) { return "exp_avg." + p.name; }
 std::string exp_avg_sq_name(const ParamSpec& p) { return "exp_avg_sq." + p.name; }
+
+// A LoRA run's optimizer state in optimizer.safetensors (either engine; docs/lora.md): "exp_avg.<PEFT key>",
+// "exp_avg_sq.<PEFT key>" of every adapter tensor, fp32.
+constexpr const char* kLoraExpAvg = "exp_avg.";
+constexpr const char* kLoraExpAvgSq = "exp_avg_sq.";
+
+// Every adapter tensor of `a`: its PEFT key, shape, and offset and size in the adapter's flat buffers.
+struct LoraTensorRef {
+  std::string key;
+  std::vector<int64_t> shape;
+  int64_t offset, numel;
+};
+std::vector<LoraTensorRef> lora_tensor_refs(const LoraAdapter& a) {
+  const int64_t r = a.config().r;
+  std::vector<LoraTensorRef> out;
+  for (const LoraTensorSpec& s : a.specs()) {
+    out.push_back({a.key(s, false), {r, s.in}, s.a_offset, r * s.in});
+    out.push_back({a.key(s, true), {s.out, r}, s.b_offset, s.out * r});
+  }
+  return out;
+}
 
 // The per-parameter update of an engine-wide AdamW step: decay only where the ParamSpec says so.
 ops::AdamWParams for_param(const ops::AdamWParams& p, const ParamSpec& s) {
@@ -223,15 +245,11 @@ class CpuEngine final : public Engine, private UnitSource {
   void load_optimizer(const TensorSource& read) override {
     moments();
     if (const LoraAdapter* a = model_.adapter()) {  // lora_moments' names
-      const int64_t r = a->config().r;
-      for (const LoraTensorSpec& s : a->specs())
-        for (const bool b : {false, true}) {
-          const int64_t at = b ? s.b_offset : s.a_offset, n = b ? s.out * r : r * s.in;
-          for (auto [prefix, dst] : {std::pair{kLoraExpAvg, &m_}, std::pair{kLoraExpAvgSq, &v_}}) {
-            const std::vector<float> x = read(prefix + a->key(s, b), n, -1);
-            DS_CHECK(static_cast<int64_t>(x.size()) == n, "optimizer state for {} has the wrong size", a->key(s, b));
-            std::copy(x.begin(), x.end(), dst->begin() + at);
-          }
+      for (const LoraTensorRef& t : lora_tensor_refs(*a))
+        for (auto [prefix, dst] : {std::pair{kLoraExpAvg, &m_}, std::pair{kLoraExpAvgSq, &v_}}) {
+          const std::vector<float> x = read(prefix + t.key, t.numel, -1);
+          DS_CHECK(static_cast<int64_t>(x.size()) == t.numel, "optimizer state for {} has the wrong size", t.key);
+          std::copy(x.begin(), x.end(), dst->begin() + t.offset);
         }
       return;
     }
@@ -272,8 +290,6 @@ class CpuEngine final : public Engine, private UnitSource {
  private:
   // The adapters' AdamW moments, as checkpoint tensors: "exp_avg.<PEFT key>", "exp_avg_sq.<PEFT key>" (F32 views of
   // m_ / v_, which mirror the adapter's flat buffer).
-  static constexpr const char* kLoraExpAvg = "exp_avg.";
-  static constexpr const char* kLoraExpAvgSq = "exp_avg_sq.";
   std::vector<SaveTensor> lora_moments(const LoraAdapter& a) {
     std::vector<SaveTensor> out;
     for (auto [prefix, buf] : {std::pair{kLoraExpAvg, &m_}, std::pair{kLoraExpAvgSq, &v_}})
@@ -449,7 +465,8 @@ class CpuEngine final : public Engine, private UnitSource {
 class CudaEngine final : public Engine {
  public:
   CudaEngine(Qwen35Model host, const GpuPlan& plan)
-      : cfg_(host.config()), params_(host.params()), gpu_(std::make_unique<GpuModel>(host, plan)) {
+      : cfg_(host.config()), params_(host.params()), gpu_(std::make_unique<GpuModel>(host, plan)),
+        lora_(gpu_->adapter() ? lora_tensor_refs(*gpu_->adapter()) : std::vector<LoraTensorRef>{}) {
     host.release_buffers();  // the device holds the only copy from here on
     // The optimizer step overlapped with the next step's start (GpuModel::adamw_step); DELTASTACK_ASYNC_OPTIMIZER=0
     // runs it in line.
@@ -478,8 +495,12 @@ class CudaEngine final : public Engine {
              "(start them with torchrun or mpirun and --device cuda)", dist::describe(comm.launch()), comm.backend());
     DS_CHECK(gradients() != Gradients::InBackward || comm.world() == 1, "--gradients in-backward runs on one rank "
              "(this launch has {}): use --gradients fp32", comm.world());
+    DS_CHECK(!gpu_->adapter() || comm.world() == 1 || mode == ShardMode::None, "--shard optimizer: LoRA trains "
+             "with --shard none (every rank holds the adapters' small AdamW state; the frozen base has none)");
     if (comm.on_device()) comm_ = &comm;
-    overlap_ = engine_knob("DELTASTACK_DP_OVERLAP");
+    // The overlapped reduce goes unit by unit over the base's gradients; a LoRA run all-reduces its adapters' after
+    // the backward (reduce_grads: device_grads are theirs).
+    overlap_ = engine_knob("DELTASTACK_DP_OVERLAP") && !gpu_->adapter();
     const GpuModel::ShardBuffers b = gpu_->shard_buffers();
     sharded_ = mode == ShardMode::Optimizer && comm_;
     if (sharded_) gpu_->set_async_optimizer(false);  // the all-gathers follow the update on the step's stream
@@ -513,6 +534,7 @@ class CudaEngine final : public Engine {
   }
   void optimizer_step(const ops::AdamWParams& p) override {
     gpu_->adamw_step(p, p.weight_decay);
+    adapter_stale_ = true;
     if (!sharded_) return;
     const GpuModel::ShardBuffers b = gpu_->shard_buffers();
     const int r = comm_->rank();
@@ -540,10 +562,18 @@ class CudaEngine final : public Engine {
   std::vector<SaveTensor> checkpoint_weight_tensors() override {
     return buffer_tensors(GpuModel::Buffer::Weights, DType::F32, /*lossless=*/true);
   }
-  std::vector<SaveTensor> grad_tensors() override { return buffer_tensors(GpuModel::Buffer::Grads, DType::F32); }
+  std::vector<SaveTensor> grad_tensors() override {
+    if (gpu_->adapter()) return lora_tensors("", GpuModel::LoraBuffer::Grads);  // the base is frozen
+    return buffer_tensors(GpuModel::Buffer::Grads, DType::F32);
+  }
   // The optimizer names its own state tensors (AdamW: exp_avg.<name>, exp_avg_sq.<name>; model/gpu_optimizer.h).
   std::vector<SaveTensor> optimizer_tensors() override {
     std::vector<SaveTensor> out;
+    if (gpu_->adapter()) {  // the adapters' moments, the CPU engine's names
+      out = lora_tensors(kLoraExpAvg, GpuModel::LoraBuffer::ExpAvg);
+      for (SaveTensor& t : lora_tensors(kLoraExpAvgSq, GpuModel::LoraBuffer::ExpAvgSq)) out.push_back(std::move(t));
+      return out;
+    }
     GpuModel* gpu = gpu_.get();
     if (sharded_) {
       DS_CHECK(!full_state_.empty(), "optimizer_tensors() of a sharded state without gather_for_save() on rank 0");
@@ -579,6 +609,16 @@ class CudaEngine final : public Engine {
     return out;
   }
   void load_optimizer(const TensorSource& read) override {
+    if (gpu_->adapter()) {
+      for (const LoraTensorRef& t : lora_)
+        for (auto [prefix, which] : {std::pair{kLoraExpAvg, GpuModel::LoraBuffer::ExpAvg},
+                                     std::pair{kLoraExpAvgSq, GpuModel::LoraBuffer::ExpAvgSq}}) {
+          const std::vector<float> x = read(prefix + t.key, t.numel, -1);
+          DS_CHECK(static_cast<int64_t>(x.size()) == t.numel, "optimizer state for {} has the wrong size", t.key);
+          gpu_->write_lora(which, t.offset, t.numel, x.data());
+        }
+      return;
+    }
     for (const ParamSpec& p : params_)
       for (int k = 0; k < gpu_->optimizer_state_count(); ++k) {
         const std::string name = gpu_->optimizer_state_name(k, p);
@@ -589,8 +629,23 @@ class CudaEngine final : public Engine {
   }
   size_t peak_bytes() const override { return gpu_->peak_bytes(); }
   size_t planned_bytes() const override { return gpu_->planned_bytes(); }
-  OptimizerState optimizer_state() const override { return gpu_->optimizer_state(); }
+  // A LoRA run: the adapters' state (fp32 masters and moments; the frozen base has none).
+  OptimizerState optimizer_state() const override {
+    return gpu_->adapter() ? OptimizerState::Fp32 : gpu_->optimizer_state();
+  }
   Recompute recompute() const override { return gpu_->recompute(); }
+  // The host adapter with the device's current values (copied back after an update, once).
+  LoraAdapter* adapter() override {
+    LoraAdapter* a = gpu_->adapter();
+    if (a && adapter_stale_) {
+      gpu_->read_lora(GpuModel::LoraBuffer::Values, 0, static_cast<int64_t>(a->values().size()), a->values().data());
+      adapter_stale_ = false;
+    }
+    return a;
+  }
+  void set_lora_dropout_key(std::optional<uint64_t> key) override {
+    if (LoraAdapter* a = gpu_->adapter()) a->set_dropout_key(key);  // no copy of the values needed
+  }
   Precision precision() const override { return gpu_->precision(); }
   void set_profiler(cuda::StepProfiler* prof) override { gpu_->set_profiler(prof); }
 
@@ -604,6 +659,19 @@ class CudaEngine final : public Engine {
   // unsharded they are stored as their codes, optimizer_tensors).
   DType moments_dtype(const ParamSpec& p) const {
     return gpu_->optimizer_state() == OptimizerState::Bf16 && is_matrix(p) ? DType::BF16 : DType::F32;
+  }
+  // The adapters' device buffer `which` under "<prefix><PEFT key>", streamed like the weights (fp32).
+  std::vector<SaveTensor> lora_tensors(const std::string& prefix, GpuModel::LoraBuffer which) {
+    std::vector<SaveTensor> out;
+    GpuModel* gpu = gpu_.get();
+    for (const LoraTensorRef& t : lora_) {
+      const int64_t base = t.offset;
+      out.push_back(make_tensor_f32_reader(prefix + t.key, t.shape, [gpu, which, base](int64_t first, int64_t count,
+                                                                                       float* dst) {
+        gpu->read_lora(which, base + first, count, dst);
+      }));
+    }
+    return out;
   }
   // Checkpoint entries whose values are copied from a device buffer slab by slab while the file is written;
   // lossless: BF16 for bf16-only weights, `dtype` (F32) for the others.
@@ -622,6 +690,8 @@ class CudaEngine final : public Engine {
   ModelConfig cfg_;
   std::vector<ParamSpec> params_;
   std::unique_ptr<GpuModel> gpu_;
+  std::vector<LoraTensorRef> lora_;  // a LoRA run's adapter tensors (empty otherwise)
+  bool adapter_stale_ = false;       // the host adapter's values are older than the device's
   dist::Communicator* comm_ = nullptr;  // NCCL (distribute), else null: nothing to reduce
   bool sharded_ = false;                // --shard optimizer over comm_
   bool overlap_ = true;                 // the --shard none all-reduce overlapped with the last backward
@@ -739,10 +809,7 @@ void check_engine_knobs() {
 
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan) {
   const std::string d = resolve_device(device);
-  if (d == "cuda") {
-    DS_CHECK(!host.adapter(), "--adapter/--lora-rank: the GPU engine does not support LoRA yet; use --device cpu");
-    return std::make_unique<CudaEngine>(std::move(host), plan);
-  }
+  if (d == "cuda") return std::make_unique<CudaEngine>(std::move(host), plan);
   DS_CHECK(!bf16_weights(plan.optimizer_state), "--optimizer-state {} is a mode of the GPU engine; the CPU engine "
            "keeps fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)",
            optimizer_state_name(plan.optimizer_state));

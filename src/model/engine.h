@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -103,6 +104,11 @@ struct GpuPlan {
   // updates only its even share of the flat parameters' AdamW state (model/gpu_params.h ParamShard);
   // shard_world 0: the whole state (no sharding).
   int shard_rank = 0, shard_world = 0;
+  // A LoRA run (docs/lora.md; r 0: none): the adapters' config. The GPU engine then keeps the base frozen in the
+  // bf16 layout (model/gpu_params.h: no base gradient, no base optimizer state) and the adapters beside it
+  // (model/gpu_lora.h); optimizer_state and gradients are resolved to that (resolved(), model/gpu_plan.h), only
+  // the recompute policy is chosen. make_engine sets it from the host model's adapter.
+  LoraConfig lora;
 
   // Batches of `micro_batch` packed windows of seq_len tokens, each holding at most docs_per_window documents
   // (a document never spans windows): the trainer's, eval's and bench's batches.
@@ -226,13 +232,19 @@ class Engine {
   // Restores the optimizer state that optimizer_tensors() wrote (names as there), one tensor at a time.
   virtual void load_optimizer(const TensorSource& read) = 0;
   // The accumulated gradients with HF names (fp32), streamed like the weights (`deltastack forward --grads`); with
-  // a LoRA adapter on the model (Qwen35Model::set_adapter, CPU engine only), the adapters' under PEFT's keys.
+  // a LoRA adapter on the model (Qwen35Model::set_adapter), the adapters' under PEFT's keys.
   virtual std::vector<SaveTensor> grad_tensors() = 0;
 
   // The LoRA adapter being trained (docs/lora.md: the base frozen, only the adapters have gradients and AdamW
-  // state; optimizer_tensors() then hold "exp_avg.<PEFT key>" / "exp_avg_sq.<PEFT key>"); null for a full run. The
-  // CPU engine only (make_engine refuses an adapter on the GPU).
+  // state; optimizer_tensors() then hold "exp_avg.<PEFT key>" / "exp_avg_sq.<PEFT key>", grad_tensors() the
+  // adapters' gradients under PEFT's keys); null for a full run. Its values are the engine's current ones (the GPU
+  // engine copies them back from the device here after an update).
   virtual LoraAdapter* adapter() { return nullptr; }
+  // The adapter's dropout key for the next forward_backward (LoraAdapter::set_dropout_key; nullopt: no dropout).
+  // No-op for a full run.
+  virtual void set_lora_dropout_key(std::optional<uint64_t> key) {
+    if (LoraAdapter* a = adapter()) a->set_dropout_key(key);
+  }
 
   virtual size_t peak_bytes() const { return 0; }     // device memory high point (0 on the CPU)
   virtual size_t planned_bytes() const { return 0; }  // the GPU engine's one allocation (0 on the CPU)
@@ -249,8 +261,9 @@ class Engine {
 // Builds the engine for `device` ("cpu" or "cuda"; "auto" = cuda when a device is present) from a host model whose
 // weights are initialised or loaded. The CUDA engine uploads the weights and then releases the host model's
 // buffers (host.release_buffers()); the CPU engine takes the model over. ds::Error when CUDA is asked for but
-// unavailable, or the plan does not fit in device memory (the message gives the bytes), and for CUDA when the
-// model has a LoRA adapter (not supported there yet).
+// unavailable, or the plan does not fit in device memory (the message gives the bytes). A model with a LoRA adapter
+// (Qwen35Model::set_adapter) trains the adapter on either engine (the GPU's: model/gpu_lora.h; plan.lora is set
+// from it there).
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan);
 
 // One training step of an engine in Gradients::InBackward over one micro-batch (docs/memory.md): with clip > 0 or

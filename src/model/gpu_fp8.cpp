@@ -97,6 +97,7 @@ void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8M
   K::fp8_quantize_transpose(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, Fp8Format::E4M3, b_.w, N, b_.f + 4 * kFp8Slot, s_);
   const Fp8Matrix qdy{b_.dy, M, N, N, r_.grad, b_.f + 5 * kFp8Slot}, qwt{b_.w, Kd, N, N, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
   K::gemm_fp8(qdy, qwt, dx, false, Kd, accumulate_dx ? 1.0f : 0.0f, r_.fast_accum_backward, s_);
+  if (!dW) return;  // a frozen weight (LoRA's base): dgrad only
   // wgrad: dW[N, K] += q(dy^T)[N, Mp] . qxt[K, Mp]^T (the padding columns are zeros in both)
   const Fp8Matrix qdyt{b_.dyt, N, Mp, Mp, r_.grad, b_.f + 6 * kFp8Slot};
   K::gemm_fp8(qdyt, qxt, dW, true, Kd, 1.0f, r_.fast_accum_backward, s_);

@@ -67,7 +67,8 @@ class GpuFp8Linear {
   // x [M, K] cast transposed (E4M3, [K, pad16(M)]) into the x buffer: the wgrad input of the linears that read x.
   ops::cuda::Fp8Matrix input_t(const bf16* x, int64_t M, int64_t K);
   // One linear's backward: dx [M, K] (= or +=) q(dy) . q(W^T)^T and dW [N, K] += q(dy^T) . qxt^T (fp32), with
-  // dy [M, N] cast once for both layouts (the grad format). qxt from input_t of the layer's input.
+  // dy [M, N] cast once for both layouts (the grad format). qxt from input_t of the layer's input. dW null (a frozen
+  // weight): the dgrad only, and qxt gives only its shape (rows K, cols fp8_padded(M); data may be null).
   void backward(const bf16* dy, int64_t M, const bf16* W, const ops::cuda::Fp8Matrix& qxt, int64_t N, bf16* dx,
                 bool accumulate_dx, float* dW);
 

@@ -19,6 +19,7 @@
 #include "model/dims.h"
 #include "model/gpu_activations.h"
 #include "model/gpu_fp8.h"
+#include "model/gpu_lora.h"
 #include "model/gpu_memory.h"
 #include "model/gpu_optimizer.h"
 #include "model/gpu_params.h"
@@ -61,7 +62,11 @@ struct GpuModel::Impl {
   size_t peak = 0;
 
   std::unique_ptr<GpuParamStore> store;
-  std::unique_ptr<GpuOptimizer> optimizer;
+  std::unique_ptr<GpuOptimizer> optimizer;  // null in a LoRA run (the base is frozen)
+  // A LoRA run (docs/lora.md): the adapters on the device, and the host adapter (its config, dropout key and the
+  // values the engine's checkpoints read back); null otherwise.
+  std::unique_ptr<GpuLora> lora;
+  std::shared_ptr<LoraAdapter> adapter;
   GpuActivations acts;
   std::unique_ptr<K::GatedDeltaRulePlan> gdn;  // null when the model has no GDN layer
   std::unique_ptr<K::AttentionPlan> attn;      // null when the model has no attention layer
@@ -207,7 +212,7 @@ struct GpuModel::Impl {
     if (attn) ops.attn_batch = attn->batch_bytes(), ops.attn_workspace = attn->workspace_bytes();
     ops.conv_workspace = conv->workspace_bytes();
     ops.ce_workspace = ce->workspace_bytes();
-    lay_out_gpu_memory(a, c, plan, *store, *optimizer, acts, ops);
+    lay_out_gpu_memory(a, c, plan, *store, optimizer.get(), lora.get(), acts, ops);
   }
 
   // Whether the backward rebuilds the shared activations (recompute selective or full; none keeps them per layer).
@@ -286,25 +291,73 @@ struct GpuModel::Impl {
       if (!GpuFp8Linear::takes(Kd, l.n)) return false;
     return true;
   }
-  // y_j = x W_j^T for each output.
+  // y_j = x W_j^T for each output (+ the LoRA terms of the adapted ones).
   void linears_forward(const bf16* x, int64_t Kd, std::initializer_list<LinOut> outs) {
     if (use_fp8(Kd, outs)) {
       const K::Fp8Matrix qx = f8->input(x, N, Kd);
       for (const LinOut& o : outs) f8->forward(qx, o.W, o.n, o.y, false);
-      return;
+    } else {
+      for (const LinOut& o : outs) K::linear_forward(x, o.W, o.y, N, Kd, o.n, false, stream);
     }
-    for (const LinOut& o : outs) K::linear_forward(x, o.W, o.y, N, Kd, o.n, false, stream);
+    for (const LinOut& o : outs)
+      for (const LoraAt& l : lora_at)
+        if (l.W == o.W) lora->forward(l.spec, x, N, o.y + l.col, o.n, lora_drop(l.spec), stream);
   }
-  // dx [N, K] = sum_j dy_j W_j (overwritten), dW_j += dy_j^T x.
+  // dx [N, K] = sum_j dy_j W_j (overwritten), dW_j += dy_j^T x (none for a frozen W: dW null); + the LoRA terms'
+  // dx and their adapters' gradients.
   void linears_backward(const bf16* x, int64_t Kd, bf16* dx, std::initializer_list<LinGrad> gs) {
     bool acc = false;
     if (use_fp8(Kd, gs)) {
-      const K::Fp8Matrix qxt = f8->input_t(x, N, Kd);
+      const K::Fp8Matrix qxt = store->frozen() ? K::Fp8Matrix{nullptr, Kd, K::fp8_padded(N), K::fp8_padded(N)}
+                                               : f8->input_t(x, N, Kd);
       for (const LinGrad& g : gs) f8->backward(g.dy, N, g.W, qxt, g.n, dx, std::exchange(acc, true), g.dW);
-      return;
+    } else {
+      for (const LinGrad& g : gs) K::linear_backward_data(g.dy, g.W, dx, N, Kd, g.n, std::exchange(acc, true), stream);
+      for (const LinGrad& g : gs)
+        if (g.dW) K::linear_backward_weight(g.dy, x, g.dW, N, Kd, g.n, stream);
     }
-    for (const LinGrad& g : gs) K::linear_backward_data(g.dy, g.W, dx, N, Kd, g.n, std::exchange(acc, true), stream);
-    for (const LinGrad& g : gs) K::linear_backward_weight(g.dy, x, g.dW, N, Kd, g.n, stream);
+    for (const LinGrad& g : gs)
+      for (const LoraAt& l : lora_at)
+        if (l.W == g.W) lora->backward(l.spec, x, N, g.dy + l.col, g.n, dx, lora_drop(l.spec), stream);
+  }
+
+  // --- LoRA (model/gpu_lora.h): the adapted linears of the layer running, found by their base weight (the W the
+  // linears_* helpers get), with the column where the adapted projection's rows start in that W's output (gate_proj
+  // 0 and up_proj I in the fused gate|up output; 0 elsewhere: q_proj's adapter covers the whole q|gate output, which
+  // is q_proj's own).
+  struct LoraAt {
+    const bf16* W;
+    int64_t col;
+    size_t spec;  // index in the adapter's specs()
+  };
+  std::vector<LoraAt> lora_at;
+  bool lora_dropout = false;  // this pass applies dropout (a backward pass with a dropout key and lora_dropout > 0)
+  void lora_layer(int64_t i, const GpuParamStore::Layer& p) {
+    lora_at.clear();
+    if (!lora) return;
+    const int64_t I = c.intermediate_size;
+    for (size_t k : adapter->layer_specs(i)) {
+      const LoraModule m = adapter->specs()[k].module;
+      const bf16* W = nullptr;
+      int64_t col = 0;
+      switch (m) {
+        case LoraModule::in_proj_qkv: W = p.compute.gdn.in_proj_qkv; break;
+        case LoraModule::in_proj_z: W = p.compute.gdn.in_proj_z; break;
+        case LoraModule::out_proj: W = p.compute.gdn.out_proj; break;
+        case LoraModule::q_proj: W = p.compute.attn.q_proj; break;
+        case LoraModule::k_proj: W = p.compute.attn.k_proj; break;
+        case LoraModule::v_proj: W = p.compute.attn.v_proj; break;
+        case LoraModule::o_proj: W = p.compute.attn.o_proj; break;
+        case LoraModule::gate_proj: W = p.compute.mlp.gate_up; break;
+        case LoraModule::up_proj: W = p.compute.mlp.gate_up, col = I; break;
+        case LoraModule::down_proj: W = p.compute.mlp.down; break;
+      }
+      DS_CHECK(W, "internal: layer {} has no weight for the adapter {}", i, adapter->key(adapter->specs()[k], false));
+      lora_at.push_back({W, col, k});
+    }
+  }
+  std::optional<uint64_t> lora_drop(size_t k) const {
+    return lora_dropout ? std::optional<uint64_t>(adapter->dropout_stream(k)) : std::nullopt;
   }
 
   // ---------------------------------------------------------------------------------------------------------
@@ -432,7 +485,7 @@ struct GpuModel::Impl {
     ProfScope ps = scope("gemm", "gdn in_proj (bwd)", 4 * n * H * (CD + VD + 2 * Hv));
     linears_backward(A.xn1, H, d.dxn, {{d.dmixed, w.in_proj_qkv, CD, gw.in_proj_qkv}, {d.dz, w.in_proj_z, VD, gw.in_proj_z}});
     K::linear_backward_data(d.dab, w.in_proj_ba, d.dxn, N, H, 2 * Hv, true, stream);  // b|a: bf16 at any precision
-    K::linear_backward_weight(d.dab, A.xn1, gw.in_proj_ba, N, H, 2 * Hv, stream);
+    if (gw.in_proj_ba) K::linear_backward_weight(d.dab, A.xn1, gw.in_proj_ba, N, H, 2 * Hv, stream);
   }
 
   // Gated attention mixer (HF Qwen3_5Attention.forward, docs/model.md §2.5): xn1 -> tmpH.
@@ -531,6 +584,7 @@ struct GpuModel::Impl {
   void layer_forward(int64_t i) {
     const int64_t H = c.hidden_size, I = c.intermediate_size;
     const GpuParamStore::Layer p = store->layer_params(i);
+    lora_layer(i, p);
     GpuLayerActs& A = acts.layers[static_cast<size_t>(i)];
     bf16 *h_in = acts.hs[i], *h_out = acts.hs[i + 1], *tmpH = acts.tmpH;
     const float eps = static_cast<float>(c.rms_norm_eps);
@@ -569,6 +623,7 @@ struct GpuModel::Impl {
   void layer_backward(int64_t i) {
     const int64_t H = c.hidden_size, I = c.intermediate_size;
     const GpuParamStore::Layer p = store->layer_params(i);
+    lora_layer(i, p);
     GpuLayerActs& A = acts.layers[static_cast<size_t>(i)];
     const GpuGradBufs& d = acts.grad;
     bf16* h_in = acts.hs[i];
@@ -659,8 +714,10 @@ struct GpuModel::Impl {
     const GpuBatchBufs& B = acts.batch;
     const GpuGradBufs& d = acts.grad;
     const double n = static_cast<double>(N);
-    trunk_forward(mp);
     const bool backward = grad_scale != 0.0;
+    // As the CPU engine: dropout in a pass with a backward while the adapter has a dropout key (the trainer's).
+    lora_dropout = lora && backward && adapter->dropout_key() && adapter->config().lora_dropout > 0;
+    trunk_forward(mp);
     DS_CHECK(!backward || !in_backward() || ib_armed, "internal: a --gradients in-backward backward without "
              "arm_in_backward()");
     if (backward && in_backward()) {
@@ -703,7 +760,7 @@ struct GpuModel::Impl {
         layer_backward(i);
       }
       if (!c.tie_word_embeddings) begin_unit(0);
-      {
+      if (mp.grad.embed_tokens) {  // (a frozen base has none)
         // dh bf16 in, the fp32 gradient rows of the distinct ids read and written, ids / positions
         ProfScope ps = scope("embedding", "embedding (bwd)", 0, n * (2 * H + 12) + 8.0 * num_uniq * H);
         K::embedding_backward(B.emb_uniq, B.emb_starts, B.emb_pos, num_uniq, d.dh, mp.grad.embed_tokens, H, stream);
@@ -732,6 +789,7 @@ struct GpuModel::Impl {
   std::vector<float> last_logits(const PackedBatch& b) {
     DS_CHECK(b.size() > 0, "last_logits: an empty batch has no last position");
     prepare_batch(b);
+    lora_dropout = false;
     const int64_t H = c.hidden_size, V = c.vocab_size;
     const GpuParamStore::Model mp = store->model_params();
     trunk_forward(mp);
@@ -803,7 +861,10 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
            m.c.linear_conv_kernel_dim);
   m.params = host.params();
   m.layout = std::make_shared<const ParamLayout>(m.c, m.params);
-  m.plan = resolved(plan);
+  GpuPlan want = plan;
+  want.lora = host.adapter() ? host.adapter()->config() : LoraConfig{};
+  m.plan = resolved(want);  // a LoRA run: the frozen base's layout
+  m.adapter = host.shared_adapter();
   m.P = host.num_parameters();
   DS_CHECK(m.plan.max_seqlen <= m.plan.max_tokens, "gpu: max_seqlen {} exceeds max_tokens {}", m.plan.max_seqlen,
            m.plan.max_tokens);
@@ -818,8 +879,9 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   m.units = param_units(m.c, m.params);
   m.store = std::make_unique<GpuParamStore>(*m.layout, m.params, m.plan.optimizer_state,
                                             ParamShard{m.plan.shard_rank, m.plan.shard_world}, m.units,
-                                            m.plan.gradients);
-  m.optimizer = std::make_unique<GpuAdamW>(*m.store);
+                                            m.plan.gradients, /*frozen=*/m.adapter != nullptr);
+  if (m.adapter) m.lora = std::make_unique<GpuLora>(m.c, m.plan.lora, m.plan.max_tokens);
+  else m.optimizer = std::make_unique<GpuAdamW>(*m.store);
   bool has_attention = false, has_gdn = false;
   for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) (m.c.is_full_attention(i) ? has_attention : has_gdn) = true;
   if (has_gdn) m.gdn = K::make_gated_delta_rule_plan(gdn_limits(m.c, m.plan));
@@ -851,7 +913,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   Arena real;
   real.base = m.arena_base;
   m.layout_memory(real);
-  m.optimizer->zero_state(m.stream);
+  if (m.optimizer) m.optimizer->zero_state(m.stream);
   if (m.plan.precision == Precision::Fp8) {
     if (ops::fp8_gemm_usable()) {
       const Fp8Recipe recipe = Fp8Recipe::from_env();
@@ -865,6 +927,11 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   DS_CHECK(host.deferred() || static_cast<int64_t>(host.weights().size()) == m.P,
            "gpu: the host model holds {} weights, expected {} (released or not loaded)", host.weights().size(), m.P);
   m.store->upload([&](size_t k, float* dst) { host.fill_param(k, dst); }, m.stream);
+  if (m.lora) {
+    m.lora->upload(m.adapter->values(), m.stream);
+    log_info("gpu: LoRA rank {}: {} adapted matrices, {} adapter parameters (fp32 masters and AdamW), the base "
+             "frozen in bf16", m.plan.lora.r, m.lora->specs().size(), m.lora->size());
+  }
   m.note_peak();
   log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}, gradients {}), one allocation of {:.2f} GiB for "
            "{} tokens x {} documents per micro-batch; gated delta rule: {}, attention: {}", cuda_device_name(),
@@ -898,6 +965,7 @@ void GpuModel::zero_grads() {
     return;
   }
   impl_->join_side();  // an update still reading the gradients on the side stream comes first
+  if (impl_->lora) return impl_->lora->zero_grads(impl_->stream);  // the frozen base has none
   ProfScope ps = impl_->scope("optimizer", "zero grads", 0, 4.0 * impl_->P);
   impl_->store->zero_grads(impl_->stream);
 }
@@ -906,6 +974,10 @@ void GpuModel::zero_grads() {
 double GpuModel::grad_sum_squares() {
   if (impl_->in_backward()) return impl_->store->grad_sum_squares(impl_->stream, false);  // the backward's sums
   impl_->join_side();
+  if (impl_->lora) {  // the adapters' gradients only
+    ProfScope ps = impl_->scope("optimizer", "grad sum of squares (LoRA)", 0, 4.0 * impl_->lora->size());
+    return impl_->lora->grad_sum_squares(impl_->stream);
+  }
   ProfScope ps = impl_->scope("optimizer", "grad sum of squares", 0, 4.0 * impl_->P);
   return impl_->store->grad_sum_squares(impl_->stream);
 }
@@ -915,6 +987,11 @@ void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
            "backward: arm_in_backward)");
   ops::AdamWParams q = p;
   q.weight_decay = weight_decay;
+  if (impl_->lora) {  // the adapters only (every element decays: HF Trainer's rule for lora_A / lora_B)
+    impl_->join_side();
+    ProfScope ps = impl_->scope("optimizer", "adamw (LoRA)", 0, 30.0 * impl_->lora->size());
+    return impl_->lora->step(q, impl_->stream);
+  }
   // Bytes per element: fp32 state reads master, grad, m, v and writes master, m, v (4 B each) and the bf16 copy
   // (2 B): 30; bf16 state reads the bf16 weight, m, v (2 B) and the fp32 grad, writes weight, m, v: 16; 8bit
   // state: the bf16 weight (2 B), the grad (4 B), two codes (1 B each) read, weight and codes written: 12.
@@ -945,6 +1022,7 @@ GpuModel::DeviceGrads GpuModel::device_grads() {
   DS_CHECK(!impl_->in_backward(), "--gradients in-backward keeps no gradient buffer to reduce over ranks: use "
            "--gradients fp32");
   impl_->join_side();
+  if (impl_->lora) return {impl_->lora->grads(), impl_->lora->size(), impl_->stream};  // the adapters' only
   return {impl_->store->grads(), impl_->P, impl_->stream};
 }
 
@@ -1040,12 +1118,42 @@ void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) cons
   if (which == Buffer::Weights) return impl_->store->read_weights(first, count, dst, impl_->stream);
   DS_CHECK(!impl_->in_backward(), "--gradients in-backward keeps no gradient buffer to read (each unit's gradients "
            "are consumed by its update in the backward): use --gradients fp32");
+  DS_CHECK(!impl_->lora, "internal: a LoRA run's base is frozen: it has no gradients (the adapters': read_lora)");
   DS_CUDA_CHECK(cudaMemcpyAsync(dst, impl_->store->grads() + first, count * sizeof(float), cudaMemcpyDeviceToHost,
                                 impl_->stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
 }
 
-int GpuModel::optimizer_state_count() const { return impl_->optimizer->num_state_tensors(); }
+LoraAdapter* GpuModel::adapter() const { return impl_->adapter.get(); }
+
+namespace {
+GpuLora::Buffer lora_buffer(GpuModel::LoraBuffer b) {
+  switch (b) {
+    case GpuModel::LoraBuffer::Values: return GpuLora::Buffer::Values;
+    case GpuModel::LoraBuffer::Grads: return GpuLora::Buffer::Grads;
+    case GpuModel::LoraBuffer::ExpAvg: return GpuLora::Buffer::ExpAvg;
+    case GpuModel::LoraBuffer::ExpAvgSq: return GpuLora::Buffer::ExpAvgSq;
+  }
+  return GpuLora::Buffer::Values;
+}
+}  // namespace
+
+void GpuModel::read_lora(LoraBuffer which, int64_t first, int64_t count, float* dst) const {
+  DS_CHECK(impl_->lora, "internal: read_lora() without a LoRA adapter");
+  impl_->join_side();
+  impl_->lora->read(lora_buffer(which), first, count, dst, impl_->stream);
+}
+
+void GpuModel::write_lora(LoraBuffer which, int64_t first, int64_t count, const float* src) {
+  DS_CHECK(impl_->lora, "internal: write_lora() without a LoRA adapter");
+  impl_->join_side();
+  impl_->lora->write(lora_buffer(which), first, count, src, impl_->stream);
+}
+
+int GpuModel::optimizer_state_count() const {
+  DS_CHECK(impl_->optimizer, "internal: a LoRA run's base has no optimizer state (the adapters': read_lora)");
+  return impl_->optimizer->num_state_tensors();
+}
 std::string GpuModel::optimizer_state_name(int which, const ParamSpec& p) const {
   return impl_->optimizer->state_name(which, p);
 }
@@ -1104,6 +1212,9 @@ std::string GpuModel::optimizer_state_name(int, const ParamSpec&) const { return
 void GpuModel::read_optimizer_state(int, int64_t, int64_t, float*) const {}
 void GpuModel::write_optimizer_state(int, int64_t, int64_t, const float*) {}
 void GpuModel::download_grads(std::vector<float>&) const {}
+LoraAdapter* GpuModel::adapter() const { return nullptr; }
+void GpuModel::read_lora(LoraBuffer, int64_t, int64_t, float*) const {}
+void GpuModel::write_lora(LoraBuffer, int64_t, int64_t, const float*) {}
 bool GpuModel::optimizer_codes_8bit(size_t) const { return false; }
 void GpuModel::read_optimizer_codes(int, int64_t, int64_t, uint8_t*) const {}
 void GpuModel::read_optimizer_block_scales(int, size_t, int64_t, int64_t, float*) const {}

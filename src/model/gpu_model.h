@@ -128,6 +128,19 @@ class GpuModel {
   void read_optimizer_codes(int which, int64_t first, int64_t count, uint8_t* dst) const;
   void read_optimizer_block_scales(int which, size_t k, int64_t first_block, int64_t count, float* dst) const;
 
+  // A LoRA run (the host model had an adapter, Qwen35Model::set_adapter; docs/lora.md, model/gpu_lora.h): the base
+  // frozen in bf16, the adapters trained. adapter(): the host adapter the engine was built with (its config; the
+  // dropout key the trainer sets on it is read by each forward_backward with a backward; its values are those of
+  // the build, not kept current: read_lora), null for a full run. zero_grads, grad_sum_squares, adamw_step and
+  // device_grads then act on the adapters only.
+  LoraAdapter* adapter() const;
+  // The adapters' device buffers as fp32 slabs [first, first + count) of the host adapter's flat layout: the
+  // masters, the gradients, the AdamW moments; a write of Values refreshes their bf16 copy. ds::Error without an
+  // adapter or outside the buffer.
+  enum class LoraBuffer { Values, Grads, ExpAvg, ExpAvgSq };
+  void read_lora(LoraBuffer which, int64_t first, int64_t count, float* dst) const;
+  void write_lora(LoraBuffer which, int64_t first, int64_t count, const float* src);
+
   size_t planned_bytes() const;  // the single device allocation
   OptimizerState optimizer_state() const;  // the modes in use (GpuPlan's, Auto resolved)
   Recompute recompute() const;

@@ -30,7 +30,7 @@ std::vector<int64_t> fp32_offsets(const std::vector<ParamSpec>& params, Optimize
 }  // namespace
 
 GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
-                             ParamShard shard, std::vector<ParamUnit> units, Gradients gradients)
+                             ParamShard shard, std::vector<ParamUnit> units, Gradients gradients, bool frozen)
     : layout_(layout),
       params_(params),
       state_(state),
@@ -39,7 +39,8 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
       master_layout_(layout),
       grad_layout_(layout),
       units_(std::move(units)),
-      gradients_(gradients) {
+      gradients_(gradients),
+      frozen_(frozen) {
   DS_CHECK(state == OptimizerState::Fp32 || bf16_weights(state),
            "gpu: the optimizer state must be resolved to fp32, bf16 or 8bit before the store is built");
   DS_CHECK(!params.empty(), "gpu: no parameters");
@@ -64,6 +65,25 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
     DS_CHECK(units_[u].lo == units_[u - 1].hi, "gpu: parameter unit {} does not start where unit {} ends", u, u - 1);
   unit_slot_.assign(units_.size(), 0);
   unit_at_.resize(units_.size());
+  if (frozen_) {
+    DS_CHECK(state == OptimizerState::Bf16 && gradients_ == Gradients::Fp32 && shard.world == 0, "internal: a frozen "
+             "base is kept in the bf16 layout, with the fp32 gradient mode and no shard");
+    // Per unit, its small parameters compacted from 0 in one scratch.
+    std::vector<int64_t> at(params.size(), -1);
+    for (const ParamUnit& u : units_) {
+      int64_t n = 0;
+      for (size_t k = 0; k < params.size(); ++k)
+        if (!is_matrix(params[k]) && params[k].offset >= u.lo && params[k].offset < u.hi) at[k] = n, n += params[k].numel;
+      G_ = std::max(G_, n);
+    }
+    G_ = std::max<int64_t>(G_, 1);
+    std::fill(unit_at_.begin(), unit_at_.end(), 0);
+    grad_layout_ = layout.remapped([this, at](int64_t off) -> int64_t {
+      const size_t k = param_at(off, 0);
+      return at[k] < 0 ? -1 : at[k] + (off - params_[k].offset);
+    });
+    return;
+  }
   if (gradients_ == Gradients::Fp32) {
     G_ = Ppad_;
     for (size_t u = 0; u < units_.size(); ++u) unit_at_[u] = units_[u].lo;
@@ -158,7 +178,12 @@ void GpuParamStore::upload(const std::function<void(size_t k, float* dst)>& valu
   for (size_t k = 0; k < params_.size(); ++k) {
     const ParamSpec& p = params_[k];
     values(k, stage.data());
-    if (state_ == OptimizerState::Fp32) {
+    if (frozen_) {  // the gradient scratch is small: stage on the host (bf16 rounded to nearest there)
+      upload_f32_as_bf16(stage.data(), p.numel, wb_ + p.offset, stream);
+      if (fp32_offset_[k] >= 0)
+        DS_CUDA_CHECK(cudaMemcpyAsync(w_ + fp32_offset_[k], stage.data(), p.numel * sizeof(float),
+                                      cudaMemcpyHostToDevice, stream));
+    } else if (state_ == OptimizerState::Fp32) {
       DS_CUDA_CHECK(cudaMemcpyAsync(w_ + p.offset, stage.data(), p.numel * sizeof(float), cudaMemcpyHostToDevice, stream));
       K::to_bf16(w_ + p.offset, wb_ + p.offset, p.numel, stream);
     } else {

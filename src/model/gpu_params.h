@@ -49,8 +49,14 @@ class GpuParamStore {
   // state: Fp32, Bf16 or EightBit (resolved; the last two have the same layout). params: the ParamSpec table (outlives
   // the store); units: param_units of the model (they tile [0, P)); gradients: the flat fp32 buffer or the slots
   // above (ds::Error with a shard).
+  // frozen (a LoRA run's base, model/gpu_lora.h): the bf16 layout (state Bf16) with no gradient of the GEMM weights
+  // (their gradient views are nullptr: the decoder skips their weight-gradient GEMMs, the loss and the embedding
+  // their weight gradients) and, for the small parameters' gradients that the ops compute beside dx, one scratch of
+  // the largest unit's small parameters that every unit's views share (written, never read). ds::Error with another
+  // state, a shard or Gradients::InBackward.
   GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
-                ParamShard shard = {}, std::vector<ParamUnit> units = {}, Gradients gradients = Gradients::Fp32);
+                ParamShard shard = {}, std::vector<ParamUnit> units = {}, Gradients gradients = Gradients::Fp32,
+                bool frozen = false);
 
   // The buffers above and the grad-norm reduction scratch.
   void reserve(Arena& a);
@@ -70,6 +76,7 @@ class GpuParamStore {
   Model model_params() const;
 
   OptimizerState state() const { return state_; }
+  bool frozen() const { return frozen_; }
   int64_t size() const { return P_; }
   int64_t fp32_size() const { return P32_; }  // elements of the fp32 master (P in the fp32 layout)
   const std::vector<ParamSpec>& params() const { return params_; }
@@ -129,6 +136,7 @@ class GpuParamStore {
   ParamLayout grad_layout_;           // layout_ with the offsets of g_ (InBackward: into the slots)
   std::vector<ParamUnit> units_;
   Gradients gradients_;
+  bool frozen_ = false;
   std::vector<int> unit_slot_;        // per unit: its slot (InBackward)
   std::vector<int64_t> unit_at_;      // per unit: where its first element lies in g_
   int64_t G_ = 0;                     // elements of g_

@@ -7,10 +7,12 @@
 #include <algorithm>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <tuple>
 
 #include "model/dims.h"
 #include "model/gpu_activations.h"
+#include "model/gpu_lora.h"
 #include "model/gpu_optimizer.h"
 #include "model/gpu_params.h"
 #include "model/model.h"
@@ -25,6 +27,14 @@ namespace K = ds::ops::cuda;
 
 GpuPlan resolved(GpuPlan plan) {
   if (plan.max_seqlen <= 0) plan.max_seqlen = plan.max_tokens;
+  if (plan.lora.r > 0) {
+    DS_CHECK(plan.gradients != Gradients::InBackward, "--gradients in-backward with LoRA (--lora-rank / --adapter) "
+             "is not supported (the adapters' gradients are small: use --gradients fp32)");
+    DS_CHECK(plan.shard_world == 0, "--shard optimizer with LoRA on the GPU engine is not supported: LoRA trains "
+             "with --shard none (every rank holds the adapters' small AdamW state; the frozen base has none)");
+    plan.optimizer_state = OptimizerState::Bf16;  // the frozen base's layout (model/gpu_params.h)
+    plan.gradients = Gradients::Fp32;             // the adapters' flat gradient buffer
+  }
   return plan;
 }
 
@@ -55,10 +65,11 @@ K::LinearCrossEntropyPlan ce_plan(const ModelConfig& c, const GpuPlan& plan) {
 }
 
 void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, GpuParamStore& store,
-                        GpuOptimizer& optimizer, GpuActivations& acts, const GpuOpSizes& ops) {
+                        GpuOptimizer* optimizer, GpuLora* lora, GpuActivations& acts, const GpuOpSizes& ops) {
   const int64_t N = plan.max_tokens, S = plan.max_seqs, H = c.hidden_size, Hv = c.linear_num_value_heads, Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
   store.reserve(a);
-  optimizer.reserve(a);
+  if (optimizer) optimizer->reserve(a);
+  if (lora) lora->reserve(a);
   GpuActivations::Sizes sz;
   sz.max_tokens = N;
   sz.max_seqs = S;
@@ -80,15 +91,19 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   DS_CHECK(attention == "cudnn" || attention == "simple", "plan: attention must be cudnn or simple (got \"{}\")",
            attention);
   DS_CHECK(plan_in.max_tokens > 0 && plan_in.max_seqs > 0, "plan: the batch must hold at least one token");
-  DS_CHECK(plan_in.optimizer_state != OptimizerState::Auto && plan_in.recompute != Recompute::Auto &&
-           plan_in.gradients != Gradients::Auto, "plan: resolve the memory modes first (resolve_memory_modes)");
   const GpuPlan plan = resolved(plan_in);
+  DS_CHECK(plan.optimizer_state != OptimizerState::Auto && plan.recompute != Recompute::Auto &&
+           plan.gradients != Gradients::Auto, "plan: resolve the memory modes first (resolve_memory_modes)");
   c.validate();
   const std::vector<ParamSpec> params = qwen35_params(c);  // the table only: no memory for the values
   ParamLayout layout(c, params);
+  const bool lora = plan.lora.r > 0;
   GpuParamStore store(layout, params, plan.optimizer_state, ParamShard{plan.shard_rank, plan.shard_world},
-                      param_units(c, params), plan.gradients);
-  GpuAdamW optimizer(store);
+                      param_units(c, params), plan.gradients, lora);
+  std::optional<GpuAdamW> optimizer;
+  std::optional<GpuLora> adapters;
+  if (lora) adapters.emplace(c, plan.lora, plan.max_tokens);
+  else optimizer.emplace(store);
   GpuActivations acts;
   GpuMemoryPlan out;
   GpuOpSizes ops;
@@ -126,7 +141,8 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   ops.conv_workspace = conv_plan(c, plan).workspace_bytes();
   ops.ce_workspace = ce_plan(c, plan).workspace_bytes();
   Arena sizing;
-  lay_out_gpu_memory(sizing, c, plan, store, optimizer, acts, ops);
+  lay_out_gpu_memory(sizing, c, plan, store, optimizer ? &*optimizer : nullptr, adapters ? &*adapters : nullptr, acts,
+                     ops);
   out.by_use = sizing.by_use;
   out.allocation = sizing.off;
   out.total = sizing.off + kCudaContextBytes;
@@ -159,6 +175,7 @@ std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradie
 
 GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
                              const std::string& attention) {
+  plan = resolved(plan);  // a LoRA plan: only the recompute policy is left to choose
   const auto candidates = memory_candidates(plan.optimizer_state, plan.recompute, plan.gradients, plan.norm_pass);
   for (size_t k = 0; k < candidates.size(); ++k) {
     GpuPlan p = plan;

@@ -24,6 +24,7 @@ namespace ds {
 
 class GpuParamStore;
 class GpuOptimizer;
+class GpuLora;
 struct GpuActivations;
 
 // What the op plans reserve (from the plans themselves in the engine, from their size functions in the planner).
@@ -36,16 +37,19 @@ struct GpuOpSizes {
 
 #ifdef DELTASTACK_CUDA
 // The op plans' limits for config c and batches of `plan` (one definition for the engine and the planner).
-GpuPlan resolved(GpuPlan plan);  // max_seqlen 0 -> max_tokens
+// max_seqlen 0 -> max_tokens; a LoRA plan (plan.lora.r > 0): optimizer_state Bf16 (the frozen base's layout) and
+// gradients Fp32 (the adapters' flat buffer), ds::Error for --gradients in-backward or --shard optimizer with LoRA.
+GpuPlan resolved(GpuPlan plan);
 ops::cuda::GdnLimits gdn_limits(const ModelConfig& c, const GpuPlan& plan);
 ops::cuda::AttnLimits attn_limits(const ModelConfig& c, const GpuPlan& plan);
 ops::cuda::Conv1dPlan conv_plan(const ModelConfig& c, const GpuPlan& plan);
 ops::cuda::LinearCrossEntropyPlan ce_plan(const ModelConfig& c, const GpuPlan& plan);
 
 // The engine's whole layout in one pass over `a` (a sizing pass when a.base is null): parameter store, optimizer,
-// activations and every scratch buffer, in a fixed order, each counted under its MemoryUse.
+// activations and every scratch buffer, in a fixed order, each counted under its MemoryUse. A LoRA plan: no base
+// optimizer (null) and the adapters (model/gpu_lora.h); otherwise lora is null.
 void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, GpuParamStore& store,
-                        GpuOptimizer& optimizer, GpuActivations& acts, const GpuOpSizes& ops);
+                        GpuOptimizer* optimizer, GpuLora* lora, GpuActivations& acts, const GpuOpSizes& ops);
 #endif
 
 // Device memory the CUDA runtime, cuBLASLt and cuDNN hold beside the engine's allocation (measured on the H200,

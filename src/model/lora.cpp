@@ -172,27 +172,36 @@ LoraConfig parse_lora_config(const json& j, const std::string& path) {
   return cfg;
 }
 
-LoraAdapter::LoraAdapter(const ModelConfig& model, LoraConfig config, bool multimodal_keys)
-    : config_(std::move(config)), multimodal_keys_(multimodal_keys) {
-  DS_CHECK(config_.r > 0, "LoRA: r must be positive, got {}", config_.r);
-  DS_CHECK(!config_.target_modules.empty(), "LoRA: no target modules");
-  by_layer_.resize(static_cast<size_t>(model.num_hidden_layers));
+std::vector<LoraTensorSpec> lora_tensor_specs(const ModelConfig& model, const LoraConfig& config) {
+  DS_CHECK(config.r > 0, "LoRA: r must be positive, got {}", config.r);
+  DS_CHECK(!config.target_modules.empty(), "LoRA: no target modules");
+  std::vector<LoraTensorSpec> specs;
   int64_t off = 0;
   for (int64_t i = 0; i < model.num_hidden_layers; ++i)
-    for (LoraModule m : config_.target_modules) {
+    for (LoraModule m : config.target_modules) {
       LoraTensorSpec s;
       s.layer = i;
       s.module = m;
       if (!module_shape(model, i, m, s.out, s.in)) continue;
       s.a_offset = off;
-      off += config_.r * s.in;
+      off += config.r * s.in;
       s.b_offset = off;
-      off += s.out * config_.r;
-      by_layer_[static_cast<size_t>(i)].push_back(specs_.size());
-      specs_.push_back(s);
+      off += s.out * config.r;
+      specs.push_back(s);
     }
-  DS_CHECK(!specs_.empty(), "LoRA: none of the target modules exists in this model");
-  values_.assign(static_cast<size_t>(off), 0.0f);
+  DS_CHECK(!specs.empty(), "LoRA: none of the target modules exists in this model");
+  return specs;
+}
+
+int64_t lora_num_values(const std::vector<LoraTensorSpec>& specs, int64_t r) {
+  return specs.empty() ? 0 : specs.back().b_offset + specs.back().out * r;
+}
+
+LoraAdapter::LoraAdapter(const ModelConfig& model, LoraConfig config, bool multimodal_keys)
+    : config_(std::move(config)), multimodal_keys_(multimodal_keys), specs_(lora_tensor_specs(model, config_)) {
+  by_layer_.resize(static_cast<size_t>(model.num_hidden_layers));
+  for (size_t k = 0; k < specs_.size(); ++k) by_layer_[static_cast<size_t>(specs_[k].layer)].push_back(k);
+  values_.assign(static_cast<size_t>(lora_num_values(specs_, config_.r)), 0.0f);
 }
 
 std::string LoraAdapter::key(const LoraTensorSpec& s, bool b) const {
@@ -291,8 +300,14 @@ void LoraAdapter::dropout_mask(size_t k, int64_t rows, float* mask) const {
   DS_CHECK(k < specs_.size(), "LoRA: no adapter {}", k);
   const double p = config_.lora_dropout;
   const float keep = static_cast<float>(1.0 / (1.0 - p));
-  Rng rng(*dropout_key_, k + 1);
-  for (int64_t e = 0; e < rows * specs_[k].in; ++e) mask[e] = rng.uniform() < p ? 0.0f : keep;
+  const uint64_t key = dropout_stream(k);
+  for (int64_t e = 0; e < rows * specs_[k].in; ++e)
+    mask[e] = dropout_drops(key, static_cast<uint64_t>(e), p) ? 0.0f : keep;
+}
+
+uint64_t LoraAdapter::dropout_stream(size_t k) const {
+  DS_CHECK(dropout_key_.has_value(), "LoRA: a dropout mask without a dropout key");
+  return rng_stream_key(*dropout_key_, k + 1);
 }
 
 void LoraAdapter::save(const std::string& dir, const std::string& base_model_name_or_path) const {

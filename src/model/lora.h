@@ -68,6 +68,12 @@ struct LoraTensorSpec {
   int64_t a_offset = 0, b_offset = 0;  // lora_A [r, in] and lora_B [out, r] in values() / grads() (floats)
 };
 
+// The adapted linear layers of `model` under `config` (layer-major, LoraModule order within a layer; a module
+// exists only in the layers of its kind), their lora_A / lora_B packed in that order into one flat buffer of
+// lora_num_values(specs, r) floats. ds::Error for r <= 0, no targets, or targets none of the layers has.
+std::vector<LoraTensorSpec> lora_tensor_specs(const ModelConfig& model, const LoraConfig& config);
+int64_t lora_num_values(const std::vector<LoraTensorSpec>& specs, int64_t r);
+
 // The adapters of one model: fp32 values and gradients in two flat buffers, one LoraTensorSpec per adapted linear
 // layer (layer-major, LoraModule order within a layer; a module exists only in the layers of its kind).
 class LoraAdapter {
@@ -109,6 +115,9 @@ class LoraAdapter {
   // 1 / (1 - lora_dropout), from the key set (ds::Error without one). The same values each call: the backward
   // regenerates the forward's mask.
   void dropout_mask(size_t k, int64_t rows, float* mask) const;
+  // The random stream of spec k's mask under the key set (core/rng.h): element e ([rows, in] row-major) is dropped
+  // when dropout_drops(dropout_stream(k), e, lora_dropout). The GPU engine draws the same masks from it.
+  uint64_t dropout_stream(size_t k) const;
   // The dropout key of micro-batch `micro_index` (0-based, over the run's whole history: step, rank, micro-batch)
   // of a run seeded with `seed`.
   static uint64_t dropout_key(uint64_t seed, int64_t micro_index);

@@ -176,6 +176,7 @@ class Qwen35Model {
   // Not with a unit source (forward_backward: ds::Error).
   void set_adapter(std::shared_ptr<LoraAdapter> a);
   LoraAdapter* adapter() const { return adapter_.get(); }
+  const std::shared_ptr<LoraAdapter>& shared_adapter() const { return adapter_; }  // the engine that keeps it
 
   void zero_grads();
   // Frees the host weight and gradient buffers (the GPU engine calls it after uploading the weights: a GPU run

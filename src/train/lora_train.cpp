@@ -64,20 +64,57 @@ LoraConfig lora_config_of(const TrainOptions& o) {
   return c;
 }
 
-std::string weights_fingerprint(const std::vector<float>& w) {
-  uint64_t h = splitmix64(static_cast<uint64_t>(w.size()));
-  size_t i = 0;
-  for (; i + 1 < w.size(); i += 2) {
+WeightsFingerprint::WeightsFingerprint(int64_t total) : h_(splitmix64(static_cast<uint64_t>(total))) {}
+
+void WeightsFingerprint::add(const float* w, int64_t n) {
+  int64_t i = 0;
+  if (odd_ && n > 0) {  // the pair the last call left open
     uint64_t pair = 0;
-    std::memcpy(&pair, w.data() + i, sizeof pair);
-    h = splitmix64(h ^ pair);
+    std::memcpy(&pair, &held_, sizeof held_);
+    std::memcpy(reinterpret_cast<char*>(&pair) + sizeof held_, w, sizeof(float));
+    h_ = splitmix64(h_ ^ pair);
+    odd_ = false;
+    i = 1;
   }
-  if (i < w.size()) {
-    uint32_t last = 0;
-    std::memcpy(&last, w.data() + i, sizeof last);
-    h = splitmix64(h ^ last);
+  for (; i + 1 < n; i += 2) {
+    uint64_t pair = 0;
+    std::memcpy(&pair, w + i, sizeof pair);
+    h_ = splitmix64(h_ ^ pair);
   }
+  if (i < n) {
+    std::memcpy(&held_, w + i, sizeof held_);
+    odd_ = true;
+  }
+}
+
+std::string WeightsFingerprint::hex() const {
+  uint64_t h = h_;
+  if (odd_) h = splitmix64(h ^ static_cast<uint64_t>(held_));
   return fmt::format("{:016x}", h);
+}
+
+std::string weights_fingerprint(const std::vector<float>& w) {
+  WeightsFingerprint f(static_cast<int64_t>(w.size()));
+  f.add(w.data(), static_cast<int64_t>(w.size()));
+  return f.hex();
+}
+
+std::string model_fingerprint(const Qwen35Model& model) {
+  WeightsFingerprint f(model.num_parameters());
+  int64_t largest = 0;
+  for (const ParamSpec& p : model.params()) largest = std::max(largest, p.numel);
+  std::vector<float> stage(static_cast<size_t>(largest));
+  for (size_t k = 0; k < model.params().size(); ++k) {
+    model.fill_param(k, stage.data());
+    f.add(stage.data(), model.params()[k].numel);
+  }
+  return f.hex();
+}
+
+LoraConfig run_lora_config(const TrainOptions& o) {
+  if (!o.resume.empty()) return read_lora_config(o.resume);
+  if (!o.adapter.empty()) return read_lora_config(o.adapter);
+  return lora_config_of(o);
 }
 
 bool multimodal_layout(const std::string& model) {
@@ -89,12 +126,9 @@ bool multimodal_layout(const std::string& model) {
 }
 
 json attach_lora(const TrainOptions& opt, Qwen35Model& model, const SavedCheckpoint* resumed) {
-  // Before the base is materialized on the host (a GPU run's would not be): make_engine's refusal, early.
-  DS_CHECK(resolve_device(opt.device) == "cpu", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; use "
-           "--device cpu");
   if (resumed) check_base_exists(opt.model, "--resume " + opt.resume);
-  model.materialize();
-  const std::string fingerprint = weights_fingerprint(model.weights());
+  // Parameter by parameter (a GPU run's base is never whole on the host: Qwen35Model::fill_param).
+  const std::string fingerprint = model_fingerprint(model);
   std::shared_ptr<LoraAdapter> adapter;
   if (resumed) {
     DS_CHECK(resumed->lora.is_object() && resumed->lora.contains("base_fingerprint"), "{}: field \"lora\" (the "
@@ -125,7 +159,7 @@ void save_lora_checkpoint_weights(const std::string& dir, const ModelConfig& con
 }
 
 void set_lora_dropout(Engine& engine, uint64_t seed, int64_t micro_index) {
-  if (LoraAdapter* a = engine.adapter()) a->set_dropout_key(LoraAdapter::dropout_key(seed, micro_index));
+  engine.set_lora_dropout_key(LoraAdapter::dropout_key(seed, micro_index));
 }
 
 bool is_lora_checkpoint(const std::string& dir) {
@@ -146,7 +180,7 @@ Qwen35Model lora_base_model(const std::string& dir) {
   Qwen35Model model(ModelConfig::from_file(dir));
   if (has_weights(model_path)) model.load(model_path);
   else model.init_weights(o["seed"].get<uint64_t>());
-  check_base_fingerprint(ck.lora, weights_fingerprint(model.weights()), model_path, dir);
+  check_base_fingerprint(ck.lora, model_fingerprint(model), model_path, dir);
   return model;
 }
 
@@ -155,8 +189,7 @@ std::shared_ptr<LoraAdapter> load_adapter(const std::string& dir, Qwen35Model& m
   if (!is_lora_checkpoint(dir)) return adapter;
   const json lora = read_checkpoint_state(dir).lora;
   if (!lora.is_object() || !lora.contains("base_fingerprint")) return adapter;
-  model.materialize();
-  const std::string got = weights_fingerprint(model.weights());
+  const std::string got = model_fingerprint(model);  // parameter by parameter: a deferred base stays deferred
   DS_CHECK(lora["base_fingerprint"] == json(got), "--adapter {}: this LoRA checkpoint was trained on the base {} "
            "(fingerprint {}, its trainer_state.json: lora.base_fingerprint), but the weights of --model {} have the "
            "fingerprint {}: an adapter fits only the base it was trained on", dir, lora.value("base_model", json()).dump(),

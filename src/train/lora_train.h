@@ -26,22 +26,42 @@ bool lora_run(const TrainOptions& o);
 // The adapter config of --lora-rank, --lora-alpha, --lora-dropout, --lora-targets, --use-rslora.
 LoraConfig lora_config_of(const TrainOptions& o);
 
+// The adapter config of a LoRA run: a --resume checkpoint's adapter_config.json, else --adapter's, else
+// lora_config_of (what the GPU plan sizes before the adapter is read: model/engine.h GpuPlan::lora).
+LoraConfig run_lora_config(const TrainOptions& o);
+
 // 16 hex digits identifying fp32 weights: a 64-bit hash of their bits in order (SplitMix64 finalizer over each
 // pair of floats, chained; core/rng.h). Equal weights give equal strings; any changed bit changes it (up to
 // collisions, probability ~2^-64).
 std::string weights_fingerprint(const std::vector<float>& weights);
+// The same hash fed in pieces (any split of the same values in order gives the same string): `total` values in
+// all, add() them in order, then hex().
+class WeightsFingerprint {
+ public:
+  explicit WeightsFingerprint(int64_t total);
+  void add(const float* w, int64_t n);
+  std::string hex() const;
+
+ private:
+  uint64_t h_;
+  bool odd_ = false;  // a value waits for its pair's second half
+  uint32_t held_ = 0;
+};
+// weights_fingerprint of a model's weights, read parameter by parameter (Qwen35Model::fill_param: a deferred model
+// stays deferred, so a GPU run never holds its base whole on the host).
+std::string model_fingerprint(const Qwen35Model& model);
 
 // Whether the checkpoint at `model` (a directory of HF safetensors) stores the text model under
 // "model.language_model." (the released multimodal layout): the adapter's keys then take PEFT's multimodal prefix.
 // False for a preset or config.json.
 bool multimodal_layout(const std::string& model);
 
-// Puts the run's adapter on `model` (its weights materialized here: the base's fingerprint is taken of them) and
+// Puts the run's adapter on `model` (the base's fingerprint is taken of its weights, model_fingerprint) and
 // returns the "lora" record of its checkpoints. The adapter: on --resume the checkpoint's own (adapter_config.json,
 // adapter_model.safetensors), after checking that the base's fingerprint is the one it was trained on (ds::Error
 // naming the checkpoint, both fingerprints and the base's path otherwise); with --adapter DIR that adapter; else a
-// new one of lora_config_of(opt), PEFT-initialised from --seed (LoraAdapter::init_peft). ds::Error (the GPU
-// engine's LoRA refusal) when --device resolves to cuda.
+// new one of lora_config_of(opt), PEFT-initialised from --seed (LoraAdapter::init_peft). The model stays deferred
+// (the fingerprint is taken parameter by parameter), for either engine.
 nlohmann::json attach_lora(const TrainOptions& opt, Qwen35Model& model, const SavedCheckpoint* resumed);
 
 // A LoRA checkpoint's weights into `dir`: the adapter's PEFT files (base_model_name_or_path: base["base_model"])

@@ -107,6 +107,7 @@ void apply_train_memory_flags(GpuPlan& plan, const TrainOptions& opt, const dist
                                 opt.lora_rank == 0 && opt.adapter.empty();
   if (plan.gradients == Gradients::Auto && !in_backward_runs) plan.gradients = Gradients::Fp32;
   plan.norm_pass = opt.clip > 0 || opt.nan_policy == "skip";
+  if (lora_run(opt)) plan.lora = run_lora_config(opt);  // the GPU plan of a frozen base and its adapters
 }
 
 void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::string& device,

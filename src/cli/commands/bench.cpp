@@ -380,12 +380,18 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients);
   plan.precision = parse_precision(memory.precision);
   plan.norm_pass = memory.clip > 0;
+  plan.lora = memory_flags_lora(memory);
   DS_CHECK(memory.clip >= 0 && std::isfinite(memory.clip), "bench step: --clip must be >= 0, got {}", memory.clip);
   DS_CHECK(seq_len >= 2 && micro_batch >= 1 && steps >= 1, "bench step: bad --seq-len/--micro-batch/--steps");
   DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");
   ModelConfig cfg = ModelConfig::resolve(preset);
   Qwen35Model model(cfg, Qwen35Model::Deferred{});  // initialised per parameter while the engine uploads
   model.defer_init(1234);
+  if (plan.lora.r > 0) {  // train --lora-rank's adapter (PEFT's init: lora_B zero), through the same engine path
+    auto adapter = std::make_shared<LoraAdapter>(cfg, plan.lora);
+    adapter->init_peft(1234);
+    model.set_adapter(adapter);
+  }
   std::unique_ptr<Engine> gpu = make_engine("cuda", std::move(model), plan);
   // Random tokens, one document per row (the HF benchmark's layout).
   PackedBatch b;
@@ -448,17 +454,20 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   double t = times[times.size() / 2];
   const double tokens = static_cast<double>(seq_len * micro_batch);
   // Model FLOPs per token: 6 x matmul parameters (the lm_head counts, the embedding lookup does not) + causal
-  // attention scores 6 x 2 x Hq x hd x T/2 per full-attention layer. The GDN state math is not counted.
+  // attention scores 6 x 2 x Hq x hd x T/2 per full-attention layer. The GDN state math is not counted. LoRA: 4 x
+  // (forward and dgrad; no weight gradient of the frozen base); the adapters' own GEMMs are not counted.
   double matmul_params = static_cast<double>(cfg.num_parameters()) -
                          (cfg.tie_word_embeddings ? 0.0 : static_cast<double>(cfg.vocab_size) * cfg.hidden_size);
   int64_t n_full = std::count(cfg.layer_types.begin(), cfg.layer_types.end(), "full_attention");
   double attn = 6.0 * 2.0 * cfg.num_attention_heads * cfg.head_dim * (seq_len / 2.0) * n_full;
-  double flops = (6.0 * matmul_params + attn) * tokens;
+  double flops = ((plan.lora.r > 0 ? 4.0 : 6.0) * matmul_params + attn) * tokens;
   fmt::print("bench step: preset {} ({:.2f}B params), seq {} x micro-batch {}, {} timed steps on {}; optimizer state "
-             "{}, recompute {}, precision {}, gradients {}{}\n", preset, cfg.num_parameters() / 1e9, seq_len, micro_batch,
+             "{}, recompute {}, precision {}, gradients {}{}{}\n", preset, cfg.num_parameters() / 1e9, seq_len, micro_batch,
              steps, cuda_device_name(), optimizer_state_name(gpu->optimizer_state()), recompute_name(gpu->recompute()),
              precision_name(gpu->precision()), gradients_name(gpu->gradients()),
-             memory.clip > 0 ? fmt::format(", clip {}", memory.clip) : std::string());
+             memory.clip > 0 ? fmt::format(", clip {}", memory.clip) : std::string(),
+             plan.lora.r > 0 ? fmt::format(", LoRA rank {} (all-linear; optimizer state = the adapters')", plan.lora.r)
+                             : std::string());
   fmt::print("  step {:.1f} ms (median) | {:.0f} tokens/s | MFU {:.1f}% of 989 TFLOP/s ({:.1f}% of the measured 699) | "
              "peak {:.1f} GiB (plan {:.1f} GiB) | loss {:.4f} grad_norm {:.3f}\n",
              1e3 * t, tokens / t, 100 * flops / t / 989e12, 100 * flops / t / 699e12, gpu->peak_bytes() / 1073741824.0,

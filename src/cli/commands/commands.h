@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "model/lora.h"
+
 namespace ds::cli {
 
 // `deltastack tokenize`: one {"text": ...} JSON object per input line -> one {"ids": [...]} per output line.
@@ -28,7 +30,7 @@ int cmd_tokenize_dataset(const std::string& tokenizer_path, const std::vector<st
 // bf16 GPU engine (fp32 master weights) instead of the fp32 CPU reference. OUT and GRADS never replace an input, each
 // other or a checkpoint's files, and replace an existing file only with `overwrite` (outputs.h). precision "fp8":
 // the decoder's matrix GEMMs in FP8 (the CPU engine emulates the casts exactly; docs/fp8.md). adapter: a PEFT LoRA
-// adapter directory (model/lora.h, docs/lora.md) applied to the model, CPU engine only (ds::Error for cuda); GRADS
+// adapter directory (model/lora.h, docs/lora.md) applied to the model (either engine; the GPU's: model/gpu_lora.h); GRADS
 // then gets d loss / d every adapter tensor under PEFT's keys (the base is frozen).
 int cmd_forward(const std::string& model_dir, const std::string& inputs, const std::string& output,
                 const std::string& grads, const std::string& device = "cpu", bool overwrite = false,
@@ -52,8 +54,8 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
 // JSON object; a non-finite value is null, and a non-finite loss adds "error" and returns 1. device
 // "auto" (the GPU engine when a GPU is present), "cpu" (fp32 reference) or "cuda".
 // precision: "bf16" or "fp8" (the GEMMs of `--precision fp8`, emulated exactly on the CPU engine).
-// adapter (eval and generate): a PEFT LoRA adapter directory (or a LoRA run's checkpoint) applied to the model; the
-// CPU engine only (ds::Error for --device cuda; --device auto runs on the CPU).
+// adapter (eval and generate): a PEFT LoRA adapter directory (or a LoRA run's checkpoint) applied to the model, on
+// the engine `device` chooses.
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
              int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device = "auto",
              const std::string& precision = "bf16", const std::string& adapter = "");
@@ -85,7 +87,12 @@ struct MemoryFlags {
   std::string precision = "bf16";  // --precision: the decoder's GEMMs, bf16 or fp8 (model/engine.h Precision)
   std::string gradients = "auto";  // --gradients: auto, fp32 or in-backward (model/engine.h Gradients)
   double clip = 0;                 // bench step --clip: the max grad norm (in-backward: its norm pass); 0 off
+  int64_t lora_rank = 0;           // --lora-rank: a LoRA run of that rank (all-linear, PEFT's defaults); 0 off
 };
+// The LoRA config of --lora-rank in `plan` and `bench step` (GpuPlan::lora): all ten linear modules, PEFT's defaults
+// (lora_alpha 8, no dropout), as `train --lora-rank R` without the other LoRA flags; r 0 when lora_rank is 0.
+// ds::Error for a negative rank.
+LoraConfig memory_flags_lora(const MemoryFlags& m);
 
 // `deltastack bench ops`: per op and shape, forward and forward+backward ms, rate and roofline fraction (GPU).
 int cmd_bench_ops();

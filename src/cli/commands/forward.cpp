@@ -24,8 +24,6 @@ int cmd_forward(const std::string& model_dir, const std::string& inputs, const s
   const FileIdentity output_before = file_identity(output);
   const FileIdentity grads_before = grads.empty() ? FileIdentity{} : file_identity(grads);
   Qwen35Model model(ModelConfig::from_file(model_dir));
-  DS_CHECK(adapter.empty() || device == "cpu", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; "
-           "use --device cpu");
   model.load(model_dir);
   if (!adapter.empty()) model.set_adapter(load_adapter(adapter, model, model_dir));
   const ModelConfig c = model.config();

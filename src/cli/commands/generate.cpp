@@ -51,15 +51,6 @@ Qwen35Model deferred_model(const std::string& model_dir) {
   return model;
 }
 
-// The device of eval / generate with `--adapter` (a LoRA adapter: the CPU engine only): auto becomes cpu, cuda is
-// the GPU engine's error. Without an adapter, `device` as given.
-std::string adapter_device(const std::string& device, const std::string& adapter) {
-  if (adapter.empty()) return device;
-  DS_CHECK(device != "cuda", "--adapter/--lora-rank: the GPU engine does not support LoRA yet; use --device cpu");
-  chosen_device(device);  // a bad --device is still its error
-  return "cpu";
-}
-
 // --adapter DIR (a PEFT adapter directory, or a LoRA run's checkpoint) onto `model`; nothing when empty.
 // A LoRA checkpoint's recorded base must be `model_dir`'s weights (load_adapter).
 void apply_adapter(Qwen35Model& model, const std::string& adapter, const std::string& model_dir) {
@@ -70,10 +61,12 @@ void apply_adapter(Qwen35Model& model, const std::string& adapter, const std::st
 // cannot take (a shape its kernels lack, a plan larger than the free memory) is left to the CPU with a warning
 // naming the reason (null); with --device cuda that is the error.
 std::unique_ptr<Engine> gpu_engine(const std::string& device, const std::string& model_dir, const GpuPlan& plan,
-                                   const char* command) {
+                                   const char* command, const std::string& adapter) {
   if (chosen_device(device) != "cuda") return nullptr;
   try {
-    return make_engine("cuda", deferred_model(model_dir), plan);
+    Qwen35Model model = deferred_model(model_dir);
+    apply_adapter(model, adapter, model_dir);
+    return make_engine("cuda", std::move(model), plan);
   } catch (const Error& e) {
     if (device == "cuda") throw;
     log_warn("{}: the GPU engine cannot take this model ({}); running on the CPU", command, e.what());
@@ -85,7 +78,7 @@ std::unique_ptr<Engine> gpu_engine(const std::string& device, const std::string&
 int cmd_generate(const std::string& model_dir, const std::string& tokenizer, const std::string& prompt,
                  int64_t max_new_tokens, double temperature, int64_t top_k, uint64_t seed, double top_p, bool chat,
                  const std::string& device_flag, const std::string& adapter) {
-  const std::string device = adapter_device(device_flag, adapter);
+  const std::string& device = device_flag;
   GenerateOptions opt;
   opt.sampling = {temperature, top_k, top_p};
   check_sampling(opt.sampling);
@@ -117,7 +110,8 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
   // so the memory modes are left to the engine: the leanest that fits), the forward over the whole prefix again
   // per token. The CPU: the prompt once, then one token per step on the carried state (Qwen35Model::decode: O(1)
   // per token in the GDN layers, one row of scores in the attention layers).
-  std::unique_ptr<Engine> engine = gpu_engine(device, model_dir, GpuPlan::forward_windows(1, total, 1), "generate");
+  std::unique_ptr<Engine> engine = gpu_engine(device, model_dir, GpuPlan::forward_windows(1, total, 1), "generate",
+                                              adapter);
   std::optional<Qwen35Model> cpu;
   NextLogits next;
   if (engine) {
@@ -152,7 +146,7 @@ int cmd_generate(const std::string& model_dir, const std::string& tokenizer, con
 int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const std::vector<std::string>& data,
              int64_t seq_len, int64_t micro_batch, const std::string& txt_split, const std::string& device_flag,
              const std::string& precision, const std::string& adapter) {
-  const std::string device = adapter_device(device_flag, adapter);
+  const std::string& device = device_flag;
   chosen_device(device);
   const Precision prec = parse_precision(precision);
   const ModelConfig cfg = ModelConfig::from_file(model_dir);
@@ -170,7 +164,7 @@ int cmd_eval(const std::string& model_dir, const std::string& tokenizer, const s
   // the model; else the CPU engine.
   GpuPlan plan = GpuPlan::forward_windows(micro_batch, seq_len, set.max_docs_per_window());
   plan.precision = prec;
-  std::unique_ptr<Engine> engine = gpu_engine(device, model_dir, plan, "eval");
+  std::unique_ptr<Engine> engine = gpu_engine(device, model_dir, plan, "eval", adapter);
   if (!engine) {
     Qwen35Model model = deferred_model(model_dir);
     apply_adapter(model, adapter, model_dir);

@@ -16,6 +16,16 @@
 
 namespace ds::cli {
 
+LoraConfig memory_flags_lora(const MemoryFlags& m) {
+  DS_CHECK(m.lora_rank >= 0, "--lora-rank must be >= 0, got {}", m.lora_rank);
+  LoraConfig c;
+  if (m.lora_rank == 0) return c;
+  c.r = m.lora_rank;
+  c.lora_alpha = 8;
+  c.target_modules = parse_lora_targets({"all-linear"}, "--lora-rank");
+  return c;
+}
+
 int cmd_plan_hf_config(const std::string& model, const std::string& out, bool overwrite) {
   const ModelConfig cfg = ModelConfig::resolve(model);
   std::vector<std::string> inputs;
@@ -52,6 +62,7 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   plan.precision = parse_precision(memory.precision);
   DS_CHECK(memory.clip >= 0 && std::isfinite(memory.clip), "plan: --clip must be >= 0, got {}", memory.clip);
   plan.norm_pass = memory.clip > 0;
+  plan.lora = memory_flags_lora(memory);
   const bool chosen_state = plan.optimizer_state == OptimizerState::Auto, chosen_rc = plan.recompute == Recompute::Auto,
              chosen_grads = plan.gradients == Gradients::Auto;
   plan = resolve_memory_modes(cfg, plan, [&](const GpuMemoryPlan& q) { return q.total / GiB <= device_memory_gib; },
@@ -59,7 +70,9 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   const GpuMemoryPlan p = plan_gpu_memory(cfg, plan, attention);
   fmt::print("plan: {} ({:.2f}B parameters), seq {} x micro-batch {} = {} tokens, up to {} documents per window\n",
              model, cfg.num_parameters() / 1e9, seq_len, micro_batch, plan.max_tokens, docs_per_window);
-  const char* state_what = plan.optimizer_state == OptimizerState::Fp32 ? "fp32 master weights + bf16 copy, fp32 AdamW moments"
+  const bool lora = plan.lora.r > 0;  // the base frozen in bf16: its state and gradient modes do not apply
+  const char* state_what = lora ? "the frozen base in bf16 only; the adapters' fp32 masters and AdamW moments"
+                           : plan.optimizer_state == OptimizerState::Fp32 ? "fp32 master weights + bf16 copy, fp32 AdamW moments"
                            : plan.optimizer_state == OptimizerState::Bf16
                                ? "bf16 GEMM weights and moments, stochastic rounding"
                                : "bf16 GEMM weights with stochastic rounding, 8-bit blockwise moments";
@@ -69,15 +82,20 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
                                                                  : "only layer inputs kept, each layer's forward rerun";
   fmt::print("  modes: precision {}{}, optimizer state {} ({}{}), recompute {} ({}{}); gated delta rule {}; attention {}\n",
              precision_name(plan.precision), plan.precision == Precision::Fp8 ? " (FP8 casts of the GEMM operands in the workspace)" : "",
-             optimizer_state_name(plan.optimizer_state), state_what, chosen_state ? "; chosen by --memory auto" : "",
+             lora ? "lora" : optimizer_state_name(plan.optimizer_state), state_what,
+             chosen_state && !lora ? "; chosen by --memory auto" : "",
              recompute_name(plan.recompute), rc_what, chosen_rc ? "; chosen by --memory auto" : "",
              p.gated_delta_rule.empty() ? "-" : p.gated_delta_rule, p.attention.empty() ? "-" : p.attention);
+  if (plan.lora.r > 0)
+    fmt::print("  LoRA rank {} (all-linear): the base frozen in bf16 (no gradient, no optimizer state), the adapters' "
+               "fp32 masters, gradients and AdamW moments beside it\n", plan.lora.r);
   const bool ib = plan.gradients == Gradients::InBackward;
   fmt::print("  gradients: {}{}{}\n",
              ib ? "in-backward (each unit updated in the backward; fp32 slots of the embedding, head and two layers"
-                : "fp32 (one buffer of every parameter)",
+                : lora ? "fp32, the adapters' only (a scratch of one layer's small parameters for the base's ops)"
+                       : "fp32 (one buffer of every parameter)",
              !ib ? "" : plan.norm_pass ? "; with --clip a norm-only pass first, about 1.85x the step)" : ")",
-             chosen_grads ? "; chosen by --memory auto" : "");
+             chosen_grads && !lora ? "; chosen by --memory auto" : "");
   // Bytes per parameter beside each part: the figure the optimizer-state and gradient modes trade in.
   const double per = static_cast<double>(cfg.num_parameters());
   for (size_t u = 0; u < p.by_use.size(); ++u)
