@@ -2,10 +2,12 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 curves-fp8 curves-modes
+# Stages: env build test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 curves-fp8 curves-modes
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # peer-lora, LoRA steps, ours (bench step --lora-rank) vs transformers + PEFT LoRA: scripts/peer_lora_step.py, LORA_RUNS;
+# peft-load, a GPU LoRA run's exported adapter loaded by PEFT onto transformers' model vs our forward --adapter on the
+# GPU and the CPU: scripts/check_peft_load.py, PEFT_STEPS;
 # torch, deltastack.torch: the extension, python/tests, scripts/torch_step.py (docs/torch.md);
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
 # (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_RUNS); curves-modes, each mode's curve against the exact one (CURVE_SPECS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
@@ -431,6 +433,44 @@ PY
   done
   python3 -c "import json; g, c = (json.load(open(f'/tmp/ds_eval_{d}.json'))['eval_loss'] for d in ('cuda', 'cpu')); \
 print(f'eval cuda {g:.5f} cpu {c:.5f} rel {abs(g - c) / c:.2e}'); raise SystemExit(0 if abs(g - c) / c < 1e-2 else 1)" || status=1
+fi
+if has peft-load; then
+  # Issue 26, item 3: an adapter trained by a LoRA run on the GPU, exported (`deltastack export`), loaded by PEFT
+  # onto transformers' Qwen3_5ForCausalLM gives our logits. The base: the tiny preset (the fixture's size with the
+  # bundled tokenizer's vocabulary, so it trains on the bundled text) at the default seed, exported as an HF directory
+  # (bf16: the GPU engine's frozen base is exactly it). PEFT_STEPS (40) LoRA steps, rank 8, on the GPU; then
+  # `forward --adapter` on the GPU and on the CPU on 2 x 64 tokens of the text, each against transformers + PEFT in
+  # fp32 on the CPU (scripts/check_peft_load.py, peft from .peers/site): the GPU's within the bf16 band 1e-2, the
+  # CPU's within 1e-4; PEFT's loaded tensors bitwise the file's. Lines in $OUT/peft_load.txt.
+  D=$BUILD/deltastack; W=/tmp/ds_peft
+  rm -rf $W; mkdir -p $W; : >"$OUT/peft_load.txt"
+  t0=$(date +%s)
+  if [ ! -d .peers/site/peft ]; then
+    echo "peft-load: .peers/site/peft not carried (scripts/fetch_peers.sh)" | tee -a "$OUT/peft_load.txt"; status=1
+  elif ! { $D train --device cpu --model tiny --steps 0 --eval-batches 0 --out $W/init &&
+           $D export $W/init/checkpoint-0 $W/base &&
+           timeout 300 $D train --device cuda --model $W/base --lora-rank 8 --lora-alpha 16 --data data/tiny_shakespeare.txt \
+             --seq-len 128 --micro-batch 8 --steps ${PEFT_STEPS:-40} --lr 1e-2 --warmup 5 --eval-interval 0 --eval-batches 2 \
+             --out $W/run && $D export $W/run/checkpoint-${PEFT_STEPS:-40} $W/adapter &&
+           python3 scripts/check_peft_load.py --write-inputs $W/inputs.safetensors \
+             --text data/tiny_shakespeare.txt --tokenizer $W/base/tokenizer.json; } >$W/log.txt 2>&1; then
+    tail -5 $W/log.txt | tee -a "$OUT/peft_load.txt"; status=1
+  else
+    grep -E "eval_loss|done:" $W/log.txt | tail -3 | sed 's/^/[gpu lora run] /' | tee -a "$OUT/peft_load.txt"
+    for dev in cuda cpu; do
+      band=bf16; [ $dev = cpu ] && band=fp32
+      if $D forward --device $dev --model $W/base --adapter $W/adapter --inputs $W/inputs.safetensors \
+           --output $W/ours_$dev.safetensors >$W/forward_$dev.txt 2>&1; then
+        PYTHONPATH=$PWD/.peers/site timeout 300 python3 scripts/check_peft_load.py $W/base $W/adapter \
+          $W/inputs.safetensors $W/ours_$dev.safetensors --band $band 2>&1 | grep -vE "Warning|Loading weights|falling back" |
+          sed "s/^/[forward --device $dev] /" | tee -a "$OUT/peft_load.txt"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      else
+        tail -3 $W/forward_$dev.txt | sed "s/^/[forward --device $dev] /" | tee -a "$OUT/peft_load.txt"; status=1
+      fi
+    done
+  fi
+  echo "peft-load: $(( $(date +%s) - t0 )) s" | tee -a "$OUT/peft_load.txt"
 fi
 if has nccl; then
   # The NCCL data-parallel path at world size 1 (torchrun, one rank): the default GPU run's losses, eval losses
