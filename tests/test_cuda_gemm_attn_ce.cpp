@@ -9,16 +9,21 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "core/bf16.h"
 #include "core/cuda/cuda_utils.h"
+#include "core/fp8.h"
+#include "core/rng.h"
 #include "cuda_test_util.h"
 #include "ops/attention/cuda_check.h"
 #include "ops/attention/cudnn.h"
 #include "ops/linear/cuda.h"
 #include "ops/linear/cuda_check.h"
+#include "ops/linear/fp8.h"
 #include "ops/linear_cross_entropy/cuda_check.h"
 
 using namespace ds::ops;
@@ -48,6 +53,58 @@ TEST(CudaLinear, Accumulate) {
 }
 
 // General gemm: every transposition, padded leading dimensions, alpha / beta, fp32 and bf16 C.
+// The residual stream's add in the GEMM's epilogue (linear_forward's residual, gemm_fp8's C_in): y = x W^T + r with
+// one rounding, against the accumulate form over a copy of r (y = r; y += x W^T: the same epilogue reading C in
+// place) to within one bf16 rounding, r left as it was, bf16 and FP8.
+TEST(CudaLinear, ResidualInTheEpilogue) {
+  DS_SKIP_WITHOUT_GPU();
+  Ctx ctx(41);
+  const int64_t M = 300, K = 256, N = 384;
+  const Vec xh = ctx.randn_bf16(static_cast<size_t>(M * K)), wh = ctx.randn_bf16(static_cast<size_t>(N * K), 0.05),
+            rh = ctx.randn_bf16(static_cast<size_t>(M * N), 3.0);
+  auto x = ctx.up_bf16(xh), w = ctx.up_bf16(wh), r = ctx.up_bf16(rh), acc = ctx.up_bf16(rh);
+  Buf<ds::cuda::bf16> y(static_cast<size_t>(M * N));
+  cuda::linear_forward(x.get(), w.get(), y.get(), M, K, N, false, ctx.s, r.get());
+  cuda::linear_forward(x.get(), w.get(), acc.get(), M, K, N, true, ctx.s);
+  const Vec got = ctx.down_bf16(y), want = ctx.down_bf16(acc), r_after = ctx.down_bf16(r);
+  EXPECT_TRUE(r_after == rh);
+  size_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::abs(got[i] - want[i]) > std::abs(want[i]) * (1.0f / 128) + 1e-6f && bad++ < 5)
+      ADD_FAILURE() << "element " << i << ": residual form " << got[i] << ", accumulate form " << want[i];
+  EXPECT_EQ(bad, 0u);
+  EXPECT_GT(rel_l2(got, rh), 1e-2);  // the product is really there
+  // FP8: unit scales, codes of small integers (exact in E4M3), so the product is exact and the epilogue's add is the
+  // only rounding: y = bf16(float(q(x) q(W)^T) + r).
+  std::vector<uint8_t> qx(static_cast<size_t>(M * K)), qw(static_cast<size_t>(N * K));
+  Vec xf(qx.size()), wf(qw.size());
+  ds::Rng rng(7);
+  for (size_t i = 0; i < qx.size(); ++i) {
+    xf[i] = static_cast<float>(static_cast<int>(rng.next_u64() % 5) - 2);
+    qx[i] = ds::fp8_encode(xf[i], ds::Fp8Format::E4M3);
+  }
+  for (size_t i = 0; i < qw.size(); ++i) {
+    wf[i] = static_cast<float>(static_cast<int>(rng.next_u64() % 3) - 1);
+    qw[i] = ds::fp8_encode(wf[i], ds::Fp8Format::E4M3);
+  }
+  auto qxd = ctx.up(qx), qwd = ctx.up(qw);
+  auto one = ctx.up(std::vector<float>(64, 1.0f));
+  const cuda::Fp8Matrix A{qxd.get(), M, K, K, ds::Fp8Format::E4M3, one.get()},
+      B{qwd.get(), N, K, K, ds::Fp8Format::E4M3, one.get()};
+  cuda::gemm_fp8(A, B, y.get(), false, N, 1.0f, true, ctx.s, cuda::Fp8ScaleMode::Tensor, r.get());
+  const Vec g8 = ctx.down_bf16(y);
+  bad = 0;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double dot = 0;
+      for (int64_t k = 0; k < K; ++k) dot += double(xf[i * K + k]) * wf[j * K + k];
+      const float want8 = ds::round_bf16(static_cast<float>(dot) + rh[i * N + j]);
+      if (g8[i * N + j] != want8 && bad++ < 5)
+        ADD_FAILURE() << "fp8 (" << i << ", " << j << "): " << g8[i * N + j] << " want " << want8;
+    }
+  EXPECT_EQ(bad, 0u);
+}
+
 TEST(CudaGemm, TransposesAndLeadingDims) {
   DS_SKIP_WITHOUT_GPU();
   const int64_t M = 33, N = 40, K = 24, pad = 8;

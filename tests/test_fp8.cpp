@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <cstdio>
 #include <cstdint>
 #include <limits>
@@ -23,7 +25,12 @@
 #include <cuda_fp8.h>
 
 #include "cuda_test_util.h"
+#include "model/engine.h"
 #include "model/gpu_model.h"
+#include "ops/elementwise/cuda.h"
+#include "ops/gated_rmsnorm/cuda.h"
+#include "ops/rmsnorm/cuda.h"
+#include "ops/swiglu/cuda.h"
 #include "ops/linear/fp8.h"
 #include "ops/linear/fp8_check.h"
 #endif
@@ -230,6 +237,122 @@ TEST(CudaFp8, LinearLayerMatchesEmulation) {
                             std::vector<LinearFp8Case>{{.M = 1000, .K = 512, .N = 384, .grad = E5, .x_scale = 0.01},
                                                        {.M = 333, .K = 1024, .N = 256, .grad = E4, .x_scale = 3000,
                                                         .accumulate = false, .fast_accum = true}});
+}
+
+// The amax the producer kernels fuse (core/cuda/kernel_utils.cuh amax_commit) is bit for bit the amax pass
+// (fp8_amax) over what they store: RMSNorm, the gated RMSNorm, SwiGLU forward and backward, the residual add and the
+// output gate, on their vectorised and scalar paths (an odd width or a pointer off the 16-byte grid), and a NaN
+// anywhere in the output wins, as in fp8_amax.
+TEST(CudaFp8, FusedAmaxIsTheAmaxPass) {
+  DS_SKIP_WITHOUT_GPU();
+  namespace K = ds::ops::cuda;
+  using namespace ds::ops::check;
+  Ctx ctx(5);
+  Buf<float> fused(1), pass(1);
+  // The amax pass over y [rows, cols] beside the fused value; `what` names the case.
+  auto expect_same = [&](const Buf<bf16>& y, int64_t rows, int64_t cols, const char* what) {
+    K::fp8_amax(y.get(), rows, cols, cols, pass.get(), ctx.s);
+    const float f = ctx.down(fused)[0], p = ctx.down(pass)[0];
+    uint32_t fb, pb;
+    std::memcpy(&fb, &f, 4);
+    std::memcpy(&pb, &p, 4);
+    EXPECT_EQ(fb, pb) << what << ": fused " << f << " amax pass " << p;
+    EXPECT_GT(p, 0.0f) << what;
+  };
+  auto zero = [&] { DS_CUDA_CHECK(cudaMemsetAsync(fused.get(), 0, sizeof(float), ctx.s)); };
+  for (const int64_t dim : {2048, 256, 100}) {
+    for (const size_t off : {size_t(0), size_t(1)}) {
+      const int64_t rows = 37;
+      const size_t n = static_cast<size_t>(rows * dim);
+      auto x = ctx.up_bf16(ctx.randn_bf16(n, 2.0), off), z = ctx.up_bf16(ctx.randn_bf16(n), off);
+      auto w = ctx.up(ctx.randn(static_cast<size_t>(dim), 0.3));
+      Buf<bf16> y(n, off);
+      Buf<float> rstd(static_cast<size_t>(rows));
+      const std::string tag = "dim " + std::to_string(dim) + (off ? " unaligned" : "");
+      zero();
+      K::rmsnorm_forward(x.get(), w.get(), y.get(), rstd.get(), rows, dim, 1e-6f, true, ctx.s, fused.get());
+      expect_same(y, rows, dim, ("rmsnorm " + tag).c_str());
+      zero();
+      K::gated_rmsnorm_forward(x.get(), z.get(), w.get(), y.get(), rstd.get(), rows, dim, 1e-6f, ctx.s, fused.get());
+      expect_same(y, rows, dim, ("gated rmsnorm " + tag).c_str());
+      zero();
+      K::add(x.get(), z.get(), y.get(), static_cast<int64_t>(n), ctx.s, fused.get());
+      expect_same(y, rows, dim, ("add " + tag).c_str());
+      zero();
+      K::output_gate_forward(x.get(), z.get(), y.get(), static_cast<int64_t>(n), ctx.s, fused.get());
+      expect_same(y, rows, dim, ("output gate " + tag).c_str());
+      // SwiGLU: gu [rows, 2 dim] -> h [rows, dim]; backward dh -> dgu [rows, 2 dim]
+      auto gu = ctx.up_bf16(ctx.randn_bf16(2 * n, 2.0), off);
+      Buf<bf16> dgu(2 * n, off);
+      zero();
+      K::swiglu_forward(gu.get(), y.get(), rows, dim, ctx.s, fused.get());
+      expect_same(y, rows, dim, ("swiglu " + tag).c_str());
+      zero();
+      K::swiglu_backward(gu.get(), x.get(), dgu.get(), rows, dim, ctx.s, fused.get());
+      expect_same(dgu, rows, 2 * dim, ("swiglu backward " + tag).c_str());
+    }
+  }
+  // A NaN in the output: both amaxes are NaN.
+  const int64_t n = 4096;
+  ds::ops::check::Vec a = ctx.randn_bf16(n), b = ctx.randn_bf16(n);
+  a[1234] = std::numeric_limits<float>::quiet_NaN();
+  auto ad = ctx.up_bf16(a), bd = ctx.up_bf16(b);
+  Buf<bf16> y(static_cast<size_t>(n));
+  zero();
+  K::add(ad.get(), bd.get(), y.get(), n, ctx.s, fused.get());
+  K::fp8_amax(y.get(), 1, n, n, pass.get(), ctx.s);
+  EXPECT_TRUE(std::isnan(ctx.down(fused)[0]));
+  EXPECT_TRUE(std::isnan(ctx.down(pass)[0]));
+}
+
+// The amax table and the fused amax (DELTASTACK_FP8_AMAX=fused, the default) against an amax pass before every cast
+// (=separate): bitwise the same losses, gradients and weights over steps with updates between them (a weight's amax
+// is recomputed after its update), with every recompute policy (the backward's casts reuse the forward's amax).
+TEST(CudaFp8, FusedAmaxStepIsBitwiseTheSeparatePasses) {
+  DS_SKIP_WITHOUT_GPU();
+  ds::ModelConfig cfg = ds::ModelConfig::preset("tiny");
+  cfg.vocab_size = 4096;
+  ds::Qwen35Model host(cfg);
+  host.init_weights(23);
+  const ds::PackedBatch b = random_batch({0, 100, 101, 256}, 4096, 5);
+  for (const ds::Recompute rc : {ds::Recompute::None, ds::Recompute::Selective, ds::Recompute::Full}) {
+    SCOPED_TRACE(ds::recompute_name(rc));
+    auto run = [&](const char* amax) {
+      setenv("DELTASTACK_FP8_AMAX", amax, 1);
+      ds::GpuPlan plan;
+      plan.max_tokens = b.size();
+      plan.max_seqs = 3;
+      plan.precision = ds::Precision::Fp8;
+      plan.recompute = rc;
+      std::unique_ptr<ds::Engine> gpu = ds::make_engine("cuda", host, plan);
+      unsetenv("DELTASTACK_FP8_AMAX");
+      std::vector<double> losses;
+      std::vector<float> g;
+      ds::ops::AdamWParams ap;
+      ap.lr = 1e-2;
+      for (int64_t t = 1; t <= 3; ++t) {
+        ap.step = t;
+        gpu->zero_grads();
+        losses.push_back(gpu->forward_backward(b, 1.0 / static_cast<double>(b.num_targets())).loss_sum);
+        losses.push_back(gpu->grad_sum_squares());
+        gpu->optimizer_step(ap);
+      }
+      losses.push_back(gpu->forward_backward(b, 0.0).loss_sum);  // an evaluation pass after the last update
+      std::vector<float> w;
+      for (const ds::SaveTensor& t : gpu->weight_tensors(ds::DType::F32)) {
+        int64_t k = 1;
+        for (int64_t d : t.shape) k *= d;
+        std::vector<float> x(static_cast<size_t>(k));
+        t.f32_reader(0, k, x.data());
+        w.insert(w.end(), x.begin(), x.end());
+      }
+      return std::make_pair(losses, w);
+    };
+    const auto fused = run("fused"), separate = run("separate");
+    EXPECT_EQ(fused.first, separate.first);
+    EXPECT_TRUE(fused.second == separate.second);
+    EXPECT_NE(fused.first[0], fused.first[2]);  // the updates moved the loss
+  }
 }
 
 // The GPU engine with --precision fp8 against the CPU engine's emulation of the same casts (bf16 activations on the

@@ -116,11 +116,9 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   hf = a.take<bf16>(N * H);
   rstd_f = a.take<float>(N);
   a.use = MemoryUse::Recomputed;
-  tmpH = a.take<bf16>(N * H);
   qg = a.take<bf16>(N * Hq * 2 * hd);
   GpuGradBufs& d = grad;
   d.dh = a.take<bf16>(N * H);
-  d.dtmp = a.take<bf16>(N * H);
   d.dxn = a.take<bf16>(N * H);
   d.dhf = a.take<bf16>(N * H);
   d.dact = a.take<bf16>(N * I);
@@ -154,6 +152,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     fp8.dy = a.take<uint8_t>(f.dy);
     fp8.dyt = a.take<uint8_t>(f.dyt);
     fp8.f = a.take<float>(8 * ops::cuda::kFp8Slot);
+    fp8.amax = a.take<float>(f.amax);
   }
 }
 

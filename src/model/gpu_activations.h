@@ -52,7 +52,7 @@ struct GpuBatchBufs {
 // Gradients flowing backward through a layer (one set, reused by every layer).
 struct GpuGradBufs {
   using bf16 = ds::cuda::bf16;
-  bf16 *dh, *dtmp, *dxn, *dhf, *dact, *dgu, *dmixed, *dconv, *dz, *dab, *dcore, *dy, *dqn, *dkn, *dog, *dao, *dgate,
+  bf16 *dh, *dxn, *dhf, *dact, *dgu, *dmixed, *dconv, *dz, *dab, *dcore, *dy, *dqn, *dkn, *dog, *dao, *dgate,
        *dqr, *dkr, *dvv, *dqg;
   float *dg, *dbeta;
 };
@@ -61,7 +61,7 @@ struct GpuActivations {
   using bf16 = ds::cuda::bf16;
   std::vector<bf16*> hs;  // residual stream entering each layer; hs[L] = the last layer's output
   std::vector<GpuLayerActs> layers;
-  bf16 *hf = nullptr, *tmpH = nullptr, *qg = nullptr;
+  bf16 *hf = nullptr, *qg = nullptr;
   float* rstd_f = nullptr;
   GpuBatchBufs batch;
   GpuGradBufs grad{};

@@ -24,13 +24,19 @@ Fp8Recipe Fp8Recipe::from_env() {
     r.fast_accum_forward = v != "none";
     r.fast_accum_backward = v == "all";
   }
+  if (const char* a = std::getenv("DELTASTACK_FP8_AMAX"); a && *a) {
+    const std::string v = a;
+    DS_CHECK(v == "fused" || v == "separate", "DELTASTACK_FP8_AMAX must be fused or separate (got \"{}\")", v);
+    r.fused_amax = v == "fused";
+  }
   return r;
 }
 
 std::string Fp8Recipe::describe() const {
-  return fmt::format("per-tensor current scaling, e4m3 weights/activations, {} gradients, fast accumulation {}",
+  return fmt::format("per-tensor current scaling, e4m3 weights/activations, {} gradients, fast accumulation {}, amax {}",
                      fp8_format_name(grad),
-                     fast_accum_backward ? "everywhere" : fast_accum_forward ? "in the forward" : "off");
+                     fast_accum_backward ? "everywhere" : fast_accum_forward ? "in the forward" : "off",
+                     fused_amax ? "fused into the producers and kept for the pass" : "a pass before every cast");
 }
 
 }  // namespace ds
@@ -59,42 +65,90 @@ GpuFp8Bufs::Sizes GpuFp8Bufs::sizes(const ModelConfig& c, int64_t max_tokens) {
   s.w = static_cast<size_t>(max_w);
   s.dy = static_cast<size_t>(max_tokens * max_out);
   s.dyt = static_cast<size_t>(max_out * Np);
+  s.amax = static_cast<size_t>(GpuFp8Bufs::amax_slots(c.num_hidden_layers));
   return s;
 }
 
-Fp8Matrix GpuFp8Linear::input(const bf16* x, int64_t M, int64_t K) {
-  K::fp8_amax(x, M, K, K, b_.f, s_);
-  K::fp8_quantize(x, M, K, K, b_.f, Fp8Format::E4M3, b_.x, K, b_.f + 3 * kFp8Slot, s_);
+GpuFp8Linear::GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t s, int64_t layers)
+    : b_(b), r_(r), s_(s), layers_(layers), have_(static_cast<size_t>(GpuFp8Bufs::amax_slots(layers)), 0) {
+  DS_CHECK(b_.amax, "internal: the FP8 scratch has no amax table");
+}
+
+int64_t GpuFp8Linear::input_slot(int64_t layer, Fp8Input role) const {
+  DS_CHECK(layer >= 0 && layer < layers_, "internal: fp8 amax table: layer {} of {}", layer, layers_);
+  return layer * GpuFp8Bufs::kPerLayer + static_cast<int64_t>(role);
+}
+
+int64_t GpuFp8Linear::weight_slot(int64_t layer, int weight) const {
+  DS_CHECK(layer >= 0 && layer < layers_ && weight >= 0 && weight < 6, "internal: fp8 amax table: layer {} weight {}",
+           layer, weight);
+  return layer * GpuFp8Bufs::kPerLayer + 4 + weight;
+}
+
+float* GpuFp8Linear::amax_of(int64_t slot, const bf16* x, int64_t rows, int64_t cols) {
+  float* a = b_.amax + slot;
+  if (!r_.fused_amax || have_[static_cast<size_t>(slot)] != pass_) {
+    K::fp8_amax(x, rows, cols, cols, a, s_);
+    have_[static_cast<size_t>(slot)] = pass_;
+  }
+  return a;
+}
+
+float* GpuFp8Linear::fused_input_amax(int64_t layer, Fp8Input role) {
+  if (!r_.fused_amax) return nullptr;
+  const int64_t slot = input_slot(layer, role);
+  DS_CUDA_CHECK(cudaMemsetAsync(b_.amax + slot, 0, sizeof(float), s_));
+  have_[static_cast<size_t>(slot)] = pass_;
+  return b_.amax + slot;
+}
+
+float* GpuFp8Linear::fused_grad_amax(int k) {
+  DS_CHECK(k == 0 || k == 1, "internal: fp8 gradient amax slot {}", k);
+  if (!r_.fused_amax) return nullptr;
+  float* a = b_.amax + layers_ * GpuFp8Bufs::kPerLayer + k;
+  DS_CUDA_CHECK(cudaMemsetAsync(a, 0, sizeof(float), s_));
+  return a;
+}
+
+Fp8Matrix GpuFp8Linear::input(const bf16* x, int64_t M, int64_t K, int64_t layer, Fp8Input role) {
+  const float* a = amax_of(input_slot(layer, role), x, M, K);
+  K::fp8_quantize(x, M, K, K, a, Fp8Format::E4M3, b_.x, K, b_.f + 3 * kFp8Slot, s_);
   return Fp8Matrix{b_.x, M, K, K, Fp8Format::E4M3, b_.f + 3 * kFp8Slot};
 }
 
-void GpuFp8Linear::forward(const Fp8Matrix& qx, const bf16* W, int64_t N, bf16* y, bool accumulate) {
+void GpuFp8Linear::forward(const Fp8Matrix& qx, const bf16* W, int64_t N, bf16* y, bool accumulate, int64_t layer,
+                           int weight, const bf16* residual) {
+  DS_CHECK(!(accumulate && residual), "internal: fp8 forward with accumulate and a residual");
   const int64_t Kd = qx.cols;
-  K::fp8_amax(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, s_);
-  K::fp8_quantize(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, Fp8Format::E4M3, b_.w, Kd, b_.f + 4 * kFp8Slot, s_);
+  const float* a = amax_of(weight_slot(layer, weight), W, N, Kd);
+  K::fp8_quantize(W, N, Kd, Kd, a, Fp8Format::E4M3, b_.w, Kd, b_.f + 4 * kFp8Slot, s_);
   const Fp8Matrix qw{b_.w, N, Kd, Kd, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
-  K::gemm_fp8(qx, qw, y, false, N, accumulate ? 1.0f : 0.0f, r_.fast_accum_forward, s_);
+  K::gemm_fp8(qx, qw, y, false, N, accumulate || residual ? 1.0f : 0.0f, r_.fast_accum_forward, s_,
+              K::Fp8ScaleMode::Tensor, residual);
 }
 
-Fp8Matrix GpuFp8Linear::input_t(const bf16* x, int64_t M, int64_t K) {
+Fp8Matrix GpuFp8Linear::input_t(const bf16* x, int64_t M, int64_t K, int64_t layer, Fp8Input role) {
   const int64_t Mp = K::fp8_padded(M);
-  K::fp8_amax(x, M, K, K, b_.f, s_);
-  K::fp8_quantize_transpose(x, M, K, K, b_.f, Fp8Format::E4M3, b_.x, Mp, b_.f + 3 * kFp8Slot, s_);
+  const float* a = amax_of(input_slot(layer, role), x, M, K);
+  K::fp8_quantize_transpose(x, M, K, K, a, Fp8Format::E4M3, b_.x, Mp, b_.f + 3 * kFp8Slot, s_);
   return Fp8Matrix{b_.x, K, Mp, Mp, Fp8Format::E4M3, b_.f + 3 * kFp8Slot};
 }
 
 void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8Matrix& qxt, int64_t N, bf16* dx,
-                            bool accumulate_dx, float* dW) {
+                            bool accumulate_dx, float* dW, int64_t layer, int weight, const float* dy_amax) {
   const int64_t Kd = qxt.rows, Mp = qxt.cols;
   DS_CHECK(Mp == K::fp8_padded(M), "fp8 backward: the input was cast over {} rows, the gradient has {}", Mp, M);
-  // dy's amax once for both of its casts.
-  K::fp8_amax(dy, M, N, N, b_.f + 2 * kFp8Slot, s_);
+  // dy's amax once for both of its casts (or its producer's).
+  if (!dy_amax) {
+    K::fp8_amax(dy, M, N, N, b_.f + 2 * kFp8Slot, s_);
+    dy_amax = b_.f + 2 * kFp8Slot;
+  }
   // dy cast into both layouts in one pass: q(dy) for the dgrad, q(dy^T) for the wgrad
-  K::fp8_quantize_both(dy, M, N, N, b_.f + 2 * kFp8Slot, r_.grad, b_.dy, N, b_.dyt, Mp, b_.f + 6 * kFp8Slot,
+  K::fp8_quantize_both(dy, M, N, N, dy_amax, r_.grad, b_.dy, N, b_.dyt, Mp, b_.f + 6 * kFp8Slot,
                        b_.f + 5 * kFp8Slot, s_);
   // dgrad: dx[M, K] = q(dy)[M, N] . q(W^T)[K, N]^T
-  K::fp8_amax(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, s_);
-  K::fp8_quantize_transpose(W, N, Kd, Kd, b_.f + 1 * kFp8Slot, Fp8Format::E4M3, b_.w, N, b_.f + 4 * kFp8Slot, s_);
+  const float* wa = amax_of(weight_slot(layer, weight), W, N, Kd);
+  K::fp8_quantize_transpose(W, N, Kd, Kd, wa, Fp8Format::E4M3, b_.w, N, b_.f + 4 * kFp8Slot, s_);
   const Fp8Matrix qdy{b_.dy, M, N, N, r_.grad, b_.f + 5 * kFp8Slot}, qwt{b_.w, Kd, N, N, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
   K::gemm_fp8(qdy, qwt, dx, false, Kd, accumulate_dx ? 1.0f : 0.0f, r_.fast_accum_backward, s_);
   if (!dW) return;  // a frozen weight (LoRA's base): dgrad only

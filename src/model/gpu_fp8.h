@@ -6,22 +6,36 @@
 // The casts go into a few scratch buffers of the activation plan (GpuFp8Bufs), rewritten by every GEMM: x (a
 // forward input, or a backward input cast transposed), w (a weight, or its transpose), dy and dyt (an output
 // gradient and its transpose). One stream: each buffer is read by its GEMM before the next cast rewrites it.
+//
+// Each cast needs its tensor's amax first. No amax pass is run twice for one tensor within a pass (a forward and
+// its backward, recompute included), and none where the kernel that produced the tensor computed it:
+// - the amax of every GEMM input (per layer and Fp8Input) and of every weight is kept in a small table for the
+//   pass: the backward's transposed casts of the inputs and of the weights reuse the forward's (the same bf16
+//   values: a recompute is bitwise the forward);
+// - RMSNorm, the gated RMSNorm, the attention output gate and SwiGLU (forward), and SwiGLU's backward and the
+//   residual add (the output gradients of gate|up, of down, out_proj and o_proj) write the amax of what they store
+//   (fused_input_amax / fused_grad_amax; core/cuda/kernel_utils.cuh amax_commit). A max is exact and order-free,
+//   so every cast is bit for bit what a separate amax pass gives.
 // Formats: E4M3 for weights and activations; output gradients in E5M2 (default) or E4M3
 // (DELTASTACK_FP8_GRAD=e5m2|e4m3). Forward GEMMs use the tensor cores' fast accumulation, the backward's promote
 // to fp32 (DELTASTACK_FP8_FAST_ACCUM=forward|all|none; TransformerEngine's default split).
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/fp8.h"
 
 namespace ds {
 
-// The FP8 formats and accumulation of a run, from the environment (DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM);
-// ds::Error naming the variable for a bad value.
+// The FP8 formats and accumulation of a run, from the environment (DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM,
+// DELTASTACK_FP8_AMAX); ds::Error naming the variable for a bad value.
 struct Fp8Recipe {
   Fp8Format grad = Fp8Format::E5M2;
   bool fast_accum_forward = true, fast_accum_backward = false;
+  // The amax table and the producers' fused amax (DELTASTACK_FP8_AMAX=fused, the default), or an amax pass before
+  // every cast (=separate: the first FP8 build's way, kept for A/B timing and the bitwise test; the same results).
+  bool fused_amax = true;
   static Fp8Recipe from_env();
   std::string describe() const;
 };
@@ -37,45 +51,79 @@ struct Fp8Recipe {
 
 namespace ds {
 
+// Where an FP8 GEMM input sits in a decoder layer (the amax table's key, with the layer): the mixer's input (the
+// normed hidden state: in_proj_qkv and in_proj_z, or q|gate, k and v), the mixer's output projection's input
+// (out_proj's or o_proj's), the MLP's input (gate|up's) and down_proj's input.
+enum class Fp8Input { MixerIn = 0, MixerOut = 1, MlpIn = 2, MlpOut = 3 };
+
 // The FP8 scratch of the activation plan (null when the precision is bf16).
 struct GpuFp8Bufs {
   uint8_t *x = nullptr, *w = nullptr, *dy = nullptr, *dyt = nullptr;
-  float* f = nullptr;  // 8 slots kFp8Slot floats apart: amax x, amax w, amax dy, then scales x, w, dy, dyt
-  // Bytes of each buffer for config c and micro-batches of max_tokens tokens.
+  float* f = nullptr;     // 8 slots kFp8Slot floats apart: amax x, amax w, amax dy, then scales x, w, dy, dyt
+  float* amax = nullptr;  // the pass's amax table: amax_slots(layers) floats (GpuFp8Linear)
+  // Per layer: the 4 inputs (Fp8Input) and up to 6 weights (3 of the mixer's input, its output projection,
+  // gate|up, down); then 2 output-gradient slots.
+  static constexpr int64_t kPerLayer = 10;
+  static int64_t amax_slots(int64_t layers) { return layers * kPerLayer + 2; }
+  // Bytes of each buffer for config c and micro-batches of max_tokens tokens (amax: floats).
   struct Sizes {
-    size_t x = 0, w = 0, dy = 0, dyt = 0;
+    size_t x = 0, w = 0, dy = 0, dyt = 0, amax = 0;
   };
   static Sizes sizes(const ModelConfig& c, int64_t max_tokens);
 };
 
 // One linear layer family's FP8 GEMMs over the scratch buffers. M: tokens; a linear maps K inputs to N outputs
 // (W: [N, K] bf16, the compute copy). Every call is enqueued on `stream`.
+//
+// The amax table: a pass (begin_pass: the weights may have changed since the last) computes each input's and
+// each weight's amax once, at its first cast, or takes it from the producer kernel (fused_input_amax); later casts
+// of the same tensor in the pass read it. `layer` and `role` name an input; `weight` (0..5) a layer's weight:
+// 0..2 the mixer input's linears in order, 3 the mixer's output projection, 4 gate|up, 5 down.
 class GpuFp8Linear {
  public:
   using bf16 = ds::cuda::bf16;
-  GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t s) : b_(b), r_(r), s_(s) {}
+  GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t s, int64_t layers);
 
   // Whether the FP8 path takes a linear K -> N (cuBLASLt FP8: K and N multiples of 16); the caller runs the bf16
   // GEMMs otherwise.
   static bool takes(int64_t K, int64_t N) { return K % 16 == 0 && N % 16 == 0; }
 
+  // A new pass (a forward, its backward): every amax of the table is stale.
+  void begin_pass() { ++pass_; }
+  // The device float, zeroed on the stream, where the kernel producing layer `layer`'s input `role` writes its
+  // amax (the kernels' `amax` argument); the input's casts in this pass then run no amax pass.
+  float* fused_input_amax(int64_t layer, Fp8Input role);
+  // The same for an output gradient: slot k (0 or 1) zeroed; hand it to backward's dy_amax after the producer ran.
+  float* fused_grad_amax(int k);
+
   // x [M, K] cast (E4M3) into the x buffer: the forward input of one or more linears that read x.
-  ops::cuda::Fp8Matrix input(const bf16* x, int64_t M, int64_t K);
-  // y [M, N] (= or +=) qx . q(W)^T, W [N, K] cast into the w buffer.
-  void forward(const ops::cuda::Fp8Matrix& qx, const bf16* W, int64_t N, bf16* y, bool accumulate);
+  ops::cuda::Fp8Matrix input(const bf16* x, int64_t M, int64_t K, int64_t layer, Fp8Input role);
+  // y [M, N] (= or +=) qx . q(W)^T, W [N, K] (layer `layer`'s weight `weight`) cast into the w buffer; residual
+  // (bf16 [M, N], not with accumulate): y = qx . q(W)^T + residual in the GEMM's epilogue.
+  void forward(const ops::cuda::Fp8Matrix& qx, const bf16* W, int64_t N, bf16* y, bool accumulate, int64_t layer,
+               int weight, const bf16* residual = nullptr);
 
   // x [M, K] cast transposed (E4M3, [K, pad16(M)]) into the x buffer: the wgrad input of the linears that read x.
-  ops::cuda::Fp8Matrix input_t(const bf16* x, int64_t M, int64_t K);
+  ops::cuda::Fp8Matrix input_t(const bf16* x, int64_t M, int64_t K, int64_t layer, Fp8Input role);
   // One linear's backward: dx [M, K] (= or +=) q(dy) . q(W^T)^T and dW [N, K] += q(dy^T) . qxt^T (fp32), with
   // dy [M, N] cast once for both layouts (the grad format). qxt from input_t of the layer's input. dW null (a frozen
   // weight): the dgrad only, and qxt gives only its shape (rows K, cols fp8_padded(M); data may be null).
+  // dy_amax: dy's amax from its producer (fused_grad_amax), or null (an amax pass here).
   void backward(const bf16* dy, int64_t M, const bf16* W, const ops::cuda::Fp8Matrix& qxt, int64_t N, bf16* dx,
-                bool accumulate_dx, float* dW);
+                bool accumulate_dx, float* dW, int64_t layer, int weight, const float* dy_amax);
 
  private:
+  // The table's slot of an input / a weight; its amax, computed from x [rows, cols] unless this pass has it.
+  float* amax_of(int64_t slot, const bf16* x, int64_t rows, int64_t cols);
+  int64_t input_slot(int64_t layer, Fp8Input role) const;
+  int64_t weight_slot(int64_t layer, int weight) const;
+
   GpuFp8Bufs b_;
   Fp8Recipe r_;
   cudaStream_t s_;
+  int64_t layers_;
+  uint64_t pass_ = 1;
+  std::vector<uint64_t> have_;  // per slot: the pass whose amax it holds (0: none)
 };
 
 }  // namespace ds

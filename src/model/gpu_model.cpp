@@ -274,15 +274,17 @@ struct GpuModel::Impl {
   // The decoder's matrix GEMMs: linears that read the same input x [N, K], in FP8 when the precision is fp8 and
   // every shape takes it (one cast of x for all of them), else bf16 (cuBLASLt).
   struct LinOut {
-    const bf16* W;  // [n, K]
-    int64_t n;      // outputs
-    bf16* y;        // [N, n]
+    const bf16* W;                    // [n, K]
+    int64_t n;                        // outputs
+    bf16* y;                          // [N, n]
+    const bf16* residual = nullptr;  // [N, n]: y = x W^T + residual (the GEMM's epilogue), or null
   };
   struct LinGrad {
     const bf16* dy;  // [N, n]
     const bf16* W;   // [n, K]
     int64_t n;
-    float* dW;  // [n, K], accumulated
+    float* dW;                        // [n, K], accumulated
+    const float* dy_amax = nullptr;  // --precision fp8: dy's amax from its producer (fp8_grad_amax), or null
   };
   template <class L>
   bool use_fp8(int64_t Kd, std::initializer_list<L> ls) const {
@@ -291,13 +293,30 @@ struct GpuModel::Impl {
       if (!GpuFp8Linear::takes(Kd, l.n)) return false;
     return true;
   }
-  // y_j = x W_j^T for each output (+ the LoRA terms of the adapted ones).
-  void linears_forward(const bf16* x, int64_t Kd, std::initializer_list<LinOut> outs) {
+  // --precision fp8's amax table (model/gpu_fp8.h): the layer running, and the weight index of the j-th linear
+  // reading input `role` (0..2 the mixer input's, then the mixer's output projection, gate|up, down).
+  int64_t cur_layer = 0;
+  static int fp8_weight(Fp8Input role, size_t j) {
+    return role == Fp8Input::MixerIn ? static_cast<int>(j) : static_cast<int>(role) + 2;
+  }
+  // The zeroed amax slot a kernel producing layer cur_layer's GEMM input `role` (its `amax` argument) fills, or null
+  // (bf16).
+  float* fp8_input_amax(Fp8Input role) { return f8 ? f8->fused_input_amax(cur_layer, role) : nullptr; }
+  // The same for an output gradient (slot k 0 or 1), handed to linears_backward in its LinGrad.
+  float* fp8_grad_amax(int k) { return f8 ? f8->fused_grad_amax(k) : nullptr; }
+  // d.dh's amax from the residual add that produced it (slot 0), for the next linears_backward that reads d.dh;
+  // null: none (the final norm's backward produced it, or bf16).
+  float* dh_amax = nullptr;
+
+  // y_j = x W_j^T for each output (+ the LoRA terms of the adapted ones). x is layer cur_layer's input `role`.
+  void linears_forward(const bf16* x, int64_t Kd, Fp8Input role, std::initializer_list<LinOut> outs) {
     if (use_fp8(Kd, outs)) {
-      const K::Fp8Matrix qx = f8->input(x, N, Kd);
-      for (const LinOut& o : outs) f8->forward(qx, o.W, o.n, o.y, false);
+      const K::Fp8Matrix qx = f8->input(x, N, Kd, cur_layer, role);
+      size_t j = 0;
+      for (const LinOut& o : outs)
+        f8->forward(qx, o.W, o.n, o.y, false, cur_layer, fp8_weight(role, j++), o.residual);
     } else {
-      for (const LinOut& o : outs) K::linear_forward(x, o.W, o.y, N, Kd, o.n, false, stream);
+      for (const LinOut& o : outs) K::linear_forward(x, o.W, o.y, N, Kd, o.n, false, stream, o.residual);
     }
     for (const LinOut& o : outs)
       for (const LoraAt& l : lora_at)
@@ -305,12 +324,15 @@ struct GpuModel::Impl {
   }
   // dx [N, K] = sum_j dy_j W_j (overwritten), dW_j += dy_j^T x (none for a frozen W: dW null); + the LoRA terms'
   // dx and their adapters' gradients.
-  void linears_backward(const bf16* x, int64_t Kd, bf16* dx, std::initializer_list<LinGrad> gs) {
+  void linears_backward(const bf16* x, int64_t Kd, Fp8Input role, bf16* dx, std::initializer_list<LinGrad> gs) {
     bool acc = false;
     if (use_fp8(Kd, gs)) {
       const K::Fp8Matrix qxt = store->frozen() ? K::Fp8Matrix{nullptr, Kd, K::fp8_padded(N), K::fp8_padded(N)}
-                                               : f8->input_t(x, N, Kd);
-      for (const LinGrad& g : gs) f8->backward(g.dy, N, g.W, qxt, g.n, dx, std::exchange(acc, true), g.dW);
+                                               : f8->input_t(x, N, Kd, cur_layer, role);
+      size_t j = 0;
+      for (const LinGrad& g : gs)
+        f8->backward(g.dy, N, g.W, qxt, g.n, dx, std::exchange(acc, true), g.dW, cur_layer, fp8_weight(role, j++),
+                     g.dy_amax);
     } else {
       for (const LinGrad& g : gs) K::linear_backward_data(g.dy, g.W, dx, N, Kd, g.n, std::exchange(acc, true), stream);
       for (const LinGrad& g : gs)
@@ -361,8 +383,9 @@ struct GpuModel::Impl {
   }
 
   // ---------------------------------------------------------------------------------------------------------
-  // Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, docs/model.md §2.6): xn1 -> tmpH.
-  void gdn_forward(const GpuParamStore::Layer& p, GpuLayerActs& A) {
+  // Gated DeltaNet mixer (HF Qwen3_5GatedDeltaNet.forward, docs/model.md §2.6): xn1 -> h_mid = h_in + mixer (the
+  // residual add in out_proj's epilogue).
+  void gdn_forward(const GpuParamStore::Layer& p, GpuLayerActs& A, const bf16* h_in) {
     const GdnParams<const bf16*>& w = p.compute.gdn;
     const GdnParams<const float*>& m = p.master.gdn;
     const int64_t H = c.hidden_size, CD = c.conv_dim(), VD = c.value_dim(), Hv = c.linear_num_value_heads,
@@ -370,7 +393,7 @@ struct GpuModel::Impl {
     const double n = static_cast<double>(N);
     {
       ProfScope ps = scope("gemm", "gdn in_proj", 2 * n * H * (CD + VD + 2 * Hv));
-      linears_forward(A.xn1, H, {{w.in_proj_qkv, CD, A.mixed}, {w.in_proj_z, VD, A.z}});
+      linears_forward(A.xn1, H, Fp8Input::MixerIn, {{w.in_proj_qkv, CD, A.mixed}, {w.in_proj_z, VD, A.z}});
       K::linear_forward(A.xn1, w.in_proj_ba, A.ab, N, H, 2 * Hv, false, stream);  // [b | a] per token: bf16
     }
     gdn_rebuildable(p, A);
@@ -385,10 +408,10 @@ struct GpuModel::Impl {
     {
       ProfScope ps = scope("norm", "gated rmsnorm", 0, 6 * n * VD);  // core, z -> y
       K::gated_rmsnorm_forward(A.core, A.z, m.norm, A.y, A.rstd_g, N * Hv, dv, static_cast<float>(c.rms_norm_eps),
-                               stream);
+                               stream, fp8_input_amax(Fp8Input::MixerOut));
     }
     ProfScope ps = scope("gemm", "gdn out_proj", 2 * n * VD * H);
-    linears_forward(A.y, VD, {{w.out_proj, H, acts.tmpH}});
+    linears_forward(A.y, VD, Fp8Input::MixerOut, {{w.out_proj, H, A.h_mid, h_in}});
   }
 
   // conv_out, qn, kn from mixed: the forward's ops, again in the backward when rebuilding.
@@ -449,7 +472,7 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("gemm", "gdn out_proj (bwd)", 4 * n * VD * H);
-      linears_backward(A.y, VD, d.dy, {{d.dh, w.out_proj, H, gw.out_proj}});
+      linears_backward(A.y, VD, Fp8Input::MixerOut, d.dy, {{d.dh, w.out_proj, H, gw.out_proj, std::exchange(dh_amax, nullptr)}});
     }
     {
       ProfScope ps = scope("norm", "gated rmsnorm (bwd)", 0, 10 * n * VD);  // core, z, dy -> dcore, dz
@@ -483,13 +506,15 @@ struct GpuModel::Impl {
       conv->backward(A.mixed, m.conv1d, d.dconv, B.seq_start, d.dmixed, gw.conv1d, N, scratch, stream);
     }
     ProfScope ps = scope("gemm", "gdn in_proj (bwd)", 4 * n * H * (CD + VD + 2 * Hv));
-    linears_backward(A.xn1, H, d.dxn, {{d.dmixed, w.in_proj_qkv, CD, gw.in_proj_qkv}, {d.dz, w.in_proj_z, VD, gw.in_proj_z}});
+    linears_backward(A.xn1, H, Fp8Input::MixerIn, d.dxn,
+                     {{d.dmixed, w.in_proj_qkv, CD, gw.in_proj_qkv}, {d.dz, w.in_proj_z, VD, gw.in_proj_z}});
     K::linear_backward_data(d.dab, w.in_proj_ba, d.dxn, N, H, 2 * Hv, true, stream);  // b|a: bf16 at any precision
     if (gw.in_proj_ba) K::linear_backward_weight(d.dab, A.xn1, gw.in_proj_ba, N, H, 2 * Hv, stream);
   }
 
-  // Gated attention mixer (HF Qwen3_5Attention.forward, docs/model.md §2.5): xn1 -> tmpH.
-  void attn_forward(const GpuParamStore::Layer& p, GpuLayerActs& A) {
+  // Gated attention mixer (HF Qwen3_5Attention.forward, docs/model.md §2.5): xn1 -> h_mid = h_in + mixer (the
+  // residual add in o_proj's epilogue).
+  void attn_forward(const GpuParamStore::Layer& p, GpuLayerActs& A, const bf16* h_in) {
     const AttnParams<const bf16*>& w = p.compute.attn;
     const AttnParams<const float*>& m = p.master.attn;
     const GpuBatchBufs& B = acts.batch;
@@ -497,8 +522,8 @@ struct GpuModel::Impl {
     const double n = static_cast<double>(N);
     {
       ProfScope ps = scope("gemm", "attn qkv", 2 * n * H * (Hq * 2 + Hkv * 2) * hd);
-      linears_forward(A.xn1, H, {{w.q_proj, Hq * 2 * hd, acts.qg}, {w.k_proj, Hkv * hd, A.kraw},
-                                 {w.v_proj, Hkv * hd, A.vraw}});
+      linears_forward(A.xn1, H, Fp8Input::MixerIn,
+                      {{w.q_proj, Hq * 2 * hd, acts.qg}, {w.k_proj, Hkv * hd, A.kraw}, {w.v_proj, Hkv * hd, A.vraw}});
     }
     {
       ProfScope ps = scope("elementwise", "copy_rows q/gate", 0, 8 * n * Hq * hd);  // qg -> qraw, graw (bf16)
@@ -523,10 +548,10 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("elementwise", "output gate", 0, 6 * n * Hq * hd);  // ao, graw -> og
-      K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream);
+      K::output_gate_forward(A.ao, A.graw, A.og, N * Hq * hd, stream, fp8_input_amax(Fp8Input::MixerOut));
     }
     ProfScope ps = scope("gemm", "attn o_proj", 2 * n * Hq * hd * H);
-    linears_forward(A.og, Hq * hd, {{w.o_proj, H, acts.tmpH}});
+    linears_forward(A.og, Hq * hd, Fp8Input::MixerOut, {{w.o_proj, H, A.h_mid, h_in}});
   }
 
   // Causal attention forward FLOPs: QK^T and PV, 2 x 2 x hd per (query, key) pair and query head; the backward
@@ -550,7 +575,7 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("gemm", "attn o_proj (bwd)", 4 * n * Hq * hd * H);
-      linears_backward(A.og, Hq * hd, d.dog, {{d.dh, w.o_proj, H, gw.o_proj}});
+      linears_backward(A.og, Hq * hd, Fp8Input::MixerOut, d.dog, {{d.dh, w.o_proj, H, gw.o_proj, std::exchange(dh_amax, nullptr)}});
     }
     {
       ProfScope ps = scope("elementwise", "output gate (bwd)", 0, 10 * n * Hq * hd);  // ao, graw, dog -> dao, dgate
@@ -576,8 +601,9 @@ struct GpuModel::Impl {
       K::copy_rows(d.dgate, hd, d.dqg + hd, 2 * hd, N * Hq, hd, stream);
     }
     ProfScope ps = scope("gemm", "attn qkv (bwd)", 4 * n * H * (2 * Hq + 2 * Hkv) * hd);
-    linears_backward(A.xn1, H, d.dxn, {{d.dqg, w.q_proj, Hq * 2 * hd, gw.q_proj}, {d.dkr, w.k_proj, Hkv * hd, gw.k_proj},
-                                        {d.dvv, w.v_proj, Hkv * hd, gw.v_proj}});
+    linears_backward(A.xn1, H, Fp8Input::MixerIn, d.dxn,
+                     {{d.dqg, w.q_proj, Hq * 2 * hd, gw.q_proj}, {d.dkr, w.k_proj, Hkv * hd, gw.k_proj},
+                      {d.dvv, w.v_proj, Hkv * hd, gw.v_proj}});
   }
 
   // Decoder layer i (HF Qwen3_5DecoderLayer, docs/model.md §2.3): hs[i] -> hs[i+1].
@@ -585,38 +611,35 @@ struct GpuModel::Impl {
     const int64_t H = c.hidden_size, I = c.intermediate_size;
     const GpuParamStore::Layer p = store->layer_params(i);
     lora_layer(i, p);
+    cur_layer = i;
     GpuLayerActs& A = acts.layers[static_cast<size_t>(i)];
-    bf16 *h_in = acts.hs[i], *h_out = acts.hs[i + 1], *tmpH = acts.tmpH;
+    bf16 *h_in = acts.hs[i], *h_out = acts.hs[i + 1];
     const float eps = static_cast<float>(c.rms_norm_eps);
     const double n = static_cast<double>(N);
     {
       ProfScope ps = scope("norm", "rmsnorm", 0, 4 * n * H);
-      K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream);
+      K::rmsnorm_forward(h_in, p.master.input_layernorm, A.xn1, A.rstd1, N, H, eps, true, stream,
+                         fp8_input_amax(Fp8Input::MixerIn));
     }
-    if (p.compute.full_attention) attn_forward(p, A);
-    else gdn_forward(p, A);
-    {
-      ProfScope ps = scope("elementwise", "residual add", 0, 6 * n * H);
-      K::add(h_in, tmpH, A.h_mid, N * H, stream);
-    }
+    if (p.compute.full_attention) attn_forward(p, A, h_in);
+    else gdn_forward(p, A, h_in);
     {
       ProfScope ps = scope("norm", "rmsnorm", 0, 4 * n * H);
-      K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
+      K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream,
+                         fp8_input_amax(Fp8Input::MlpIn));
     }
     {
       ProfScope ps = scope("gemm", "mlp gate_up", 2 * n * H * 2 * I);
-      linears_forward(A.xn2, H, {{p.compute.mlp.gate_up, 2 * I, A.gu}});  // [gate | up] per token
+      linears_forward(A.xn2, H, Fp8Input::MlpIn, {{p.compute.mlp.gate_up, 2 * I, A.gu}});  // [gate | up] per token
     }
     {
       ProfScope ps = scope("elementwise", "swiglu", 0, 6 * n * I);  // gu -> act
-      K::swiglu_forward(A.gu, A.act, N, I, stream);
+      K::swiglu_forward(A.gu, A.act, N, I, stream, fp8_input_amax(Fp8Input::MlpOut));
     }
     {
       ProfScope ps = scope("gemm", "mlp down", 2 * n * I * H);
-      linears_forward(A.act, I, {{p.compute.mlp.down, H, tmpH}});
+      linears_forward(A.act, I, Fp8Input::MlpOut, {{p.compute.mlp.down, H, h_out, A.h_mid}});  // + the residual
     }
-    ProfScope ps = scope("elementwise", "residual add", 0, 6 * n * H);
-    K::add(A.h_mid, tmpH, h_out, N * H, stream);
   }
 
   // dh holds d hs[i+1] on entry and d hs[i] on exit.
@@ -624,6 +647,7 @@ struct GpuModel::Impl {
     const int64_t H = c.hidden_size, I = c.intermediate_size;
     const GpuParamStore::Layer p = store->layer_params(i);
     lora_layer(i, p);
+    cur_layer = i;
     GpuLayerActs& A = acts.layers[static_cast<size_t>(i)];
     const GpuGradBufs& d = acts.grad;
     bf16* h_in = acts.hs[i];
@@ -645,24 +669,25 @@ struct GpuModel::Impl {
     }
     {
       ProfScope ps = scope("gemm", "mlp down (bwd)", 4 * n * I * H);
-      linears_backward(A.act, I, d.dact, {{d.dh, p.compute.mlp.down, H, p.grad.mlp.down}});
+      linears_backward(A.act, I, Fp8Input::MlpOut, d.dact,
+                       {{d.dh, p.compute.mlp.down, H, p.grad.mlp.down, std::exchange(dh_amax, nullptr)}});
     }
+    float* dgu_amax = fp8_grad_amax(1);
     {
       ProfScope ps = scope("elementwise", "swiglu (bwd)", 0, 10 * n * I);  // gu, dact -> dgu
-      K::swiglu_backward(A.gu, d.dact, d.dgu, N, I, stream);
+      K::swiglu_backward(A.gu, d.dact, d.dgu, N, I, stream, dgu_amax);
     }
     {
       ProfScope ps = scope("gemm", "mlp gate_up (bwd)", 4 * n * H * 2 * I);
-      linears_backward(A.xn2, H, d.dxn, {{d.dgu, p.compute.mlp.gate_up, 2 * I, p.grad.mlp.gate_up}});
+      linears_backward(A.xn2, H, Fp8Input::MlpIn, d.dxn,
+                       {{d.dgu, p.compute.mlp.gate_up, 2 * I, p.grad.mlp.gate_up, dgu_amax}});
     }
     {
-      ProfScope ps = scope("norm", "rmsnorm (bwd)", 0, 6 * n * H);  // x, dy -> dx
-      K::rmsnorm_backward(A.h_mid, p.master.post_attention_layernorm, A.rstd2, d.dxn, d.dtmp,
-                          p.grad.post_attention_layernorm, N, H, true, scratch, stream);
-    }
-    {
-      ProfScope ps = scope("elementwise", "residual add (bwd)", 0, 6 * n * H);
-      K::add(d.dh, d.dtmp, d.dh, N * H, stream);
+      // x, dy -> dx, added to the residual stream's gradient dh in the same pass
+      ProfScope ps = scope("norm", "rmsnorm (bwd)", 0, 8 * n * H);
+      dh_amax = fp8_grad_amax(0);  // the mixer's output projection's dy
+      K::rmsnorm_backward(A.h_mid, p.master.post_attention_layernorm, A.rstd2, d.dxn, d.dh,
+                          p.grad.post_attention_layernorm, N, H, true, scratch, stream, d.dh, dh_amax);
     }
     if (rebuild()) {
       mark_rebuild(true);
@@ -673,13 +698,10 @@ struct GpuModel::Impl {
     if (p.compute.full_attention) attn_backward(p, A);
     else gdn_backward(p, A);
     {
-      ProfScope ps = scope("norm", "rmsnorm (bwd)", 0, 6 * n * H);
-      K::rmsnorm_backward(h_in, p.master.input_layernorm, A.rstd1, d.dxn, d.dtmp, p.grad.input_layernorm, N, H, true,
-                          scratch, stream);
-    }
-    {
-      ProfScope ps = scope("elementwise", "residual add (bwd)", 0, 6 * n * H);
-      K::add(d.dh, d.dtmp, d.dh, N * H, stream);
+      ProfScope ps = scope("norm", "rmsnorm (bwd)", 0, 8 * n * H);  // + dh, as above
+      dh_amax = i > 0 ? fp8_grad_amax(0) : nullptr;                // the next layer down's down_proj dy
+      K::rmsnorm_backward(h_in, p.master.input_layernorm, A.rstd1, d.dxn, d.dh, p.grad.input_layernorm, N, H, true,
+                          scratch, stream, d.dh, dh_amax);
     }
     store->after_layer_backward(i, stream);
     unit_final(static_cast<size_t>(1 + i));  // layer i's gradients are complete
@@ -691,6 +713,8 @@ struct GpuModel::Impl {
   void trunk_forward(const GpuParamStore::Model& mp) {
     const int64_t H = c.hidden_size, L = c.num_hidden_layers;
     const double n = static_cast<double>(N);
+    if (f8) f8->begin_pass();  // a new pass: the FP8 amax table is stale (the weights may have changed)
+    dh_amax = nullptr;
     {
       wait_updated(0);
       ProfScope ps = scope("embedding", "embedding", 0, n * (4 * H + 4));  // ids, bf16 rows -> hs[0]
@@ -917,7 +941,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   if (m.plan.precision == Precision::Fp8) {
     if (ops::fp8_gemm_usable()) {
       const Fp8Recipe recipe = Fp8Recipe::from_env();
-      m.f8.emplace(m.acts.fp8, recipe, m.stream);
+      m.f8.emplace(m.acts.fp8, recipe, m.stream, m.c.num_hidden_layers);
       log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({})", recipe.describe());
     } else {
       log_warn("gpu: --precision fp8: the FP8 GEMM backend failed its probe (`deltastack probe` shows it); the GEMMs "

@@ -158,7 +158,7 @@ const std::vector<TrainOption>& train_options() {
           "each layer gathered before its forward and backward; CPU engine)",
           one_of({"none", "optimizer", "full"}), kResumable | kNewerKey | kNotSaved),
       opt("lora-rank", &O::lora_rank, 0, "LoRA: train a new adapter of this rank on the frozen base (--model), in "
-          "PEFT's format (docs/lora.md; CPU engine); 0 = train every parameter", in_range(int64_t{0}, int64_t{1} << 20),
+          "PEFT's format (docs/lora.md; the CPU and GPU engines); 0 = train every parameter", in_range(int64_t{0}, int64_t{1} << 20),
           kNewerKey),
       opt("lora-alpha", &O::lora_alpha, 8.0, "LoRA: scaling alpha / rank (PEFT's lora_alpha)",
           [](const std::string& f, double v) { DS_CHECK(std::isfinite(v), "--{} must be a finite number, got {}", f, v); },

@@ -5,7 +5,7 @@
 //
 //   host:    aligned / aligned16, grid_1d, grid_cols_rows, Slots / make_slots, next_pow2
 //   device:  bf16x8 <-> fp32 (unpack8, pack2, pack8, load_bf<V>, store_bf<V>), fp32x8 access (load_f8, ldg_f8,
-//            store_f8), sigmoid_fast, row_sum<LANES> (warp-slice or block sum in a fixed order)
+//            store_f8), sigmoid_fast, fused FP8 amax (amax_bits, amax_bits8, amax_commit), row_sum<LANES> (warp-slice or block sum in a fixed order)
 //   kernels: sum_partials_kernel + launch_sum_partials (fixed-order sum of per-slot partial rows)
 //   row-norm family (rmsnorm, gated_rmsnorm, l2norm): RowGeo<LANES>, row_slots, row_load_sumsq, row_acc_zero /
 //            _add / _reduce (backward dw accumulators), RowPlan / row_plan, row_dispatch, row_scalar_threads
@@ -58,6 +58,31 @@ inline int next_pow2(int v) {
   int p = 1;
   while (p < v) p <<= 1;
   return p;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Device: an FP8 cast's amax fused into the kernel that produces the tensor (--precision fp8; ops/linear/fp8.h).
+// The amax is taken over the bf16 values the kernel stores, as |v| in ordered bits: for non-negative floats
+// (NaN with its sign cleared included) the uint order is the float order and NaN's bits exceed +inf's, so the max
+// of the bits is the amax with NaN winning: bit for bit what ops::cuda::fp8_amax computes over the stored tensor.
+
+// max |v| bits of one bf16 / of eight packed bf16 (a 16-byte vector).
+__device__ __forceinline__ unsigned amax_bits(bf16 v) { return (unsigned(__bfloat16_as_ushort(v)) & 0x7fffu) << 16; }
+__device__ __forceinline__ unsigned amax_bits8(const uint4& u) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};
+  unsigned m = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) m = max(m, max((w[k] << 16) & 0x7fff0000u, w[k] & 0x7fff0000u));
+  return m;
+}
+// Folds a thread's max bits into *amax (a device float zeroed before the kernel; null: nothing): the converged
+// lanes of the warp reduce, one atomicMax each. Max is exact and order-free, so the result is deterministic.
+// 1-D blocks only (the lane is threadIdx.x % 32).
+__device__ __forceinline__ void amax_commit(unsigned m, float* amax) {
+  if (!amax) return;
+  const unsigned mask = __activemask();
+  m = __reduce_max_sync(mask, m);
+  if ((threadIdx.x & 31u) == static_cast<unsigned>(__ffs(mask) - 1)) atomicMax(reinterpret_cast<unsigned*>(amax), m);
 }
 
 // ---------------------------------------------------------------------------------------------------------

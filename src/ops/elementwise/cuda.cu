@@ -36,7 +36,8 @@ struct GateBwdOp {  // (o, gate, dy) -> (dout, dgate)
 // thread).
 template <class Op>
 __global__ void __launch_bounds__(kThreads)
-    binary_vec_kernel(const bf16* a, const bf16* b, bf16* y, int64_t n8, Op op) {
+    binary_vec_kernel(const bf16* a, const bf16* b, bf16* y, int64_t n8, Op op, float* amax) {
+  unsigned m = 0;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n8;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     float fa[8], fb[8], fy[8];
@@ -44,31 +45,38 @@ __global__ void __launch_bounds__(kThreads)
     unpack8(reinterpret_cast<const uint4*>(b)[i], fb);
 #pragma unroll
     for (int k = 0; k < 8; ++k) op(fa[k], fb[k], fy[k]);
-    reinterpret_cast<uint4*>(y)[i] = pack8(fy);
+    const uint4 o = pack8(fy);
+    reinterpret_cast<uint4*>(y)[i] = o;
+    m = max(m, amax_bits8(o));
   }
+  amax_commit(m, amax);
 }
 template <class Op>
 __global__ void __launch_bounds__(kThreads)
-    binary_scalar_kernel(const bf16* a, const bf16* b, bf16* y, int64_t begin, int64_t n, Op op) {
+    binary_scalar_kernel(const bf16* a, const bf16* b, bf16* y, int64_t begin, int64_t n, Op op, float* amax) {
+  unsigned m = 0;
   for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     float fy;
     op(__bfloat162float(a[i]), __bfloat162float(b[i]), fy);
-    y[i] = __float2bfloat16_rn(fy);
+    const bf16 o = __float2bfloat16_rn(fy);
+    y[i] = o;
+    m = max(m, amax_bits(o));
   }
+  amax_commit(m, amax);
 }
 
 template <class Op>
-void launch_binary(const bf16* a, const bf16* b, bf16* y, int64_t n, Op op, cudaStream_t stream) {
+void launch_binary(const bf16* a, const bf16* b, bf16* y, int64_t n, Op op, float* amax, cudaStream_t stream) {
   int64_t begin = 0;
   if (aligned16(a) && aligned16(b) && aligned16(y) && n >= 8) {
     const int64_t n8 = n / 8;
-    binary_vec_kernel<<<grid_for(n8), kThreads, 0, stream>>>(a, b, y, n8, op);
+    binary_vec_kernel<<<grid_for(n8), kThreads, 0, stream>>>(a, b, y, n8, op, amax);
     DS_CUDA_LAUNCH_CHECK();
     begin = n8 * 8;
   }
   if (begin < n) {
-    binary_scalar_kernel<<<grid_for(n - begin), kThreads, 0, stream>>>(a, b, y, begin, n, op);
+    binary_scalar_kernel<<<grid_for(n - begin), kThreads, 0, stream>>>(a, b, y, begin, n, op, amax);
     DS_CUDA_LAUNCH_CHECK();
   }
 }
@@ -137,19 +145,20 @@ void check_n(const char* fn, int64_t n) {
 
 }  // namespace
 
-void add(const ds::cuda::bf16* a, const ds::cuda::bf16* b, ds::cuda::bf16* y, int64_t n, cudaStream_t stream) {
+void add(const ds::cuda::bf16* a, const ds::cuda::bf16* b, ds::cuda::bf16* y, int64_t n, cudaStream_t stream,
+         float* amax) {
   check_n("add", n);
   if (n == 0) return;
   DS_CUDA_REQUIRE(a && b && y, "add: null pointer argument");
-  launch_binary(a, b, y, n, AddOp{}, stream);
+  launch_binary(a, b, y, n, AddOp{}, amax, stream);
 }
 
 void output_gate_forward(const ds::cuda::bf16* o, const ds::cuda::bf16* gate, ds::cuda::bf16* y, int64_t n,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, float* amax) {
   check_n("output_gate_forward", n);
   if (n == 0) return;
   DS_CUDA_REQUIRE(o && gate && y, "output_gate_forward: null pointer argument");
-  launch_binary(o, gate, y, n, GateFwdOp{}, stream);
+  launch_binary(o, gate, y, n, GateFwdOp{}, amax, stream);
 }
 
 void output_gate_backward(const ds::cuda::bf16* o, const ds::cuda::bf16* gate, const ds::cuda::bf16* dy,

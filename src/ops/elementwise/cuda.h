@@ -7,11 +7,15 @@
 
 namespace ds::ops::cuda {
 
+// amax (add, output_gate_forward): null, or a device float zeroed before the call that receives max |y| over the
+// bf16 outputs (--precision fp8: the amax of an FP8 GEMM operand fused into its producer; core/cuda/kernel_utils.cuh
+// amax_commit, bit for bit ops/linear/fp8.h fp8_amax).
 // y = a + b (bf16, fp32 add, one rounding). y may alias a or b.
-void add(const ds::cuda::bf16* a, const ds::cuda::bf16* b, ds::cuda::bf16* y, int64_t n, cudaStream_t stream);
+void add(const ds::cuda::bf16* a, const ds::cuda::bf16* b, ds::cuda::bf16* y, int64_t n, cudaStream_t stream,
+         float* amax = nullptr);
 // y = o * sigmoid(gate), all bf16 [n].
 void output_gate_forward(const ds::cuda::bf16* o, const ds::cuda::bf16* gate, ds::cuda::bf16* y, int64_t n,
-                         cudaStream_t stream);
+                         cudaStream_t stream, float* amax = nullptr);
 // dout = dy * sigmoid(gate); dgate = dy * o * sigmoid(gate) * (1 - sigmoid(gate)). Overwritten.
 void output_gate_backward(const ds::cuda::bf16* o, const ds::cuda::bf16* gate, const ds::cuda::bf16* dy,
                           ds::cuda::bf16* dout, ds::cuda::bf16* dgate, int64_t n, cudaStream_t stream);

@@ -24,7 +24,8 @@ using namespace ds::cuda;
 template <int VPT, int LANES>
 __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     grms_fwd_vec(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
-                 bf16* __restrict__ y, float* __restrict__ rstd, int64_t rows, int dim, float eps) {
+                 bf16* __restrict__ y, float* __restrict__ rstd, int64_t rows, int dim, float eps,
+                 float* __restrict__ amax) {
   __shared__ float red[32];
   const RowGeo<LANES> g;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * g.groups + g.group;
@@ -51,6 +52,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   if (!valid) return;
   if (g.lane == 0) rstd[row] = rs;
   uint4* yr = reinterpret_cast<uint4*>(y + off);
+  unsigned m = 0;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int c = g.lane + i * g.stride;
@@ -61,9 +63,12 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
       ldg_f8(w, c, wv);
 #pragma unroll
       for (int k = 0; k < 8; ++k) f[k] = f[k] * rs * wv[k] * (zf[k] * sigmoid_fast(zf[k]));
-      yr[c] = pack8(f);
+      const uint4 o = pack8(f);
+      yr[c] = o;
+      m = max(m, amax_bits8(o));
     }
   }
+  amax_commit(m, amax);
 }
 
 template <int VPT, int LANES>
@@ -151,7 +156,8 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
 
 // ---- scalar fallback (any d, any alignment) ----
 __global__ void grms_fwd_scalar(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
-                                bf16* __restrict__ y, float* __restrict__ rstd, int64_t dim, float eps) {
+                                bf16* __restrict__ y, float* __restrict__ rstd, int64_t dim, float eps,
+                                float* __restrict__ amax) {
   __shared__ float red[32];
   const int64_t off = static_cast<int64_t>(blockIdx.x) * dim;
   float ss = 0.f;
@@ -162,10 +168,14 @@ __global__ void grms_fwd_scalar(const bf16* __restrict__ x, const bf16* __restri
   ss = row_sum<0>(ss, red);
   const float rs = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
   if (threadIdx.x == 0) rstd[blockIdx.x] = rs;
+  unsigned m = 0;
   for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
     const float zv = __bfloat162float(z[off + j]);
-    y[off + j] = __float2bfloat16_rn(__bfloat162float(x[off + j]) * rs * w[j] * (zv * sigmoid_fast(zv)));
+    const bf16 o = __float2bfloat16_rn(__bfloat162float(x[off + j]) * rs * w[j] * (zv * sigmoid_fast(zv)));
+    y[off + j] = o;
+    m = max(m, amax_bits(o));
   }
+  amax_commit(m, amax);
 }
 
 __global__ void grms_bwd_scalar(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
@@ -205,11 +215,12 @@ RowPlan plan_for(int64_t dim, bool vec_ok, bool backward) { return row_plan(dim,
 template <int VPT, int LANES>
 struct FwdLauncher {
   static void run(const RowPlan& p, const bf16* x, const bf16* z, const float* w, bf16* y, float* rstd, int64_t rows,
-                  int64_t dim, float eps, cudaStream_t stream) {
+                  int64_t dim, float eps, float* amax, cudaStream_t stream) {
     const int64_t groups = LANES > 0 ? p.threads / LANES : 1;
     const int64_t blocks = (rows + groups - 1) / groups;
     grms_fwd_vec<VPT, LANES>
-        <<<static_cast<unsigned>(blocks), p.threads, 0, stream>>>(x, z, w, y, rstd, rows, static_cast<int>(dim), eps);
+        <<<static_cast<unsigned>(blocks), p.threads, 0, stream>>>(x, z, w, y, rstd, rows, static_cast<int>(dim), eps,
+                                                                  amax);
   }
 };
 template <int VPT, int LANES>
@@ -232,7 +243,7 @@ struct BwdLauncher {
 }  // namespace
 
 void gated_rmsnorm_forward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, const float* w, ds::cuda::bf16* y,
-                           float* rstd, int64_t rows, int64_t d, float eps, cudaStream_t stream) {
+                           float* rstd, int64_t rows, int64_t d, float eps, cudaStream_t stream, float* amax) {
   DS_CUDA_REQUIRE(rows >= 0 && d > 0 && d <= (int64_t(1) << 30),
                   "gated_rmsnorm_forward: rows must be >= 0 and d in (0, 2^30], got rows=" + std::to_string(rows) +
                       " d=" + std::to_string(d));
@@ -241,9 +252,9 @@ void gated_rmsnorm_forward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, con
   const bool vec_ok = aligned16(x) && aligned16(z) && aligned16(y) && aligned16(w);
   const RowPlan p = plan_for(d, vec_ok, false);
   if (p.kind == 0)
-    grms_fwd_scalar<<<static_cast<unsigned>(rows), row_scalar_threads(d), 0, stream>>>(x, z, w, y, rstd, d, eps);
+    grms_fwd_scalar<<<static_cast<unsigned>(rows), row_scalar_threads(d), 0, stream>>>(x, z, w, y, rstd, d, eps, amax);
   else
-    row_dispatch<FwdLauncher>(p, x, z, w, y, rstd, rows, d, eps, stream);
+    row_dispatch<FwdLauncher>(p, x, z, w, y, rstd, rows, d, eps, amax, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -7,9 +7,11 @@
 
 namespace ds::ops::cuda {
 
-// x, z, y: bf16 [rows, d]; w: fp32 [d]; rstd: fp32 [rows] (out).
+// x, z, y: bf16 [rows, d]; w: fp32 [d]; rstd: fp32 [rows] (out). amax: null, or a zeroed device float that
+// receives max |y| (the FP8 cast's amax fused; core/cuda/kernel_utils.cuh amax_commit).
 void gated_rmsnorm_forward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, const float* w, ds::cuda::bf16* y,
-                           float* rstd, int64_t rows, int64_t d, float eps, cudaStream_t stream);
+                           float* rstd, int64_t rows, int64_t d, float eps, cudaStream_t stream,
+                           float* amax = nullptr);
 // dx, dz: bf16 [rows, d] (overwritten); dw: fp32 [d] (accumulated, deterministic).
 size_t gated_rmsnorm_scratch_bytes(int64_t rows, int64_t d);
 void gated_rmsnorm_backward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, const float* w, const float* rstd,

@@ -154,12 +154,13 @@ __global__ void scale_rows_kernel(T* C, int64_t M, int64_t N, int64_t ldc, float
 }  // namespace
 
 void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const bf16* A, int64_t lda, const bf16* B,
-          int64_t ldb, float beta, void* C, bool c_is_f32, int64_t ldc, cudaStream_t stream) {
+          int64_t ldb, float beta, void* C, bool c_is_f32, int64_t ldc, cudaStream_t stream, const void* C_in) {
   DS_CUDA_REQUIRE(M >= 0 && N >= 0 && K >= 0, "gemm: M, N, K must be >= 0 (M=" + std::to_string(M) +
                                                  " N=" + std::to_string(N) + " K=" + std::to_string(K) + ")");
   if (M == 0 || N == 0) return;
   DS_CUDA_REQUIRE(C != nullptr, "gemm: C is null");
   DS_CUDA_REQUIRE(ldc >= N, "gemm: ldc (" + std::to_string(ldc) + ") < N (" + std::to_string(N) + ")");
+  DS_CUDA_REQUIRE(!C_in || K > 0, "gemm: a separate C input needs K > 0");
   if (K == 0) {
     const int threads = 256;
     const int64_t blocks = std::min<int64_t>(ds::cuda::ceil_div(M * N, threads), 65536);
@@ -181,7 +182,7 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
   const PlanKey key{dev,   ta,       tb,          M,
                     N,     K,        lda,         ldb,
                     ldc,   c_is_f32, beta == 0.f, alignment_of(A),
-                    alignment_of(B), alignment_of(C)};
+                    alignment_of(B), C_in ? std::min(alignment_of(C), alignment_of(C_in)) : alignment_of(C)};
   cublasLtHandle_t handle;
   void* workspace;
   const Plan* plan;
@@ -192,13 +193,14 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
     workspace = ctx.workspace;
     plan = &get_plan(key, handle);  // std::map nodes are stable: the pointer stays valid after unlocking
   }
-  DS_CUBLAS_CHECK(cublasLtMatmul(handle, plan->op, &alpha, B, plan->a, A, plan->b, &beta, C, plan->c, C, plan->c,
-                                 &plan->algo, workspace, plan->workspace, stream));
+  DS_CUBLAS_CHECK(cublasLtMatmul(handle, plan->op, &alpha, B, plan->a, A, plan->b, &beta, C_in ? C_in : C, plan->c,
+                                 C, plan->c, &plan->algo, workspace, plan->workspace, stream));
 }
 
 void linear_forward(const bf16* x, const bf16* W, bf16* y, int64_t M, int64_t K, int64_t N, bool accumulate,
-                    cudaStream_t stream) {
-  gemm(false, true, M, N, K, 1.0f, x, K, W, K, accumulate ? 1.0f : 0.0f, y, false, N, stream);
+                    cudaStream_t stream, const bf16* residual) {
+  DS_CUDA_REQUIRE(!(accumulate && residual), "linear_forward: accumulate and a residual together");
+  gemm(false, true, M, N, K, 1.0f, x, K, W, K, accumulate || residual ? 1.0f : 0.0f, y, false, N, stream, residual);
 }
 
 void linear_backward_data(const bf16* dy, const bf16* W, bf16* dx, int64_t M, int64_t K, int64_t N, bool accumulate,
@@ -291,7 +293,7 @@ bool gemm_fp8_supported(const Fp8Matrix& A, const Fp8Matrix& B) {
 }
 
 void gemm_fp8(const Fp8Matrix& A, const Fp8Matrix& B, void* C, bool c_is_f32, int64_t ldc, float beta,
-              bool fast_accum, cudaStream_t stream, Fp8ScaleMode mode) {
+              bool fast_accum, cudaStream_t stream, Fp8ScaleMode mode, const void* C_in) {
   const int64_t M = A.rows, N = B.rows, K = A.cols;
   if (M == 0 || N == 0) return;
   DS_CUDA_REQUIRE(gemm_fp8_supported(A, B),
@@ -304,7 +306,7 @@ void gemm_fp8(const Fp8Matrix& A, const Fp8Matrix& B, void* C, bool c_is_f32, in
   DS_CUDA_CHECK(cudaGetDevice(&dev));
   const Fp8Key key{dev, M, N, K, A.ld, B.ld, ldc, static_cast<int>(A.format), static_cast<int>(B.format),
                    c_is_f32, beta == 0.f, fast_accum, static_cast<int>(mode), alignment_of(A.data),
-                   alignment_of(B.data), alignment_of(C)};
+                   alignment_of(B.data), C_in ? std::min(alignment_of(C), alignment_of(C_in)) : alignment_of(C)};
   // The scale pointers live in the descriptor: set and used by the matmul enqueued under the lock.
   std::lock_guard<std::mutex> lock(g_mu);
   DeviceCtx& ctx = device_ctx(dev);
@@ -316,8 +318,8 @@ void gemm_fp8(const Fp8Matrix& A, const Fp8Matrix& B, void* C, bool c_is_f32, in
   const float alpha = 1.0f;
   auto run = [&](int i) {
     const cublasLtMatmulHeuristicResult_t& r = plan.algos[i];
-    return cublasLtMatmul(ctx.handle, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C, plan.c, C, plan.c,
-                          &r.algo, ctx.workspace, r.workspaceSize, stream);
+    return cublasLtMatmul(ctx.handle, plan.op, &alpha, B.data, plan.a, A.data, plan.b, &beta, C_in ? C_in : C, plan.c,
+                          C, plan.c, &r.algo, ctx.workspace, r.workspaceSize, stream);
   };
   if (plan.chosen >= 0) {
     DS_CUBLAS_CHECK(run(plan.chosen));

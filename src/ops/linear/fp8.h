@@ -71,7 +71,9 @@ enum class Fp8ScaleMode { Tensor, Block };
 // tensor cores keep their partial sums in their own (narrower) accumulator instead of promoting them to fp32 every
 // few K steps (CUBLASLT_MATMUL_DESC_FAST_ACCUM). The algorithm is chosen once per problem and kept (deterministic).
 // ds::cuda error when !gemm_fp8_supported or cuBLASLt has no algorithm for the problem.
+// C_in: the beta term reads C_in (C's type and ldc) instead of C (the residual stream added in the epilogue).
 void gemm_fp8(const Fp8Matrix& A, const Fp8Matrix& B, void* C, bool c_is_f32, int64_t ldc, float beta,
-              bool fast_accum, cudaStream_t stream, Fp8ScaleMode mode = Fp8ScaleMode::Tensor);
+              bool fast_accum, cudaStream_t stream, Fp8ScaleMode mode = Fp8ScaleMode::Tensor,
+              const void* C_in = nullptr);
 
 }  // namespace ds::ops::cuda

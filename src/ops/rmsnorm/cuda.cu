@@ -30,7 +30,7 @@ using namespace ds::cuda;
 template <int VPT, int LANES>
 __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     rms_fwd_vec(const bf16* __restrict__ x, const float* __restrict__ w, bf16* __restrict__ y, float* __restrict__ rstd,
-                int64_t rows, int dim, float eps, bool zc) {
+                int64_t rows, int dim, float eps, bool zc, float* __restrict__ amax) {
   __shared__ float red[32];
   const RowGeo<LANES> g;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * g.groups + g.group;
@@ -43,6 +43,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   if (!valid) return;
   if (g.lane == 0) rstd[row] = rs;
   uint4* yr = reinterpret_cast<uint4*>(y + row * dim);
+  unsigned m = 0;
 #pragma unroll
   for (int i = 0; i < VPT; ++i) {
     const int c = g.lane + i * g.stride;
@@ -52,16 +53,21 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
       ldg_f8(w, c, wv);
 #pragma unroll
       for (int k = 0; k < 8; ++k) f[k] = f[k] * rs * (zc ? 1.0f + wv[k] : wv[k]);
-      yr[c] = pack8(f);
+      const uint4 o = pack8(f);
+      yr[c] = o;
+      m = max(m, amax_bits8(o));
     }
   }
+  amax_commit(m, amax);
 }
 
-// dx may alias dy: each thread reads its dy values before writing the same dx values; no one else reads them.
+// dx may alias dy and dres: each thread reads its dy and dres values before writing the same dx values; no one else
+// reads them. dres (null: none) is added to dx; amax (null: none) receives max |dx| (kernel_utils.cuh amax_commit).
 template <int VPT, int LANES>
 __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     rms_bwd_vec(const bf16* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd, const bf16* dy,
-                bf16* dx, float* __restrict__ partial, int64_t rows, int dim, bool zc, int64_t rows_per_slot) {
+                bf16* dx, float* __restrict__ partial, int64_t rows, int dim, bool zc, int64_t rows_per_slot,
+                const bf16* dres, float* __restrict__ amax) {
   __shared__ float red[32];
   extern __shared__ float4 gsum4[];  // [groups, dim] fp32 dw accumulators, reduced over groups at the end
   float* gsum = reinterpret_cast<float*>(gsum4);
@@ -76,6 +82,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   __syncthreads();
   const float inv_dim = 1.0f / static_cast<float>(dim);
   const int64_t iters = (r1 - r0 + g.groups - 1) / g.groups;  // uniform over the block
+  unsigned m = 0;
   for (int64_t it = 0; it < iters; ++it) {
     const int64_t row = r0 + it * g.groups + g.group;
     const bool valid = row < r1;
@@ -120,10 +127,19 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
       }
       if (valid && c < nvec) {
         row_acc_add(acc, c, xf);
-        dxr[c] = pack8(o);
+        if (dres) {
+          float rf[8];
+          unpack8(reinterpret_cast<const uint4*>(dres + rr * dim)[c], rf);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) o[k] += rf[k];
+        }
+        const uint4 ov = pack8(o);
+        dxr[c] = ov;
+        m = max(m, amax_bits8(ov));
       }
     }
   }
+  amax_commit(m, amax);
   float* prow = partial + static_cast<int64_t>(blockIdx.x) * dim;
   __syncthreads();
   row_acc_reduce(gsum, g.groups, dim, prow);  // the groups' accumulators in a fixed order (one when LANES == 0)
@@ -131,7 +147,8 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
 
 // ---- scalar fallback (any dim, any alignment) ----
 __global__ void rms_fwd_scalar(const bf16* __restrict__ x, const float* __restrict__ w, bf16* __restrict__ y,
-                               float* __restrict__ rstd, int64_t rows, int64_t dim, float eps, bool zc) {
+                               float* __restrict__ rstd, int64_t rows, int64_t dim, float eps, bool zc,
+                               float* __restrict__ amax) {
   __shared__ float red[32];
   const int64_t row = blockIdx.x;
   const bf16* xr = x + row * dim;
@@ -144,20 +161,26 @@ __global__ void rms_fwd_scalar(const bf16* __restrict__ x, const float* __restri
   const float rs = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
   if (threadIdx.x == 0) rstd[row] = rs;
   bf16* yr = y + row * dim;
-  for (int64_t j = threadIdx.x; j < dim; j += blockDim.x)
-    yr[j] = __float2bfloat16_rn(__bfloat162float(xr[j]) * rs * (zc ? 1.0f + w[j] : w[j]));
+  unsigned m = 0;
+  for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) {
+    const bf16 o = __float2bfloat16_rn(__bfloat162float(xr[j]) * rs * (zc ? 1.0f + w[j] : w[j]));
+    yr[j] = o;
+    m = max(m, amax_bits(o));
+  }
+  amax_commit(m, amax);
 }
 
 // Partial row kept in global memory (each thread owns columns j = tid + k*blockDim, rows in order).
 __global__ void rms_bwd_scalar(const bf16* __restrict__ x, const float* __restrict__ w, const float* __restrict__ rstd,
                                const bf16* dy, bf16* dx, float* __restrict__ partial, int64_t rows, int64_t dim,
-                               bool zc, int64_t rows_per_slot) {
+                               bool zc, int64_t rows_per_slot, const bf16* dres, float* __restrict__ amax) {
   __shared__ float red[32];
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_slot;
   const int64_t r1 = r0 + rows_per_slot < rows ? r0 + rows_per_slot : rows;
   float* prow = partial + static_cast<int64_t>(blockIdx.x) * dim;
   for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) prow[j] = 0.f;
   const float inv_dim = 1.0f / static_cast<float>(dim);
+  unsigned m = 0;
   for (int64_t row = r0; row < r1; ++row) {
     const bf16* xr = x + row * dim;
     const bf16* dyr = dy + row * dim;
@@ -173,9 +196,13 @@ __global__ void rms_bwd_scalar(const bf16* __restrict__ x, const float* __restri
       const float gam = zc ? 1.0f + w[j] : w[j];
       const float d = __bfloat162float(dyr[j]), xh = __bfloat162float(xr[j]) * rs;
       prow[j] += d * xh;
-      dxr[j] = __float2bfloat16_rn(rs * (d * gam - xh * mean_dot));
+      const float r = dres ? __bfloat162float(dres[row * dim + j]) : 0.0f;
+      const bf16 o = __float2bfloat16_rn(rs * (d * gam - xh * mean_dot) + r);
+      dxr[j] = o;
+      m = max(m, amax_bits(o));
     }
   }
+  amax_commit(m, amax);
 }
 
 // Vector kernel plan (core/cuda/kernel_utils.cuh): warp-per-row kernels forward only, up to 4 vectors per thread.
@@ -183,22 +210,24 @@ RowPlan plan_for(int64_t dim, bool vec_ok, bool backward) { return row_plan(dim,
 
 template <int VPT, int LANES>
 void launch_fwd(const RowPlan& p, const bf16* x, const float* w, bf16* y, float* rstd, int64_t rows, int64_t dim,
-                float eps, bool zc, cudaStream_t stream) {
+                float eps, bool zc, float* amax, cudaStream_t stream) {
   const int64_t groups = LANES > 0 ? p.threads / LANES : 1;
   const int64_t blocks = (rows + groups - 1) / groups;
   rms_fwd_vec<VPT, LANES>
-      <<<static_cast<unsigned>(blocks), p.threads, 0, stream>>>(x, w, y, rstd, rows, static_cast<int>(dim), eps, zc);
+      <<<static_cast<unsigned>(blocks), p.threads, 0, stream>>>(x, w, y, rstd, rows, static_cast<int>(dim), eps, zc,
+                                                                amax);
 }
 
 template <int VPT, int LANES>
 void launch_bwd(const RowPlan& p, const bf16* x, const float* w, const float* rstd, const bf16* dy, bf16* dx,
-                float* partial, int64_t rows, int64_t dim, bool zc, const Slots& s, cudaStream_t stream) {
+                float* partial, int64_t rows, int64_t dim, bool zc, const Slots& s, const bf16* dres, float* amax,
+                cudaStream_t stream) {
   const size_t smem = static_cast<size_t>((LANES > 0 ? p.threads / LANES : 1) + 1) * dim * sizeof(float);
   if (smem > 48 * 1024)
     DS_CUDA_CHECK(cudaFuncSetAttribute(rms_bwd_vec<VPT, LANES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem)));
   rms_bwd_vec<VPT, LANES><<<static_cast<unsigned>(s.count), p.threads, smem, stream>>>(
-      x, w, rstd, dy, dx, partial, rows, static_cast<int>(dim), zc, s.per);
+      x, w, rstd, dy, dx, partial, rows, static_cast<int>(dim), zc, s.per, dres, amax);
 }
 
 template <int VPT, int LANES>
@@ -223,7 +252,7 @@ struct BwdLauncher {
 }  // namespace
 
 void rmsnorm_forward(const ds::cuda::bf16* x, const float* w, ds::cuda::bf16* y, float* rstd, int64_t rows, int64_t dim,
-                     float eps, bool zero_centered, cudaStream_t stream) {
+                     float eps, bool zero_centered, cudaStream_t stream, float* amax) {
   DS_CUDA_REQUIRE(rows >= 0 && dim > 0, "rmsnorm_forward: rows must be >= 0 and dim > 0, got rows=" +
                                             std::to_string(rows) + " dim=" + std::to_string(dim));
   DS_CUDA_REQUIRE(dim <= (int64_t(1) << 30), "rmsnorm_forward: dim too large");
@@ -233,9 +262,9 @@ void rmsnorm_forward(const ds::cuda::bf16* x, const float* w, ds::cuda::bf16* y,
   const RowPlan p = plan_for(dim, vec_ok, false);
   if (p.kind == 0) {
     rms_fwd_scalar<<<static_cast<unsigned>(rows), row_scalar_threads(dim), 0, stream>>>(x, w, y, rstd, rows, dim, eps,
-                                                                                        zero_centered);
+                                                                                        zero_centered, amax);
   } else {
-    row_dispatch<FwdLauncher>(p, x, w, y, rstd, rows, dim, eps, zero_centered, stream);
+    row_dispatch<FwdLauncher>(p, x, w, y, rstd, rows, dim, eps, zero_centered, amax, stream);
   }
   DS_CUDA_LAUNCH_CHECK();
 }
@@ -247,7 +276,7 @@ size_t rmsnorm_scratch_bytes(int64_t rows, int64_t dim) {
 
 void rmsnorm_backward(const ds::cuda::bf16* x, const float* w, const float* rstd, const ds::cuda::bf16* dy,
                       ds::cuda::bf16* dx, float* dw, int64_t rows, int64_t dim, bool zero_centered, void* scratch,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const ds::cuda::bf16* dres, float* amax) {
   DS_CUDA_REQUIRE(rows >= 0 && dim > 0, "rmsnorm_backward: rows must be >= 0 and dim > 0, got rows=" +
                                             std::to_string(rows) + " dim=" + std::to_string(dim));
   DS_CUDA_REQUIRE(dim <= (int64_t(1) << 30), "rmsnorm_backward: dim too large");
@@ -256,13 +285,13 @@ void rmsnorm_backward(const ds::cuda::bf16* x, const float* w, const float* rstd
   DS_CUDA_REQUIRE(scratch != nullptr, "rmsnorm_backward: scratch is null (need rmsnorm_scratch_bytes)");
   const Slots s = row_slots(rows);
   float* partial = static_cast<float*>(scratch);
-  const bool vec_ok = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx);
+  const bool vec_ok = aligned16(x) && aligned16(w) && aligned16(dy) && aligned16(dx) && (!dres || aligned16(dres));
   const RowPlan p = plan_for(dim, vec_ok, true);
   if (p.kind == 0) {
     rms_bwd_scalar<<<static_cast<unsigned>(s.count), row_scalar_threads(dim), 0, stream>>>(
-        x, w, rstd, dy, dx, partial, rows, dim, zero_centered, s.per);
+        x, w, rstd, dy, dx, partial, rows, dim, zero_centered, s.per, dres, amax);
   } else {
-    row_dispatch<BwdLauncher>(p, x, w, rstd, dy, dx, partial, rows, dim, zero_centered, s, stream);
+    row_dispatch<BwdLauncher>(p, x, w, rstd, dy, dx, partial, rows, dim, zero_centered, s, dres, amax, stream);
   }
   DS_CUDA_LAUNCH_CHECK();
   launch_sum_partials(partial, s.count, dim, dim, dw, stream);

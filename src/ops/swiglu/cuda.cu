@@ -19,12 +19,23 @@ using namespace ds::cuda;
 
 constexpr int kThreads = 256;
 
+// max |.| bits of V floats as store_bf<V> rounds them (to nearest even): the bf16 values the kernel stores.
+template <int V>
+__device__ __forceinline__ unsigned amax_of(const float f[V]) {
+  unsigned m = 0;
+#pragma unroll
+  for (int k = 0; k < V; ++k) m = max(m, amax_bits(__float2bfloat16_rn(f[k])));
+  return m;
+}
+
 // Row t of gate / up starts at t * ld_in, of dgate / dup at t * ld_out; h and dh are dense [N, I].
 template <int V>
 __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up,
-                                                              int64_t ld_in, bf16* __restrict__ h, int64_t N, int64_t I) {
+                                                              int64_t ld_in, bf16* __restrict__ h, int64_t N, int64_t I,
+                                                              float* __restrict__ amax) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= I) return;
+  unsigned m = 0;
   for (int64_t t = blockIdx.y; t < N; t += gridDim.y) {
     float g[V], u[V];
     load_bf<V>(gate + t * ld_in + c, g);
@@ -32,7 +43,9 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const bf16* __rest
 #pragma unroll
     for (int k = 0; k < V; ++k) g[k] = g[k] * sigmoid_fast(g[k]) * u[k];
     store_bf<V>(h + t * I + c, g);
+    if (amax) m = max(m, amax_of<V>(g));
   }
+  amax_commit(m, amax);
 }
 
 // dgate / dup may not alias gate / up (the fused layout writes a separate dgu).
@@ -40,9 +53,10 @@ template <int V>
 __global__ void __launch_bounds__(kThreads)
     swiglu_bwd_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up, int64_t ld_in,
                       const bf16* __restrict__ dh, bf16* __restrict__ dgate, bf16* __restrict__ dup, int64_t ld_out,
-                      int64_t N, int64_t I) {
+                      int64_t N, int64_t I, float* __restrict__ amax) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= I) return;
+  unsigned m = 0;
   for (int64_t t = blockIdx.y; t < N; t += gridDim.y) {
     float g[V], u[V], d[V];
     load_bf<V>(gate + t * ld_in + c, g);
@@ -57,7 +71,9 @@ __global__ void __launch_bounds__(kThreads)
     }
     store_bf<V>(dgate + t * ld_out + c, g);
     store_bf<V>(dup + t * ld_out + c, u);
+    if (amax) m = max(m, max(amax_of<V>(g), amax_of<V>(u)));
   }
+  amax_commit(m, amax);
 }
 
 dim3 grid_for(int64_t N, int64_t I, int V) { return grid_cols_rows(I, V, kThreads, N); }
@@ -70,20 +86,20 @@ void check_shape(const char* fn, int64_t N, int64_t I) {
 }  // namespace
 
 void swiglu_forward_rows(const bf16* gate, const bf16* up, int64_t ld_in, bf16* h, int64_t N, int64_t I,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, float* amax) {
   check_shape("swiglu_forward_rows", N, I);
   if (N == 0) return;
   DS_CUDA_REQUIRE(gate && up && h, "swiglu_forward_rows: null pointer argument");
   DS_CUDA_REQUIRE(ld_in >= I, "swiglu_forward_rows: row stride " + std::to_string(ld_in) + " < I = " + std::to_string(I));
   if (I % 8 == 0 && ld_in % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(h))
-    swiglu_fwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I);
+    swiglu_fwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I, amax);
   else
-    swiglu_fwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I);
+    swiglu_fwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I, amax);
   DS_CUDA_LAUNCH_CHECK();
 }
 
 void swiglu_backward_rows(const bf16* gate, const bf16* up, int64_t ld_in, const bf16* dh, bf16* dgate, bf16* dup,
-                          int64_t ld_out, int64_t N, int64_t I, cudaStream_t stream) {
+                          int64_t ld_out, int64_t N, int64_t I, cudaStream_t stream, float* amax) {
   check_shape("swiglu_backward_rows", N, I);
   if (N == 0) return;
   DS_CUDA_REQUIRE(gate && up && dh && dgate && dup, "swiglu_backward_rows: null pointer argument");
@@ -91,18 +107,19 @@ void swiglu_backward_rows(const bf16* gate, const bf16* up, int64_t ld_in, const
                                                  std::to_string(ld_out) + " must be >= I = " + std::to_string(I));
   if (I % 8 == 0 && ld_in % 8 == 0 && ld_out % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(dh) &&
       aligned16(dgate) && aligned16(dup))
-    swiglu_bwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I);
+    swiglu_bwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I, amax);
   else
-    swiglu_bwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I);
+    swiglu_bwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I, amax);
   DS_CUDA_LAUNCH_CHECK();
 }
 
-void swiglu_forward(const bf16* gu, bf16* h, int64_t N, int64_t I, cudaStream_t stream) {
-  swiglu_forward_rows(gu, gu + I, 2 * I, h, N, I, stream);
+void swiglu_forward(const bf16* gu, bf16* h, int64_t N, int64_t I, cudaStream_t stream, float* amax) {
+  swiglu_forward_rows(gu, gu + I, 2 * I, h, N, I, stream, amax);
 }
 
-void swiglu_backward(const bf16* gu, const bf16* dh, bf16* dgu, int64_t N, int64_t I, cudaStream_t stream) {
-  swiglu_backward_rows(gu, gu + I, 2 * I, dh, dgu, dgu + I, 2 * I, N, I, stream);
+void swiglu_backward(const bf16* gu, const bf16* dh, bf16* dgu, int64_t N, int64_t I, cudaStream_t stream,
+                     float* amax) {
+  swiglu_backward_rows(gu, gu + I, 2 * I, dh, dgu, dgu + I, 2 * I, N, I, stream, amax);
 }
 
 }  // namespace ds::ops::cuda
