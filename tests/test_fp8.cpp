@@ -307,7 +307,9 @@ TEST(CudaFp8, FusedAmaxIsTheAmaxPass) {
 
 // The amax table and the fused amax (DELTASTACK_FP8_AMAX=fused, the default) against an amax pass before every cast
 // (=separate): bitwise the same losses, gradients and weights over steps with updates between them (a weight's amax
-// is recomputed after its update), with every recompute policy (the backward's casts reuse the forward's amax).
+// is recomputed after its update), with every recompute policy (the backward's casts reuse the forward's amax). And
+// the policies against each other: recompute none keeps the FP8-only GEMM inputs as their transposed FP8 casts
+// (model/gpu_fp8.h fp8_keeps_inputs), the others rebuild them and cast again, bitwise the same.
 TEST(CudaFp8, FusedAmaxStepIsBitwiseTheSeparatePasses) {
   DS_SKIP_WITHOUT_GPU();
   ds::ModelConfig cfg = ds::ModelConfig::preset("tiny");
@@ -315,6 +317,7 @@ TEST(CudaFp8, FusedAmaxStepIsBitwiseTheSeparatePasses) {
   ds::Qwen35Model host(cfg);
   host.init_weights(23);
   const ds::PackedBatch b = random_batch({0, 100, 101, 256}, 4096, 5);
+  std::pair<std::vector<double>, std::vector<float>> first;
   for (const ds::Recompute rc : {ds::Recompute::None, ds::Recompute::Selective, ds::Recompute::Full}) {
     SCOPED_TRACE(ds::recompute_name(rc));
     auto run = [&](const char* amax) {
@@ -352,6 +355,12 @@ TEST(CudaFp8, FusedAmaxStepIsBitwiseTheSeparatePasses) {
     EXPECT_EQ(fused.first, separate.first);
     EXPECT_TRUE(fused.second == separate.second);
     EXPECT_NE(fused.first[0], fused.first[2]);  // the updates moved the loss
+    if (rc == ds::Recompute::None) {
+      first = fused;
+    } else {
+      EXPECT_EQ(fused.first, first.first) << "against recompute none (the FP8-kept inputs)";
+      EXPECT_TRUE(fused.second == first.second) << "against recompute none (the FP8-kept inputs)";
+    }
   }
 }
 

@@ -38,18 +38,30 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     bf16 *xn1 = nullptr, *xn2 = nullptr, *act = nullptr, *conv = nullptr, *qn = nullptr, *kn = nullptr, *y = nullptr,
          *og = nullptr;
   };
+  // --precision fp8 keeping the FP8-only GEMM inputs in FP8 (recompute none; model/gpu_fp8.h fp8_keeps_inputs): their
+  // bf16 values (xn2, act, y, og) are read only by the forward's cast, so one buffer each serves every layer.
+  const bool t8 = s.fp8 && s.fp8_saved && rc == Recompute::None;
+  Rebuilt transient;
+  if (t8) {
+    a.use = MemoryUse::Recomputed;
+    transient.xn2 = a.take<bf16>(N * H);
+    transient.act = a.take<bf16>(N * I);
+    if (any_gdn) transient.y = a.take<bf16>(N * VD);
+    if (any_attn) transient.og = a.take<bf16>(N * Hq * hd);
+    a.use = MemoryUse::Kept;
+  }
   auto rebuilt = [&](bool gdn, bool attn) {
     Rebuilt r;
     r.xn1 = a.take<bf16>(N * H);
-    r.xn2 = rc == Recompute::None ? a.take<bf16>(N * H) : r.xn1;  // rebuilt in turn: one buffer
-    r.act = a.take<bf16>(N * I);
+    r.xn2 = t8 ? transient.xn2 : rc == Recompute::None ? a.take<bf16>(N * H) : r.xn1;  // rebuilt in turn: one buffer
+    r.act = t8 ? transient.act : a.take<bf16>(N * I);
     if (gdn) {
       r.conv = a.take<bf16>(N * CD);
       r.qn = a.take<bf16>(N * KD);
       r.kn = a.take<bf16>(N * KD);
-      r.y = a.take<bf16>(N * VD);
+      r.y = t8 ? transient.y : a.take<bf16>(N * VD);
     }
-    if (attn) r.og = a.take<bf16>(N * Hq * hd);
+    if (attn) r.og = t8 ? transient.og : a.take<bf16>(N * Hq * hd);
     return r;
   };
   Rebuilt shared;
@@ -73,6 +85,12 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     L.xn1 = r.xn1;
     L.xn2 = r.xn2;
     L.act = r.act;
+    if (t8) {  // the kept transposed FP8 casts, [K, pad16(N)] bytes
+      const int64_t Np = ops::cuda::fp8_padded(N);
+      L.t8[static_cast<int>(Fp8Input::MixerOut)] = a.take<uint8_t>(Np * (attn ? Hq * hd : VD));
+      L.t8[static_cast<int>(Fp8Input::MlpIn)] = a.take<uint8_t>(Np * H);
+      L.t8[static_cast<int>(Fp8Input::MlpOut)] = a.take<uint8_t>(Np * I);
+    }
     if (other) {  // full: the parts every layer has, shared with the other mixer kind's set too
       L.rstd1 = other->rstd1, L.h_mid = other->h_mid, L.rstd2 = other->rstd2, L.gu = other->gu;
     } else {
@@ -153,6 +171,8 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     fp8.dyt = a.take<uint8_t>(f.dyt);
     fp8.f = a.take<float>(8 * ops::cuda::kFp8Slot);
     fp8.amax = a.take<float>(f.amax);
+    fp8.saved = t8;
+    if (t8) fp8.saved_scale = a.take<float>(f.saved_scale);
   }
 }
 

@@ -37,6 +37,9 @@ struct GpuLayerActs {
   bf16 *qraw = nullptr, *graw = nullptr, *kraw = nullptr, *vraw = nullptr, *qr = nullptr, *kr = nullptr,
        *ao = nullptr, *og = nullptr;
   float *rstd_q = nullptr, *rstd_k = nullptr, *lse = nullptr;
+  // --precision fp8 keeping the FP8-only GEMM inputs (model/gpu_fp8.h fp8_keeps_inputs): their transposed casts, by
+  // Fp8Input (MixerOut, MlpIn, MlpOut; null otherwise). Their bf16 values then live in one buffer for all layers.
+  uint8_t* t8[4] = {nullptr, nullptr, nullptr, nullptr};
 };
 
 // The per-micro-batch inputs on the device (uploaded by the engine, read by every layer).
@@ -76,6 +79,7 @@ struct GpuActivations {
     size_t op_scratch = 0, ce_scratch = 0;                // the largest scratch of any op / the fused loss
     Recompute recompute = Recompute::Selective;           // resolved (not Auto)
     bool fp8 = false;                                     // --precision fp8: reserve the FP8 casts' buffers
+    bool fp8_saved = false;                               // and keep the FP8-only inputs in FP8 (fp8_keeps_inputs)
   };
   // Lays every buffer out in `a` for config c and the sizes.
   void reserve(Arena& a, const ModelConfig& c, const Sizes& s);

@@ -39,6 +39,23 @@ std::string Fp8Recipe::describe() const {
                      fused_amax ? "fused into the producers and kept for the pass" : "a pass before every cast");
 }
 
+bool fp8_keeps_inputs(const ModelConfig& c, bool fp8, bool recompute_none, bool lora) {
+  if (!fp8 || !recompute_none || lora) return false;
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  // out_proj VD -> H, o_proj Hq hd -> H, gate|up H -> 2I, down I -> H: the FP8 path takes K and N multiples of 16
+  for (const int64_t d : {c.value_dim(), c.num_attention_heads * c.head_dim, H, I})
+    if (d % 16 != 0) return false;
+  return true;
+}
+
+size_t fp8_kept_bytes(const ModelConfig& c, int64_t max_tokens) {
+  const int64_t Np = (max_tokens + 15) / 16 * 16, H = c.hidden_size, I = c.intermediate_size;
+  int64_t per_token = 0;  // the mixer's output projection's input, gate|up's, down's: as GpuActivations::reserve
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    per_token += (c.is_full_attention(i) ? c.num_attention_heads * c.head_dim : c.value_dim()) + H + I;
+  return static_cast<size_t>(Np * per_token);
+}
+
 }  // namespace ds
 
 #ifdef DELTASTACK_CUDA
@@ -66,7 +83,27 @@ GpuFp8Bufs::Sizes GpuFp8Bufs::sizes(const ModelConfig& c, int64_t max_tokens) {
   s.dy = static_cast<size_t>(max_tokens * max_out);
   s.dyt = static_cast<size_t>(max_out * Np);
   s.amax = static_cast<size_t>(GpuFp8Bufs::amax_slots(c.num_hidden_layers));
+  s.saved_scale = static_cast<size_t>(c.num_hidden_layers * 4 * kFp8Slot);
   return s;
+}
+
+float* GpuFp8Linear::kept_scale(int64_t layer, Fp8Input role) const {
+  DS_CHECK(b_.saved && b_.saved_scale, "internal: fp8: no kept inputs in this plan");
+  (void)input_slot(layer, role);  // its range check
+  return b_.saved_scale + (layer * 4 + static_cast<int64_t>(role)) * kFp8Slot;
+}
+
+Fp8Matrix GpuFp8Linear::input_keeping_t(const bf16* x, int64_t M, int64_t K, int64_t layer, Fp8Input role,
+                                        uint8_t* xt) {
+  const float* a = amax_of(input_slot(layer, role), x, M, K);
+  K::fp8_quantize_both(x, M, K, K, a, Fp8Format::E4M3, b_.x, K, xt, K::fp8_padded(M), kept_scale(layer, role),
+                       b_.f + 3 * kFp8Slot, s_);
+  return Fp8Matrix{b_.x, M, K, K, Fp8Format::E4M3, b_.f + 3 * kFp8Slot};
+}
+
+Fp8Matrix GpuFp8Linear::kept_t(const uint8_t* xt, int64_t M, int64_t K, int64_t layer, Fp8Input role) const {
+  const int64_t Mp = K::fp8_padded(M);
+  return Fp8Matrix{xt, K, Mp, Mp, Fp8Format::E4M3, kept_scale(layer, role)};
 }
 
 GpuFp8Linear::GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t s, int64_t layers)

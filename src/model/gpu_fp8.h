@@ -25,8 +25,18 @@
 #include <vector>
 
 #include "core/fp8.h"
+#include "model/config.h"
 
 namespace ds {
+
+// Whether a GPU plan keeps the inputs that only FP8 GEMMs read (out_proj's / o_proj's, gate|up's, down's) for the
+// backward as their transposed FP8 casts, [K, pad16(tokens)] E4M3, instead of in bf16 (half the bytes, and the
+// backward casts nothing for them; GpuLayerActs::t8): --precision fp8 with recompute none (the other policies rebuild
+// these inputs instead of keeping them), no LoRA (whose terms read the inputs in bf16), and every such linear on the
+// FP8 path (GpuFp8Linear::takes).
+bool fp8_keeps_inputs(const ModelConfig& c, bool fp8, bool recompute_none, bool lora);
+// The bytes those kept casts take for micro-batches of max_tokens tokens (bf16 would take twice as many).
+size_t fp8_kept_bytes(const ModelConfig& c, int64_t max_tokens);
 
 // The FP8 formats and accumulation of a run, from the environment (DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM,
 // DELTASTACK_FP8_AMAX); ds::Error naming the variable for a bad value.
@@ -61,13 +71,18 @@ struct GpuFp8Bufs {
   uint8_t *x = nullptr, *w = nullptr, *dy = nullptr, *dyt = nullptr;
   float* f = nullptr;     // 8 slots kFp8Slot floats apart: amax x, amax w, amax dy, then scales x, w, dy, dyt
   float* amax = nullptr;  // the pass's amax table: amax_slots(layers) floats (GpuFp8Linear)
+  // The FP8-only GEMM inputs kept in FP8 (fp8_keeps_inputs): the dequantization scales of their kept transposed casts,
+  // one per layer and Fp8Input, kFp8Slot floats apart (cuBLASLt's scale pointers); null when not kept.
+  bool saved = false;
+  float* saved_scale = nullptr;
+
   // Per layer: the 4 inputs (Fp8Input) and up to 6 weights (3 of the mixer's input, its output projection,
   // gate|up, down); then 2 output-gradient slots.
   static constexpr int64_t kPerLayer = 10;
   static int64_t amax_slots(int64_t layers) { return layers * kPerLayer + 2; }
   // Bytes of each buffer for config c and micro-batches of max_tokens tokens (amax: floats).
   struct Sizes {
-    size_t x = 0, w = 0, dy = 0, dyt = 0, amax = 0;
+    size_t x = 0, w = 0, dy = 0, dyt = 0, amax = 0, saved_scale = 0;  // saved_scale: floats, when inputs are kept
   };
   static Sizes sizes(const ModelConfig& c, int64_t max_tokens);
 };
@@ -105,6 +120,13 @@ class GpuFp8Linear {
 
   // x [M, K] cast transposed (E4M3, [K, pad16(M)]) into the x buffer: the wgrad input of the linears that read x.
   ops::cuda::Fp8Matrix input_t(const bf16* x, int64_t M, int64_t K, int64_t layer, Fp8Input role);
+
+  // input() and, in the same pass over x, its transposed cast into xt ([K, pad16(M)] bytes the caller keeps for
+  // the backward, GpuFp8Bufs::saved): the forward input of a kept input. kept_t then gives that cast back (its scale
+  // kept beside it), for the backward in place of input_t.
+  ops::cuda::Fp8Matrix input_keeping_t(const bf16* x, int64_t M, int64_t K, int64_t layer, Fp8Input role,
+                                       uint8_t* xt);
+  ops::cuda::Fp8Matrix kept_t(const uint8_t* xt, int64_t M, int64_t K, int64_t layer, Fp8Input role) const;
   // One linear's backward: dx [M, K] (= or +=) q(dy) . q(W^T)^T and dW [N, K] += q(dy^T) . qxt^T (fp32), with
   // dy [M, N] cast once for both layouts (the grad format). qxt from input_t of the layer's input. dW null (a frozen
   // weight): the dgrad only, and qxt gives only its shape (rows K, cols fp8_padded(M); data may be null).
@@ -117,6 +139,7 @@ class GpuFp8Linear {
   float* amax_of(int64_t slot, const bf16* x, int64_t rows, int64_t cols);
   int64_t input_slot(int64_t layer, Fp8Input role) const;
   int64_t weight_slot(int64_t layer, int weight) const;
+  float* kept_scale(int64_t layer, Fp8Input role) const;
 
   GpuFp8Bufs b_;
   Fp8Recipe r_;

@@ -302,6 +302,10 @@ struct GpuModel::Impl {
   // The zeroed amax slot a kernel producing layer cur_layer's GEMM input `role` (its `amax` argument) fills, or null
   // (bf16).
   float* fp8_input_amax(Fp8Input role) { return f8 ? f8->fused_input_amax(cur_layer, role) : nullptr; }
+  // Layer cur_layer's kept transposed FP8 cast of input `role` (model/gpu_fp8.h fp8_keeps_inputs), or null.
+  uint8_t* kept_t8(Fp8Input role) const {
+    return f8 ? acts.layers[static_cast<size_t>(cur_layer)].t8[static_cast<int>(role)] : nullptr;
+  }
   // The same for an output gradient (slot k 0 or 1), handed to linears_backward in its LinGrad.
   float* fp8_grad_amax(int k) { return f8 ? f8->fused_grad_amax(k) : nullptr; }
   // d.dh's amax from the residual add that produced it (slot 0), for the next linears_backward that reads d.dh;
@@ -311,7 +315,9 @@ struct GpuModel::Impl {
   // y_j = x W_j^T for each output (+ the LoRA terms of the adapted ones). x is layer cur_layer's input `role`.
   void linears_forward(const bf16* x, int64_t Kd, Fp8Input role, std::initializer_list<LinOut> outs) {
     if (use_fp8(Kd, outs)) {
-      const K::Fp8Matrix qx = f8->input(x, N, Kd, cur_layer, role);
+      uint8_t* kept = kept_t8(role);  // this input kept for the backward as its transposed FP8 cast
+      const K::Fp8Matrix qx = kept ? f8->input_keeping_t(x, N, Kd, cur_layer, role, kept)
+                                   : f8->input(x, N, Kd, cur_layer, role);
       size_t j = 0;
       for (const LinOut& o : outs)
         f8->forward(qx, o.W, o.n, o.y, false, cur_layer, fp8_weight(role, j++), o.residual);
@@ -327,7 +333,9 @@ struct GpuModel::Impl {
   void linears_backward(const bf16* x, int64_t Kd, Fp8Input role, bf16* dx, std::initializer_list<LinGrad> gs) {
     bool acc = false;
     if (use_fp8(Kd, gs)) {
+      const uint8_t* kept = kept_t8(role);
       const K::Fp8Matrix qxt = store->frozen() ? K::Fp8Matrix{nullptr, Kd, K::fp8_padded(N), K::fp8_padded(N)}
+                               : kept          ? f8->kept_t(kept, N, Kd, cur_layer, role)
                                                : f8->input_t(x, N, Kd, cur_layer, role);
       size_t j = 0;
       for (const LinGrad& g : gs)
@@ -900,6 +908,12 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h).
     m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + (512u << 20) < free_b; });
   }
+  if (m.plan.precision == Precision::Fp8 && !ops::fp8_gemm_usable()) {
+    // before the layout: an FP8 plan reserves the casts' buffers and keeps some inputs in FP8 only (model/gpu_fp8.h)
+    log_warn("gpu: --precision fp8: the FP8 GEMM backend failed its probe (`deltastack probe` shows it); the GEMMs "
+             "run in bf16");
+    m.plan.precision = Precision::Bf16;
+  }
   m.units = param_units(m.c, m.params);
   m.store = std::make_unique<GpuParamStore>(*m.layout, m.params, m.plan.optimizer_state,
                                             ParamShard{m.plan.shard_rank, m.plan.shard_world}, m.units,
@@ -939,14 +953,10 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   m.layout_memory(real);
   if (m.optimizer) m.optimizer->zero_state(m.stream);
   if (m.plan.precision == Precision::Fp8) {
-    if (ops::fp8_gemm_usable()) {
-      const Fp8Recipe recipe = Fp8Recipe::from_env();
-      m.f8.emplace(m.acts.fp8, recipe, m.stream, m.c.num_hidden_layers);
-      log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({})", recipe.describe());
-    } else {
-      log_warn("gpu: --precision fp8: the FP8 GEMM backend failed its probe (`deltastack probe` shows it); the GEMMs "
-               "run in bf16");
-    }
+    const Fp8Recipe recipe = Fp8Recipe::from_env();
+    m.f8.emplace(m.acts.fp8, recipe, m.stream, m.c.num_hidden_layers);
+    log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({}){}", recipe.describe(),
+             m.acts.fp8.saved ? "; the FP8-only GEMM inputs kept for the backward in FP8" : "");
   }
   DS_CHECK(host.deferred() || static_cast<int64_t>(host.weights().size()) == m.P,
            "gpu: the host model holds {} weights, expected {} (released or not loaded)", host.weights().size(), m.P);

@@ -84,6 +84,7 @@ void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, Gpu
   sz.ce_scratch = ops.ce_workspace;
   sz.recompute = plan.recompute;
   sz.fp8 = plan.precision == Precision::Fp8;
+  sz.fp8_saved = fp8_keeps_inputs(c, sz.fp8, plan.recompute == Recompute::None, lora != nullptr);
   acts.reserve(a, c, sz);
 }
 

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/files.h"
 #include "model/config.h"
+#include "model/gpu_fp8.h"
 #include "model/gpu_plan.h"
 
 namespace ds::cli {
@@ -86,6 +87,11 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
              chosen_state && !lora ? "; chosen by --memory auto" : "",
              recompute_name(plan.recompute), rc_what, chosen_rc ? "; chosen by --memory auto" : "",
              p.gated_delta_rule.empty() ? "-" : p.gated_delta_rule, p.attention.empty() ? "-" : p.attention);
+  if (fp8_keeps_inputs(cfg, plan.precision == Precision::Fp8, plan.recompute == Recompute::None, lora)) {
+    const double kept = static_cast<double>(fp8_kept_bytes(cfg, plan.max_tokens)) / GiB;
+    fmt::print("  fp8: the inputs only FP8 GEMMs read (out_proj / o_proj, gate|up, down) kept for the backward as their "
+               "transposed FP8 casts: {:.2f} GiB, {:.2f} GiB less than in bf16\n", kept, kept);
+  }
   if (plan.lora.r > 0)
     fmt::print("  LoRA rank {} (all-linear): the base frozen in bf16 (no gradient, no optimizer state), the adapters' "
                "fp32 masters, gradients and AdamW moments beside it\n", plan.lora.r);
