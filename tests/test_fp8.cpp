@@ -27,6 +27,7 @@
 #include "cuda_test_util.h"
 #include "model/engine.h"
 #include "model/gpu_model.h"
+#include "ops/conv1d/cuda.h"
 #include "ops/elementwise/cuda.h"
 #include "ops/gated_rmsnorm/cuda.h"
 #include "ops/rmsnorm/cuda.h"
@@ -240,8 +241,8 @@ TEST(CudaFp8, LinearLayerMatchesEmulation) {
 }
 
 // The amax the producer kernels fuse (core/cuda/kernel_utils.cuh amax_commit) is bit for bit the amax pass
-// (fp8_amax) over what they store: RMSNorm, the gated RMSNorm, SwiGLU forward and backward, the residual add and the
-// output gate, on their vectorised and scalar paths (an odd width or a pointer off the 16-byte grid), and a NaN
+// (fp8_amax) over what they store: RMSNorm, the gated RMSNorm (forward, and dz in its backward), SwiGLU forward and
+// backward, the residual add, the output gate and conv1d's backward (its dx), on their vectorised and scalar paths (an odd width or a pointer off the 16-byte grid), and a NaN
 // anywhere in the output wins, as in fp8_amax.
 TEST(CudaFp8, FusedAmaxIsTheAmaxPass) {
   DS_SKIP_WITHOUT_GPU();
@@ -290,6 +291,28 @@ TEST(CudaFp8, FusedAmaxIsTheAmaxPass) {
       zero();
       K::swiglu_backward(gu.get(), x.get(), dgu.get(), rows, dim, ctx.s, fused.get());
       expect_same(dgu, rows, 2 * dim, ("swiglu backward " + tag).c_str());
+      // gated RMSNorm backward: the amax of dz (in_proj_z's output gradient)
+      Buf<bf16> dxg(n, off);
+      Buf<float> dw(static_cast<size_t>(dim));
+      DS_CUDA_CHECK(cudaMemsetAsync(dw.get(), 0, dw.bytes(), ctx.s));  // accumulated into
+      Buf<unsigned char> scratch(K::gated_rmsnorm_scratch_bytes(rows, dim));
+      K::gated_rmsnorm_forward(x.get(), z.get(), w.get(), y.get(), rstd.get(), rows, dim, 1e-6f, ctx.s);
+      zero();
+      K::gated_rmsnorm_backward(x.get(), z.get(), w.get(), rstd.get(), gu.get(), dxg.get(), y.get(), dw.get(), rows,
+                                dim, scratch.get(), ctx.s, fused.get());
+      expect_same(y, rows, dim, ("gated rmsnorm backward dz " + tag).c_str());
+      // conv1d + SiLU backward (kernel 4, two documents): the amax of dx (in_proj_qkv's output gradient)
+      std::vector<int32_t> starts(static_cast<size_t>(rows));
+      for (int64_t t = 0; t < rows; ++t) starts[static_cast<size_t>(t)] = t < 20 ? 0 : 20;
+      auto ss = ctx.up(starts);
+      auto cw = ctx.up(ctx.randn(static_cast<size_t>(dim * 4), 0.5));
+      Buf<float> cdw(static_cast<size_t>(dim * 4));
+      DS_CUDA_CHECK(cudaMemsetAsync(cdw.get(), 0, cdw.bytes(), ctx.s));
+      Buf<unsigned char> cscratch(K::conv1d_scratch_bytes(rows, dim, 4));
+      zero();
+      K::conv1d_silu_backward(x.get(), cw.get(), z.get(), ss.get(), y.get(), cdw.get(), rows, dim, 4, cscratch.get(),
+                              ctx.s, fused.get());
+      expect_same(y, rows, dim, ("conv1d backward " + tag).c_str());
     }
   }
   // A NaN in the output: both amaxes are NaN.

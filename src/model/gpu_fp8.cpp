@@ -140,7 +140,7 @@ float* GpuFp8Linear::fused_input_amax(int64_t layer, Fp8Input role) {
 }
 
 float* GpuFp8Linear::fused_grad_amax(int k) {
-  DS_CHECK(k == 0 || k == 1, "internal: fp8 gradient amax slot {}", k);
+  DS_CHECK(k >= 0 && k < GpuFp8Bufs::kGradSlots, "internal: fp8 gradient amax slot {}", k);
   if (!r_.fused_amax) return nullptr;
   float* a = b_.amax + layers_ * GpuFp8Bufs::kPerLayer + k;
   DS_CUDA_CHECK(cudaMemsetAsync(a, 0, sizeof(float), s_));

@@ -77,9 +77,9 @@ struct GpuFp8Bufs {
   float* saved_scale = nullptr;
 
   // Per layer: the 4 inputs (Fp8Input) and up to 6 weights (3 of the mixer's input, its output projection,
-  // gate|up, down); then 2 output-gradient slots.
-  static constexpr int64_t kPerLayer = 10;
-  static int64_t amax_slots(int64_t layers) { return layers * kPerLayer + 2; }
+  // gate|up, down); then kGradSlots output-gradient slots.
+  static constexpr int64_t kPerLayer = 10, kGradSlots = 4;
+  static int64_t amax_slots(int64_t layers) { return layers * kPerLayer + kGradSlots; }
   // Bytes of each buffer for config c and micro-batches of max_tokens tokens (amax: floats).
   struct Sizes {
     size_t x = 0, w = 0, dy = 0, dyt = 0, amax = 0, saved_scale = 0;  // saved_scale: floats, when inputs are kept
@@ -108,7 +108,8 @@ class GpuFp8Linear {
   // The device float, zeroed on the stream, where the kernel producing layer `layer`'s input `role` writes its
   // amax (the kernels' `amax` argument); the input's casts in this pass then run no amax pass.
   float* fused_input_amax(int64_t layer, Fp8Input role);
-  // The same for an output gradient: slot k (0 or 1) zeroed; hand it to backward's dy_amax after the producer ran.
+  // The same for an output gradient: slot k (0 .. kGradSlots - 1) zeroed; hand it to backward's dy_amax after the
+  // producer ran.
   float* fused_grad_amax(int k);
 
   // x [M, K] cast (E4M3) into the x buffer: the forward input of one or more linears that read x.

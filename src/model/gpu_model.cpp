@@ -306,9 +306,11 @@ struct GpuModel::Impl {
   uint8_t* kept_t8(Fp8Input role) const {
     return f8 ? acts.layers[static_cast<size_t>(cur_layer)].t8[static_cast<int>(role)] : nullptr;
   }
-  // The same for an output gradient (slot k 0 or 1), handed to linears_backward in its LinGrad.
-  float* fp8_grad_amax(int k) { return f8 ? f8->fused_grad_amax(k) : nullptr; }
-  // d.dh's amax from the residual add that produced it (slot 0), for the next linears_backward that reads d.dh;
+  // The same for an output gradient, handed to linears_backward in its LinGrad. Slots: the residual stream's
+  // gradient dh, gate|up's, in_proj_z's and in_proj_qkv's output gradients.
+  enum GradAmax { kAmaxDh = 0, kAmaxDgu = 1, kAmaxDz = 2, kAmaxDmixed = 3 };
+  float* fp8_grad_amax(GradAmax k) { return f8 ? f8->fused_grad_amax(k) : nullptr; }
+  // d.dh's amax from the RMSNorm backward that produced it, for the next linears_backward that reads d.dh;
   // null: none (the final norm's backward produced it, or bf16).
   float* dh_amax = nullptr;
 
@@ -482,10 +484,11 @@ struct GpuModel::Impl {
       ProfScope ps = scope("gemm", "gdn out_proj (bwd)", 4 * n * VD * H);
       linears_backward(A.y, VD, Fp8Input::MixerOut, d.dy, {{d.dh, w.out_proj, H, gw.out_proj, std::exchange(dh_amax, nullptr)}});
     }
+    float* dz_amax = fp8_grad_amax(kAmaxDz);
     {
       ProfScope ps = scope("norm", "gated rmsnorm (bwd)", 0, 10 * n * VD);  // core, z, dy -> dcore, dz
       K::gated_rmsnorm_backward(A.core, A.z, m.norm, A.rstd_g, d.dy, d.dcore, d.dz, gw.norm, N * Hv, dv, scratch,
-                                stream);
+                                stream, dz_amax);
     }
     K::GdnBackwardIO gr;
     gr.dout = d.dcore;
@@ -509,13 +512,15 @@ struct GpuModel::Impl {
       K::gdn_gate_backward(A.ab, m.A_log, m.dt_bias, d.dg, d.dbeta, d.dab, gw.A_log, gw.dt_bias, N, Hv, scratch,
                            stream);
     }
+    float* dmixed_amax = fp8_grad_amax(kAmaxDmixed);
     {
       ProfScope ps = scope("conv", "conv1d+silu (bwd)", 0, 6 * n * CD);  // mixed, dconv -> dmixed
-      conv->backward(A.mixed, m.conv1d, d.dconv, B.seq_start, d.dmixed, gw.conv1d, N, scratch, stream);
+      conv->backward(A.mixed, m.conv1d, d.dconv, B.seq_start, d.dmixed, gw.conv1d, N, scratch, stream, dmixed_amax);
     }
     ProfScope ps = scope("gemm", "gdn in_proj (bwd)", 4 * n * H * (CD + VD + 2 * Hv));
     linears_backward(A.xn1, H, Fp8Input::MixerIn, d.dxn,
-                     {{d.dmixed, w.in_proj_qkv, CD, gw.in_proj_qkv}, {d.dz, w.in_proj_z, VD, gw.in_proj_z}});
+                     {{d.dmixed, w.in_proj_qkv, CD, gw.in_proj_qkv, dmixed_amax},
+                      {d.dz, w.in_proj_z, VD, gw.in_proj_z, dz_amax}});
     K::linear_backward_data(d.dab, w.in_proj_ba, d.dxn, N, H, 2 * Hv, true, stream);  // b|a: bf16 at any precision
     if (gw.in_proj_ba) K::linear_backward_weight(d.dab, A.xn1, gw.in_proj_ba, N, H, 2 * Hv, stream);
   }
@@ -680,7 +685,7 @@ struct GpuModel::Impl {
       linears_backward(A.act, I, Fp8Input::MlpOut, d.dact,
                        {{d.dh, p.compute.mlp.down, H, p.grad.mlp.down, std::exchange(dh_amax, nullptr)}});
     }
-    float* dgu_amax = fp8_grad_amax(1);
+    float* dgu_amax = fp8_grad_amax(kAmaxDgu);
     {
       ProfScope ps = scope("elementwise", "swiglu (bwd)", 0, 10 * n * I);  // gu, dact -> dgu
       K::swiglu_backward(A.gu, d.dact, d.dgu, N, I, stream, dgu_amax);
@@ -693,7 +698,7 @@ struct GpuModel::Impl {
     {
       // x, dy -> dx, added to the residual stream's gradient dh in the same pass
       ProfScope ps = scope("norm", "rmsnorm (bwd)", 0, 8 * n * H);
-      dh_amax = fp8_grad_amax(0);  // the mixer's output projection's dy
+      dh_amax = fp8_grad_amax(kAmaxDh);  // the mixer's output projection's dy
       K::rmsnorm_backward(A.h_mid, p.master.post_attention_layernorm, A.rstd2, d.dxn, d.dh,
                           p.grad.post_attention_layernorm, N, H, true, scratch, stream, d.dh, dh_amax);
     }
@@ -707,7 +712,7 @@ struct GpuModel::Impl {
     else gdn_backward(p, A);
     {
       ProfScope ps = scope("norm", "rmsnorm (bwd)", 0, 8 * n * H);  // + dh, as above
-      dh_amax = i > 0 ? fp8_grad_amax(0) : nullptr;                // the next layer down's down_proj dy
+      dh_amax = i > 0 ? fp8_grad_amax(kAmaxDh) : nullptr;          // the next layer down's down_proj dy
       K::rmsnorm_backward(h_in, p.master.input_layernorm, A.rstd1, d.dxn, d.dh, p.grad.input_layernorm, N, H, true,
                           scratch, stream, d.dh, dh_amax);
     }

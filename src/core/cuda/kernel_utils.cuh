@@ -75,6 +75,14 @@ __device__ __forceinline__ unsigned amax_bits8(const uint4& u) {
   for (int k = 0; k < 4; ++k) m = max(m, max((w[k] << 16) & 0x7fff0000u, w[k] & 0x7fff0000u));
   return m;
 }
+// max |.| bits of V floats as they are stored in bf16 (rounded to nearest even, as store_bf / pack8 round them).
+template <int V>
+__device__ __forceinline__ unsigned amax_bits_of(const float f[V]) {
+  unsigned m = 0;
+#pragma unroll
+  for (int k = 0; k < V; ++k) m = max(m, amax_bits(__float2bfloat16_rn(f[k])));
+  return m;
+}
 // Folds a thread's max bits into *amax (a device float zeroed before the kernel; null: nothing): the converged
 // lanes of the warp reduce, one atomicMax each. Max is exact and order-free, so the result is deterministic.
 // 1-D blocks only (the lane is threadIdx.x % 32).

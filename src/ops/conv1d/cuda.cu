@@ -159,7 +159,7 @@ template <int V, int K>
 __global__ void __launch_bounds__(kThreads)
     conv_bwd_kernel(const bf16* __restrict__ x, const float* __restrict__ w, const bf16* __restrict__ dy,
                     const int32_t* __restrict__ seq_start, bf16* __restrict__ dx, float* __restrict__ partial,
-                    int64_t N, int64_t C, int64_t per) {
+                    int64_t N, int64_t C, int64_t per, float* __restrict__ amax) {
   constexpr int TT = kBwdTile;
   constexpr int W = K - 1;  // carried tokens
   const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
@@ -187,6 +187,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int v = 0; v < V; ++v) dpw[i][v] = 0.f;  // dp before s0 only feeds dx rows of other slots
   }
   // The next step's rows are loaded before this step computes (one step of software pipelining).
+  unsigned m = 0;  // max |dx| bits (in_proj_qkv's output gradient: its FP8 amax, fused)
   typename Raw<V>::T nx[TT], ndy[TT];
   int32_t nst[TT];
   auto fetch = [&](int64_t u0) {
@@ -253,6 +254,7 @@ __global__ void __launch_bounds__(kThreads)
             for (int v = 0; v < V; ++v) o[v] += dpw[W + i - j][v] * wr[j][v];
           }
         store_bf<V>(dx + s * C + c0, o);
+        if (amax) m = max(m, amax_bits_of<V>(o));
       }
     }
     // Carry the last W tokens.
@@ -264,6 +266,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int v = 0; v < V; ++v) dpw[i][v] = dpw[TT + i][v];
     }
   }
+  amax_commit(m, amax);
   float* prow = partial + static_cast<int64_t>(blockIdx.y) * C * K + c0 * K;
 #pragma unroll
   for (int v = 0; v < V; ++v)
@@ -294,20 +297,20 @@ void launch_fwd(const bf16* x, const float* w, const int32_t* ss, bf16* y, int64
 
 template <int V>
 void launch_bwd(const bf16* x, const float* w, const bf16* dy, const int32_t* ss, bf16* dx, float* partial, int64_t N,
-                int64_t C, int64_t K, const Slots& s, cudaStream_t stream) {
+                int64_t C, int64_t K, const Slots& s, float* amax, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((C / V + kThreads - 1) / kThreads), static_cast<unsigned>(s.count));
   switch (K) {
     case 1:
-      conv_bwd_kernel<V, 1><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per);
+      conv_bwd_kernel<V, 1><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
       break;
     case 2:
-      conv_bwd_kernel<V, 2><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per);
+      conv_bwd_kernel<V, 2><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
       break;
     case 3:
-      conv_bwd_kernel<V, 3><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per);
+      conv_bwd_kernel<V, 3><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
       break;
     default:
-      conv_bwd_kernel<V, 4><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per);
+      conv_bwd_kernel<V, 4><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
       break;
   }
 }
@@ -339,7 +342,7 @@ size_t conv1d_scratch_bytes(int64_t N, int64_t C, int64_t K) {
 
 void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cuda::bf16* dy, const int32_t* seq_start,
                           ds::cuda::bf16* dx, float* dw, int64_t N, int64_t C, int64_t K, void* scratch,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, float* amax) {
   check_shape("conv1d_silu_backward", N, C, K);
   if (N == 0) return;
   DS_CUDA_REQUIRE(x && w && dy && seq_start && dx && dw, "conv1d_silu_backward: null pointer argument");
@@ -347,9 +350,9 @@ void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cud
   const Slots s = slots_for(N);
   float* partial = static_cast<float*>(scratch);
   if (C % 4 == 0 && aligned(x, 8) && aligned(dy, 8) && aligned(dx, 8))
-    launch_bwd<4>(x, w, dy, seq_start, dx, partial, N, C, K, s, stream);
+    launch_bwd<4>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
   else
-    launch_bwd<1>(x, w, dy, seq_start, dx, partial, N, C, K, s, stream);
+    launch_bwd<1>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
   DS_CUDA_LAUNCH_CHECK();
   launch_sum_partials(partial, s.count, C * K, C * K, dw, stream);
   DS_CUDA_LAUNCH_CHECK();

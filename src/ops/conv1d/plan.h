@@ -22,9 +22,10 @@ class Conv1dPlan {
     conv1d_silu_forward(x, w, seq_start, y, N, C_, K_, stream);
   }
   void backward(const ds::cuda::bf16* x, const float* w, const ds::cuda::bf16* dy, const int32_t* seq_start,
-                ds::cuda::bf16* dx, float* dw, int64_t N, void* workspace, cudaStream_t stream) const {
+                ds::cuda::bf16* dx, float* dw, int64_t N, void* workspace, cudaStream_t stream,
+                float* amax = nullptr) const {
     DS_CUDA_REQUIRE(N >= 0 && N <= max_tokens_, "conv1d plan: more tokens than the plan holds");
-    conv1d_silu_backward(x, w, dy, seq_start, dx, dw, N, C_, K_, workspace, stream);
+    conv1d_silu_backward(x, w, dy, seq_start, dx, dw, N, C_, K_, workspace, stream, amax);
   }
 
  private:

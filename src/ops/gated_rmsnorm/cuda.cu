@@ -75,7 +75,8 @@ template <int VPT, int LANES>
 __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     grms_bwd_vec(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
                  const float* __restrict__ rstd, const bf16* __restrict__ dy, bf16* __restrict__ dx,
-                 bf16* __restrict__ dz, float* __restrict__ partial, int64_t rows, int dim, int64_t rows_per_slot) {
+                 bf16* __restrict__ dz, float* __restrict__ partial, int64_t rows, int dim, int64_t rows_per_slot,
+                 float* __restrict__ amax) {
   __shared__ float red[32];
   extern __shared__ float4 smem4[];  // [groups, dim] dw accumulators, then [dim] w
   float* gsum = reinterpret_cast<float*>(smem4);
@@ -90,6 +91,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   __syncthreads();
   const float inv_dim = 1.0f / static_cast<float>(dim);
   const int64_t iters = (r1 - r0 + g.groups - 1) / g.groups;  // uniform over the block
+  unsigned m = 0;  // max |dz| bits (the FP8 amax of in_proj_z's output gradient)
   for (int64_t it = 0; it < iters; ++it) {
     const int64_t row = r0 + it * g.groups + g.group;
     const bool valid = row < r1;
@@ -145,10 +147,13 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
       if (valid && c < nvec) {
         row_acc_add(acc, c, df);
         dxr[c] = pack8(xf);
-        dzr[c] = pack8(zf);
+        const uint4 dzv = pack8(zf);
+        dzr[c] = dzv;
+        m = max(m, amax_bits8(dzv));
       }
     }
   }
+  amax_commit(m, amax);
   float* prow = partial + static_cast<int64_t>(blockIdx.x) * dim;
   __syncthreads();
   row_acc_reduce(gsum, g.groups, dim, prow);
@@ -181,13 +186,14 @@ __global__ void grms_fwd_scalar(const bf16* __restrict__ x, const bf16* __restri
 __global__ void grms_bwd_scalar(const bf16* __restrict__ x, const bf16* __restrict__ z, const float* __restrict__ w,
                                 const float* __restrict__ rstd, const bf16* __restrict__ dy, bf16* __restrict__ dx,
                                 bf16* __restrict__ dz, float* __restrict__ partial, int64_t rows, int64_t dim,
-                                int64_t rows_per_slot) {
+                                int64_t rows_per_slot, float* __restrict__ amax) {
   __shared__ float red[32];
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_slot;
   const int64_t r1 = r0 + rows_per_slot < rows ? r0 + rows_per_slot : rows;
   float* prow = partial + static_cast<int64_t>(blockIdx.x) * dim;
   for (int64_t j = threadIdx.x; j < dim; j += blockDim.x) prow[j] = 0.f;
   const float inv_dim = 1.0f / static_cast<float>(dim);
+  unsigned m = 0;
   for (int64_t row = r0; row < r1; ++row) {
     const int64_t off = row * dim;
     const float rs = rstd[row];
@@ -202,10 +208,13 @@ __global__ void grms_bwd_scalar(const bf16* __restrict__ x, const bf16* __restri
       const float s = sigmoid_fast(zv), sz = zv * s, xh = __bfloat162float(x[off + j]) * rs;
       const float dxh = d * sz * w[j];
       prow[j] += d * sz * xh;
-      dz[off + j] = __float2bfloat16_rn(d * xh * w[j] * s * (1.0f + zv * (1.0f - s)));
+      const bf16 dzv = __float2bfloat16_rn(d * xh * w[j] * s * (1.0f + zv * (1.0f - s)));
+      dz[off + j] = dzv;
+      m = max(m, amax_bits(dzv));
       dx[off + j] = __float2bfloat16_rn(rs * (dxh - xh * mean_dot));
     }
   }
+  amax_commit(m, amax);
 }
 
 // Vector kernel plan (core/cuda/kernel_utils.cuh): warp-per-row kernels forward only. Backward keeps three row
@@ -226,7 +235,8 @@ struct FwdLauncher {
 template <int VPT, int LANES>
 struct BwdLauncher {
   static void run(const RowPlan& p, const bf16* x, const bf16* z, const float* w, const float* rstd, const bf16* dy,
-                  bf16* dx, bf16* dz, float* partial, int64_t rows, int64_t dim, const Slots& s, cudaStream_t stream) {
+                  bf16* dx, bf16* dz, float* partial, int64_t rows, int64_t dim, const Slots& s, float* amax,
+                  cudaStream_t stream) {
     if constexpr ((LANES == 32 && VPT > 1) || VPT > 2) {
       DS_CUDA_REQUIRE(false, "gated_rmsnorm_backward: internal error (no backward instance for this plan)");
     } else {
@@ -235,7 +245,7 @@ struct BwdLauncher {
         DS_CUDA_CHECK(cudaFuncSetAttribute(grms_bwd_vec<VPT, LANES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(smem)));
       grms_bwd_vec<VPT, LANES><<<static_cast<unsigned>(s.count), p.threads, smem, stream>>>(
-          x, z, w, rstd, dy, dx, dz, partial, rows, static_cast<int>(dim), s.per);
+          x, z, w, rstd, dy, dx, dz, partial, rows, static_cast<int>(dim), s.per, amax);
     }
   }
 };
@@ -265,7 +275,7 @@ size_t gated_rmsnorm_scratch_bytes(int64_t rows, int64_t d) {
 
 void gated_rmsnorm_backward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, const float* w, const float* rstd,
                             const ds::cuda::bf16* dy, ds::cuda::bf16* dx, ds::cuda::bf16* dz, float* dw, int64_t rows,
-                            int64_t d, void* scratch, cudaStream_t stream) {
+                            int64_t d, void* scratch, cudaStream_t stream, float* amax) {
   DS_CUDA_REQUIRE(rows >= 0 && d > 0 && d <= (int64_t(1) << 30),
                   "gated_rmsnorm_backward: rows must be >= 0 and d in (0, 2^30], got rows=" + std::to_string(rows) +
                       " d=" + std::to_string(d));
@@ -278,9 +288,10 @@ void gated_rmsnorm_backward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, co
   const RowPlan p = plan_for(d, vec_ok, true);
   if (p.kind == 0)
     grms_bwd_scalar<<<static_cast<unsigned>(s.count), row_scalar_threads(d), 0, stream>>>(x, z, w, rstd, dy, dx, dz,
-                                                                                          partial, rows, d, s.per);
+                                                                                          partial, rows, d, s.per,
+                                                                                          amax);
   else
-    row_dispatch<BwdLauncher>(p, x, z, w, rstd, dy, dx, dz, partial, rows, d, s, stream);
+    row_dispatch<BwdLauncher>(p, x, z, w, rstd, dy, dx, dz, partial, rows, d, s, amax, stream);
   DS_CUDA_LAUNCH_CHECK();
   launch_sum_partials(partial, s.count, d, d, dw, stream);
   DS_CUDA_LAUNCH_CHECK();

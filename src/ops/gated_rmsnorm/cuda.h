@@ -12,10 +12,11 @@ namespace ds::ops::cuda {
 void gated_rmsnorm_forward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, const float* w, ds::cuda::bf16* y,
                            float* rstd, int64_t rows, int64_t d, float eps, cudaStream_t stream,
                            float* amax = nullptr);
-// dx, dz: bf16 [rows, d] (overwritten); dw: fp32 [d] (accumulated, deterministic).
+// dx, dz: bf16 [rows, d] (overwritten); dw: fp32 [d] (accumulated, deterministic). amax: null, or a zeroed device
+// float that receives max |dz| (in_proj_z's output gradient: its FP8 cast's amax fused).
 size_t gated_rmsnorm_scratch_bytes(int64_t rows, int64_t d);
 void gated_rmsnorm_backward(const ds::cuda::bf16* x, const ds::cuda::bf16* z, const float* w, const float* rstd,
                             const ds::cuda::bf16* dy, ds::cuda::bf16* dx, ds::cuda::bf16* dz, float* dw, int64_t rows,
-                            int64_t d, void* scratch, cudaStream_t stream);
+                            int64_t d, void* scratch, cudaStream_t stream, float* amax = nullptr);
 
 }  // namespace ds::ops::cuda

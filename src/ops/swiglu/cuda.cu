@@ -19,14 +19,6 @@ using namespace ds::cuda;
 
 constexpr int kThreads = 256;
 
-// max |.| bits of V floats as store_bf<V> rounds them (to nearest even): the bf16 values the kernel stores.
-template <int V>
-__device__ __forceinline__ unsigned amax_of(const float f[V]) {
-  unsigned m = 0;
-#pragma unroll
-  for (int k = 0; k < V; ++k) m = max(m, amax_bits(__float2bfloat16_rn(f[k])));
-  return m;
-}
 
 // Row t of gate / up starts at t * ld_in, of dgate / dup at t * ld_out; h and dh are dense [N, I].
 template <int V>
@@ -43,7 +35,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const bf16* __rest
 #pragma unroll
     for (int k = 0; k < V; ++k) g[k] = g[k] * sigmoid_fast(g[k]) * u[k];
     store_bf<V>(h + t * I + c, g);
-    if (amax) m = max(m, amax_of<V>(g));
+    if (amax) m = max(m, amax_bits_of<V>(g));
   }
   amax_commit(m, amax);
 }
@@ -71,7 +63,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     store_bf<V>(dgate + t * ld_out + c, g);
     store_bf<V>(dup + t * ld_out + c, u);
-    if (amax) m = max(m, max(amax_of<V>(g), amax_of<V>(u)));
+    if (amax) m = max(m, max(amax_bits_of<V>(g), amax_bits_of<V>(u)));
   }
   amax_commit(m, amax);
 }
