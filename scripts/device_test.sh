@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 curves-fp8 curves-modes
+# Stages: env build test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # peer-lora, LoRA steps, ours (bench step --lora-rank) vs transformers + PEFT LoRA: scripts/peer_lora_step.py, LORA_RUNS;
@@ -10,7 +10,7 @@
 # GPU and the CPU: scripts/check_peft_load.py, PEFT_STEPS;
 # torch, deltastack.torch: the extension, python/tests, scripts/torch_step.py (docs/torch.md);
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
-# (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_RUNS); curves-modes, each mode's curve against the exact one (CURVE_SPECS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
+# (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); fp8-ab, FP8 with the amax fused vs an amax pass per cast (FP8_AB_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_RUNS); curves-modes, each mode's curve against the exact one (CURVE_SPECS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
 # per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step;
 # profile-step, `bench step --profile` (ms per op family / role, gaps) beside the plain bench step (its overhead);
 # corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
@@ -532,6 +532,23 @@ if has fp8; then
 ${FP8_RUNS:---preset 2b --seq-len 8192 --micro-batch 2
 --preset 9b --seq-len 8192 --micro-batch 1
 --preset 0.8b --seq-len 8192 --micro-batch 2}
+EOF2
+fi
+if has fp8-ab; then
+  # The FP8 casts' amax without extra passes (docs/fp8.md) against an amax pass before every cast: bench step
+  # --precision fp8 at FP8_AB_RUNS (one line of bench step flags each) with DELTASTACK_FP8_AMAX=separate, then fused
+  # (the default), same call; FP8_AB_PROFILE=1 adds --profile to both (per-family A/B).
+  D=$BUILD/deltastack
+  while read -r args; do
+    [ -z "$args" ] && continue
+    for mode in separate fused; do
+      DELTASTACK_FP8_AMAX=$mode timeout 300 $D bench step $args --precision fp8 ${FP8_AB_PROFILE:+--profile} 2>&1 |
+        grep -vE "^\[deltastack\] attention" | sed "s|^|[amax $mode $args] |" | tee -a "$OUT/bench_fp8_ab.txt"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
+  done <<EOF2
+${FP8_AB_RUNS:---preset 2b --seq-len 8192 --micro-batch 2
+--preset 9b --seq-len 8192 --micro-batch 1}
 EOF2
 fi
 if has curves-fp8; then
