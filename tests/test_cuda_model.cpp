@@ -145,12 +145,16 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
     gpu.download_grads(r.grads);
     return r;
   };
-  const Run sel = run(ds::Recompute::Selective), none = run(ds::Recompute::None), full = run(ds::Recompute::Full);
+  const Run sel = run(ds::Recompute::Selective), none = run(ds::Recompute::None), full = run(ds::Recompute::Full),
+            mlp = run(ds::Recompute::Mlp);
   EXPECT_EQ(none.loss, sel.loss);
   EXPECT_EQ(full.loss, sel.loss);
+  EXPECT_EQ(mlp.loss, sel.loss);
   EXPECT_TRUE(none.grads == sel.grads);
   EXPECT_TRUE(full.grads == sel.grads);
-  EXPECT_LT(full.bytes, sel.bytes);
+  EXPECT_TRUE(mlp.grads == sel.grads);
+  EXPECT_LT(full.bytes, mlp.bytes);
+  EXPECT_LT(mlp.bytes, sel.bytes);
   EXPECT_LT(sel.bytes, none.bytes);
 }
 

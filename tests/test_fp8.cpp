@@ -341,7 +341,8 @@ TEST(CudaFp8, FusedAmaxStepIsBitwiseTheSeparatePasses) {
   host.init_weights(23);
   const ds::PackedBatch b = random_batch({0, 100, 101, 256}, 4096, 5);
   std::pair<std::vector<double>, std::vector<float>> first;
-  for (const ds::Recompute rc : {ds::Recompute::None, ds::Recompute::Selective, ds::Recompute::Full}) {
+  for (const ds::Recompute rc :
+       {ds::Recompute::None, ds::Recompute::Selective, ds::Recompute::Mlp, ds::Recompute::Full}) {
     SCOPED_TRACE(ds::recompute_name(rc));
     auto run = [&](const char* amax) {
       setenv("DELTASTACK_FP8_AMAX", amax, 1);

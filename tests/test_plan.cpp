@@ -276,28 +276,30 @@ TEST(Plan, AutoPicksExactModesBeforeLossyAndCheapRecomputeBeforeFull) {
   using ds::Gradients;
   using M = ds::MemoryModes;
   const auto all = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto);
-  ASSERT_EQ(all.size(), 9u);
+  ASSERT_EQ(all.size(), 12u);
   EXPECT_EQ(all.front(), (M{OptimizerState::Fp32, Recompute::None, Gradients::Fp32}));
   EXPECT_EQ(all[1], (M{OptimizerState::Fp32, Recompute::Selective, Gradients::Fp32}));  // exact before lossy
-  EXPECT_EQ(all[2], (M{OptimizerState::Bf16, Recompute::None, Gradients::Fp32}));
-  EXPECT_EQ(all[4], (M{OptimizerState::EightBit, Recompute::None, Gradients::Fp32}));  // 8-bit moments after bf16 ones
-  EXPECT_EQ(all[5], (M{OptimizerState::EightBit, Recompute::Selective, Gradients::Fp32}));
-  EXPECT_EQ(all[6], (M{OptimizerState::Fp32, Recompute::Full, Gradients::Fp32}));
+  EXPECT_EQ(all[2], (M{OptimizerState::Fp32, Recompute::Mlp, Gradients::Fp32}));  // + the gate|up GEMM (~4 %)
+  EXPECT_EQ(all[3], (M{OptimizerState::Bf16, Recompute::None, Gradients::Fp32}));
+  EXPECT_EQ(all[6], (M{OptimizerState::EightBit, Recompute::None, Gradients::Fp32}));  // 8-bit moments after bf16 ones
+  EXPECT_EQ(all[7], (M{OptimizerState::EightBit, Recompute::Selective, Gradients::Fp32}));
+  EXPECT_EQ(all[8], (M{OptimizerState::EightBit, Recompute::Mlp, Gradients::Fp32}));
+  EXPECT_EQ(all[9], (M{OptimizerState::Fp32, Recompute::Full, Gradients::Fp32}));
   EXPECT_EQ(all.back(), (M{OptimizerState::EightBit, Recompute::Full, Gradients::Fp32}));
-  EXPECT_EQ(ds::memory_candidates(OptimizerState::Fp32, Recompute::Auto).size(), 3u);  // a given mode is kept
+  EXPECT_EQ(ds::memory_candidates(OptimizerState::Fp32, Recompute::Auto).size(), 4u);  // a given mode is kept
   EXPECT_EQ(ds::memory_candidates(OptimizerState::Bf16, Recompute::Full).size(), 1u);
-  EXPECT_EQ(ds::memory_candidates(OptimizerState::EightBit, Recompute::Auto).size(), 3u);
+  EXPECT_EQ(ds::memory_candidates(OptimizerState::EightBit, Recompute::Auto).size(), 4u);
   // --gradients auto: with a norm pass (+85 % per step) the in-backward gradients after everything else; without
   // one (the same speed, the same step) right after the fp32 buffer at each state and recompute.
   const auto with_pass = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto, Gradients::Auto, true);
-  ASSERT_EQ(with_pass.size(), 18u);
-  for (size_t k = 0; k < 9; ++k) {
+  ASSERT_EQ(with_pass.size(), 24u);
+  for (size_t k = 0; k < 12; ++k) {
     EXPECT_EQ(with_pass[k], all[k]);
-    EXPECT_EQ(with_pass[9 + k], (M{all[k].state, all[k].recompute, Gradients::InBackward}));
+    EXPECT_EQ(with_pass[12 + k], (M{all[k].state, all[k].recompute, Gradients::InBackward}));
   }
   const auto no_pass = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto, Gradients::Auto, false);
-  ASSERT_EQ(no_pass.size(), 18u);
-  for (size_t k = 0; k < 9; ++k) {
+  ASSERT_EQ(no_pass.size(), 24u);
+  for (size_t k = 0; k < 12; ++k) {
     EXPECT_EQ(no_pass[2 * k], all[k]);
     EXPECT_EQ(no_pass[2 * k + 1], (M{all[k].state, all[k].recompute, Gradients::InBackward}));
   }
@@ -313,9 +315,10 @@ TEST(Plan, AutoPicksExactModesBeforeLossyAndCheapRecomputeBeforeFull) {
   };
   EXPECT_EQ(pick(140), std::make_pair(OptimizerState::Fp32, Recompute::None));
   EXPECT_EQ(pick(64), std::make_pair(OptimizerState::Fp32, Recompute::Selective));  // 61.6 GiB; fp32 + none 75.5
-  EXPECT_EQ(pick(50), std::make_pair(OptimizerState::Bf16, Recompute::Selective));  // 47.5 GiB
-  EXPECT_EQ(pick(45), std::make_pair(OptimizerState::EightBit, Recompute::Selective));  // 44.1 GiB; fp32 + full 41.9
-  EXPECT_EQ(pick(40), std::make_pair(OptimizerState::Bf16, Recompute::Full));
+  EXPECT_EQ(pick(50), std::make_pair(OptimizerState::Bf16, Recompute::Selective));  // 47.4 GiB; fp32 + mlp 52.8
+  EXPECT_EQ(pick(45), std::make_pair(OptimizerState::Bf16, Recompute::Mlp));  // 38.8 GiB; 8bit + selective 44.0
+  EXPECT_EQ(pick(36), std::make_pair(OptimizerState::EightBit, Recompute::Mlp));  // 35.3 GiB
+  EXPECT_EQ(pick(30), std::make_pair(OptimizerState::Bf16, Recompute::Full));    // 27.8 GiB; fp32 + full 41.8
   EXPECT_EQ(pick(1), std::make_pair(OptimizerState::EightBit, Recompute::Full));  // nothing fits: the leanest
   // With --gradients auto, what fits nowhere else fits with the gradients in the backward: 27B on an H200 (the
   // 8bit state, full recompute, in-backward: 125 GiB measured), and at 2B the slots win over full recompute only
@@ -332,7 +335,7 @@ TEST(Plan, AutoPicksExactModesBeforeLossyAndCheapRecomputeBeforeFull) {
   EXPECT_EQ(pick3(ds::ModelConfig::preset("27b"), 1, 140.4, true),
             (M{OptimizerState::EightBit, Recompute::Full, Gradients::InBackward}));
   EXPECT_EQ(pick3(c, 2, 140, true), (M{OptimizerState::Fp32, Recompute::None, Gradients::Fp32}));
-  EXPECT_EQ(pick3(c, 2, 45, true), (M{OptimizerState::EightBit, Recompute::Selective, Gradients::Fp32}));
+  EXPECT_EQ(pick3(c, 2, 45, true), (M{OptimizerState::Bf16, Recompute::Mlp, Gradients::Fp32}));
   EXPECT_EQ(pick3(c, 2, 45, false), (M{OptimizerState::Bf16, Recompute::Selective, Gradients::InBackward}));
   std::string out;
   ASSERT_EQ(ds::test::run("plan --model 27b --seq-len 8192 --micro-batch 1", &out), 0) << out;

@@ -714,6 +714,7 @@ const char* recompute_name(Recompute r) {
     case Recompute::Auto: return "auto";
     case Recompute::None: return "none";
     case Recompute::Selective: return "selective";
+    case Recompute::Mlp: return "mlp";
     case Recompute::Full: return "full";
   }
   return "?";
@@ -724,9 +725,9 @@ OptimizerState parse_optimizer_state(const std::string& s) {
   fail("--optimizer-state must be auto, fp32, bf16 or 8bit, got \"{}\"", s);
 }
 Recompute parse_recompute(const std::string& s) {
-  for (Recompute v : {Recompute::Auto, Recompute::None, Recompute::Selective, Recompute::Full})
+  for (Recompute v : {Recompute::Auto, Recompute::None, Recompute::Selective, Recompute::Mlp, Recompute::Full})
     if (s == recompute_name(v)) return v;
-  fail("--recompute must be auto, none, selective or full, got \"{}\"", s);
+  fail("--recompute must be auto, none, selective, mlp or full, got \"{}\"", s);
 }
 
 const char* gradients_name(Gradients g) {

@@ -49,12 +49,14 @@ inline int64_t share_align(OptimizerState s) { return s == OptimizerState::Eight
 //   none: every activation kept per layer;
 //   selective: the cheap ones rebuilt (norm outputs, SwiGLU output, conv output, q/k l2norm, gated-norm output,
 //              gated attention output; model/gpu_activations.h), one shared buffer each;
+//   mlp: selective, and the MLP's gate|up output too (its GEMM again in the backward: about 2 N H 2I FLOPs per
+//        layer for N x 2I activations, the cheapest time per byte after selective's; docs/memory.md);
 //   full: only each layer's input kept; the backward runs the layer's forward again first;
 //   auto: chosen with the optimizer state to fit the device (the order of memory_candidates(), model/gpu_plan.h).
 // Every policy computes bitwise the same losses and gradients (the rebuilt values are the forward's own bits).
-enum class Recompute { Auto, None, Selective, Full };
+enum class Recompute { Auto, None, Selective, Mlp, Full };
 const char* optimizer_state_name(OptimizerState s);  // "auto" | "fp32" | "bf16" | "8bit"
-const char* recompute_name(Recompute r);             // "auto" | "none" | "selective" | "full"
+const char* recompute_name(Recompute r);             // "auto" | "none" | "selective" | "mlp" | "full"
 OptimizerState parse_optimizer_state(const std::string& s);  // ds::Error naming --optimizer-state
 Recompute parse_recompute(const std::string& s);             // ds::Error naming --recompute
 

@@ -31,7 +31,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   bool any_gdn = false, any_attn = false;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_full_attention(i) ? any_attn : any_gdn) = true;
   const Recompute rc = s.recompute;
-  DS_CHECK(rc == Recompute::None || rc == Recompute::Selective || rc == Recompute::Full,
+  DS_CHECK(rc == Recompute::None || rc == Recompute::Selective || rc == Recompute::Mlp || rc == Recompute::Full,
            "gpu: the recompute policy must be resolved before the activations are laid out");
   // The rebuilt activations (selective, full): one buffer each, shared by all layers; with none, one per layer.
   struct Rebuilt {
@@ -65,9 +65,11 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     return r;
   };
   Rebuilt shared;
+  bf16* shared_gu = nullptr;  // mlp: the gate|up output, rebuilt in the backward (its GEMM again)
   if (rc != Recompute::None) {
     a.use = MemoryUse::Recomputed;
     shared = rebuilt(any_gdn, any_attn);
+    if (rc == Recompute::Mlp) shared_gu = a.take<bf16>(N * 2 * I);
   }
   a.use = MemoryUse::Kept;
   // With full recompute only the residual stream (hs) is kept per layer; everything else below exists once for
@@ -97,7 +99,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
       L.rstd1 = a.take<float>(N);
       L.h_mid = a.take<bf16>(N * H);
       L.rstd2 = a.take<float>(N);
-      L.gu = a.take<bf16>(N * 2 * I);
+      L.gu = rc == Recompute::Mlp ? shared_gu : a.take<bf16>(N * 2 * I);  // (null while sizing: test rc)
     }
     if (attn) {
       L.qraw = a.take<bf16>(N * Hq * hd);

@@ -668,15 +668,19 @@ struct GpuModel::Impl {
     const float eps = static_cast<float>(c.rms_norm_eps);
     const double n = static_cast<double>(N);
     begin_unit(static_cast<size_t>(1 + i));
-    if (rebuild()) {  // act and xn2 (shared buffers) exactly as layer_forward made them
+    if (rebuild()) {  // xn2, (mlp: gu,) act (shared buffers) exactly as layer_forward made them
       mark_rebuild(true);
-      {
-        ProfScope ps = scope("elementwise", "swiglu", 0, 6 * n * I);
-        K::swiglu_forward(A.gu, A.act, N, I, stream);
-      }
       {
         ProfScope ps = scope("norm", "rmsnorm", 0, 4 * n * H);
         K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
+      }
+      if (plan.recompute == Recompute::Mlp) {
+        ProfScope ps = scope("gemm", "mlp gate_up", 2 * n * H * 2 * I);
+        linears_forward(A.xn2, H, Fp8Input::MlpIn, {{p.compute.mlp.gate_up, 2 * I, A.gu}});
+      }
+      {
+        ProfScope ps = scope("elementwise", "swiglu", 0, 6 * n * I);
+        K::swiglu_forward(A.gu, A.act, N, I, stream);
       }
       mark_rebuild(false);
     }

@@ -151,15 +151,17 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
 }
 
 std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradients g, bool norm_pass) {
-  // Exact modes before lossy ones, cheap recompute before expensive: the fp32 state with no or selective recompute
-  // (bitwise the same results), then the bf16 state with those, then the 8bit state (lossier: its moments carry
-  // 8-bit codes), then full recompute (one more forward per step, +25 %) in the same state order. The in-backward
-  // gradients are bitwise the fp32 buffer's step: right after it without a norm pass, after everything with one.
+  // Exact modes before lossy ones, cheap recompute before expensive: the fp32 state with no, selective or mlp
+  // recompute (bitwise the same results; mlp reruns the gate|up GEMM, about +4 % per step, for its N x 2I bf16 per
+  // layer), then the bf16 state with those, then the 8bit state (lossier: its moments carry 8-bit codes), then full
+  // recompute (one more forward per step, +25 %) in the same state order. The in-backward gradients are bitwise the
+  // fp32 buffer's step: right after it without a norm pass, after everything with one.
   using OS = OptimizerState;
   using RC = Recompute;
-  const std::pair<OS, RC> order[] = {{OS::Fp32, RC::None},     {OS::Fp32, RC::Selective},     {OS::Bf16, RC::None},
-                                     {OS::Bf16, RC::Selective}, {OS::EightBit, RC::None},      {OS::EightBit, RC::Selective},
-                                     {OS::Fp32, RC::Full},      {OS::Bf16, RC::Full},          {OS::EightBit, RC::Full}};
+  const std::pair<OS, RC> order[] = {{OS::Fp32, RC::None},     {OS::Fp32, RC::Selective},     {OS::Fp32, RC::Mlp},
+                                     {OS::Bf16, RC::None},     {OS::Bf16, RC::Selective},     {OS::Bf16, RC::Mlp},
+                                     {OS::EightBit, RC::None}, {OS::EightBit, RC::Selective}, {OS::EightBit, RC::Mlp},
+                                     {OS::Fp32, RC::Full},     {OS::Bf16, RC::Full},          {OS::EightBit, RC::Full}};
   std::vector<MemoryModes> out;
   auto add = [&](OS st, RC rc, Gradients gr) {
     if ((r == RC::Auto || r == rc) && (s == OS::Auto || s == st) && (g == Gradients::Auto || g == gr))

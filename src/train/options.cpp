@@ -135,8 +135,9 @@ const std::vector<TrainOption>& train_options() {
                       one_of({"auto", "fp32", "bf16", "8bit"}), kResumable | kNewerKey),
                   std::string("fp32")),
       opt("recompute", &O::recompute, "auto",
-          "Activations the GPU backward rebuilds: none, selective, full (keeps only layer inputs) or auto",
-          one_of({"auto", "none", "selective", "full"}), kResumable | kNewerKey | kNotSaved),
+          "Activations the GPU backward rebuilds: none, selective, mlp (selective + the gate|up output, its GEMM "
+          "again), full (keeps only layer inputs) or auto",
+          one_of({"auto", "none", "selective", "mlp", "full"}), kResumable | kNewerKey | kNotSaved),
       opt("precision", &O::precision, "bf16",
           "The decoder's matrix GEMMs: bf16 (exact) or fp8 (E4M3/E5M2 with per-tensor current scaling; the CPU "
           "engine emulates the casts; docs/fp8.md)",
