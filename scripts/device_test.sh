@@ -583,29 +583,30 @@ if has curves-fp8; then
 fi
 if has curves-modes; then
   # Each mode against the exact one on real text (the corpus stage's /tmp/ds_corpus.txt), all runs side by side on
-  # the GPU with one seed, data and schedule: CURVE_SPECS, space-separated MODEL:SEQ:MB:PRECISION:STATE[:GRADIENTS]
-  # (the first spec of each model is its reference, compared with scripts/compare_curves.py to every other one
-  # of that model, within CURVE_BAND, 0.005); CURVE_STEPS (1000), CURVE_TIMEOUT s at most per run (a run stopped
-  # early keeps the metrics it wrote); metrics to $OUT/curve_<model>_<precision>_<state>[_<gradients>].jsonl.
+  # the GPU with one seed, data and schedule: CURVE_SPECS, space-separated
+  # MODEL:SEQ:MB:PRECISION:STATE[:GRADIENTS[:ACCUM]] (GRADIENTS: --gradients, fp32 when empty, e.g. bf16;
+  # ACCUM: --grad-accum, 1 when empty; give the reference the same ACCUM) (the first spec of each model is its
+  # reference, compared with scripts/compare_curves.py to every other one of that model, within CURVE_BAND, 0.005); CURVE_STEPS (1000), CURVE_TIMEOUT s at most per run (a run stopped
+  # early keeps the metrics it wrote); metrics to $OUT/curve_<model>_<precision>_<state>[_<gradients>][_x<accum>].jsonl.
   D=$BUILD/deltastack
   [ -f /tmp/ds_corpus.txt ] || { echo "curves-modes: no /tmp/ds_corpus.txt (run the corpus stage first)"; status=1; }
   t0=$(date +%s)
   specs=${CURVE_SPECS:-"0.8b:1024:4:bf16:fp32 0.8b:1024:4:fp8:fp32 0.8b:1024:4:bf16:8bit"}
   for spec in $specs; do
-    IFS=: read -r model seq mb prec st grads <<<"$spec"
-    tag=${model}_${prec}_${st}${grads:+_$grads}
+    IFS=: read -r model seq mb prec st grads accum <<<"$spec"
+    tag=${model}_${prec}_${st}${grads:+_$grads}${accum:+_x$accum}
     rm -rf /tmp/ds_m_$tag
     timeout ${CURVE_TIMEOUT:-600} $D train --model $model --device cuda --data /tmp/ds_corpus.txt --seq-len $seq \
       --micro-batch $mb --steps ${CURVE_STEPS:-1000} --lr ${CURVE_LR:-3e-4} --warmup 50 --eval-interval 100 \
       --eval-batches 16 --val-fraction 0.005 --optimizer-state $st --recompute selective --precision $prec \
-      --gradients ${grads:-fp32} --out /tmp/ds_m_$tag >/tmp/ds_m_$tag.txt 2>&1 &
+      --gradients ${grads:-fp32} --grad-accum ${accum:-1} --out /tmp/ds_m_$tag >/tmp/ds_m_$tag.txt 2>&1 &
   done
   wait
   echo "curves-modes: $(( $(date +%s) - t0 )) s"
   declare -A ref
   for spec in $specs; do
-    IFS=: read -r model seq mb prec st grads <<<"$spec"
-    tag=${model}_${prec}_${st}${grads:+_$grads}
+    IFS=: read -r model seq mb prec st grads accum <<<"$spec"
+    tag=${model}_${prec}_${st}${grads:+_$grads}${accum:+_x$accum}
     tail -2 /tmp/ds_m_$tag.txt
     cp /tmp/ds_m_$tag/metrics.jsonl "$OUT/curve_$tag.jsonl" || { status=1; continue; }
     if [ -z "${ref[$model]:-}" ]; then ref[$model]=$tag; continue; fi

@@ -36,6 +36,7 @@
 #include "model/gpu_model.h"
 #include "model/model.h"
 #include "ops/adamw/adamw.h"
+#include "ops/adamw/bf16_state.h"
 #include "ops/adamw/q8_state.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
@@ -734,6 +735,83 @@ TEST(CudaEngine, ProfilerChangesNoResult) {
     EXPECT_GT(table.scope_ms(), 0);
     EXPECT_LE(table.scope_ms(), table.wall_ms());
     std::printf("[ measured ] %s recompute:\n%s", ds::recompute_name(rc), table.format(699e12, 4.23e12).c_str());
+  }
+}
+
+// --gradients bf16 (model/engine.h Gradients::Bf16): each micro-batch's gradients, made in the unit slots, are added
+// into the bf16 buffer with the counter-based stochastic rounding. The slots hold the fp32 mode's gradients bitwise
+// and the kernel is the host function's (ops::accumulate_grad_bf16), so two micro-batches give exactly the host's
+// SR(SR(g1) + g2) of the fp32 mode's g1, g2; in every optimizer state the run (grad-accum 2, clipping on one step)
+// repeats bitwise; and it follows the CPU engine's emulation within the GPU bands (loss 1e-2 a step, the first
+// step's gradients 5e-2 relative L2).
+TEST(CudaEngine, Bf16GradientsAreTheCpuEmulation) {
+  DS_SKIP_WITHOUT_GPU();
+  namespace S = ds::ops::bf16_state;
+  ds::Qwen35Model host = tiny_chunked_host(31);
+  const ds::ModelConfig& c = host.config();
+  const ds::PackedBatch b1 = make_batch({60, 100, 33}, c.vocab_size, 41), b2 = make_batch({90, 90}, c.vocab_size, 42);
+  using ds::test::tensor_values;
+  auto engine = [&](const std::string& device, ds::OptimizerState st, ds::Gradients g) {
+    ds::GpuPlan plan = ds::GpuPlan::windows(1, std::max(b1.size(), b2.size()), 3);
+    plan.optimizer_state = st;
+    plan.gradients = g;
+    return ds::make_engine(device, host, plan);
+  };
+  // Each micro-batch's loss scaled by half its own targets (the step's mean over the two).
+  auto scale = [](const ds::PackedBatch& b) { return 0.5 / static_cast<double>(b.num_targets()); };
+  auto grads_of = [&](const ds::PackedBatch& b) {  // the fp32 mode's gradients of one micro-batch
+    auto e = engine("cuda", ds::OptimizerState::Fp32, ds::Gradients::Fp32);
+    e->zero_grads();
+    e->forward_backward(b, scale(b));
+    return tensor_values(e->grad_tensors());
+  };
+  const std::vector<float> g1 = grads_of(b1), g2 = grads_of(b2);
+  std::vector<uint16_t> acc(g1.size(), 0);
+  ds::ops::accumulate_grad_bf16(acc.data(), g1.data(), static_cast<int64_t>(acc.size()), S::grad_key(1, 0), 0);
+  ds::ops::accumulate_grad_bf16(acc.data(), g2.data(), static_cast<int64_t>(acc.size()), S::grad_key(1, 1), 0);
+  std::vector<float> want(acc.size());
+  for (size_t i = 0; i < acc.size(); ++i) want[i] = S::widen(acc[i]);
+
+  struct Run {
+    std::vector<double> losses, sumsq;
+    std::vector<float> first_grads, weights;
+  };
+  auto train = [&](const std::string& device, ds::OptimizerState st) {
+    auto e = engine(device, st, ds::Gradients::Bf16);
+    EXPECT_EQ(e->gradients(), ds::Gradients::Bf16);
+    Run r;
+    ds::ops::AdamWParams ap;
+    ap.lr = 3e-3;
+    ap.weight_decay = 0.1;
+    for (int64_t t = 1; t <= 4; ++t) {
+      e->begin_step(t);
+      e->zero_grads();
+      double loss = e->forward_backward(b1, scale(b1)).loss_sum;
+      loss += e->forward_backward(b2, scale(b2)).loss_sum;
+      r.losses.push_back(loss);
+      r.sumsq.push_back(e->grad_sum_squares());
+      if (t == 1) r.first_grads = tensor_values(e->grad_tensors());
+      ap.step = t;
+      ap.grad_scale = ds::clip_factor(std::sqrt(r.sumsq.back()), t == 3 ? 0.05 : 0.0);
+      e->optimizer_step(ap);
+    }
+    r.weights = tensor_values(e->weight_tensors(ds::DType::F32));
+    return r;
+  };
+  const Run cpu = train("cpu", ds::OptimizerState::Fp32);
+  for (const ds::OptimizerState st : {ds::OptimizerState::Fp32, ds::OptimizerState::Bf16, ds::OptimizerState::EightBit}) {
+    SCOPED_TRACE(ds::optimizer_state_name(st));
+    const Run a = train("cuda", st), b = train("cuda", st);
+    EXPECT_EQ(a.losses, b.losses);
+    EXPECT_EQ(a.sumsq, b.sumsq);
+    EXPECT_TRUE(a.weights == b.weights);
+    EXPECT_TRUE(a.first_grads == want);
+    EXPECT_NEAR(a.sumsq[0], ds::ops::sum_squares(want.data(), static_cast<int64_t>(want.size())), 1e-9 * a.sumsq[0]);
+    EXPECT_GT(std::sqrt(a.sumsq[2]), 0.05) << "step 3 should clip";
+    EXPECT_LE(rel_l2(a.first_grads, cpu.first_grads), 5e-2);
+    for (size_t t = 0; t < a.losses.size(); ++t)
+      EXPECT_NEAR(a.losses[t], cpu.losses[t], 1e-2 * cpu.losses[t]) << "step " << t + 1;
+    EXPECT_LT(a.losses.back(), a.losses.front());  // it trains
   }
 }
 

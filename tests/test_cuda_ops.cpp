@@ -11,10 +11,16 @@
 
 #include <cstdio>
 #include <string>
+#include <tuple>
 
 #include "core/cuda/device.h"
 #include "cuda_test_util.h"
+#include "ops/adamw/adamw.h"
+#include "ops/adamw/bf16_state.h"
+#include "ops/adamw/cuda.h"
 #include "ops/adamw/cuda_check.h"
+#include "ops/adamw/q8_state.h"
+#include "ops/check/device.h"
 #include "ops/attention/cuda_check.h"
 #include "ops/attention/cudnn.h"
 #include "ops/conv1d/cuda_check.h"
@@ -223,6 +229,69 @@ TEST(CudaOps, AdamW8bitState) {
   expect_ok(check_adamw_8bit({.n = 1001, .offset = 1}));    // unaligned pointers (byte codes, no vector path)
   expect_ok(check_adamw_8bit({.n = 3}));                    // one short block
   expect_ok(check_adamw_8bit({.n = 256, .seed = 24}));      // index0 1024: exactly one whole block
+}
+
+// --gradients bf16's kernels (ops/adamw/cuda.h): the stochastic-rounded accumulation is bitwise the host's
+// (ops::accumulate_grad_bf16), and the sum of squares and the AdamW updates of the three states reading the bf16
+// gradients are bitwise the fp32-gradient kernels given the widened values; aligned (vector path) and shifted by one
+// element (scalar path).
+TEST(CudaOps, Bf16GradientKernels) {
+  DS_SKIP_WITHOUT_GPU();
+  namespace C = ds::ops::check;
+  namespace K = ds::ops::cuda;
+  using C::Buf;
+  for (const size_t offset : {size_t{0}, size_t{1}}) {
+    SCOPED_TRACE("offset " + std::to_string(offset));
+    C::Ctx ctx(7 + offset);
+    const int64_t n = 100003, index0 = 1000;
+    const uint64_t key = bf16_state::grad_key(3, 1);
+    const C::Vec acc0 = ctx.randn_bf16(n, 1e-2), g = ctx.randn(n, 1e-3);
+    C::Bits want(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) want[i] = ds::f32_to_bf16_bits(acc0[i]);
+    accumulate_grad_bf16(want.data(), g.data(), n, key, index0);
+    Buf<C::bf16> acc_d = ctx.up_bf16(acc0, offset);
+    Buf<float> g_d = ctx.up(g, offset);
+    K::accumulate_grad_bf16(acc_d.get(), g_d.get(), n, key, index0, ctx.s);
+    ASSERT_TRUE(ctx.bits(acc_d) == want);
+    Buf<float> gw_d = ctx.up(C::to_f32(want), offset);  // the same gradients in fp32
+    const C::bf16* gb = acc_d.get();
+    const float* gf = gw_d.get();
+
+    Buf<double> s1(1), s2(1);
+    Buf<unsigned char> scratch(K::sum_squares_scratch_bytes(n));
+    K::sum_squares(gb, n, s1.get(), scratch.get(), ctx.s);
+    const std::vector<double> ss_b = ctx.down(s1);
+    K::sum_squares(gf, n, s2.get(), scratch.get(), ctx.s);
+    EXPECT_EQ(ss_b, ctx.down(s2));
+
+    const C::Vec p0 = ctx.randn(n, 0.02), m0 = ctx.randn(n, 1e-3), v0 = ctx.uniform(n, 0, 1e-6);
+    const AdamWParams hp{3e-4, 0.9, 0.95, 1e-8, 0.1, 17, 0.7};
+    auto run_fp32 = [&](const auto* grad) {
+      Buf<float> p = ctx.up(p0, offset), m = ctx.up(m0, offset), v = ctx.up(v0, offset);
+      Buf<C::bf16> pb(static_cast<size_t>(n), offset);
+      K::adamw_update(p.get(), grad, m.get(), v.get(), pb.get(), n, hp, ctx.s);
+      return std::make_tuple(ctx.down(p), ctx.down(m), ctx.down(v), ctx.bits(pb));
+    };
+    EXPECT_TRUE(run_fp32(gb) == run_fp32(gf));
+    auto run_bf16 = [&](const auto* grad) {
+      Buf<C::bf16> p = ctx.up_bf16(p0, offset), m = ctx.up_bf16(m0, offset), v = ctx.up_bf16(v0, offset);
+      K::adamw_update_bf16(p.get(), grad, m.get(), v.get(), n, hp, index0, ctx.s);
+      return std::make_tuple(ctx.bits(p), ctx.bits(m), ctx.bits(v));
+    };
+    EXPECT_TRUE(run_bf16(gb) == run_bf16(gf));
+    auto run_8bit = [&](const auto* grad) {  // from zero moments (zero codes and scales)
+      const size_t nb = static_cast<size_t>(q8_state::num_blocks(index0, n));
+      Buf<C::bf16> p = ctx.up_bf16(p0, offset);
+      Buf<uint8_t> mc(static_cast<size_t>(n), offset), vc(static_cast<size_t>(n), offset);
+      Buf<float> ma(nb), va(nb);
+      for (void* x : {static_cast<void*>(mc.get()), static_cast<void*>(vc.get())})
+        DS_CUDA_CHECK(cudaMemsetAsync(x, 0, static_cast<size_t>(n), ctx.s));
+      for (float* x : {ma.get(), va.get()}) DS_CUDA_CHECK(cudaMemsetAsync(x, 0, nb * sizeof(float), ctx.s));
+      K::adamw_update_8bit(p.get(), grad, mc.get(), vc.get(), ma.get(), va.get(), n, hp, index0, ctx.s);
+      return std::make_tuple(ctx.bits(p), ctx.down(mc), ctx.down(vc), ctx.down(ma), ctx.down(va));
+    };
+    EXPECT_TRUE(run_8bit(gb) == run_8bit(gf));
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ elementwise

@@ -195,10 +195,12 @@ TEST(Plan, HfConfigWritesThePresetAsTransformersLoadsIt) {
   std::filesystem::remove_all(dir);
 }
 
-ds::GpuMemoryPlan plan_modes(const char* preset, int64_t seq, int64_t mb, ds::OptimizerState s, ds::Recompute r) {
+ds::GpuMemoryPlan plan_modes(const char* preset, int64_t seq, int64_t mb, ds::OptimizerState s, ds::Recompute r,
+                             ds::Gradients g = ds::Gradients::Fp32) {
   ds::GpuPlan plan = ds::GpuPlan::windows(mb, seq, 1);
   plan.optimizer_state = s;
   plan.recompute = r;
+  plan.gradients = g;
   return ds::plan_gpu_memory(ds::ModelConfig::preset(preset), plan);
 }
 size_t use(const ds::GpuMemoryPlan& p, ds::MemoryUse u) { return p.by_use[static_cast<size_t>(u)]; }
@@ -223,6 +225,37 @@ TEST(Plan, Bf16StateTakesTenBytesPerParameter) {
   // the activations do not depend on the state (but for where the 256-byte alignment falls)
   EXPECT_NEAR(use(b, MemoryUse::Kept), use(f, MemoryUse::Kept), 256.0 * 200);
   EXPECT_NEAR(static_cast<double>(f.total - b.total), 8 * P - 12 * small, slack);
+}
+
+// --gradients bf16: the flat gradient buffer in bf16 (2 bytes per parameter) beside the in-backward mode's fp32 unit
+// slots; never a candidate of --gradients auto (lossy: opt-in), and when given, the (state, recompute) pairs in
+// the usual order with it; `plan` names it.
+TEST(Plan, Bf16GradientsTakeTwoBytesPerParameterAndAreOptIn) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  using ds::Gradients;
+  using ds::MemoryUse;
+  using ds::OptimizerState;
+  using ds::Recompute;
+  using M = ds::MemoryModes;
+  const double P = static_cast<double>(ds::ModelConfig::preset("2b").num_parameters());
+  auto grads = [&](Gradients g) {
+    return static_cast<double>(use(plan_modes("2b", 8192, 2, OptimizerState::Bf16, Recompute::Selective, g),
+                                   MemoryUse::Gradients));
+  };
+  EXPECT_NEAR(grads(Gradients::Bf16) - grads(Gradients::InBackward), 2 * P, 256.0);
+  EXPECT_NEAR(grads(Gradients::Fp32), 4 * P, 256.0);
+  // Less than the fp32 buffer, but at 2B not by half: the embedding's fp32 slot is a quarter of the parameters.
+  EXPECT_LT(grads(Gradients::Bf16), 0.85 * grads(Gradients::Fp32));
+  for (const bool norm_pass : {true, false})
+    for (const M& m : ds::memory_candidates(OptimizerState::Auto, Recompute::Auto, Gradients::Auto, norm_pass))
+      EXPECT_NE(m.gradients, Gradients::Bf16);
+  const auto all = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto);
+  const auto given = ds::memory_candidates(OptimizerState::Auto, Recompute::Auto, Gradients::Bf16);
+  ASSERT_EQ(given.size(), all.size());
+  for (size_t k = 0; k < all.size(); ++k) EXPECT_EQ(given[k], (M{all[k].state, all[k].recompute, Gradients::Bf16}));
+  std::string out;
+  ASSERT_EQ(ds::test::run("plan --model 2b --gradients bf16", &out), 0) << out;
+  EXPECT_NE(out.find("gradients: bf16 (one buffer of every parameter, 2 bytes each"), std::string::npos) << out;
 }
 
 // The 8bit state: the bf16 state's weights and gradients, and 1-byte codes of m and sqrt(v) per parameter plus one

@@ -4,7 +4,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <thread>
@@ -16,6 +18,7 @@
 
 #include "core/files.h"
 #include "model/config.h"
+#include "model/safetensors.h"
 #include "test_util.h"
 
 namespace ds::test {
@@ -121,6 +124,21 @@ inline std::vector<nlohmann::json> metrics(const std::string& path) {
 }
 
 // The "loss" of every record of a metrics.jsonl file that has one, in order.
+// The fp32 values of checkpoint tensors (an engine's weight_tensors, grad_tensors, ...: a view or a streamed
+// reader each), flat in their order.
+inline std::vector<float> tensor_values(const std::vector<ds::SaveTensor>& ts) {
+  std::vector<float> out;
+  for (const ds::SaveTensor& t : ts) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    std::vector<float> x(static_cast<size_t>(n));
+    if (t.f32_source) std::copy(t.f32_source, t.f32_source + n, x.begin());
+    else t.f32_reader(0, n, x.data());
+    out.insert(out.end(), x.begin(), x.end());
+  }
+  return out;
+}
+
 inline std::vector<double> train_losses(const std::string& path) {
   std::vector<double> l;
   for (auto& j : metrics(path))

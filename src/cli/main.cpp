@@ -140,8 +140,9 @@ int main(int argc, char** argv) {
     cmd->add_option("--recompute", m.recompute, "auto, none, selective or full")->capture_default_str();
     cmd->add_option("--precision", m.precision, "bf16 or fp8 (the decoder's matrix GEMMs; docs/fp8.md)")
         ->capture_default_str();
-    cmd->add_option("--gradients", m.gradients, "auto, fp32 or in-backward (the update in the backward, no "
-                    "gradient buffer; docs/memory.md)")->capture_default_str();
+    cmd->add_option("--gradients", m.gradients, "auto, fp32, in-backward (the update in the backward, no "
+                    "gradient buffer) or bf16 (a bf16 buffer, stochastic rounding; docs/memory.md)")
+        ->capture_default_str();
     cmd->add_option("--lora-rank", m.lora_rank, "A LoRA run of this rank on every linear layer (the base frozen in "
                     "bf16; docs/lora.md); 0 = a full run")->capture_default_str();
   };

@@ -14,6 +14,7 @@
 #include "dist/communicator.h"
 #include "model/gpu_fp8.h"
 #include "model/gpu_model.h"
+#include "ops/adamw/bf16_state.h"
 #include "ops/adamw/q8_state.h"
 
 namespace ds {
@@ -72,6 +73,7 @@ class CpuEngine final : public Engine, private UnitSource {
     // An armed pass also when grad_scale is 0 (a step whose batch has no targets): its update still runs.
     if (gradients_ == Gradients::InBackward && (armed_ || grad_scale != 0.0))
       return forward_backward_in_backward(b, grad_scale, z_loss, cap);
+    if (gradients_ == Gradients::Bf16 && grad_scale != 0.0) return forward_backward_bf16(b, grad_scale, z_loss, cap);
     if (!full()) return model_.forward_backward(b, grad_scale, z_loss, cap);
     begin_units(grad_scale != 0.0 ? order_fb_ : order_f_);
     const LossResult r = model_.forward_backward(b, grad_scale, z_loss, cap);
@@ -90,6 +92,8 @@ class CpuEngine final : public Engine, private UnitSource {
   }
   void zero_grads() override {
     if (LoraAdapter* a = model_.adapter()) return a->zero_grads();  // the base is frozen: no base gradients
+    grad_micro_ = 0;
+    std::fill(grad_bf16_.begin(), grad_bf16_.end(), uint16_t{0});
     if (full()) std::fill(g_.begin(), g_.end(), 0.0f);
     else model_.zero_grads();
   }
@@ -115,10 +119,11 @@ class CpuEngine final : public Engine, private UnitSource {
     update_armed_ = update != nullptr;
   }
   Gradients gradients() const override { return gradients_; }
+  void begin_step(int64_t step) override { grad_step_ = step; }
   void distribute(dist::Communicator& comm, ShardMode mode) override {
     DS_CHECK(m_.empty(), "distribute() after the optimizer state exists");
-    DS_CHECK(gradients_ != Gradients::InBackward || comm.world() == 1, "--gradients in-backward runs on one rank "
-             "(this launch has {}): use --gradients fp32", comm.world());
+    DS_CHECK(gradients_ == Gradients::Fp32 || comm.world() == 1, "--gradients {} runs on one rank (this launch has "
+             "{}): use --gradients fp32", gradients_name(gradients_), comm.world());
     DS_CHECK(!comm.on_device(), "{}: the CPU engine's ranks talk over MPI (mpirun), not {}",
              dist::describe(comm.launch()), comm.backend());
     DS_CHECK(!model_.adapter() || comm.world() == 1 || mode == ShardMode::None, "--shard {}: LoRA trains with "
@@ -158,8 +163,8 @@ class CpuEngine final : public Engine, private UnitSource {
     adamw_step(p);
   }
   void set_gradients(Gradients g) {
-    DS_CHECK(g == Gradients::Fp32 || !model_.adapter(), "--gradients in-backward with a LoRA adapter is not "
-             "supported: use --gradients fp32");
+    DS_CHECK(g == Gradients::Fp32 || !model_.adapter(), "--gradients {} with a LoRA adapter is not supported: use "
+             "--gradients fp32", gradients_name(g));
     gradients_ = g;
   }
 
@@ -178,6 +183,24 @@ class CpuEngine final : public Engine, private UnitSource {
     if (update_armed_) adamw_step(update_);
     return r;
   }
+  // Gradients::Bf16 on the CPU engine, bitwise the GPU engine's accumulation (model/engine.h): the micro-batch's
+  // gradients are made from zero in the model's fp32 buffer (the GPU's slots), added into grad_bf16_ (bf16 bits
+  // [P], the GPU's bf16 buffer) with stochastic rounding keyed by (grad_step_, grad_micro_, flat index)
+  // (ops::accumulate_grad_bf16), and the model's buffer then holds those values widened exactly, which the grad norm
+  // and the AdamW update read (as the GPU's kernels widen theirs).
+  LossResult forward_backward_bf16(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) {
+    DS_CHECK(!full() && !sharded(), "internal: --gradients bf16 runs on one rank");
+    model_.zero_grads();
+    const LossResult r = model_.forward_backward(b, grad_scale, z_loss, cap);
+    std::vector<float>& g = model_.grads();
+    grad_bf16_.resize(g.size(), uint16_t{0});  // zeros when the step's first backward comes
+    ops::accumulate_grad_bf16(grad_bf16_.data(), g.data(), static_cast<int64_t>(g.size()),
+                              ops::bf16_state::grad_key(grad_step_, grad_micro_++), 0);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = ops::bf16_state::widen(grad_bf16_[i]);
+    return r;
+  }
+  std::vector<uint16_t> grad_bf16_;
+  int64_t grad_step_ = 0, grad_micro_ = 0;
   Gradients gradients_ = Gradients::Fp32;
   bool armed_ = false, update_armed_ = false;
   ops::AdamWParams update_;
@@ -481,6 +504,7 @@ class CudaEngine final : public Engine {
   }
   std::vector<float> last_logits(const PackedBatch& b) override { return gpu_->last_logits(b); }
   void zero_grads() override { gpu_->zero_grads(); }
+  void begin_step(int64_t step) override { gpu_->begin_step(step); }
   // Data parallel over NCCL (at world size 1 under a launcher too: the same path, sums over one rank, so the
   // losses are the plain run's bits). --shard none: every rank keeps the whole state and all-reduces the fp32
   // gradients on the step's stream. --shard optimizer (ZeRO-1; the plan was built with this rank's share,
@@ -493,8 +517,11 @@ class CudaEngine final : public Engine {
              "per-layer parameter gathers yet (train with --device cpu, or use --shard none)");
     DS_CHECK(comm.world() == 1 || comm.on_device(), "{}: the GPU engine's ranks need the NCCL communicator, not {} "
              "(start them with torchrun or mpirun and --device cuda)", dist::describe(comm.launch()), comm.backend());
-    DS_CHECK(gradients() != Gradients::InBackward || comm.world() == 1, "--gradients in-backward runs on one rank "
-             "(this launch has {}): use --gradients fp32", comm.world());
+    DS_CHECK(gradients() == Gradients::Fp32 || comm.world() == 1, "--gradients {} runs on one rank (this launch has "
+             "{}): use --gradients fp32", gradients_name(gradients()), comm.world());
+    // No gradient buffer to sum (in-backward), or a bf16 one the reduce does not take (bf16): one rank, nothing to
+    // sum, so no communicator (reduce_grads does nothing).
+    if (gradients() == Gradients::Bf16) return;
     DS_CHECK(!gpu_->adapter() || comm.world() == 1 || mode == ShardMode::None, "--shard optimizer: LoRA trains "
              "with --shard none (every rank holds the adapters' small AdamW state; the frozen base has none)");
     if (comm.on_device()) comm_ = &comm;
@@ -731,12 +758,18 @@ Recompute parse_recompute(const std::string& s) {
 }
 
 const char* gradients_name(Gradients g) {
-  return g == Gradients::InBackward ? "in-backward" : g == Gradients::Auto ? "auto" : "fp32";
+  switch (g) {
+    case Gradients::Auto: return "auto";
+    case Gradients::Fp32: return "fp32";
+    case Gradients::InBackward: return "in-backward";
+    case Gradients::Bf16: return "bf16";
+  }
+  return "?";
 }
 Gradients parse_gradients(const std::string& s) {
-  for (Gradients v : {Gradients::Auto, Gradients::Fp32, Gradients::InBackward})
+  for (Gradients v : {Gradients::Auto, Gradients::Fp32, Gradients::InBackward, Gradients::Bf16})
     if (s == gradients_name(v)) return v;
-  fail("--gradients must be auto, fp32 or in-backward, got \"{}\"", s);
+  fail("--gradients must be auto, fp32, in-backward or bf16, got \"{}\"", s);
 }
 
 InBackwardStep in_backward_step(Engine& e, const PackedBatch& b, double grad_scale, double z_loss,

@@ -70,11 +70,18 @@ Recompute parse_recompute(const std::string& s);             // ds::Error naming
 //         with the clip factor known; with --clip 0 and --nan-policy stop the norm pass is skipped. The result is
 //         the fp32 mode's, bitwise (the same gradients, the same per-unit sums). One micro-batch per step
 //         (--grad-accum 1) and one rank.
+//   bf16: one bf16 gradient buffer of every parameter (2 bytes per parameter; lossy, opt-in). Each unit's
+//         gradients of a micro-batch are made in an fp32 slot (as in-backward's) and, when final, added into the
+//         buffer with stochastic rounding: g = SR(float(g) + slot), the random bits counter-based (ops/adamw/
+//         bf16_state.h accumulate_grad: keyed by the step of begin_step(), the micro-batch's index since
+//         zero_grads() and the flat parameter index), so the result is deterministic and the CPU engine emulates it
+//         bitwise. The optimizer and the grad norm read the bf16 values. Any --grad-accum; one rank.
 //   auto: chosen with the other memory modes to fit the device (memory_candidates, model/gpu_plan.h): fp32 where
 //         it fits; in-backward, without a norm pass, right after fp32 at the same state and recompute (the same
-//         speed), with one (GpuPlan::norm_pass: 1.85x the step) only after everything else.
-enum class Gradients { Auto, Fp32, InBackward };
-const char* gradients_name(Gradients g);          // "auto" | "fp32" | "in-backward"
+//         speed), with one (GpuPlan::norm_pass: 1.85x the step) only after everything else. Never bf16 (lossy:
+//         only when asked for).
+enum class Gradients { Auto, Fp32, InBackward, Bf16 };
+const char* gradients_name(Gradients g);          // "auto" | "fp32" | "in-backward" | "bf16"
 Gradients parse_gradients(const std::string& s);  // ds::Error naming --gradients
 
 // Precision (`--precision`): model/model.h.
@@ -173,6 +180,10 @@ class Engine {
   // cannot take; an empty batch is an error. Generation's next-token logits (model/generate.h).
   virtual std::vector<float> last_logits(const PackedBatch& batch) = 0;
   virtual void zero_grads() = 0;
+  // The trainer's step (1-based) whose micro-batches follow (call before zero_grads()): Gradients::Bf16 keys the
+  // stochastic rounding of each micro-batch's accumulation by it and by the micro-batch's index, counted from 0 by
+  // the backwards (forward_backward with grad_scale != 0) since zero_grads(). A no-op in the other modes.
+  virtual void begin_step(int64_t /*step*/) {}
   // Sum of squares of every gradient element, in double, in a fixed order (bitwise reproducible): each unit's
   // sum (model.h param_units), added in unit order. Gradients::InBackward: the sums the last backward took of each
   // unit's final gradients.

@@ -25,7 +25,7 @@ enum class MemoryUse {
 inline const char* memory_use_name(MemoryUse u) {
   switch (u) {
     case MemoryUse::Parameters: return "parameters (master weights + bf16 compute copy)";
-    case MemoryUse::Gradients: return "gradients (fp32; --gradients in-backward: unit slots)";
+    case MemoryUse::Gradients: return "gradients (fp32; in-backward: unit slots; bf16: + slots)";
     case MemoryUse::Optimizer: return "optimizer state (AdamW exp_avg + exp_avg_sq)";
     case MemoryUse::Kept: return "activations kept for the backward";
     case MemoryUse::GdnSaved: return "gated delta rule saved state (all GDN layers)";

@@ -25,6 +25,7 @@
 #include "model/gpu_params.h"
 #include "model/gpu_plan.h"
 #include "model/params.h"
+#include "ops/adamw/bf16_state.h"
 #include "ops/adamw/cuda.h"
 #include "ops/attention/plan.h"
 #include "ops/conv1d/plan.h"
@@ -97,12 +98,18 @@ struct GpuModel::Impl {
   // enqueues its update on `side`, recording `updated[u]` (the next forward waits for it there) and
   // `slot_free[slot]` (the slot's next unit waits for it in begin_unit).
   bool in_backward() const { return store->gradients() == Gradients::InBackward; }
+  // Gradients::Bf16 (the slots too): unit_final(u) adds the unit's slot into the bf16 buffer with stochastic
+  // rounding keyed by grad_key (bf16_state::grad_key of grad_step and the micro-batch's index, grad_micro counting
+  // the backwards since zero_grads).
+  bool bf16_grads() const { return store->gradients() == Gradients::Bf16; }
+  int64_t grad_step = 0, grad_micro = 0;
+  uint64_t grad_key = 0;
   bool ib_armed = false, ib_update = false;
   ops::AdamWParams ib_params;
   cudaEvent_t slot_free[4] = {};
   bool slot_busy[4] = {};
   void begin_unit(size_t u) {
-    if (!in_backward()) return;
+    if (!store->slotted()) return;
     const int s = store->slot_of(u);
     if (slot_busy[s]) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, slot_free[s], 0));
     slot_busy[s] = false;
@@ -127,6 +134,10 @@ struct GpuModel::Impl {
   }
   void unit_final(size_t u) {
     if (in_backward()) return update_in_backward(u);
+    if (bf16_grads()) {
+      ProfScope ps = scope("optimizer", "bf16 gradient accumulation (stochastic rounding)", 0, 8.0 * units[u].size());
+      return store->accumulate_unit(u, grad_key, stream);
+    }
     if (!reduce) return;
     ensure_side();
     DS_CUDA_CHECK(cudaEventRecord(ready, stream));
@@ -178,7 +189,7 @@ struct GpuModel::Impl {
     DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
     for (size_t u = 0; u < units.size(); ++u) {
       optimizer->step_params(*store, q, unit_params[u].first, unit_params[u].second, side);
-      DS_CUDA_CHECK(cudaMemsetAsync(store->grads() + units[u].lo, 0, units[u].size() * sizeof(float), side));
+      store->zero_unit_grads(u, side);
       DS_CUDA_CHECK(cudaEventRecord(updated[u], side));
     }
     waits_pending = grads_zeroed = side_unjoined = true;
@@ -761,7 +772,10 @@ struct GpuModel::Impl {
     trunk_forward(mp);
     DS_CHECK(!backward || !in_backward() || ib_armed, "internal: a --gradients in-backward backward without "
              "arm_in_backward()");
-    if (backward && in_backward()) {
+    if (backward && bf16_grads()) {
+      grad_key = ops::bf16_state::grad_key(grad_step, grad_micro++);
+    }
+    if (backward && store->slotted()) {
       ib_armed = false;
       begin_unit(static_cast<size_t>(L + 1));                      // the head: final norm (and lm_head untied)
       if (c.tie_word_embeddings) begin_unit(0);                    // lm_head is the embedding: from the loss on
@@ -1002,7 +1016,10 @@ void GpuModel::arm_in_backward(const ops::AdamWParams* update) {
 
 Gradients GpuModel::gradients() const { return impl_->plan.gradients; }
 
+void GpuModel::begin_step(int64_t step) { impl_->grad_step = step; }
+
 void GpuModel::zero_grads() {
+  impl_->grad_micro = 0;
   if (impl_->grads_zeroed) {  // done on the side stream by the overlapped optimizer step, unit by unit
     impl_->grads_zeroed = false;
     return;
@@ -1042,8 +1059,9 @@ void GpuModel::adamw_step(const ops::AdamWParams& p, double weight_decay) {
   if (impl_->prof) {
     const std::vector<ParamSpec>& specs = impl_->store->params();
     const double low = impl_->store->state() == OptimizerState::EightBit ? 12.0 : 16.0;
+    const double bf16_grad = impl_->bf16_grads() ? 2.0 : 0.0;  // a bf16 gradient reads 2 bytes of the 4 counted
     for (size_t k = 0; k < specs.size(); ++k)
-      bytes += (impl_->store->fp32_offset(k) >= 0 ? 30.0 : low) * static_cast<double>(specs[k].numel);
+      bytes += ((impl_->store->fp32_offset(k) >= 0 ? 30.0 : low) - bf16_grad) * static_cast<double>(specs[k].numel);
   }
   impl_->join_side();
   if (impl_->async_optimizer && !impl_->prof) return impl_->async_adamw_step(q);
@@ -1062,8 +1080,8 @@ void GpuModel::set_profiler(cuda::StepProfiler* prof) {
 }
 
 GpuModel::DeviceGrads GpuModel::device_grads() {
-  DS_CHECK(!impl_->in_backward(), "--gradients in-backward keeps no gradient buffer to reduce over ranks: use "
-           "--gradients fp32");
+  DS_CHECK(impl_->store->gradients() == Gradients::Fp32, "--gradients {} keeps no fp32 gradient buffer to reduce "
+           "over ranks: use --gradients fp32", gradients_name(impl_->store->gradients()));
   impl_->join_side();
   if (impl_->lora) return {impl_->lora->grads(), impl_->lora->size(), impl_->stream};  // the adapters' only
   return {impl_->store->grads(), impl_->P, impl_->stream};
@@ -1162,6 +1180,7 @@ void GpuModel::read(Buffer which, int64_t first, int64_t count, float* dst) cons
   DS_CHECK(!impl_->in_backward(), "--gradients in-backward keeps no gradient buffer to read (each unit's gradients "
            "are consumed by its update in the backward): use --gradients fp32");
   DS_CHECK(!impl_->lora, "internal: a LoRA run's base is frozen: it has no gradients (the adapters': read_lora)");
+  if (impl_->bf16_grads()) return download_bf16_as_f32(impl_->store->grads_bf16() + first, count, dst, impl_->stream);
   DS_CUDA_CHECK(cudaMemcpyAsync(dst, impl_->store->grads() + first, count * sizeof(float), cudaMemcpyDeviceToHost,
                                 impl_->stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(impl_->stream));
@@ -1243,6 +1262,7 @@ GpuModel::~GpuModel() = default;
 LossResult GpuModel::forward_backward(const PackedBatch&, double, double, ForwardCapture*) { return {}; }
 std::vector<float> GpuModel::last_logits(const PackedBatch&) { return {}; }
 void GpuModel::zero_grads() {}
+void GpuModel::begin_step(int64_t) {}
 void GpuModel::arm_in_backward(const ops::AdamWParams*) {}
 Gradients GpuModel::gradients() const { return Gradients::Fp32; }
 double GpuModel::grad_sum_squares() { return 0; }

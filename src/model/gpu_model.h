@@ -45,7 +45,10 @@ class GpuModel {
   // copied to the host: fp32 [vocab_size]. Nothing is allocated. ds::Error as forward_backward for a batch
   // outside the plan or the model; an empty batch is an error.
   std::vector<float> last_logits(const PackedBatch& batch);
+  // Zeroes the gradients (and restarts Gradients::Bf16's micro-batch count).
   void zero_grads();
+  // Engine::begin_step: the step that keys Gradients::Bf16's stochastic rounding (model/engine.h).
+  void begin_step(int64_t step);
   // Deterministic: each unit's sum (model.h param_units) added in unit order; Gradients::InBackward: the sums the
   // last backward took.
   double grad_sum_squares();

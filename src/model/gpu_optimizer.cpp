@@ -86,15 +86,20 @@ void GpuAdamW::step_params(GpuParamStore& store, const ops::AdamWParams& p, size
     ops::AdamWParams q = p;
     q.weight_decay = s.weight_decay ? p.weight_decay : 0.0;
     const int64_t o = store.fp32_offset(k), in = a - s.offset;
-    const float* g = store.grad(k) + in;  // the flat buffer, or the unit's slot (Gradients::InBackward)
-    if (o >= 0)
-      K::adamw_update(store.master(k) + in, g, m_ + (o + in - f0_), v_ + (o + in - f0_), store.compute(k) + in, b - a,
-                      q, stream);
-    else if (mq_)
-      K::adamw_update_8bit(store.compute(k) + in, g, mq_ + (a - lo), vq_ + (a - lo), ma_ + q0_[k], va_ + q0_[k],
-                           b - a, q, a, stream);
-    else
-      K::adamw_update_bf16(store.compute(k) + in, g, mb_ + (a - lo), vb_ + (a - lo), b - a, q, a, stream);
+    // The gradients: fp32 (the flat buffer, or the unit's slot with Gradients::InBackward) or bf16 (Gradients::Bf16,
+    // the kernels widen them exactly).
+    auto update = [&](const auto* g) {
+      if (o >= 0)
+        K::adamw_update(store.master(k) + in, g, m_ + (o + in - f0_), v_ + (o + in - f0_), store.compute(k) + in,
+                        b - a, q, stream);
+      else if (mq_)
+        K::adamw_update_8bit(store.compute(k) + in, g, mq_ + (a - lo), vq_ + (a - lo), ma_ + q0_[k], va_ + q0_[k],
+                             b - a, q, a, stream);
+      else
+        K::adamw_update_bf16(store.compute(k) + in, g, mb_ + (a - lo), vb_ + (a - lo), b - a, q, a, stream);
+    };
+    if (store.grads_bf16()) update(store.grad_bf16(k) + in);
+    else update(static_cast<const float*>(store.grad(k) + in));
   }
 }
 

@@ -89,11 +89,11 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
     for (size_t u = 0; u < units_.size(); ++u) unit_at_[u] = units_[u].lo;
     return;
   }
-  DS_CHECK(shard.world == 0, "--gradients in-backward keeps no flat gradient buffer to shard: use --shard none or "
-           "--gradients fp32");
+  DS_CHECK(shard.world == 0, "--gradients {} keeps no fp32 gradient buffer to shard: use --shard none or "
+           "--gradients fp32", gradients_name(gradients_));
   // The slots (class comment): units 0 (embedding), 1 .. L (layers), L + 1 (head).
   const size_t U = units_.size(), head = U - 1;
-  DS_CHECK(U >= 2, "gpu: --gradients in-backward needs the embedding and head units");
+  DS_CHECK(U >= 2, "gpu: --gradients {} needs the embedding and head units", gradients_name(gradients_));
   const bool tied = layout.model_offsets().lm_head == layout.model_offsets().embed_tokens;
   int64_t size[4] = {0, 0, 0, 0};
   auto need = [&](size_t u, int slot) {
@@ -156,6 +156,7 @@ void GpuParamStore::reserve(Arena& a) {
   w_ = a.take<float>(P32_);
   a.use = MemoryUse::Gradients;
   g_ = a.take<float>(G_);
+  if (gradients_ == Gradients::Bf16) gb_ = a.take<bf16>(Ppad_);
   a.use = MemoryUse::Parameters;
   wb_ = a.take<bf16>(Ppad_);
   a.use = MemoryUse::Workspace;
@@ -197,7 +198,7 @@ void GpuParamStore::upload(const std::function<void(size_t k, float* dst)>& valu
     }
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is refilled next
   }
-  DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, G_ * sizeof(float), stream));
+  zero_grads(stream);
   if (Ppad_ > P_) {  // the padding of the flat buffers: zeros, summed and gathered like the rest
     DS_CUDA_CHECK(cudaMemsetAsync(wb_ + P_, 0, (Ppad_ - P_) * sizeof(bf16), stream));
     if (state_ == OptimizerState::Fp32) DS_CUDA_CHECK(cudaMemsetAsync(w_ + P_, 0, (Ppad_ - P_) * sizeof(float), stream));
@@ -219,9 +220,21 @@ void GpuParamStore::read_weights(int64_t first, int64_t count, float* dst, cudaS
 
 void GpuParamStore::zero_grads(cudaStream_t stream) {
   DS_CUDA_CHECK(cudaMemsetAsync(g_, 0, G_ * sizeof(float), stream));
+  if (gb_) DS_CUDA_CHECK(cudaMemsetAsync(gb_, 0, Ppad_ * sizeof(bf16), stream));
+}
+
+void GpuParamStore::zero_unit_grads(size_t u, cudaStream_t stream) {
+  if (gb_) DS_CUDA_CHECK(cudaMemsetAsync(gb_ + units_[u].lo, 0, units_[u].size() * sizeof(bf16), stream));
+  else DS_CUDA_CHECK(cudaMemsetAsync(unit_grads(u), 0, units_[u].size() * sizeof(float), stream));
+}
+
+void GpuParamStore::accumulate_unit(size_t u, uint64_t key, cudaStream_t stream) {
+  DS_CHECK(gb_, "internal: accumulate_unit() needs --gradients bf16");
+  K::accumulate_grad_bf16(gb_ + units_[u].lo, unit_grads(u), units_[u].size(), key, units_[u].lo, stream);
 }
 
 void GpuParamStore::unit_sum_squares(size_t u, cudaStream_t stream) {
+  if (gb_) return K::sum_squares(gb_ + units_[u].lo, units_[u].size(), sumsq_ + u, sumsq_scratch_, stream);
   K::sum_squares(unit_grads(u), units_[u].size(), sumsq_ + u, sumsq_scratch_, stream);
 }
 

@@ -43,12 +43,15 @@ struct ParamShard {
 // A unit's elements lie contiguous in its slot, starting at the unit's flat offset modulo 64 (so every gradient
 // pointer has the flat buffer's alignment mod 256 bytes, and the GEMMs and sums see the same alignments as in the
 // fp32 mode).
+// Gradients::Bf16: the same slots, where each unit's gradients of one micro-batch are made, and one bf16 buffer
+// [P_pad] of every parameter, flat, into which a final unit's slot is added with stochastic rounding
+// (accumulate_unit); the optimizer and the sums of squares read that buffer.
 class GpuParamStore {
  public:
   using bf16 = ds::cuda::bf16;
   // state: Fp32, Bf16 or EightBit (resolved; the last two have the same layout). params: the ParamSpec table (outlives
-  // the store); units: param_units of the model (they tile [0, P)); gradients: the flat fp32 buffer or the slots
-  // above (ds::Error with a shard).
+  // the store); units: param_units of the model (they tile [0, P)); gradients: the flat fp32 buffer, or the slots
+  // above (and the bf16 buffer in Bf16; ds::Error with a shard).
   // frozen (a LoRA run's base, model/gpu_lora.h): the bf16 layout (state Bf16) with no gradient of the GEMM weights
   // (their gradient views are nullptr: the decoder skips their weight-gradient GEMMs, the loss and the embedding
   // their weight gradients) and, for the small parameters' gradients that the ops compute beside dx, one scratch of
@@ -84,16 +87,27 @@ class GpuParamStore {
   float* master(size_t k) const { return fp32_offset_[k] < 0 ? nullptr : w_ + fp32_offset_[k]; }
   int64_t fp32_offset(size_t k) const { return fp32_offset_[k]; }  // -1: bf16 only
   bf16* compute(size_t k) const { return wb_ + params_[k].offset; }
-  float* grads() const { return g_; }  // the flat buffer [P_pad] (Gradients::Fp32); the slots in InBackward
+  float* grads() const { return g_; }  // the flat buffer [P_pad] (Gradients::Fp32); the slots in InBackward, Bf16
   float* grad(size_t k) const { return g_ + grad_at(params_[k].offset); }  // parameter k's gradients
   Gradients gradients() const { return gradients_; }
   const std::vector<ParamUnit>& units() const { return units_; }
-  // Unit u's gradients [units()[u].size()], contiguous, and the slot they live in (InBackward; the flat buffer's
-  // range and slot 0 in Fp32).
+  // Unit u's gradients [units()[u].size()], contiguous, and the slot they live in (InBackward and Bf16; the flat
+  // buffer's range and slot 0 in Fp32).
   float* unit_grads(size_t u) const { return g_ + grad_at(units_[u].lo); }
   int slot_of(size_t u) const { return unit_slot_[u]; }
-  // The sum of squares of unit u's gradients (fixed order, ops/adamw/cuda.h sum_squares) into its entry of the
-  // per-unit sums, enqueued on `stream`; grad_sum_squares(stream, false) then adds the entries in unit order.
+  // Whether the backward makes each unit's gradients in a slot (InBackward, Bf16): zeroed before its first kernel.
+  bool slotted() const { return gradients_ != Gradients::Fp32; }
+  // Gradients::Bf16: the bf16 gradient buffer [P_pad] (flat; null in the other modes), parameter k's part of it,
+  // and unit u's slot added into its range with stochastic rounding (ops/adamw/cuda.h accumulate_grad_bf16; key:
+  // bf16_state::grad_key(step, micro-batch)), enqueued on `stream`.
+  bf16* grads_bf16() const { return gb_; }
+  const bf16* grad_bf16(size_t k) const { return gb_ + params_[k].offset; }
+  void accumulate_unit(size_t u, uint64_t key, cudaStream_t stream);
+  // Zeroes unit u's accumulated gradients (the flat buffer's range, or the bf16 buffer's), enqueued on `stream`.
+  void zero_unit_grads(size_t u, cudaStream_t stream);
+  // The sum of squares of unit u's gradients (fixed order, ops/adamw/cuda.h sum_squares; Bf16: of its bf16 values)
+  // into its entry of the per-unit sums, enqueued on `stream`; grad_sum_squares(stream, false) then adds the entries
+  // in unit order.
   void unit_sum_squares(size_t u, cudaStream_t stream);
   bf16* compute_base() const { return wb_; }  // the bf16 weights [P_pad], flat
   float* master_base() const { return w_; }   // the fp32 master [fp32_size()] (fp32 layout: flat, [P_pad])
@@ -143,6 +157,7 @@ class GpuParamStore {
   int64_t grad_at(int64_t flat) const;  // where flat element `flat` lies in g_
   float *w_ = nullptr, *g_ = nullptr;
   bf16* wb_ = nullptr;
+  bf16* gb_ = nullptr;  // Gradients::Bf16's buffer
   double sum_squares_of(const float* x, int64_t n, cudaStream_t stream);  // the fixed-order sum, synchronised
   double* sumsq_ = nullptr;  // per unit
   void* sumsq_scratch_ = nullptr;

@@ -28,8 +28,9 @@ namespace K = ds::ops::cuda;
 GpuPlan resolved(GpuPlan plan) {
   if (plan.max_seqlen <= 0) plan.max_seqlen = plan.max_tokens;
   if (plan.lora.r > 0) {
-    DS_CHECK(plan.gradients != Gradients::InBackward, "--gradients in-backward with LoRA (--lora-rank / --adapter) "
-             "is not supported (the adapters' gradients are small: use --gradients fp32)");
+    DS_CHECK(plan.gradients == Gradients::Auto || plan.gradients == Gradients::Fp32, "--gradients {} with LoRA "
+             "(--lora-rank / --adapter) is not supported (the adapters' gradients are small: use --gradients fp32)",
+             gradients_name(plan.gradients));
     DS_CHECK(plan.shard_world == 0, "--shard optimizer with LoRA on the GPU engine is not supported: LoRA trains "
              "with --shard none (every rank holds the adapters' small AdamW state; the frozen base has none)");
     plan.optimizer_state = OptimizerState::Bf16;  // the frozen base's layout (model/gpu_params.h)
@@ -173,6 +174,9 @@ std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradie
   }
   if (norm_pass)
     for (const auto& [st, rc] : order) add(st, rc, Gradients::InBackward);
+  // The bf16 gradients are lossy: never chosen by auto, only the (state, recompute) pairs around them when given.
+  if (g == Gradients::Bf16)
+    for (const auto& [st, rc] : order) add(st, rc, Gradients::Bf16);
   return out;
 }
 

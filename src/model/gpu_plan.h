@@ -75,8 +75,8 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan, const s
 // none, then selective, 8bit with none, then selective, then full recompute with fp32, bf16, 8bit (full costs one
 // more forward per step, +25-33 %); each with the fp32 gradient buffer, and without a norm pass (norm_pass false)
 // the in-backward gradients right after it (the same speed, bitwise the same step); with a norm pass (+85 %, measured
-// at 9B) the in-backward gradients after all of those, in the same pair order. A mode that is not Auto keeps its
-// value.
+// at 9B) the in-backward gradients after all of those, in the same pair order. Never the bf16 gradients (lossy,
+// opt-in): with g = Bf16 given, the pairs in the same order with them. A mode that is not Auto keeps its value.
 struct MemoryModes {
   OptimizerState state;
   Recompute recompute;

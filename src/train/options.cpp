@@ -146,9 +146,10 @@ const std::vector<TrainOption>& train_options() {
       older_reads(opt("gradients", &O::gradients, "auto",
                       "fp32 (one gradient buffer, 4 bytes per parameter), in-backward (each layer's AdamW update "
                       "runs in the backward as soon as its gradients are final: no gradient buffer; with --clip a "
-                      "norm-only pass first; --grad-accum 1, one rank; docs/memory.md) or auto (in-backward only "
-                      "where fp32 does not fit)",
-                      one_of({"auto", "fp32", "in-backward"}), kResumable | kNewerKey),
+                      "norm-only pass first; --grad-accum 1, one rank; docs/memory.md), bf16 (one bf16 buffer, 2 bytes "
+                      "per parameter, each micro-batch added with stochastic rounding: lossy, any --grad-accum, one "
+                      "rank) or auto (in-backward only where fp32 does not fit; never bf16)",
+                      one_of({"auto", "fp32", "in-backward", "bf16"}), kResumable | kNewerKey),
                   std::string("fp32")),
       opt("memory", &O::memory, "auto",
           "auto: the memory modes not given are chosen to fit the GPU (docs/memory.md); fixed: fp32 and selective",

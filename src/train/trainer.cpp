@@ -615,17 +615,19 @@ void check_run_options(const TrainOptions& opt, bool resumed, const std::string&
     log_info("--shard {} with one rank: nothing to shard, the whole state stays here", opt.shard);
   DS_CHECK(opt.shard != "full" || device != "cuda", "--shard full is built for the CPU engine "
            "only: the GPU engine has no per-layer parameter gathers yet (use --shard optimizer or none, or --device cpu)");
-  if (opt.gradients == "in-backward") {  // each unit's update runs in its backward (model/engine.h Gradients)
-    DS_CHECK(opt.grad_accum == 1, "--gradients in-backward updates each layer during the backward, so every "
-             "backward is a whole step: --grad-accum must be 1 (got {}{}); {}use --gradients fp32", opt.grad_accum,
+  if (opt.gradients == "in-backward" || opt.gradients == "bf16") {  // model/engine.h Gradients
+    DS_CHECK(opt.gradients != "in-backward" || opt.grad_accum == 1, "--gradients in-backward updates each layer "
+             "during the backward, so every backward is a whole step: --grad-accum must be 1 (got {}{}); {}use "
+             "--gradients fp32{}", opt.grad_accum,
              resumed ? fmt::format(": the run of --resume {} has it, and a resume keeps it", opt.resume) : "",
-             resumed ? "" : "raise --micro-batch, or ");
-    DS_CHECK(comm.world() == 1, "--gradients in-backward runs on one rank (this launch has {}): use --gradients "
-             "fp32", comm.world());
-    DS_CHECK(opt.shard == "none", "--gradients in-backward keeps no gradient buffer to shard: use --shard none or "
-             "--gradients fp32");
-    DS_CHECK(opt.lora_rank == 0 && opt.adapter.empty(), "--gradients in-backward with LoRA (--lora-rank / --adapter) "
-             "is not supported (the adapters' gradients are small: use --gradients fp32)");
+             resumed ? "" : "raise --micro-batch, or ", " or bf16");
+    // No fp32 gradient buffer to sum over ranks or to shard: in-backward keeps none, bf16 keeps a bf16 one.
+    DS_CHECK(comm.world() == 1, "--gradients {} runs on one rank (this launch has {}): use --gradients fp32",
+             opt.gradients, comm.world());
+    DS_CHECK(opt.shard == "none", "--gradients {} keeps no fp32 gradient buffer to shard: use --shard none or "
+             "--gradients fp32", opt.gradients);
+    DS_CHECK(opt.lora_rank == 0 && opt.adapter.empty(), "--gradients {} with LoRA (--lora-rank / --adapter) is not "
+             "supported (the adapters' gradients are small: use --gradients fp32)", opt.gradients);
   }
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   check_engine_knobs();  // and a bad DELTASTACK_ASYNC_OPTIMIZER / _DP_OVERLAP (the GPU engine reads them later)
@@ -1011,6 +1013,7 @@ int train(TrainOptions cli) {
     } else {
       // Forward and backward over each micro-batch, the gradients accumulating (the last backward also starts their
       // reduction over the ranks).
+      engine->begin_step(step);  // keys --gradients bf16's stochastic rounding
       engine->zero_grads();
       // A signal between micro-batches stops the step unfinished (a long --grad-accum step is no wait for a signal):
       // its partial gradients are dropped, the weights stay those of the previous step, which is what is saved.

@@ -417,6 +417,7 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
       const InBackwardStep r = in_backward_step(*gpu, b, scale, 0.0, ap, memory.clip, false);
       return std::pair<double, double>{r.result.loss_sum * scale, std::sqrt(r.grad_sum_squares)};
     }
+    gpu->begin_step(ap.step);
     gpu->zero_grads();
     LossResult r = gpu->forward_backward(b, scale);
     double gn = std::sqrt(gpu->grad_sum_squares());

@@ -99,8 +99,11 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   const bool ib = plan.gradients == Gradients::InBackward;
   fmt::print("  gradients: {}{}{}\n",
              ib ? "in-backward (each unit updated in the backward; fp32 slots of the embedding, head and two layers"
-                : lora ? "fp32, the adapters' only (a scratch of one layer's small parameters for the base's ops)"
-                       : "fp32 (one buffer of every parameter)",
+             : plan.gradients == Gradients::Bf16
+                 ? "bf16 (one buffer of every parameter, 2 bytes each, each micro-batch added with stochastic rounding "
+                   "from fp32 slots of the embedding, head and two layers; lossy)"
+             : lora ? "fp32, the adapters' only (a scratch of one layer's small parameters for the base's ops)"
+                    : "fp32 (one buffer of every parameter)",
              !ib ? "" : plan.norm_pass ? "; with --clip a norm-only pass first, about 1.85x the step)" : ")",
              chosen_grads && !lora ? "; chosen by --memory auto" : "");
   // Bytes per parameter beside each part: the figure the optimizer-state and gradient modes trade in.

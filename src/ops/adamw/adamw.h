@@ -36,6 +36,11 @@ void adamw_update_8bit(uint16_t* param, const float* grad, uint8_t* m_code, uint
 void quantize_moment_8bit(int which, const float* x, int64_t n, int64_t index0, uint8_t* code, float* absmax);
 void dequantize_moment_8bit(int which, const uint8_t* code, const float* absmax, int64_t n, int64_t index0, float* x);
 
+// The bf16 gradient buffer's accumulation (`--gradients bf16`; bf16_state.h accumulate_grad): acc bf16 bits [n] in
+// place, acc[i] = SR(widen(acc[i]) + g[i]) with the random bits of (key, index0 + i); key: bf16_state::grad_key(step,
+// micro-batch). Bitwise what ops::cuda::accumulate_grad_bf16 computes.
+void accumulate_grad_bf16(uint16_t* acc, const float* g, int64_t n, uint64_t key, int64_t index0);
+
 // Sum of squares of grad[0..n) in double, reduced in a fixed order (independent of thread count).
 double sum_squares(const float* grad, int64_t n);
 

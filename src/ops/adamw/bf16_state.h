@@ -131,4 +131,18 @@ DS_ADAM_HD void update(uint16_t& p, float g, uint16_t& m, uint16_t& v, const Con
   v = round_stochastic(vv, static_cast<uint32_t>(r >> 32));
 }
 
+// Gradients::Bf16 (`--gradients bf16`, docs/memory.md): one micro-batch's fp32 gradient g added into the bf16
+// gradient buffer's element acc, rounded stochastically as above: SR(widen(acc) + g). The 16 random bits are the
+// low ones of the counter-based stream keyed by grad_key(step, micro) and the element's flat parameter index (a
+// seed of its own, so they are independent of the update's bits for the same step and element). The first
+// micro-batch of a step adds onto zero: SR(g).
+constexpr uint64_t kGradSeed = 0x3c6ef372fe94f82bULL;
+// step: the trainer's step (1-based); micro: the micro-batch's index within it (0-based).
+inline uint64_t grad_key(int64_t step, int64_t micro) {
+  return step_key(kGradSeed ^ mix64(static_cast<uint64_t>(micro) + 1), step);
+}
+DS_ADAM_HD uint16_t accumulate_grad(uint16_t acc, float g, uint64_t key, uint64_t index) {
+  return round_stochastic(widen(acc) + g, static_cast<uint32_t>(element_bits(key, index)));
+}
+
 }  // namespace ds::ops::bf16_state

@@ -96,6 +96,12 @@ void dequantize_moment_8bit(int which, const uint8_t* code, const float* absmax,
   }
 }
 
+void accumulate_grad_bf16(uint16_t* acc, const float* g, int64_t n, uint64_t key, int64_t index0) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i)
+    acc[i] = bf16_state::accumulate_grad(acc[i], g[i], key, static_cast<uint64_t>(index0 + i));
+}
+
 double sum_squares(const float* grad, int64_t n) {
   // Fixed blocks of 4096 summed in order: the same result for any thread count.
   const int64_t block = 4096;

@@ -29,6 +29,18 @@ struct AdamConsts {
   float b1, b2, decay, step_size, inv_sqrt_bc2, eps, gs;
 };
 
+// A gradient read as fp32: an fp32 gradient as it is, a bf16 one (uint16_t bits; --gradients bf16) widened exactly.
+// grad4: elements 4i .. 4i + 3 (the pointer aligned to vec_align<G>).
+template <typename G>
+constexpr size_t vec_align = 4 * sizeof(G);
+__device__ __forceinline__ float grad1(const float* g, int64_t i) { return g[i]; }
+__device__ __forceinline__ float grad1(const uint16_t* g, int64_t i) { return bf16_state::widen(g[i]); }
+__device__ __forceinline__ float4 grad4(const float* g, int64_t i) { return __ldg(reinterpret_cast<const float4*>(g) + i); }
+__device__ __forceinline__ float4 grad4(const uint16_t* g, int64_t i) {
+  const ushort4 u = __ldg(reinterpret_cast<const ushort4*>(g) + i);
+  return make_float4(bf16_state::widen(u.x), bf16_state::widen(u.y), bf16_state::widen(u.z), bf16_state::widen(u.w));
+}
+
 __device__ __forceinline__ float adam_one(float& p, float g, float& m, float& v, const AdamConsts& k) {
   g *= k.gs;
   float pp = p * k.decay;
@@ -39,13 +51,14 @@ __device__ __forceinline__ float adam_one(float& p, float g, float& m, float& v,
   return pp;
 }
 
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_vec4_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+    adamw_vec4_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ m,
                       float* __restrict__ v, bf16* __restrict__ pb, int64_t n4, AdamConsts k) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n4;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     float4 p = reinterpret_cast<float4*>(param)[i];
-    const float4 g = __ldg(reinterpret_cast<const float4*>(grad) + i);
+    const float4 g = grad4(grad, i);
     float4 mm = reinterpret_cast<float4*>(m)[i];
     float4 vv = reinterpret_cast<float4*>(v)[i];
     adam_one(p.x, g.x, mm.x, vv.x, k);
@@ -60,13 +73,14 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Elements [begin, n) one per thread (the whole buffer when unaligned, or the tail after the vector part).
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_scalar_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ m,
+    adamw_scalar_kernel(float* __restrict__ param, const G* __restrict__ grad, float* __restrict__ m,
                         float* __restrict__ v, bf16* __restrict__ pb, int64_t begin, int64_t n, AdamConsts k) {
   for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     float p = param[i], mm = m[i], vv = v[i];
-    adam_one(p, grad[i], mm, vv, k);
+    adam_one(p, grad1(grad, i), mm, vv, k);
     param[i] = p, m[i] = mm, v[i] = vv;
     if (pb) pb[i] = __float2bfloat16_rn(p);
   }
@@ -74,14 +88,15 @@ __global__ void __launch_bounds__(kThreads)
 
 // The lean mode (bf16_state.h): 4 elements per thread (8-byte bf16 loads/stores, a float4 gradient) when every
 // pointer allows it, else one.
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_bf16_vec4_kernel(uint16_t* __restrict__ param, const float* __restrict__ grad, uint16_t* __restrict__ m,
+    adamw_bf16_vec4_kernel(uint16_t* __restrict__ param, const G* __restrict__ grad, uint16_t* __restrict__ m,
                            uint16_t* __restrict__ v, int64_t n4, int64_t index0, bf16_state::Consts k) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n4;
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     ushort4 p = reinterpret_cast<ushort4*>(param)[i], mm = reinterpret_cast<ushort4*>(m)[i],
             vv = reinterpret_cast<ushort4*>(v)[i];
-    const float4 g = __ldg(reinterpret_cast<const float4*>(grad) + i);
+    const float4 g = grad4(grad, i);
     const uint64_t e = static_cast<uint64_t>(index0 + 4 * i);
     bf16_state::update(p.x, g.x, mm.x, vv.x, k, e);
     bf16_state::update(p.y, g.y, mm.y, vv.y, k, e + 1);
@@ -92,12 +107,13 @@ __global__ void __launch_bounds__(kThreads)
     reinterpret_cast<ushort4*>(v)[i] = vv;
   }
 }
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_bf16_scalar_kernel(uint16_t* __restrict__ param, const float* __restrict__ grad, uint16_t* __restrict__ m,
+    adamw_bf16_scalar_kernel(uint16_t* __restrict__ param, const G* __restrict__ grad, uint16_t* __restrict__ m,
                              uint16_t* __restrict__ v, int64_t begin, int64_t n, int64_t index0, bf16_state::Consts k) {
   for (int64_t i = begin + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads)
-    bf16_state::update(param[i], grad[i], m[i], v[i], k, static_cast<uint64_t>(index0 + i));
+    bf16_state::update(param[i], grad1(grad, i), m[i], v[i], k, static_cast<uint64_t>(index0 + i));
 }
 
 // The 8-bit state (q8_state.h): one CUDA block per quantization block (kThreads == q8_state::kBlock), thread t on
@@ -109,8 +125,9 @@ __constant__ float c_q8_m_thr[127] = {DS_Q8_M_THRESHOLDS};
 __constant__ float c_q8_r_val[256] = {DS_Q8_R_VALUES};
 __constant__ float c_q8_r_thr[255] = {DS_Q8_R_THRESHOLDS};
 
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    adamw_8bit_kernel(uint16_t* __restrict__ param, const float* __restrict__ grad, uint8_t* __restrict__ m_code,
+    adamw_8bit_kernel(uint16_t* __restrict__ param, const G* __restrict__ grad, uint8_t* __restrict__ m_code,
                       uint8_t* __restrict__ v_code, float* __restrict__ m_absmax, float* __restrict__ v_absmax,
                       int64_t n, int64_t index0, int64_t nblocks, bf16_state::Consts k) {
   namespace Q = q8_state;
@@ -131,7 +148,7 @@ __global__ void __launch_bounds__(kThreads)
     if (active) {
       const float m_old = Q::dequantize_m(m_code[i], m_absmax[b], tab);
       const float r_old = Q::dequantize_r(v_code[i], v_absmax[b], tab);
-      Q::update_element(param[i], grad[i], m_old, r_old, k, static_cast<uint64_t>(index0 + i), mm, rr);
+      Q::update_element(param[i], grad1(grad, i), m_old, r_old, k, static_cast<uint64_t>(index0 + i), mm, rr);
     }
     float am = fabsf(mm), ar = rr;
     for (int o = 16; o > 0; o >>= 1) {
@@ -151,6 +168,14 @@ __global__ void __launch_bounds__(kThreads)
     if (t == 0) m_absmax[b] = am, v_absmax[b] = ar;
     __syncthreads();  // red_m / red_r are reused by the next block
   }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    accumulate_grad_bf16_kernel(uint16_t* __restrict__ acc, const float* __restrict__ g, int64_t n, uint64_t key,
+                                int64_t index0) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    acc[i] = bf16_state::accumulate_grad(acc[i], g[i], key, static_cast<uint64_t>(index0 + i));
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -189,21 +214,22 @@ __device__ __forceinline__ double block_sum(double s) {
 }
 
 // Block b sums elements [b*chunk, min(n, (b+1)*chunk)).
+template <typename G>
 __global__ void __launch_bounds__(kThreads)
-    sumsq_partial_kernel(const float* __restrict__ x, int64_t n, int64_t chunk, bool vec4, double* __restrict__ part) {
+    sumsq_partial_kernel(const G* __restrict__ x, int64_t n, int64_t chunk, bool vec4, double* __restrict__ part) {
   const int64_t b0 = static_cast<int64_t>(blockIdx.x) * chunk;
   const int64_t b1 = b0 + chunk < n ? b0 + chunk : n;
   double s = 0.0;
-  if (vec4) {  // chunk % 4 == 0 and x 16-byte aligned: float4 over [b0, b1 rounded down to 4), then the tail
+  if (vec4) {  // chunk % 4 == 0 and x vec_align<G>-aligned: 4 at a time over [b0, b1 rounded down to 4), then the tail
     const int64_t e4 = b0 + (b1 - b0) / 4 * 4;
     for (int64_t i = b0 / 4 + threadIdx.x; i < e4 / 4; i += kThreads) {
-      const float4 a = __ldg(reinterpret_cast<const float4*>(x) + i);
+      const float4 a = grad4(x, i);
       s += static_cast<double>(a.x) * a.x + static_cast<double>(a.y) * a.y + static_cast<double>(a.z) * a.z +
            static_cast<double>(a.w) * a.w;
     }
-    for (int64_t i = e4 + threadIdx.x; i < b1; i += kThreads) s += static_cast<double>(x[i]) * x[i];
+    for (int64_t i = e4 + threadIdx.x; i < b1; i += kThreads) s += static_cast<double>(grad1(x, i)) * grad1(x, i);
   } else {
-    for (int64_t i = b0 + threadIdx.x; i < b1; i += kThreads) s += static_cast<double>(x[i]) * x[i];
+    for (int64_t i = b0 + threadIdx.x; i < b1; i += kThreads) s += static_cast<double>(grad1(x, i)) * grad1(x, i);
   }
   s = block_sum(s);
   if (threadIdx.x == 0) part[blockIdx.x] = s;
@@ -233,10 +259,10 @@ SumPlan sum_plan(int64_t n) {
   return p;
 }
 
-}  // namespace
-
-void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda::bf16* param_bf16, int64_t n,
-                  const ds::ops::AdamWParams& p, cudaStream_t stream) {
+// The updates over either gradient type G (float, or uint16_t: bf16 bits); the public overloads below.
+template <typename G>
+void adamw_update_t(float* param, const G* grad, float* m, float* v, ds::cuda::bf16* param_bf16, int64_t n,
+                    const ds::ops::AdamWParams& p, cudaStream_t stream) {
   DS_CUDA_REQUIRE(n >= 0, "adamw_update: n must be >= 0, got " + std::to_string(n));
   DS_CUDA_REQUIRE(p.step >= 1, "adamw_update: step must be >= 1 (1-based), got " + std::to_string(p.step));
   if (n == 0) return;
@@ -251,7 +277,7 @@ void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda:
   k.inv_sqrt_bc2 = static_cast<float>(1.0 / std::sqrt(bc2));
   k.eps = static_cast<float>(p.eps);
   k.gs = static_cast<float>(p.grad_scale);
-  const bool vec = aligned(param, 16) && aligned(grad, 16) && aligned(m, 16) && aligned(v, 16) &&
+  const bool vec = aligned(param, 16) && aligned(grad, vec_align<G>) && aligned(m, 16) && aligned(v, 16) &&
                    (param_bf16 == nullptr || aligned(param_bf16, 8));
   int64_t begin = 0;
   if (vec && n >= 4) {
@@ -266,8 +292,9 @@ void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda:
   }
 }
 
-void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16* m, ds::cuda::bf16* v, int64_t n,
-                       const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
+template <typename G>
+void adamw_update_bf16_t(ds::cuda::bf16* param, const G* grad, ds::cuda::bf16* m, ds::cuda::bf16* v, int64_t n,
+                         const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
   DS_CUDA_REQUIRE(n >= 0 && index0 >= 0, "adamw_update_bf16: n and index0 must be >= 0");
   DS_CUDA_REQUIRE(p.step >= 1, "adamw_update_bf16: step must be >= 1 (1-based), got " + std::to_string(p.step));
   if (n == 0) return;
@@ -277,7 +304,7 @@ void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16*
   auto* mu = reinterpret_cast<uint16_t*>(m);
   auto* vu = reinterpret_cast<uint16_t*>(v);
   int64_t begin = 0;
-  if (aligned(param, 8) && aligned(m, 8) && aligned(v, 8) && aligned(grad, 16) && n >= 4) {
+  if (aligned(param, 8) && aligned(m, 8) && aligned(v, 8) && aligned(grad, vec_align<G>) && n >= 4) {
     const int64_t n4 = n / 4;
     adamw_bf16_vec4_kernel<<<grid_for(n4), kThreads, 0, stream>>>(pu, grad, mu, vu, n4, index0, k);
     DS_CUDA_LAUNCH_CHECK();
@@ -289,8 +316,9 @@ void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16*
   }
 }
 
-void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
-                       float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
+template <typename G>
+void adamw_update_8bit_t(ds::cuda::bf16* param, const G* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
+                         float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
   DS_CUDA_REQUIRE(n >= 0 && index0 >= 0, "adamw_update_8bit: n and index0 must be >= 0");
   DS_CUDA_REQUIRE(p.step >= 1, "adamw_update_8bit: step must be >= 1 (1-based), got " + std::to_string(p.step));
   if (n == 0) return;
@@ -299,6 +327,65 @@ void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code
   const unsigned grid = static_cast<unsigned>(nb < kMaxBlocks * 8 ? nb : kMaxBlocks * 8);
   adamw_8bit_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(param), grad, m_code, v_code, m_absmax,
                                                    v_absmax, n, index0, nb, bf16_state::consts(p));
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+template <typename G>
+void sum_squares_t(const G* x, int64_t n, double* out, void* scratch, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(n >= 0, "sum_squares: n must be >= 0, got " + std::to_string(n));
+  DS_CUDA_REQUIRE(out != nullptr, "sum_squares: out is null");
+  if (n == 0) {
+    DS_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream));  // all-zero bits = 0.0
+    return;
+  }
+  DS_CUDA_REQUIRE(x != nullptr, "sum_squares: x is null");
+  DS_CUDA_REQUIRE(scratch != nullptr, "sum_squares: scratch is null (need sum_squares_scratch_bytes)");
+  const SumPlan sp = sum_plan(n);
+  double* part = static_cast<double*>(scratch);
+  sumsq_partial_kernel<<<static_cast<unsigned>(sp.blocks), kThreads, 0, stream>>>(x, n, sp.chunk,
+                                                                                   aligned(x, vec_align<G>), part);
+  DS_CUDA_LAUNCH_CHECK();
+  sumsq_final_kernel<<<1, kThreads, 0, stream>>>(part, sp.blocks, out);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+const uint16_t* bits(const ds::cuda::bf16* x) { return reinterpret_cast<const uint16_t*>(x); }
+
+}  // namespace
+
+void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda::bf16* param_bf16, int64_t n,
+                  const ds::ops::AdamWParams& p, cudaStream_t stream) {
+  adamw_update_t(param, grad, m, v, param_bf16, n, p, stream);
+}
+void adamw_update(float* param, const ds::cuda::bf16* grad, float* m, float* v, ds::cuda::bf16* param_bf16, int64_t n,
+                  const ds::ops::AdamWParams& p, cudaStream_t stream) {
+  adamw_update_t(param, bits(grad), m, v, param_bf16, n, p, stream);
+}
+void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16* m, ds::cuda::bf16* v, int64_t n,
+                       const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
+  adamw_update_bf16_t(param, grad, m, v, n, p, index0, stream);
+}
+void adamw_update_bf16(ds::cuda::bf16* param, const ds::cuda::bf16* grad, ds::cuda::bf16* m, ds::cuda::bf16* v,
+                       int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
+  adamw_update_bf16_t(param, bits(grad), m, v, n, p, index0, stream);
+}
+void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
+                       float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
+  adamw_update_8bit_t(param, grad, m_code, v_code, m_absmax, v_absmax, n, p, index0, stream);
+}
+void adamw_update_8bit(ds::cuda::bf16* param, const ds::cuda::bf16* grad, uint8_t* m_code, uint8_t* v_code,
+                       float* m_absmax, float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0,
+                       cudaStream_t stream) {
+  adamw_update_8bit_t(param, bits(grad), m_code, v_code, m_absmax, v_absmax, n, p, index0, stream);
+}
+
+void accumulate_grad_bf16(ds::cuda::bf16* acc, const float* g, int64_t n, uint64_t key, int64_t index0,
+                          cudaStream_t stream) {
+  DS_CUDA_REQUIRE(n >= 0 && index0 >= 0, "accumulate_grad_bf16: n and index0 must be >= 0");
+  if (n == 0) return;
+  DS_CUDA_REQUIRE(acc && g, "accumulate_grad_bf16: null pointer argument");
+  accumulate_grad_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(acc), g, n, key,
+                                                                    index0);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -330,20 +417,10 @@ void to_bf16(const float* x, ds::cuda::bf16* y, int64_t n, cudaStream_t stream) 
 size_t sum_squares_scratch_bytes(int64_t n) { return static_cast<size_t>(sum_plan(n).blocks) * sizeof(double); }
 
 void sum_squares(const float* x, int64_t n, double* out, void* scratch, cudaStream_t stream) {
-  DS_CUDA_REQUIRE(n >= 0, "sum_squares: n must be >= 0, got " + std::to_string(n));
-  DS_CUDA_REQUIRE(out != nullptr, "sum_squares: out is null");
-  if (n == 0) {
-    DS_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream));  // all-zero bits = 0.0
-    return;
-  }
-  DS_CUDA_REQUIRE(x != nullptr, "sum_squares: x is null");
-  DS_CUDA_REQUIRE(scratch != nullptr, "sum_squares: scratch is null (need sum_squares_scratch_bytes)");
-  const SumPlan sp = sum_plan(n);
-  double* part = static_cast<double*>(scratch);
-  sumsq_partial_kernel<<<static_cast<unsigned>(sp.blocks), kThreads, 0, stream>>>(x, n, sp.chunk, aligned(x, 16), part);
-  DS_CUDA_LAUNCH_CHECK();
-  sumsq_final_kernel<<<1, kThreads, 0, stream>>>(part, sp.blocks, out);
-  DS_CUDA_LAUNCH_CHECK();
+  sum_squares_t(x, n, out, scratch, stream);
+}
+void sum_squares(const ds::cuda::bf16* x, int64_t n, double* out, void* scratch, cudaStream_t stream) {
+  sum_squares_t(bits(x), n, out, scratch, stream);
 }
 
 }  // namespace ds::ops::cuda

@@ -19,6 +19,21 @@ void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16*
 // param bf16 [n] in place, grad fp32 [n], m_code / v_code uint8 [n], m_absmax / v_absmax fp32 [num_blocks].
 void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
                        float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream);
+// The same three updates reading bf16 gradients (`--gradients bf16`: the whole-model gradient buffer in bf16),
+// each widened exactly to fp32 where the fp32 overloads read the fp32 value: the same results as the fp32 overloads
+// given the widened gradients, bitwise. grad: bf16 [n].
+void adamw_update(float* param, const ds::cuda::bf16* grad, float* m, float* v, ds::cuda::bf16* param_bf16, int64_t n,
+                  const ds::ops::AdamWParams& p, cudaStream_t stream);
+void adamw_update_bf16(ds::cuda::bf16* param, const ds::cuda::bf16* grad, ds::cuda::bf16* m, ds::cuda::bf16* v,
+                       int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream);
+void adamw_update_8bit(ds::cuda::bf16* param, const ds::cuda::bf16* grad, uint8_t* m_code, uint8_t* v_code,
+                       float* m_absmax, float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0,
+                       cudaStream_t stream);
+// The bf16 gradient buffer's stochastic-rounded accumulation (bitwise ops::accumulate_grad_bf16): acc bf16 [n] in
+// place, acc[i] = SR(float(acc[i]) + g[i]), g fp32 [n] (a unit's gradient slot), key = bf16_state::grad_key(step,
+// micro-batch), index0 = the flat parameter index of element 0.
+void accumulate_grad_bf16(ds::cuda::bf16* acc, const float* g, int64_t n, uint64_t key, int64_t index0,
+                          cudaStream_t stream);
 // bf16 -> fp32 (exact).
 void widen_bf16(const ds::cuda::bf16* x, float* y, int64_t n, cudaStream_t stream);
 // Converts fp32 -> bf16 (round to nearest even).
@@ -26,5 +41,7 @@ void to_bf16(const float* x, ds::cuda::bf16* y, int64_t n, cudaStream_t stream);
 // Sum of squares of x [n] in fixed block order into *out (device double). scratch: sum_squares_scratch_bytes(n).
 size_t sum_squares_scratch_bytes(int64_t n);
 void sum_squares(const float* x, int64_t n, double* out, void* scratch, cudaStream_t stream);
+// The same over bf16 values (each widened exactly; the same grid and order as the fp32 one over the widened values).
+void sum_squares(const ds::cuda::bf16* x, int64_t n, double* out, void* scratch, cudaStream_t stream);
 
 }  // namespace ds::ops::cuda
