@@ -9,8 +9,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -53,9 +55,12 @@ TEST(CudaLinear, Accumulate) {
 }
 
 // General gemm: every transposition, padded leading dimensions, alpha / beta, fp32 and bf16 C.
-// The residual stream's add in the GEMM's epilogue (linear_forward's residual, gemm_fp8's C_in): y = x W^T + r with
-// one rounding, against the accumulate form over a copy of r (y = r; y += x W^T: the same epilogue reading C in
-// place) to within one bf16 rounding, r left as it was, bf16 and FP8.
+// The residual stream's add in the GEMM's epilogue (linear_forward's residual, gemm_fp8's C_in): y = x W^T + r, r
+// left as it was. bf16: against the float64 x W^T + r within bf16 rounding of the operands' magnitudes (the
+// accumulate form, y = r; y += x W^T, is held to the same bound: the H200 showed the two forms differing by up to
+// about half a bf16 step of x W^T where the sum cancels, so neither is assumed to round only once); a dropped or
+// doubled residual is off by |r|. FP8: exact integer codes, so the product is exact and the epilogue's add is the
+// only rounding.
 TEST(CudaLinear, ResidualInTheEpilogue) {
   DS_SKIP_WITHOUT_GPU();
   Ctx ctx(41);
@@ -66,13 +71,24 @@ TEST(CudaLinear, ResidualInTheEpilogue) {
   Buf<ds::cuda::bf16> y(static_cast<size_t>(M * N));
   cuda::linear_forward(x.get(), w.get(), y.get(), M, K, N, false, ctx.s, r.get());
   cuda::linear_forward(x.get(), w.get(), acc.get(), M, K, N, true, ctx.s);
-  const Vec got = ctx.down_bf16(y), want = ctx.down_bf16(acc), r_after = ctx.down_bf16(r);
+  const Vec got = ctx.down_bf16(y), acc_form = ctx.down_bf16(acc), r_after = ctx.down_bf16(r);
   EXPECT_TRUE(r_after == rh);
-  size_t bad = 0;
-  for (size_t i = 0; i < got.size(); ++i)
-    if (std::abs(got[i] - want[i]) > std::abs(want[i]) * (1.0f / 128) + 1e-6f && bad++ < 5)
-      ADD_FAILURE() << "element " << i << ": residual form " << got[i] << ", accumulate form " << want[i];
-  EXPECT_EQ(bad, 0u);
+  for (const auto& [form, vals] : {std::make_pair("residual", &got), std::make_pair("accumulate", &acc_form)}) {
+    size_t bad = 0;
+    double worst = 0;
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) {
+        double xw = 0;
+        for (int64_t k = 0; k < K; ++k) xw += double(xh[i * K + k]) * wh[j * K + k];
+        const double want = xw + rh[i * N + j], err = std::abs((*vals)[i * N + j] - want);
+        const double tol = (std::abs(xw) + std::abs(rh[i * N + j])) * (1.0 / 256) + 1e-6;
+        worst = std::max(worst, err / tol);
+        if (err > tol && bad++ < 5)
+          ADD_FAILURE() << form << " form (" << i << ", " << j << "): " << (*vals)[i * N + j] << ", float64 " << want;
+      }
+    EXPECT_EQ(bad, 0u) << form;
+    std::printf("[ measured ] %s form: worst error / bound %.3f\n", form, worst);
+  }
   EXPECT_GT(rel_l2(got, rh), 1e-2);  // the product is really there
   // FP8: unit scales, codes of small integers (exact in E4M3), so the product is exact and the epilogue's add is the
   // only rounding: y = bf16(float(q(x) q(W)^T) + r).
@@ -93,7 +109,7 @@ TEST(CudaLinear, ResidualInTheEpilogue) {
       B{qwd.get(), N, K, K, ds::Fp8Format::E4M3, one.get()};
   cuda::gemm_fp8(A, B, y.get(), false, N, 1.0f, true, ctx.s, cuda::Fp8ScaleMode::Tensor, r.get());
   const Vec g8 = ctx.down_bf16(y);
-  bad = 0;
+  size_t bad = 0;
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < N; ++j) {
       double dot = 0;
