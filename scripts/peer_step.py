@@ -293,9 +293,13 @@ def run(args, config, label, desc, prepare=None, check=None):
     print(f"peer: {type(model).__name__} {n_params / 1e9:.2f}B parameters, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}; built in {time.time() - t0:.1f} s", flush=True)
     for i in range(args.warmup):
+        t_step = time.time()
         loss = step()
         if i == 0 and check is not None:
             check()
+        torch.cuda.synchronize()
+        # a run stopped by a timeout then shows how far it got (the first step compiles and autotunes Triton kernels)
+        print(f"peer: warm-up step {i + 1} of {args.warmup} took {time.time() - t_step:.1f} s", flush=True)
     torch.cuda.synchronize()
     times = []
     for _ in range(args.steps):
