@@ -12,6 +12,7 @@
 #include "core/cuda/device.h"
 #include "core/files.h"
 #include "model/config.h"
+#include "model/engine.h"
 #include "model/gpu_params.h"
 #include "model/gpu_plan.h"
 #include "model/lora.h"
@@ -150,6 +151,20 @@ TEST(Plan, CommandEndsWithTheVerdictAndExitsZero) {
   EXPECT_NE(out.find("--recompute must be"), std::string::npos) << out;
   EXPECT_EQ(ds::test::run("bench step --preset 9b --memory lots", &out), 1);
   EXPECT_NE(out.find("--memory must be"), std::string::npos) << out;
+}
+
+// `plan --help` and `bench step --help` name every --recompute policy (they said "auto, none, selective or full"
+// after mlp was added), from the list parse_recompute takes.
+TEST(Plan, HelpNamesEveryRecomputePolicy) {
+  EXPECT_EQ(ds::recompute_choices(), "auto, none, selective, mlp or full");
+  for (const char* cmd : {"plan --help", "bench step --help"}) {
+    std::string out;
+    ASSERT_EQ(ds::test::run(cmd, &out), 0) << out;
+    EXPECT_NE(out.find("auto, none, selective, mlp or full"), std::string::npos) << cmd << "\n" << out;
+  }
+  std::string out;
+  EXPECT_EQ(ds::test::run("plan --model 2b --recompute mlpp", &out), 1);
+  EXPECT_NE(out.find("--recompute must be auto, none, selective, mlp or full, got \"mlpp\""), std::string::npos) << out;
 }
 
 // `plan --hf-config`: the preset's config.json as deltastack writes it (scripts/peer_step.py --config builds the

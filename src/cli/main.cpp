@@ -18,6 +18,7 @@
 #include "core/log.h"
 #include "core/parallel.h"
 #include "dist/communicator.h"
+#include "model/engine.h"
 #include "train/options_cli.h"
 #include "train/trainer.h"
 
@@ -137,7 +138,7 @@ int main(int argc, char** argv) {
     cmd->add_option("--memory", m.memory, "auto (choose the modes not given to fit) or fixed (fp32, selective)")
         ->capture_default_str();
     cmd->add_option("--optimizer-state", m.optimizer_state, "auto, fp32, bf16 or 8bit")->capture_default_str();
-    cmd->add_option("--recompute", m.recompute, "auto, none, selective, mlp (selective + the gate|up output, its GEMM again) or full")->capture_default_str();
+    cmd->add_option("--recompute", m.recompute, ds::recompute_choices() + " (docs/memory.md)")->capture_default_str();
     cmd->add_option("--precision", m.precision, "bf16 or fp8 (the decoder's matrix GEMMs; docs/fp8.md)")
         ->capture_default_str();
     cmd->add_option("--gradients", m.gradients, "auto, fp32, in-backward (the update in the backward, no "

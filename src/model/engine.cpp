@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <optional>
 #include <utility>
 
@@ -751,10 +752,21 @@ OptimizerState parse_optimizer_state(const std::string& s) {
     if (s == optimizer_state_name(v)) return v;
   fail("--optimizer-state must be auto, fp32, bf16 or 8bit, got \"{}\"", s);
 }
+namespace {
+constexpr Recompute kRecomputes[] = {Recompute::Auto, Recompute::None, Recompute::Selective, Recompute::Mlp,
+                                     Recompute::Full};
+}  // namespace
+std::string recompute_choices() {
+  std::string out;
+  const size_t n = std::size(kRecomputes);
+  for (size_t k = 0; k < n; ++k)
+    out += (k == 0 ? "" : k + 1 == n ? " or " : ", ") + std::string(recompute_name(kRecomputes[k]));
+  return out;
+}
 Recompute parse_recompute(const std::string& s) {
-  for (Recompute v : {Recompute::Auto, Recompute::None, Recompute::Selective, Recompute::Mlp, Recompute::Full})
+  for (Recompute v : kRecomputes)
     if (s == recompute_name(v)) return v;
-  fail("--recompute must be auto, none, selective, mlp or full, got \"{}\"", s);
+  fail("--recompute must be {}, got \"{}\"", recompute_choices(), s);
 }
 
 const char* gradients_name(Gradients g) {

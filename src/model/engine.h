@@ -59,6 +59,8 @@ const char* optimizer_state_name(OptimizerState s);  // "auto" | "fp32" | "bf16"
 const char* recompute_name(Recompute r);             // "auto" | "none" | "selective" | "mlp" | "full"
 OptimizerState parse_optimizer_state(const std::string& s);  // ds::Error naming --optimizer-state
 Recompute parse_recompute(const std::string& s);             // ds::Error naming --recompute
+// "auto, none, selective, mlp or full": every value parse_recompute takes, for help texts and errors.
+std::string recompute_choices();
 
 // Where the gradients live (`--gradients`; docs/memory.md):
 //   fp32: one fp32 gradient buffer of every parameter (4 bytes per parameter), the micro-batches accumulate into

@@ -33,7 +33,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   const Recompute rc = s.recompute;
   DS_CHECK(rc == Recompute::None || rc == Recompute::Selective || rc == Recompute::Mlp || rc == Recompute::Full,
            "gpu: the recompute policy must be resolved before the activations are laid out");
-  // The rebuilt activations (selective, full): one buffer each, shared by all layers; with none, one per layer.
+  // The rebuilt activations (selective, mlp, full): one buffer each, shared by all layers; with none, one per layer.
   struct Rebuilt {
     bf16 *xn1 = nullptr, *xn2 = nullptr, *act = nullptr, *conv = nullptr, *qn = nullptr, *kn = nullptr, *y = nullptr,
          *og = nullptr;

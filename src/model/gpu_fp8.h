@@ -12,8 +12,9 @@
 // - the amax of every GEMM input (per layer and Fp8Input) and of every weight is kept in a small table for the
 //   pass: the backward's transposed casts of the inputs and of the weights reuse the forward's (the same bf16
 //   values: a recompute is bitwise the forward);
-// - RMSNorm, the gated RMSNorm, the attention output gate and SwiGLU (forward), and SwiGLU's backward and the
-//   residual add (the output gradients of gate|up, of down, out_proj and o_proj) write the amax of what they store
+// - RMSNorm, the gated RMSNorm, the attention output gate and SwiGLU (forward), and in the backward SwiGLU's, the
+//   RMSNorm's that adds the residual stream's gradient, the gated RMSNorm's and conv1d's (the output gradients of
+//   gate|up, of down, out_proj and o_proj, of in_proj_z and of in_proj_qkv) write the amax of what they store
 //   (fused_input_amax / fused_grad_amax; core/cuda/kernel_utils.cuh amax_commit). A max is exact and order-free,
 //   so every cast is bit for bit what a separate amax pass gives.
 // Formats: E4M3 for weights and activations; output gradients in E5M2 (default) or E4M3

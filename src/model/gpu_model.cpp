@@ -226,7 +226,7 @@ struct GpuModel::Impl {
     lay_out_gpu_memory(a, c, plan, *store, optimizer.get(), lora.get(), acts, ops);
   }
 
-  // Whether the backward rebuilds the shared activations (recompute selective or full; none keeps them per layer).
+  // Whether the backward rebuilds the shared activations (recompute selective, mlp or full; none keeps them per layer).
   bool rebuild() const { return plan.recompute != Recompute::None; }
 
   // ---------------------------------------------------------------------------------------------------------

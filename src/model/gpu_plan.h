@@ -71,9 +71,9 @@ struct GpuMemoryPlan {
 GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan, const std::string& attention = "cudnn");
 
 // The memory modes `auto` chooses among, in the order tried, cheapest first (docs/memory.md): the (optimizer state,
-// recompute) pairs fp32 with none, then selective recompute (both bitwise the results of any policy), bf16 with
-// none, then selective, 8bit with none, then selective, then full recompute with fp32, bf16, 8bit (full costs one
-// more forward per step, +25-33 %); each with the fp32 gradient buffer, and without a norm pass (norm_pass false)
+// recompute) pairs fp32 with none, then selective, then mlp recompute (all bitwise the results of any policy), bf16
+// with none, selective, mlp, 8bit with none, selective, mlp, then full recompute with fp32, bf16, 8bit (full costs
+// one more forward per step, +25-33 %); each with the fp32 gradient buffer, and without a norm pass (norm_pass false)
 // the in-backward gradients right after it (the same speed, bitwise the same step); with a norm pass (+85 %, measured
 // at 9B) the in-backward gradients after all of those, in the same pair order. Never the bf16 gradients (lossy,
 // opt-in): with g = Bf16 given, the pairs in the same order with them. A mode that is not Auto keeps its value.
