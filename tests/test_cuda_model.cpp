@@ -439,24 +439,8 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
             }
             if (t == 2) r.values.push_back(gpu->forward_backward(e, 0.0).loss_sum);  // evaluation after a step
           }
-          auto append = [](const std::vector<ds::SaveTensor>& ts, std::vector<float>& out) {
-            for (const ds::SaveTensor& t : ts) {
-              int64_t n = 1;
-              for (int64_t d : t.shape) n *= d;
-              std::vector<float> x(static_cast<size_t>(n));
-              if (t.f32_reader) {
-                t.f32_reader(0, n, x.data());
-              } else {  // the 8bit state's moments: U8 codes and F32 block scales, compared as their bytes
-                ASSERT_TRUE(t.byte_reader) << t.name;
-                std::vector<uint8_t> bytes(static_cast<size_t>(n) * ds::dtype_size(t.dtype));
-                t.byte_reader(0, n, bytes.data());
-                x.assign(bytes.begin(), bytes.end());
-              }
-              out.insert(out.end(), x.begin(), x.end());
-            }
-          };
-          append(gpu->weight_tensors(ds::DType::F32), r.weights);
-          append(gpu->optimizer_tensors(), r.m);
+          r.weights = ds::test::tensor_values(gpu->weight_tensors(ds::DType::F32));
+          r.m = ds::test::tensor_values(gpu->optimizer_tensors());  // the 8bit state's: its codes' and scales' bytes
           EXPECT_EQ(static_cast<int64_t>(r.weights.size()), P);
           return r;
         };

@@ -20,6 +20,7 @@
 #include "model/config.h"
 #include "model/model.h"
 #include "test_util.h"
+#include "train_test_util.h"
 
 #ifdef DELTASTACK_CUDA
 #include <cuda_fp8.h>
@@ -365,15 +366,7 @@ TEST(CudaFp8, FusedAmaxStepIsBitwiseTheSeparatePasses) {
         gpu->optimizer_step(ap);
       }
       losses.push_back(gpu->forward_backward(b, 0.0).loss_sum);  // an evaluation pass after the last update
-      std::vector<float> w;
-      for (const ds::SaveTensor& t : gpu->weight_tensors(ds::DType::F32)) {
-        int64_t k = 1;
-        for (int64_t d : t.shape) k *= d;
-        std::vector<float> x(static_cast<size_t>(k));
-        t.f32_reader(0, k, x.data());
-        w.insert(w.end(), x.begin(), x.end());
-      }
-      return std::make_pair(losses, w);
+      return std::make_pair(losses, ds::test::tensor_values(gpu->weight_tensors(ds::DType::F32)));
     };
     const auto fused = run("fused"), separate = run("separate");
     EXPECT_EQ(fused.first, separate.first);

@@ -11,6 +11,7 @@
 #include <functional>
 #include <thread>
 #include <filesystem>
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -126,14 +127,25 @@ inline std::vector<nlohmann::json> metrics(const std::string& path) {
 // The "loss" of every record of a metrics.jsonl file that has one, in order.
 // The fp32 values of checkpoint tensors (an engine's weight_tensors, grad_tensors, ...: a view or a streamed
 // reader each), flat in their order.
+// The values of streamed checkpoint tensors, concatenated: fp32 ones as they are; one given only as raw bytes
+// (byte_reader: the 8bit state's U8 codes and F32 block scales) as its bytes, one float each, to compare bitwise.
 inline std::vector<float> tensor_values(const std::vector<ds::SaveTensor>& ts) {
   std::vector<float> out;
   for (const ds::SaveTensor& t : ts) {
     int64_t n = 1;
     for (int64_t d : t.shape) n *= d;
     std::vector<float> x(static_cast<size_t>(n));
-    if (t.f32_source) std::copy(t.f32_source, t.f32_source + n, x.begin());
-    else t.f32_reader(0, n, x.data());
+    if (t.f32_source) {
+      std::copy(t.f32_source, t.f32_source + n, x.begin());
+    } else if (t.f32_reader) {
+      t.f32_reader(0, n, x.data());
+    } else if (t.byte_reader) {
+      std::vector<uint8_t> bytes(static_cast<size_t>(n) * ds::dtype_size(t.dtype));
+      t.byte_reader(0, n, bytes.data());
+      x.assign(bytes.begin(), bytes.end());
+    } else {
+      ADD_FAILURE() << t.name << ": a tensor with no values";
+    }
     out.insert(out.end(), x.begin(), x.end());
   }
   return out;

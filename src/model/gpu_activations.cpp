@@ -40,7 +40,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   };
   // --precision fp8 keeping the FP8-only GEMM inputs in FP8 (recompute none; model/gpu_fp8.h fp8_keeps_inputs): their
   // bf16 values (xn2, act, y, og) are read only by the forward's cast, so one buffer each serves every layer.
-  const bool t8 = s.fp8 && s.fp8_saved && rc == Recompute::None;
+  const bool t8 = s.fp8_saved;  // (fp8 and recompute none, by fp8_keeps_inputs)
   Rebuilt transient;
   if (t8) {
     a.use = MemoryUse::Recomputed;
@@ -173,7 +173,6 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     fp8.dyt = a.take<uint8_t>(f.dyt);
     fp8.f = a.take<float>(8 * ops::cuda::kFp8Slot);
     fp8.amax = a.take<float>(f.amax);
-    fp8.saved = t8;
     if (t8) fp8.saved_scale = a.take<float>(f.saved_scale);
   }
 }

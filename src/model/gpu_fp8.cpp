@@ -42,10 +42,9 @@ std::string Fp8Recipe::describe() const {
 bool fp8_keeps_inputs(const ModelConfig& c, bool fp8, bool recompute_none, bool lora) {
   if (!fp8 || !recompute_none || lora) return false;
   const int64_t H = c.hidden_size, I = c.intermediate_size;
-  // out_proj VD -> H, o_proj Hq hd -> H, gate|up H -> 2I, down I -> H: the FP8 path takes K and N multiples of 16
-  for (const int64_t d : {c.value_dim(), c.num_attention_heads * c.head_dim, H, I})
-    if (d % 16 != 0) return false;
-  return true;
+  // out_proj VD -> H, o_proj Hq hd -> H, gate|up H -> 2I, down I -> H
+  return fp8_gemm_takes(c.value_dim(), H) && fp8_gemm_takes(c.num_attention_heads * c.head_dim, H) &&
+         fp8_gemm_takes(H, 2 * I) && fp8_gemm_takes(I, H);
 }
 
 size_t fp8_kept_bytes(const ModelConfig& c, int64_t max_tokens) {
@@ -88,7 +87,7 @@ GpuFp8Bufs::Sizes GpuFp8Bufs::sizes(const ModelConfig& c, int64_t max_tokens) {
 }
 
 float* GpuFp8Linear::kept_scale(int64_t layer, Fp8Input role) const {
-  DS_CHECK(b_.saved && b_.saved_scale, "internal: fp8: no kept inputs in this plan");
+  DS_CHECK(b_.saved_scale, "internal: fp8: no kept inputs in this plan");
   (void)input_slot(layer, role);  // its range check
   return b_.saved_scale + (layer * 4 + static_cast<int64_t>(role)) * kFp8Slot;
 }

@@ -36,6 +36,8 @@ namespace ds {
 // these inputs instead of keeping them), no LoRA (whose terms read the inputs in bf16), and every such linear on the
 // FP8 path (GpuFp8Linear::takes).
 bool fp8_keeps_inputs(const ModelConfig& c, bool fp8, bool recompute_none, bool lora);
+// Whether cuBLASLt's FP8 GEMM takes a linear K -> N: K and N multiples of 16 (the caller runs bf16 GEMMs otherwise).
+inline bool fp8_gemm_takes(int64_t K, int64_t N) { return K % 16 == 0 && N % 16 == 0; }
 // The bytes those kept casts take for micro-batches of max_tokens tokens (bf16 would take twice as many).
 size_t fp8_kept_bytes(const ModelConfig& c, int64_t max_tokens);
 
@@ -74,7 +76,6 @@ struct GpuFp8Bufs {
   float* amax = nullptr;  // the pass's amax table: amax_slots(layers) floats (GpuFp8Linear)
   // The FP8-only GEMM inputs kept in FP8 (fp8_keeps_inputs): the dequantization scales of their kept transposed casts,
   // one per layer and Fp8Input, kFp8Slot floats apart (cuBLASLt's scale pointers); null when not kept.
-  bool saved = false;
   float* saved_scale = nullptr;
 
   // Per layer: the 4 inputs (Fp8Input) and up to 6 weights (3 of the mixer's input, its output projection,
@@ -100,9 +101,7 @@ class GpuFp8Linear {
   using bf16 = ds::cuda::bf16;
   GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t s, int64_t layers);
 
-  // Whether the FP8 path takes a linear K -> N (cuBLASLt FP8: K and N multiples of 16); the caller runs the bf16
-  // GEMMs otherwise.
-  static bool takes(int64_t K, int64_t N) { return K % 16 == 0 && N % 16 == 0; }
+  static bool takes(int64_t K, int64_t N) { return fp8_gemm_takes(K, N); }
 
   // A new pass (a forward, its backward): every amax of the table is stale.
   void begin_pass() { ++pass_; }
@@ -124,7 +123,7 @@ class GpuFp8Linear {
   ops::cuda::Fp8Matrix input_t(const bf16* x, int64_t M, int64_t K, int64_t layer, Fp8Input role);
 
   // input() and, in the same pass over x, its transposed cast into xt ([K, pad16(M)] bytes the caller keeps for
-  // the backward, GpuFp8Bufs::saved): the forward input of a kept input. kept_t then gives that cast back (its scale
+  // the backward, GpuFp8Bufs::saved_scale): the forward input of a kept input. kept_t then gives that cast back (its scale
   // kept beside it), for the backward in place of input_t.
   ops::cuda::Fp8Matrix input_keeping_t(const bf16* x, int64_t M, int64_t K, int64_t layer, Fp8Input role,
                                        uint8_t* xt);

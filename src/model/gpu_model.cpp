@@ -375,7 +375,9 @@ struct GpuModel::Impl {
   };
   std::vector<LoraAt> lora_at;
   bool lora_dropout = false;  // this pass applies dropout (a backward pass with a dropout key and lora_dropout > 0)
-  void lora_layer(int64_t i, const GpuParamStore::Layer& p) {
+  // Layer i's forward or backward begins: the layer the FP8 amax table keys by, and its adapted linears.
+  void enter_layer(int64_t i, const GpuParamStore::Layer& p) {
+    cur_layer = i;
     lora_at.clear();
     if (!lora) return;
     const int64_t I = c.intermediate_size;
@@ -634,8 +636,7 @@ struct GpuModel::Impl {
   void layer_forward(int64_t i) {
     const int64_t H = c.hidden_size, I = c.intermediate_size;
     const GpuParamStore::Layer p = store->layer_params(i);
-    lora_layer(i, p);
-    cur_layer = i;
+    enter_layer(i, p);
     GpuLayerActs& A = acts.layers[static_cast<size_t>(i)];
     bf16 *h_in = acts.hs[i], *h_out = acts.hs[i + 1];
     const float eps = static_cast<float>(c.rms_norm_eps);
@@ -670,8 +671,7 @@ struct GpuModel::Impl {
   void layer_backward(int64_t i) {
     const int64_t H = c.hidden_size, I = c.intermediate_size;
     const GpuParamStore::Layer p = store->layer_params(i);
-    lora_layer(i, p);
-    cur_layer = i;
+    enter_layer(i, p);
     GpuLayerActs& A = acts.layers[static_cast<size_t>(i)];
     const GpuGradBufs& d = acts.grad;
     bf16* h_in = acts.hs[i];
@@ -979,7 +979,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     const Fp8Recipe recipe = Fp8Recipe::from_env();
     m.f8.emplace(m.acts.fp8, recipe, m.stream, m.c.num_hidden_layers);
     log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({}){}", recipe.describe(),
-             m.acts.fp8.saved ? "; the FP8-only GEMM inputs kept for the backward in FP8" : "");
+             m.acts.fp8.saved_scale ? "; the FP8-only GEMM inputs kept for the backward in FP8" : "");
   }
   DS_CHECK(host.deferred() || static_cast<int64_t>(host.weights().size()) == m.P,
            "gpu: the host model holds {} weights, expected {} (released or not loaded)", host.weights().size(), m.P);

@@ -93,7 +93,7 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
     fmt::print("  fp8: the inputs only FP8 GEMMs read (out_proj / o_proj, gate|up, down) kept for the backward as their "
                "transposed FP8 casts: {:.2f} GiB, {:.2f} GiB less than in bf16\n", kept, kept);
   }
-  if (plan.lora.r > 0)
+  if (lora)
     fmt::print("  LoRA rank {} (all-linear): the base frozen in bf16 (no gradient, no optimizer state), the adapters' "
                "fp32 masters, gradients and AdamW moments beside it\n", plan.lora.r);
   const bool ib = plan.gradients == Gradients::InBackward;
