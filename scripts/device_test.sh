@@ -273,7 +273,8 @@ if has peer-lora; then
   # every linear layer) against transformers + PEFT LoRA on the same targets at the same rank, bf16 base, with fla and
   # Liger (scripts/peer_lora_step.py; peft and accelerate beside fla and liger_kernel in .peers/site, carried:
   # scripts/fetch_peers.sh), the model config from our binary. LORA_RUNS: space-separated PRESET:SEQ:MB (default
-  # "9b:8192:1"; "27b:8192:1" too for the issue's second shape), LORA_RANK (16), LORA_TIMEOUT s per run (600).
+  # "9b:8192:1"; "27b:8192:1" too for the issue's second shape), LORA_RANK (16), LORA_TIMEOUT s per run (600);
+  # ours once per LORA_PRECISIONS (bf16; "bf16 fp8" adds the FP8 base), LORA_ARGS more bench step flags.
   # Lines: "[ours P SxB] ...", "[peer P SxB peer-lora] ..."; the summary gives ours / peer.
   : >"$OUT/peer_lora.txt"
   peers=1
@@ -283,9 +284,11 @@ if has peer-lora; then
   for run in ${LORA_RUNS:-9b:8192:1}; do
     IFS=: read -r preset seq mb <<<"$run"
     tag="$preset ${seq}x$mb"
-    timeout ${LORA_TIMEOUT:-600} $BUILD/deltastack bench step --preset $preset --seq-len $seq --micro-batch $mb \
-      --lora-rank ${LORA_RANK:-16} 2>&1 | sed "s/^/[ours $tag] /" | tee -a "$OUT/peer_lora.txt"
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    for prec in ${LORA_PRECISIONS:-bf16}; do
+      timeout ${LORA_TIMEOUT:-600} $BUILD/deltastack bench step --preset $preset --seq-len $seq --micro-batch $mb \
+        --lora-rank ${LORA_RANK:-16} --precision $prec ${LORA_ARGS:-} 2>&1 | sed "s/^/[ours $tag] /" | tee -a "$OUT/peer_lora.txt"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
     [ $peers = 1 ] || continue
     PYTHONPATH=$PWD/.peers/site timeout ${LORA_TIMEOUT:-600} python3 scripts/peer_lora_step.py --preset $preset \
       --seq-len $seq --micro-batch $mb --rank ${LORA_RANK:-16} --deltastack $BUILD/deltastack 2>&1 | grep -v "Warning" |

@@ -56,11 +56,11 @@ TEST(CudaLinear, Accumulate) {
 
 // General gemm: every transposition, padded leading dimensions, alpha / beta, fp32 and bf16 C.
 // The residual stream's add in the GEMM's epilogue (linear_forward's residual, gemm_fp8's C_in): y = x W^T + r, r
-// left as it was. bf16: against the float64 x W^T + r within bf16 rounding of the operands' magnitudes (the
-// accumulate form, y = r; y += x W^T, is held to the same bound: the H200 showed the two forms differing by up to
-// about half a bf16 step of x W^T where the sum cancels, so neither is assumed to round only once); a dropped or
-// doubled residual is off by |r|. FP8: exact integer codes, so the product is exact and the epilogue's add is the
-// only rounding.
+// left as it was. bf16: the residual form rounds once, so it is held to one bf16 rounding of |x W^T| + |r| against
+// the float64 sum. The older accumulate form (y = r; y += x W^T in place, as the backward's dx accumulation uses) was
+// measured on the H200 (2026-12-02) at up to 1.81 of that bound: it rounds x W^T to bf16 before the add, so it is
+// held to two roundings, u |x W^T| + u (|x W^T| + |r|). A dropped or doubled residual is off by |r|, far outside
+// either bound. FP8: exact integer codes, so the product is exact and the epilogue's add is the only rounding.
 TEST(CudaLinear, ResidualInTheEpilogue) {
   DS_SKIP_WITHOUT_GPU();
   Ctx ctx(41);
@@ -81,7 +81,8 @@ TEST(CudaLinear, ResidualInTheEpilogue) {
         double xw = 0;
         for (int64_t k = 0; k < K; ++k) xw += double(xh[i * K + k]) * wh[j * K + k];
         const double want = xw + rh[i * N + j], err = std::abs((*vals)[i * N + j] - want);
-        const double tol = (std::abs(xw) + std::abs(rh[i * N + j])) * (1.0 / 256) + 1e-6;
+        const double one_rounding = (std::abs(xw) + std::abs(rh[i * N + j])) * (1.0 / 256) + 1e-6;
+        const double tol = vals == &got ? one_rounding : one_rounding + std::abs(xw) * (1.0 / 256);
         worst = std::max(worst, err / tol);
         if (err > tol && bad++ < 5)
           ADD_FAILURE() << form << " form (" << i << ", " << j << "): " << (*vals)[i * N + j] << ", float64 " << want;
