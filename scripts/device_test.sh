@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes
+# Stages: env build test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # peer-lora, LoRA steps, ours (bench step --lora-rank) vs transformers + PEFT LoRA: scripts/peer_lora_step.py, LORA_RUNS;
@@ -13,7 +13,8 @@
 # (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); fp8-ab, FP8 with the amax fused vs an amax pass per cast (FP8_AB_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_RUNS); curves-modes, each mode's curve against the exact one (CURVE_SPECS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
 # per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step;
 # profile-step, `bench step --profile` (ms per op family / role, gaps) beside the plain bench step (its overhead);
-# corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it;
+# corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it; train-27b, 27B 20 steps,
+# its checkpoint in /dev/shm, a bitwise resume, an export;
 # train-bf16 / train-8bit, the default run with --optimizer-state bf16 / 8bit: twice and resumed, bitwise; cpu-blas, the CPU engine's
 # OpenBLAS kernel choice on this host's CPU, 2 pinned cores). BUILD_TARGET builds one target.
 # With a source tree of an earlier commit in .base (e.g.
@@ -363,6 +364,50 @@ for root in (os.path.dirname(transformers.__file__), os.path.dirname(torch.__fil
                 out.write(t + "\n\n"); n += len(t)
 print(f"corpus: {n / 1e6:.1f} MB of transformers {transformers.__version__} and torch {torch.__version__} sources in /tmp/ds_corpus.txt")
 PY
+fi
+if has train-27b; then
+  # Qwen3.5-27B, every parameter trained with AdamW (issue 24): the modes --memory auto picks with --clip 0
+  # (TRAIN27_MODES), seq TRAIN27_SEQ (8192) x 1 on the corpus. A 27B checkpoint in the 8bit state is about 101 GiB
+  # (train/checkpoint.h checkpoint_bytes_estimate), more than the 64 GiB disk there, so: a 20-step reference run
+  # with --no-save, a 10-step run whose checkpoint-10 goes to /dev/shm (tmpfs, 128 GiB by default; about 24 GiB of
+  # RAM stays beside it), a resume from it to step 20 with --no-save, bitwise against the reference; then `export`
+  # of checkpoint-10 to the disk (BF16, about 54 GB). Host peaks: /usr/bin/time -v where it exists. Logs to $OUT.
+  D=$BUILD/deltastack
+  N="--model 27b --device cuda --data /tmp/ds_corpus.txt --seq-len ${TRAIN27_SEQ:-8192} --micro-batch 1 --lr 1e-4 \
+--warmup 5 --val-fraction 0 --eval-batches 0 ${TRAIN27_MODES:---precision fp8 --optimizer-state 8bit --recompute full --gradients in-backward --clip 0}"
+  [ -f /tmp/ds_corpus.txt ] || { echo "train-27b: no /tmp/ds_corpus.txt (run the corpus stage first)"; status=1; }
+  S=/dev/shm/ds_27b
+  TIME=$([ -x /usr/bin/time ] && echo "/usr/bin/time -v" || true)
+  rm -rf /tmp/ds_27b_ref $S /tmp/ds_27b_r /tmp/ds_27b_export
+  { df -h /tmp /dev/shm | tail -2; free -g | head -2; } | tee "$OUT/train_27b_host.txt"
+  t0=$(date +%s)
+  $TIME timeout 420 $D train $N --steps 20 --no-save --out /tmp/ds_27b_ref >"$OUT/train_27b_ref.txt" 2>&1
+  echo "27b reference rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"
+  t0=$(date +%s)
+  $TIME timeout 420 $D train $N --steps 10 --out $S >"$OUT/train_27b_saved.txt" 2>&1
+  echo "27b run to the checkpoint rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"
+  { du -sh $S/checkpoint-10; ls -la $S/checkpoint-10; free -g | head -2; } 2>&1 | tee -a "$OUT/train_27b_host.txt"
+  t0=$(date +%s)
+  $TIME timeout 420 $D train --resume $S/checkpoint-10 --steps 20 --no-save --out /tmp/ds_27b_r \
+    >"$OUT/train_27b_resumed.txt" 2>&1
+  echo "27b resume rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"
+  cp /tmp/ds_27b_ref/metrics.jsonl "$OUT/metrics_27b.jsonl"
+  cp /tmp/ds_27b_r/metrics.jsonl "$OUT/metrics_27b_resumed.jsonl"
+  python3 - <<'PY' | tee -a "$OUT/train_27b_host.txt" || status=1
+import json
+L = lambda p: {j["step"]: j for j in map(json.loads, open(p)) if "loss" in j}
+a, b = L("/tmp/ds_27b_ref/metrics.jsonl"), L("/tmp/ds_27b_r/metrics.jsonl")
+same = sorted(b) == list(range(11, 21)) and all(a[s]["loss"] == b[s]["loss"] for s in b)
+tps = sorted(a[s]["tokens_per_s"] for s in range(3, 21))[9]
+print(f"27b: loss {a[1]['loss']:.4f} -> {a[20]['loss']:.4f}, median {tps:.0f} tok/s (steps 3-20), peak "
+      f"{max(a[s].get('peak_gib', 0) for s in a):.1f} GiB; resume from step 10: {'bitwise identical' if same else 'DIFFERENT'}")
+raise SystemExit(0 if same else 1)
+PY
+  t0=$(date +%s)
+  $TIME timeout 420 $D export $S/checkpoint-10 /tmp/ds_27b_export >"$OUT/export_27b.txt" 2>&1
+  echo "27b export rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"
+  { du -sh /tmp/ds_27b_export; ls /tmp/ds_27b_export | head; } 2>&1 | tee -a "$OUT/train_27b_host.txt"
+  rm -rf /tmp/ds_27b_ref $S /tmp/ds_27b_r /tmp/ds_27b_export
 fi
 if has train-9b; then
   # Qwen3.5-9B on the H200 (seq 8192 x 1, the modes --memory auto picks: bf16 state): 20 steps on real text with a

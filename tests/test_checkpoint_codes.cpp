@@ -135,4 +135,37 @@ TEST(CheckpointCodes, EightBitMomentsLoadAsTheirDequantizedValues) {
   fs::remove_all(dir);
 }
 
+// checkpoint_bytes_estimate (train/checkpoint.h), what the trainer checks the free space against before it trains,
+// is the bytes the engines' checkpoint tensors take plus the slack, exactly: the fp32 state's from the CPU engine's
+// own tensors; the 8bit state's moments from the file layout above (U8 codes and F32 block scales of the matrices,
+// F32 for the rest) beside BF16 matrix weights. (The GPU engine's own 8bit tensors: CudaEngine.
+// EightBitCheckpointStoresCodesAndResumesBitwise.) The sharded 8bit state stores its moments as F32.
+TEST(CheckpointCodes, TheSizeEstimateIsWhatTheEnginesWrite) {
+  ds::Qwen35Model host(ds::ModelConfig::preset("tiny"));
+  host.init_weights(3);
+  const ds::ModelConfig& c = host.config();
+  std::unique_ptr<ds::Engine> e = ds::make_engine("cpu", host, ds::GpuPlan::windows(1, 64, 1));
+  EXPECT_EQ(ds::stored_bytes(e->checkpoint_weight_tensors()) + ds::stored_bytes(e->optimizer_tensors()) +
+                ds::kCheckpointSlackBytes,
+            ds::checkpoint_bytes_estimate(c, "fp32"));
+  int64_t weights_bf16 = 0, numel = 0, matrix = 0;
+  for (const ds::ParamSpec& p : e->params()) {
+    weights_bf16 += p.numel * (ds::is_matrix(p) ? 2 : 4);
+    numel += p.numel;
+    matrix += ds::is_matrix(p) ? p.numel : 0;
+  }
+  EXPECT_EQ(ds::stored_bytes(make_moments(e->params(), 1).tensors) + weights_bf16 + ds::kCheckpointSlackBytes,
+            ds::checkpoint_bytes_estimate(c, "8bit"));
+  EXPECT_EQ(ds::checkpoint_bytes_estimate(c, "8bit", "optimizer"),
+            weights_bf16 + 8 * numel + ds::kCheckpointSlackBytes);
+  EXPECT_EQ(ds::checkpoint_bytes_estimate(c, "bf16"), weights_bf16 + 8 * numel - 4 * matrix + ds::kCheckpointSlackBytes);
+  // 27B in the 8bit state (the H200's /dev/shm holds it; the disk does not): about 4.03 bytes per parameter.
+  const ds::ModelConfig big = ds::ModelConfig::preset("27b");
+  int64_t n27 = 0;
+  for (const ds::ParamSpec& p : ds::qwen35_params(big)) n27 += p.numel;
+  const double per_param = static_cast<double>(ds::checkpoint_bytes_estimate(big, "8bit")) / static_cast<double>(n27);
+  EXPECT_GT(per_param, 4.0);
+  EXPECT_LT(per_param, 4.1);
+}
+
 }  // namespace

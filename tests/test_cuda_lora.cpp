@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -44,6 +45,14 @@ ds::PackedBatch fixture_batch(const ds::ModelConfig& c) {
   ds::SafetensorsReader in(fixture(kBase + "/inputs.safetensors"));
   return ds::read_forward_inputs(in, c.vocab_size).batch;
 }
+
+// The fixture's config, PEFT's adapter on it, its batch and the loss scale (1 / targets).
+struct Fixture {
+  const ds::ModelConfig c = ds::ModelConfig::from_file(fixture(kBase));
+  const ds::LoraAdapter a = ds::LoraAdapter::load(fixture(kAdapter), c);
+  const ds::PackedBatch b = fixture_batch(c);
+  const double scale = 1.0 / static_cast<double>(b.num_targets());
+};
 
 // The fixture's base with a copy of `adapter` (its values; dropout as given) on engine `device`.
 std::unique_ptr<ds::Engine> engine_with(const std::string& device, const ds::LoraAdapter& adapter,
@@ -86,10 +95,8 @@ std::vector<float> flat(const std::map<std::string, std::vector<float>>& m) {
 // first.
 TEST(CudaLora, ForwardAndAdapterGradsMatchCpu) {
   DS_SKIP_WITHOUT_GPU();
-  const ds::ModelConfig c = ds::ModelConfig::from_file(fixture(kBase));
-  const ds::LoraAdapter a = ds::LoraAdapter::load(fixture(kAdapter), c);
-  const ds::PackedBatch b = fixture_batch(c);
-  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  const Fixture f;
+  const auto& [c, a, b, scale] = f;
   std::unique_ptr<ds::Engine> cpu = engine_with("cpu", a, b), gpu = engine_with("cuda", a, b);
   ds::ForwardCapture cc, gc;
   cc.logits = gc.logits = true;
@@ -126,10 +133,8 @@ TEST(CudaLora, ForwardAndAdapterGradsMatchCpu) {
 // within 1e-1 relative L2.
 TEST(CudaLora, Fp8BaseKeepsTheLoraTermAndTracksTheCpuEmulation) {
   DS_SKIP_WITHOUT_GPU();
-  const ds::ModelConfig c = ds::ModelConfig::from_file(fixture(kBase));
-  const ds::LoraAdapter a = ds::LoraAdapter::load(fixture(kAdapter), c);
-  const ds::PackedBatch b = fixture_batch(c);
-  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  const Fixture f;
+  const auto& [c, a, b, scale] = f;
   std::unique_ptr<ds::Engine> cpu = engine_with("cpu", a, b, ds::Precision::Fp8),
                               gpu = engine_with("cuda", a, b, ds::Precision::Fp8);
   if (gpu->precision() != ds::Precision::Fp8) GTEST_SKIP() << "the FP8 GEMM backend failed its probe here";
@@ -141,6 +146,35 @@ TEST(CudaLora, Fp8BaseKeepsTheLoraTermAndTracksTheCpuEmulation) {
   std::printf("[ measured ] fp8 GPU LoRA vs the CPU's emulation: loss %.3g, adapter grads %.3g (rel. L2)\n",
               std::abs(rg.loss_sum - rc.loss_sum) / rc.loss_sum, err);
   EXPECT_LE(err, 1e-1);
+}
+
+// A LoRA run's frozen base: the FP8 weights' amax is taken once (model/gpu_fp8.h frozen_weights) and kept for every
+// later pass. Three training steps (forward, backward, AdamW on the adapters) against DELTASTACK_FP8_AMAX=separate,
+// which runs an amax pass before every cast: the losses and the adapters bitwise equal.
+TEST(CudaLora, Fp8FrozenBaseAmaxIsTheSeparatePasses) {
+  DS_SKIP_WITHOUT_GPU();
+  const Fixture f;
+  const auto& [c, a, b, scale] = f;
+  ::setenv("DELTASTACK_FP8_AMAX", "separate", 1);
+  std::unique_ptr<ds::Engine> separate = engine_with("cuda", a, b, ds::Precision::Fp8);
+  ::unsetenv("DELTASTACK_FP8_AMAX");
+  std::unique_ptr<ds::Engine> kept = engine_with("cuda", a, b, ds::Precision::Fp8);
+  if (kept->precision() != ds::Precision::Fp8) GTEST_SKIP() << "the FP8 GEMM backend failed its probe here";
+  ds::ops::AdamWParams ap;
+  ap.lr = 5e-3;
+  for (int64_t s = 1; s <= 3; ++s) {
+    ap.step = s;
+    double loss[2];
+    int i = 0;
+    for (ds::Engine* e : {separate.get(), kept.get()}) {
+      e->zero_grads();
+      loss[i++] = e->forward_backward(b, scale).loss_sum;
+      e->optimizer_step(ap);
+    }
+    EXPECT_EQ(loss[0], loss[1]) << "step " << s;
+  }
+  EXPECT_TRUE(separate->adapter()->values() == kept->adapter()->values());
+  EXPECT_TRUE(kept->adapter()->values() != a.values());  // the steps moved the adapters
 }
 
 // The base is frozen in bf16: its weights read back as the bf16 rounding of the host's, unchanged by updates; its
@@ -231,10 +265,8 @@ TEST(CudaLora, TrainingStepsWithDropoutTrackCpu) {
 // under the CPU engine's names) takes steps 3 and 4 to the same bits.
 TEST(CudaLora, ResumeFromCheckpointTensorsIsBitwise) {
   DS_SKIP_WITHOUT_GPU();
-  const ds::ModelConfig c = ds::ModelConfig::from_file(fixture(kBase));
-  const ds::LoraAdapter a = ds::LoraAdapter::load(fixture(kAdapter), c);
-  const ds::PackedBatch b = fixture_batch(c);
-  const double scale = 1.0 / static_cast<double>(b.num_targets());
+  const Fixture f;
+  const auto& [c, a, b, scale] = f;
   ds::ops::AdamWParams ap;
   ap.lr = 1e-2;
   ap.weight_decay = 0.1;

@@ -490,6 +490,9 @@ TEST(CudaEngine, EightBitCheckpointStoresCodesAndResumesBitwise) {
   int u8 = 0;
   for (const ds::SaveTensor& t : opt) u8 += t.dtype == ds::DType::U8;
   EXPECT_GT(u8, 0);
+  // The trainer's free-space check before training (train/checkpoint.h checkpoint_bytes_estimate) is these bytes.
+  EXPECT_EQ(ds::stored_bytes(opt) + ds::stored_bytes(a->checkpoint_weight_tensors()) + ds::kCheckpointSlackBytes,
+            ds::checkpoint_bytes_estimate(c, "8bit"));
   ds::write_safetensors(dir + "/optimizer.safetensors", opt);
   ds::write_safetensors(dir + "/model.safetensors", a->checkpoint_weight_tensors());
   ds::Qwen35Model from(c, ds::Qwen35Model::Deferred{});

@@ -1476,3 +1476,46 @@ TEST(Issue25, ASignalRightAfterTheTempDirIsMadeRemovesIt) {
   EXPECT_FALSE(fs::exists(dir + "/ds"));
   fs::remove_all(dir);
 }
+
+// --no-save (a benchmark, a throwaway run, a resume check of a model whose second checkpoint would not fit, as the
+// 27B run on the H200's /dev/shm): no checkpoint at all, not at the end and not on a signal, and no free-space check
+// (the disk the test hook reports could not hold one); --save-interval or --keep-last with it are refused naming
+// both flags. A resume may add it: the resumed steps are bitwise those of a run never stopped, none saved.
+TEST(RunSafety, NoSaveWritesNoCheckpointAnywhere) {
+  const std::string dir = tmpdir("nosave");
+  const std::string args = small_setup(dir) + " --schedule constant --warmup 0 --threads 1";
+  auto checkpoints_in = [](const std::string& out) {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(out))
+      if (e.path().filename().string().find("checkpoint") != std::string::npos)
+        names.push_back(e.path().filename().string());
+    return names;
+  };
+  std::string log;
+  {
+    const ScopedEnv env({{"DELTASTACK_TEST_DISK_FREE_BYTES", "1000"}});
+    ASSERT_EQ(run("train " + args + " --steps 4 --no-save --out " + dir + "/ref", &log), 0) << log;
+  }
+  EXPECT_EQ(checkpoints_in(dir + "/ref"), std::vector<std::string>{}) << log;
+  const std::vector<double> ref = ds::test::train_losses(dir + "/ref/metrics.jsonl");
+  ASSERT_EQ(ref.size(), 4u);
+  for (const char* f : {"--save-interval 2", "--keep-last 1"}) {
+    EXPECT_EQ(run("train " + args + " --steps 2 --no-save " + f + " --out " + dir + "/bad", &log), 1) << f;
+    EXPECT_TRUE(contains(log, std::string("--no-save and ") + std::string(f).substr(0, std::string(f).find(' ')) +
+                                  " contradict each other")) << log;
+  }
+  // Saved at step 2, resumed with --no-save to step 4: the same losses, checkpoint-2 the only one.
+  ASSERT_EQ(run("train " + args + " --steps 2 --out " + dir + "/a", &log), 0) << log;
+  ASSERT_EQ(run("train --resume " + dir + "/a/checkpoint-2 --steps 4 --no-save --threads 1", &log), 0) << log;
+  EXPECT_EQ(ds::test::train_losses(dir + "/a/metrics.jsonl"), ref);
+  EXPECT_EQ(checkpoints_in(dir + "/a"), std::vector<std::string>{"checkpoint-2"}) << log;
+  // A signal stops it without a save, and says so.
+  const pid_t pid = spawn("train " + args + " --steps 100000 --no-save --out " + dir + "/sig", dir + "/log");
+  ASSERT_TRUE(wait_for([&] { return last_train_step(dir + "/sig/metrics.jsonl") >= 2; })) << read_or_empty(dir + "/log");
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(wait_exit(pid), 143) << read_or_empty(dir + "/log");
+  log = read_or_empty(dir + "/log");
+  EXPECT_TRUE(contains(log, "--no-save, so no checkpoint was written")) << log;
+  EXPECT_EQ(checkpoints_in(dir + "/sig"), std::vector<std::string>{}) << log;
+  fs::remove_all(dir);
+}

@@ -105,8 +105,10 @@ Fp8Matrix GpuFp8Linear::kept_t(const uint8_t* xt, int64_t M, int64_t K, int64_t 
   return Fp8Matrix{xt, K, Mp, Mp, Fp8Format::E4M3, kept_scale(layer, role)};
 }
 
-GpuFp8Linear::GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t s, int64_t layers)
-    : b_(b), r_(r), s_(s), layers_(layers), have_(static_cast<size_t>(GpuFp8Bufs::amax_slots(layers)), 0) {
+GpuFp8Linear::GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t s, int64_t layers,
+                           bool frozen_weights)
+    : b_(b), r_(r), s_(s), layers_(layers), frozen_weights_(frozen_weights),
+      have_(static_cast<size_t>(GpuFp8Bufs::amax_slots(layers)), 0) {
   DS_CHECK(b_.amax, "internal: the FP8 scratch has no amax table");
 }
 
@@ -123,9 +125,12 @@ int64_t GpuFp8Linear::weight_slot(int64_t layer, int weight) const {
 
 float* GpuFp8Linear::amax_of(int64_t slot, const bf16* x, int64_t rows, int64_t cols) {
   float* a = b_.amax + slot;
-  if (!r_.fused_amax || have_[static_cast<size_t>(slot)] != pass_) {
+  uint64_t& have = have_[static_cast<size_t>(slot)];
+  // A weight's slots follow the layer's 4 inputs (weight_slot); a frozen one's amax, once computed, holds.
+  const bool frozen = frozen_weights_ && slot < layers_ * GpuFp8Bufs::kPerLayer && slot % GpuFp8Bufs::kPerLayer >= 4;
+  if (!r_.fused_amax || (frozen ? have == 0 : have != pass_)) {
     K::fp8_amax(x, rows, cols, cols, a, s_);
-    have_[static_cast<size_t>(slot)] = pass_;
+    have = pass_;
   }
   return a;
 }

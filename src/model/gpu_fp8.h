@@ -96,14 +96,18 @@ struct GpuFp8Bufs {
 // each weight's amax once, at its first cast, or takes it from the producer kernel (fused_input_amax); later casts
 // of the same tensor in the pass read it. `layer` and `role` name an input; `weight` (0..5) a layer's weight:
 // 0..2 the mixer input's linears in order, 3 the mixer's output projection, 4 gate|up, 5 down.
+// frozen_weights (a LoRA run: the base is uploaded once and never written again, model/gpu_model.cpp): each
+// weight's amax, computed at its first cast, holds for every later pass too (the same bf16 values, so the same
+// max; one read of the base per step less in each direction). With DELTASTACK_FP8_AMAX=separate every cast still
+// runs its own pass, which makes that the bitwise reference (CudaLora.Fp8FrozenBaseAmaxIsTheSeparatePasses).
 class GpuFp8Linear {
  public:
   using bf16 = ds::cuda::bf16;
-  GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t s, int64_t layers);
+  GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t s, int64_t layers, bool frozen_weights = false);
 
   static bool takes(int64_t K, int64_t N) { return fp8_gemm_takes(K, N); }
 
-  // A new pass (a forward, its backward): every amax of the table is stale.
+  // A new pass (a forward, its backward): every amax of the table is stale (a frozen weight's excepted).
   void begin_pass() { ++pass_; }
   // The device float, zeroed on the stream, where the kernel producing layer `layer`'s input `role` writes its
   // amax (the kernels' `amax` argument); the input's casts in this pass then run no amax pass.
@@ -146,6 +150,7 @@ class GpuFp8Linear {
   Fp8Recipe r_;
   cudaStream_t s_;
   int64_t layers_;
+  bool frozen_weights_;
   uint64_t pass_ = 1;
   std::vector<uint64_t> have_;  // per slot: the pass whose amax it holds (0: none)
 };

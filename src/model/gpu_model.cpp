@@ -977,7 +977,8 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   if (m.optimizer) m.optimizer->zero_state(m.stream);
   if (m.plan.precision == Precision::Fp8) {
     const Fp8Recipe recipe = Fp8Recipe::from_env();
-    m.f8.emplace(m.acts.fp8, recipe, m.stream, m.c.num_hidden_layers);
+    // A LoRA run's base is frozen (uploaded below, never written again): its weights' amax is taken once.
+    m.f8.emplace(m.acts.fp8, recipe, m.stream, m.c.num_hidden_layers, /*frozen_weights=*/m.lora != nullptr);
     log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({}){}", recipe.describe(),
              m.acts.fp8.saved_scale ? "; the FP8-only GEMM inputs kept for the backward in FP8" : "");
   }

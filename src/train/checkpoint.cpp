@@ -61,10 +61,8 @@ void rename_into_place(const std::string& tmp_dir, const std::string& final_dir,
   }
 }
 
-// What a checkpoint holds besides its tensors (safetensors headers, JSON files, the tokenizer): 64 MiB at most.
-constexpr int64_t kCheckpointSlackBytes = int64_t{64} << 20;
+}  // namespace
 
-// Bytes the tensors take as stored (the safetensors headers and small JSON files are left out: a few MB).
 int64_t stored_bytes(const std::vector<SaveTensor>& ts) {
   int64_t b = 0;
   for (const SaveTensor& t : ts) {
@@ -74,8 +72,6 @@ int64_t stored_bytes(const std::vector<SaveTensor>& ts) {
   }
   return b;
 }
-
-}  // namespace
 
 std::string new_run_id() {
   std::random_device rd;
@@ -197,12 +193,25 @@ Checkpoints::Checkpoints(const TrainOptions& opt, int64_t start_step, std::strin
   }
 }
 
-int64_t checkpoint_bytes_estimate(const ModelConfig& config, const std::string& optimizer_state) {
-  int64_t numel = 0;
-  for (const ParamSpec& p : qwen35_params(config)) numel += p.numel;
-  // F32 weights and moments (fp32), BF16 weights and moments (bf16), BF16 weights and 8-bit codes + a scale per
-  // 256 (8bit; the small parameters' F32 rounded up).
-  return numel * (optimizer_state == "bf16" ? 6 : optimizer_state == "8bit" ? 5 : 12) + kCheckpointSlackBytes;
+int64_t checkpoint_bytes_estimate(const ModelConfig& config, const std::string& optimizer_state,
+                                  const std::string& shard) {
+  // What the engines write (model/engine.cpp checkpoint_weight_tensors, optimizer_tensors): per parameter, its
+  // weights (BF16 for a matrix that the bf16 and 8bit states keep in bf16 only, else F32) and two moments (BF16
+  // for the bf16 state's matrices; the 8bit state's matrices, unsharded, as U8 codes plus one F32 scale per block
+  // of ops/adamw/q8_state.h; F32 otherwise, as the sharded 8bit state stores them dequantized).
+  const bool bf16_matrices = optimizer_state == "bf16" || optimizer_state == "8bit";
+  int64_t bytes = kCheckpointSlackBytes;
+  for (const ParamSpec& p : qwen35_params(config)) {
+    const bool m = is_matrix(p) && bf16_matrices;
+    bytes += p.numel * (m ? 2 : 4);
+    if (m && optimizer_state == "bf16")
+      bytes += 2 * p.numel * 2;
+    else if (m && shard == "none")
+      bytes += 2 * (p.numel + 4 * ops::q8_state::num_blocks(p.offset, p.numel));
+    else
+      bytes += 2 * p.numel * 4;
+  }
+  return bytes;
 }
 
 void Checkpoints::check_room(int64_t need, const std::string& what, const std::string& then) const {
@@ -227,11 +236,12 @@ void Checkpoints::check_room(int64_t need, const std::string& what, const std::s
 
 void Checkpoints::check_room_for_next_save(const ModelConfig& config, int64_t step,
                                            const std::string& last_checkpoint) const {
+  if (opt_.no_save) return;  // --no-save: nothing will be written
   if (step >= opt_.steps) return;
   int64_t next = opt_.steps;
   if (opt_.save_interval > 0) next = std::min(next, (step / opt_.save_interval + 1) * opt_.save_interval);
   // A LoRA checkpoint: the adapter and its two moments (fp32), the base's config.
-  const int64_t need = lora_.is_null() ? checkpoint_bytes_estimate(config, opt_.optimizer_state)
+  const int64_t need = lora_.is_null() ? checkpoint_bytes_estimate(config, opt_.optimizer_state, opt_.shard)
                                        : 12 * lora_floats_ + kCheckpointSlackBytes;
   if (last_checkpoint.empty())
     check_room(need, fmt::format("not training: checkpoint-{} (due at step {})", next, next), ", before training");
@@ -241,6 +251,7 @@ void Checkpoints::check_room_for_next_save(const ModelConfig& config, int64_t st
 }
 
 bool Checkpoints::due(int64_t step) const {
+  if (opt_.no_save) return false;
   return step == opt_.steps || (step <= opt_.steps && opt_.save_interval > 0 && step % opt_.save_interval == 0);
 }
 

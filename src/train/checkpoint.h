@@ -46,10 +46,19 @@ struct SavedCheckpoint {
 };
 SavedCheckpoint read_checkpoint_state(const std::string& dir);
 
-// The bytes a checkpoint of a model of `config` takes at most: fp32 weights and two fp32 AdamW moments per parameter
-// (12 bytes), 6 with --optimizer-state bf16 (the weights and moments kept bf16), plus 64 MiB for headers, JSON and
-// the tokenizer. What the trainer checks the free disk space against before it trains.
-int64_t checkpoint_bytes_estimate(const ModelConfig& config, const std::string& optimizer_state);
+// What a checkpoint holds besides its tensors (safetensors headers, JSON files, the tokenizer): 64 MiB at most.
+constexpr int64_t kCheckpointSlackBytes = int64_t{64} << 20;
+// Bytes the tensors take as stored: each one's elements times its dtype's size (no headers).
+int64_t stored_bytes(const std::vector<SaveTensor>& ts);
+// The bytes a checkpoint of a model of `config` takes at most, parameter by parameter as the engines store them:
+// fp32 state: F32 weights and two F32 moments (12 bytes per parameter); bf16: the matrices' BF16 weights and moments
+// (6); 8bit: the matrices' BF16 weights and U8 codes plus an F32 scale per 256 (about 4.03), or F32 moments where
+// `shard` is not "none" (the sharded 8bit state stores them dequantized: 10); the other parameters 12 in every
+// state; plus kCheckpointSlackBytes. Equal to stored_bytes of the engine's checkpoint_weight_tensors() and
+// optimizer_tensors() plus that slack (tests: CheckpointCodes, CudaEngine.EightBitCheckpointStoresCodes...). What the trainer checks the free space against before it
+// trains (27B in the 8bit state: 101.1 GiB).
+int64_t checkpoint_bytes_estimate(const ModelConfig& config, const std::string& optimizer_state,
+                                  const std::string& shard = "none");
 
 // Restores the engine's optimizer state from checkpoint `dir` (optimizer.safetensors or its sharded index).
 void load_optimizer_state(Engine& engine, const std::string& dir);
@@ -72,7 +81,8 @@ class Checkpoints {
     lora_ = std::move(base);
     lora_floats_ = adapter_floats;
   }
-  // Whether the run saves a checkpoint after `step`: every --save-interval steps and at the last one.
+  // Whether the run saves a checkpoint after `step`: every --save-interval steps and at the last one; never with
+  // --no-save.
   bool due(int64_t step) const;
   // Saves checkpoint-<state.step> (replacing one of the same step atomically), calls `saved` with its path once it
   // is durable, then prunes for --keep-last (so what `saved` records, e.g. the checkpoint a second signal names, is
@@ -81,7 +91,8 @@ class Checkpoints {
                    const std::function<void(const std::string&)>& saved = {});
   // Before training (last_checkpoint "") and after each save: a ds::Error when the next checkpoint this run saves
   // after `step` (checkpoint_bytes_estimate) does not fit in the free space of --out, so that a run never trains
-  // for hours to fail at its save. After a save the error names `last_checkpoint` and the resume command.
+  // for hours to fail at its save. After a save the error names `last_checkpoint` and the resume command. Nothing
+  // with --no-save.
   void check_room_for_next_save(const ModelConfig& config, int64_t step, const std::string& last_checkpoint) const;
 
  private:

@@ -114,6 +114,9 @@ const std::vector<TrainOption>& train_options() {
           kResumable),
       opt("eval-batches", &O::eval_batches, 4, "Micro-batches per evaluation", at_least(0)),
       opt("save-interval", &O::save_interval, 0, "Steps between checkpoints (0 = end only)", at_least(0), kResumable),
+      opt("no-save", &O::no_save, false, "Write no checkpoint, not even at the last step or on a signal (benchmarks, "
+          "throwaway runs; a run whose checkpoint would not fit in --out). Contradicts --save-interval and --keep-last",
+          {}, kResumable | kNotSaved),
       opt("keep-last", &O::keep_last, 0, "Checkpoints kept in --out, newest first (0 = all)", at_least(0),
           kResumable | kNewerKey),
       opt("max-shard-mb", &O::max_shard_mb, 5000, "Checkpoint files split past this size (MB)", in_range(1, 1000000),
@@ -210,6 +213,9 @@ void validate(const TrainOptions& o) {
   DS_CHECK(o.val_data.empty() || o.val_fraction == 0 || !o.was_given("val-fraction"),
            "--val-data and --val-fraction contradict each other: with a separate evaluation set nothing is held out "
            "of --data");
+  for (const char* f : {"save-interval", "keep-last"})
+    DS_CHECK(!o.no_save || !o.was_given(f), "--no-save and --{} contradict each other: --no-save writes no "
+             "checkpoint", f);
   // LoRA: --lora-rank starts an adapter, --adapter continues one (its adapter_config.json sets the rest).
   DS_CHECK(!o.was_given("lora-rank") || o.lora_rank > 0, "--lora-rank 0: a LoRA rank must be at least 1 (leave "
            "--lora-rank out to train every parameter)");

@@ -43,6 +43,7 @@ struct TrainOptions {
   bool use_rslora;
   std::string adapter;
   bool move_aside;
+  bool no_save;  // no checkpoint at all (Checkpoints::due; the trainer's signal and data-changed saves)
   std::string data_changed;
   std::vector<std::string> given;  // long names of the flags on the command line (without "--")
 

@@ -36,9 +36,11 @@ inline void add_train_flags(CLI::App& app, CLI::App& train, TrainOptions& o) {
 inline std::string train_help_footer() {
   return "--resume CKPT continues with the checkpoint's options; only " + resumable_flags() +
          " may be given with it (any other flag is an error).\n--threads N (a flag of every subcommand, also before "
-         "it): CPU threads, 0 = all cores.\nSIGINT / SIGTERM: the current step finishes, a checkpoint is saved and "
-         "the run exits 130 / 143 (a second signal stops at once).\nEnvironment: DELTASTACK_<OP>=auto|fast|reference|"
-         "<backend> picks an op's backend (`deltastack probe` lists them), DELTASTACK_LOG=quiet|info|debug.\n";
+         "it): CPU threads, 0 = all cores.\nSIGINT / SIGTERM: the current step finishes, a checkpoint is saved (none "
+         "with --no-save) and the run exits 130 / 143 (a second signal stops at once).\nEnvironment: "
+         "DELTASTACK_<OP>=auto|fast|reference|<backend> picks an op's backend (`deltastack probe` lists them), "
+         "DELTASTACK_LOG=quiet|info|debug; with --precision fp8 (docs/fp8.md) DELTASTACK_FP8_GRAD=e5m2|e4m3 (the "
+         "output gradients' format), DELTASTACK_FP8_FAST_ACCUM=forward|all|none, DELTASTACK_FP8_AMAX=fused|separate.\n";
 }
 
 // After parsing: the train options given on the command line, into o.given.

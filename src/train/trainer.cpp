@@ -812,7 +812,9 @@ struct Run {
     return elapsed_before + std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   }
 
+  // Saves checkpoint-<progress.step> (collective); with --no-save nothing is written and saved_step stays.
   void save() {
+    if (opt.no_save) return;
     progress.elapsed_s = elapsed();
     engine.gather_for_save();  // a sharded optimizer state, whole on every rank until the save is written
     if (root) {  // every rank holds the same weights and (gathered) optimizer state: rank 0's copy is the checkpoint
@@ -862,7 +864,8 @@ struct Run {
     } catch (const DataChangedError& e) {
       if (comm.world() == 1 && progress.step > saved_step && progress.step > 0) save();
       fail("{}. Step {} was not taken; {}", e.what(), progress.step + 1,
-           saved_step < 0 ? std::string("no checkpoint was saved by this run")
+           saved_step < 0 ? std::string(opt.no_save ? "no checkpoint was saved by this run (--no-save)"
+                                                    : "no checkpoint was saved by this run")
                           : fmt::format("the last checkpoint is {} (step {}): resume from it once the data is whole "
                                         "again", saved_dir, saved_step));
     }
@@ -911,10 +914,14 @@ struct Run {
   int stop_by_signal() {
     const int sig = stop_signal;
     if (progress.step > saved_step && progress.step > 0) save();
-    const std::string where =
+    std::string where =
         saved_step < 0 ? "no step was taken, so there is nothing to save (a new run starts over)"
                        : fmt::format("the last checkpoint is {} (step {}); resume with: deltastack train --resume {}",
                                      saved_dir, saved_step, saved_dir);
+    if (opt.no_save && progress.step > start_step)  // steps were taken and not saved
+      where = "--no-save, so no checkpoint was written" +
+              (saved_step < 0 ? std::string() : fmt::format("; the last checkpoint is {} (step {})", saved_dir,
+                                                            saved_step));
     if (root)
       detail::log_line(fmt::format("[deltastack] stopped by {} after step {} of {}: {}\n", signal_name(sig),
                                    progress.step, opt.steps, where));
