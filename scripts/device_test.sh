@@ -213,23 +213,25 @@ peer_summary() {
 import json, re, sys
 ours, peers, last = {}, {}, {}
 for line in open(sys.argv[1]):
-    m = re.match(r"\[ours (\S+ \S+)\]\s+step ([\d.]+) ms \(median\) \| (\d+) tokens/s .*?peak ([\d.]+) GiB", line)
+    # "[ours P SxB]" or "[ours P SxB VARIANT]" (peer-lora's LORA_PRECISIONS other than bf16): one entry each.
+    m = re.match(r"\[ours (\S+ \S+)( \S+)?\]\s+step ([\d.]+) ms \(median\) \| (\d+) tokens/s .*?peak ([\d.]+) GiB", line)
     if m:
-        ours[m[1]] = (float(m[3]), float(m[4]))
+        ours.setdefault(m[1], {})[(m[2] or "").strip()] = (float(m[4]), float(m[5]))
     m = re.match(r"\[peer (\S+ \S+) (\S+)\] (.*)", line)
     if m:
         last[m[1], m[2]] = m[3].strip()
         if m[3].startswith("step_result "):
             peers[m[1], m[2]] = json.loads(m[3][len("step_result "):])
 print(f"{sys.argv[2]} summary (ratios = ours / peer):")
-for run, (tok, peak) in ours.items():
-    print(f"  {run}: ours {tok:.0f} tokens/s, peak {peak:.1f} GiB")
+for run, variants in ours.items():
+    for v, (tok, peak) in variants.items():
+        print(f"  {run}{' ' + v if v else ''}: ours {tok:.0f} tokens/s, peak {peak:.1f} GiB")
 for (run, row), tail in last.items():
     r = peers.get((run, row))
     if r and r["status"] == "ok":
-        vs = (f" -> ours/peer {ours[run][0] / r['tokens_per_s']:.2f}x tokens/s, {ours[run][1] / r['peak_gib']:.2f}x memory"
-              if run in ours else "")
-        print(f"  {run} {row}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']} tokens/s, peak {r['peak_gib']:.1f} GiB{vs}")
+        print(f"  {run} {row}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']} tokens/s, peak {r['peak_gib']:.1f} GiB")
+        for v, (tok, peak) in ours.get(run, {}).items():
+            print(f"    ours{' ' + v if v else ''}/peer {tok / r['tokens_per_s']:.2f}x tokens/s, {peak / r['peak_gib']:.2f}x memory")
     elif r:
         print(f"  {run} {row}: {r['status']} ({r['peak_gib']:.1f} GiB peak)")
     else:
@@ -276,7 +278,8 @@ if has peer-lora; then
   # scripts/fetch_peers.sh), the model config from our binary. LORA_RUNS: space-separated PRESET:SEQ:MB (default
   # "9b:8192:1"; "27b:8192:1" too for the issue's second shape), LORA_RANK (16), LORA_TIMEOUT s per run (600);
   # ours once per LORA_PRECISIONS (bf16; "bf16 fp8" adds the FP8 base), LORA_ARGS more bench step flags.
-  # Lines: "[ours P SxB] ...", "[peer P SxB peer-lora] ..."; the summary gives ours / peer.
+  # Lines: "[ours P SxB] ..." ("[ours P SxB fp8] ..." per precision past bf16), "[peer P SxB peer-lora] ...";
+  # the summary gives each of ours / peer.
   : >"$OUT/peer_lora.txt"
   peers=1
   for d in fla liger_kernel peft accelerate; do
@@ -286,8 +289,10 @@ if has peer-lora; then
     IFS=: read -r preset seq mb <<<"$run"
     tag="$preset ${seq}x$mb"
     for prec in ${LORA_PRECISIONS:-bf16}; do
+      # Tagged per precision past bf16 (the peer's), so that the summary keeps each run apart.
+      otag="$tag"; [ "$prec" = bf16 ] || otag="$tag $prec"
       timeout ${LORA_TIMEOUT:-600} $BUILD/deltastack bench step --preset $preset --seq-len $seq --micro-batch $mb \
-        --lora-rank ${LORA_RANK:-16} --precision $prec ${LORA_ARGS:-} 2>&1 | sed "s/^/[ours $tag] /" | tee -a "$OUT/peer_lora.txt"
+        --lora-rank ${LORA_RANK:-16} --precision $prec ${LORA_ARGS:-} 2>&1 | sed "s/^/[ours $otag] /" | tee -a "$OUT/peer_lora.txt"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
     [ $peers = 1 ] || continue
@@ -365,7 +370,9 @@ for root in (os.path.dirname(transformers.__file__), os.path.dirname(torch.__fil
 print(f"corpus: {n / 1e6:.1f} MB of transformers {transformers.__version__} and torch {torch.__version__} sources in /tmp/ds_corpus.txt")
 PY
 fi
-if has train-27b; then
+if has train-27b && [ ! -f /tmp/ds_corpus.txt ]; then
+  echo "train-27b: no /tmp/ds_corpus.txt (run the corpus stage first)"; status=1
+elif has train-27b; then
   # Qwen3.5-27B, every parameter trained with AdamW (issue 24): the modes --memory auto picks with --clip 0
   # (TRAIN27_MODES), seq TRAIN27_SEQ (8192) x 1 on the corpus. A 27B checkpoint in the 8bit state is about 101 GiB
   # (train/checkpoint.h checkpoint_bytes_estimate), more than the 64 GiB disk there, so: a 20-step reference run
@@ -373,24 +380,25 @@ if has train-27b; then
   # RAM stays beside it), a resume from it to step 20 with --no-save, bitwise against the reference; then `export`
   # of checkpoint-10 to the disk (BF16, about 54 GB). Host peaks: /usr/bin/time -v where it exists. Logs to $OUT.
   D=$BUILD/deltastack
+  # --schedule constant: the saved half stops at --steps 10 and a cosine or linear decay follows --steps, so its
+  # steps 6..10 would take other learning rates than the 20-step reference's and the resume could not be bitwise.
   N="--model 27b --device cuda --data /tmp/ds_corpus.txt --seq-len ${TRAIN27_SEQ:-8192} --micro-batch 1 --lr 1e-4 \
---warmup 5 --val-fraction 0 --eval-batches 0 ${TRAIN27_MODES:---precision fp8 --optimizer-state 8bit --recompute full --gradients in-backward --clip 0}"
-  [ -f /tmp/ds_corpus.txt ] || { echo "train-27b: no /tmp/ds_corpus.txt (run the corpus stage first)"; status=1; }
+--warmup 5 --schedule constant --val-fraction 0 --eval-batches 0 ${TRAIN27_MODES:---precision fp8 --optimizer-state 8bit --recompute full --gradients in-backward --clip 0}"
   S=/dev/shm/ds_27b
   TIME=$([ -x /usr/bin/time ] && echo "/usr/bin/time -v" || true)
   rm -rf /tmp/ds_27b_ref $S /tmp/ds_27b_r /tmp/ds_27b_export
   { df -h /tmp /dev/shm | tail -2; free -g | head -2; } | tee "$OUT/train_27b_host.txt"
   t0=$(date +%s)
   $TIME timeout 420 $D train $N --steps 20 --no-save --out /tmp/ds_27b_ref >"$OUT/train_27b_ref.txt" 2>&1
-  echo "27b reference rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"
+  rc=$?; echo "27b reference rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"; [ $rc = 0 ] || status=1
   t0=$(date +%s)
   $TIME timeout 420 $D train $N --steps 10 --out $S >"$OUT/train_27b_saved.txt" 2>&1
-  echo "27b run to the checkpoint rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"
+  rc=$?; echo "27b run to the checkpoint rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"; [ $rc = 0 ] || status=1
   { du -sh $S/checkpoint-10; ls -la $S/checkpoint-10; free -g | head -2; } 2>&1 | tee -a "$OUT/train_27b_host.txt"
   t0=$(date +%s)
   $TIME timeout 420 $D train --resume $S/checkpoint-10 --steps 20 --no-save --out /tmp/ds_27b_r \
     >"$OUT/train_27b_resumed.txt" 2>&1
-  echo "27b resume rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"
+  rc=$?; echo "27b resume rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"; [ $rc = 0 ] || status=1
   cp /tmp/ds_27b_ref/metrics.jsonl "$OUT/metrics_27b.jsonl"
   cp /tmp/ds_27b_r/metrics.jsonl "$OUT/metrics_27b_resumed.jsonl"
   python3 - <<'PY' | tee -a "$OUT/train_27b_host.txt" || status=1
@@ -405,7 +413,7 @@ raise SystemExit(0 if same else 1)
 PY
   t0=$(date +%s)
   $TIME timeout 420 $D export $S/checkpoint-10 /tmp/ds_27b_export >"$OUT/export_27b.txt" 2>&1
-  echo "27b export rc=$? in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"
+  rc=$?; echo "27b export rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"; [ $rc = 0 ] || status=1
   { du -sh /tmp/ds_27b_export; ls /tmp/ds_27b_export | head; } 2>&1 | tee -a "$OUT/train_27b_host.txt"
   rm -rf /tmp/ds_27b_ref $S /tmp/ds_27b_r /tmp/ds_27b_export
 fi
