@@ -166,6 +166,19 @@ TEST(CheckpointCodes, TheSizeEstimateIsWhatTheEnginesWrite) {
   const double per_param = static_cast<double>(ds::checkpoint_bytes_estimate(big, "8bit")) / static_cast<double>(n27);
   EXPECT_GT(per_param, 4.0);
   EXPECT_LT(per_param, 4.1);
+  // docs/memory.md's figures: 101.1 GiB in all, of which the matrices' BF16 weights 50.1 and their codes and
+  // scales 50.9; the 5 bytes a parameter assumed before made it 125 GiB.
+  constexpr double GiB = 1073741824.0;
+  int64_t matrices27 = 0, codes27 = 0;
+  for (const ds::ParamSpec& p : ds::qwen35_params(big))
+    if (ds::is_matrix(p)) {
+      matrices27 += 2 * p.numel;
+      codes27 += 2 * (p.numel + 4 * ds::ops::q8_state::num_blocks(p.offset, p.numel));
+    }
+  EXPECT_NEAR(static_cast<double>(ds::checkpoint_bytes_estimate(big, "8bit")) / GiB, 101.1, 0.05);
+  EXPECT_NEAR(static_cast<double>(matrices27) / GiB, 50.1, 0.05);
+  EXPECT_NEAR(static_cast<double>(codes27) / GiB, 50.9, 0.05);
+  EXPECT_NEAR(5.0 * static_cast<double>(n27) / GiB, 125, 0.5);
 }
 
 }  // namespace

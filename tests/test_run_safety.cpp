@@ -1519,3 +1519,26 @@ TEST(RunSafety, NoSaveWritesNoCheckpointAnywhere) {
   EXPECT_EQ(checkpoints_in(dir + "/sig"), std::vector<std::string>{}) << log;
   fs::remove_all(dir);
 }
+
+// The free-space check counts the state this process writes: one process (no launcher, so no device communicator)
+// with --shard optimizer shards nothing and saves the 8bit moments as codes (about 4 bytes a parameter), not the
+// sharded state's F32 moments (10). Here the disk the test hook reports holds exactly the unsharded checkpoint's
+// estimate; the check counted the sharded one and refused to train. (On the GPU: the 8bit state is the GPU engine's.)
+TEST(RunSafety, OneProcessWithShardOptimizerIsCheckedForTheCheckpointItWrites) {
+  if (ds::cuda_device_count() == 0) GTEST_SKIP() << "the 8bit state is the GPU engine's";
+  const std::string dir = tmpdir("shard1");
+  const ds::ModelConfig tiny = ds::ModelConfig::preset("tiny");
+  const int64_t codes = ds::checkpoint_bytes_estimate(tiny, "8bit");
+  const int64_t f32 = ds::checkpoint_bytes_estimate(tiny, "8bit", "optimizer");
+  ASSERT_LT(codes, f32);
+  std::string log;
+  {
+    const std::string free_bytes = std::to_string(codes);
+    const ScopedEnv env({{"DELTASTACK_TEST_DISK_FREE_BYTES", free_bytes.c_str()}});
+    ASSERT_EQ(run("train --device cuda --model tiny --optimizer-state 8bit --shard optimizer --steps 1 --seq-len 64 "
+                  "--micro-batch 1 --eval-batches 0 --val-fraction 0 --threads 1 --out " + dir + "/o", &log), 0) << log;
+  }
+  EXPECT_FALSE(contains(log, "not training")) << log;
+  EXPECT_TRUE(fs::is_directory(dir + "/o/checkpoint-1")) << log;
+  fs::remove_all(dir);
+}

@@ -725,7 +725,7 @@ void bind_rank_cpus(dist::Communicator& comm, const std::string& device) {
 }
 
 // The engine that trains `model` on `data`'s windows: the GPU when there is one (auto), else the CPU reference
-// engine, its state shared out per --shard. Sets opt.device and opt.optimizer_state to the engine's.
+// engine, its state shared out per --shard. Sets opt.device, opt.optimizer_state and opt.shard to the engine's.
 std::unique_ptr<Engine> make_train_engine(TrainOptions& opt, Qwen35Model&& model, const TrainData& data,
                                           dist::Communicator& comm) {
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
@@ -747,6 +747,10 @@ std::unique_ptr<Engine> make_train_engine(TrainOptions& opt, Qwen35Model&& model
                ? fmt::format(", {} rank{} ({}), --shard {}, {} communicator", comm.world(), comm.world() > 1 ? "s" : "",
                              comm.launch().launcher, opt.shard, comm.backend())
                : std::string());
+  // The mode in effect, which the free-space check's estimate reads (checkpoint_bytes_estimate: a sharded 8bit
+  // state is saved as F32 moments, 10 bytes a parameter, an unsharded one as codes, about 4): one process without a
+  // device communicator shards nothing, whatever --shard says (distribute).
+  if (comm.world() == 1 && !comm.on_device()) opt.shard = "none";
   return engine;
 }
 
