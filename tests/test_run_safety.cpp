@@ -1542,3 +1542,30 @@ TEST(RunSafety, OneProcessWithShardOptimizerIsCheckedForTheCheckpointItWrites) {
   EXPECT_TRUE(fs::is_directory(dir + "/o/checkpoint-1")) << log;
   fs::remove_all(dir);
 }
+
+// A --no-save resume in the run's own directory (the default --out of a resume) from a checkpoint with later ones
+// after it: the resume would set those aside as the abandoned history and save nothing in their place, so the
+// directory's newest checkpoint would be gone from where the user left it. Refused before anything in --out
+// changes, naming them and the way out; into another --out it runs, the run directory untouched.
+TEST(RunSafety, ANoSaveResumeLeavesTheLaterCheckpointsInPlace) {
+  const std::string dir = tmpdir("nosave_later");
+  const std::string args = small_setup(dir) + " --schedule constant --warmup 0 --threads 1";
+  std::string log;
+  ASSERT_EQ(run("train " + args + " --steps 4 --save-interval 2 --out " + dir + "/r", &log), 0) << log;
+  const std::string metrics = read_or_empty(dir + "/r/metrics.jsonl");
+  EXPECT_EQ(run("train --resume " + dir + "/r/checkpoint-2 --no-save --threads 1", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "--no-save: resuming " + dir + "/r/checkpoint-2 in " + dir + "/r would set aside this "
+                            "run's later checkpoint-4")) << log;
+  EXPECT_TRUE(contains(log, "give --out another directory")) << log;
+  EXPECT_TRUE(fs::is_directory(dir + "/r/checkpoint-4"));
+  EXPECT_FALSE(fs::exists(dir + "/r/abandoned-1"));
+  EXPECT_EQ(read_or_empty(dir + "/r/metrics.jsonl"), metrics);
+  ASSERT_EQ(run("train --resume " + dir + "/r/checkpoint-2 --no-save --threads 1 --out " + dir + "/other", &log), 0)
+      << log;
+  EXPECT_TRUE(fs::is_directory(dir + "/r/checkpoint-4"));
+  EXPECT_EQ(read_or_empty(dir + "/r/metrics.jsonl"), metrics);
+  const std::vector<double> all = ds::test::train_losses(dir + "/r/metrics.jsonl");
+  ASSERT_EQ(all.size(), 4u);
+  EXPECT_EQ(ds::test::train_losses(dir + "/other/metrics.jsonl"), std::vector<double>(all.begin() + 2, all.end()));
+  fs::remove_all(dir);
+}

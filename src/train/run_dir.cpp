@@ -287,15 +287,20 @@ void RunDirectory::claim(const std::string& run_id, bool legacy_lines_are_ours, 
   log_warn("--move-aside: moved another run's files ({}) into {}", list, aside);
 }
 
-std::string RunDirectory::set_aside_later_checkpoints(const std::string& run_id, int64_t start_step) const {
+std::vector<std::string> RunDirectory::later_checkpoints(const std::string& run_id, int64_t start_step) const {
   std::vector<std::string> later;
   for (const auto& e : fs::directory_iterator(path_)) {
     const std::string n = e.path().filename().string();
     if (checkpoint_step(n) > start_step && e.is_directory() && checkpoint_owner(e.path()).run_id == run_id)
       later.push_back(n);
   }
-  if (later.empty()) return "";
   std::sort(later.begin(), later.end());
+  return later;
+}
+
+std::string RunDirectory::set_aside_later_checkpoints(const std::string& run_id, int64_t start_step) const {
+  const std::vector<std::string> later = later_checkpoints(run_id, start_step);
+  if (later.empty()) return "";
   const std::string aside = move_into_new_subdir(path_, "abandoned", later);
   log_warn("resuming from step {}: the later checkpoints of the abandoned history ({}) moved into {}", start_step,
            fmt::join(later, ", "), aside);

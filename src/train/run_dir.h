@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 namespace ds {
 
@@ -43,6 +44,8 @@ class RunDirectory {
   // that step (run `run_id`) are moved into a new OUT/abandoned-K/ (renames; nothing is deleted), so the resumed
   // run's saves never replace them. Returns the directory they went to ("" when there were none).
   std::string set_aside_later_checkpoints(const std::string& run_id, int64_t start_step) const;
+  // The names of those checkpoints (checkpoint-STEP directories of run `run_id` past `start_step`), sorted.
+  std::vector<std::string> later_checkpoints(const std::string& run_id, int64_t start_step) const;
 
   // Cleans up the temp dirs that an interrupted checkpoint save left, only under the lock, so never a running
   // save's. ".checkpoint-N.tmp" holding a complete checkpoint (complete_checkpoint: a save whose final rename was

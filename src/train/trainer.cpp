@@ -691,8 +691,10 @@ RunIdentity run_identity(const TrainOptions& opt, const std::optional<SavedCheck
 
 // Rank 0 alone owns --out: the lock, stale temps, the claim. Returns rank 0's locked directory (null on the other
 // ranks), once --out exists and is rank 0's on every rank. ds::Error when --out is locked, unwritable or another
-// run's (RunDirectory).
-std::unique_ptr<RunDirectory> claim_run_dir(const TrainOptions& opt, const RunIdentity& id, dist::Communicator& comm) {
+// run's (RunDirectory), or when a --no-save resume from `resumed_step` would set aside this run's later checkpoints
+// there (it saves none in their place).
+std::unique_ptr<RunDirectory> claim_run_dir(const TrainOptions& opt, const RunIdentity& id, int64_t resumed_step,
+                                            dist::Communicator& comm) {
   std::unique_ptr<RunDirectory> run_dir;
   if (comm.is_root()) {
     run_dir = std::make_unique<RunDirectory>(opt.out);
@@ -700,6 +702,12 @@ std::unique_ptr<RunDirectory> claim_run_dir(const TrainOptions& opt, const RunId
     // Another run's metrics or checkpoints in --out: refused, or moved aside (--move-aside). Metrics lines without a
     // run id (earlier versions) are this run's in the checkpoint's own directory.
     run_dir->claim(id.run_id, id.own_dir, opt.move_aside);
+    if (opt.no_save && resumed_step >= 0) {
+      const std::vector<std::string> later = run_dir->later_checkpoints(id.run_id, resumed_step);
+      DS_CHECK(later.empty(), "--no-save: resuming {} in {} would set aside this run's later {} (the abandoned "
+               "history) and save nothing in its place; give --out another directory, or resume without --no-save",
+               opt.resume, opt.out, fmt::join(later, ", "));
+    }
   }
   comm.barrier();  // --out exists and is rank 0's before any rank reads it
   return run_dir;
@@ -953,7 +961,8 @@ int train(TrainOptions cli) {
   // stops now. Temp dirs of an interrupted save are removed only under the lock (never a running save's).
   check_out(opt.out);
   const RunIdentity id = run_identity(opt, resumed, comm);
-  const std::unique_ptr<RunDirectory> run_dir = claim_run_dir(opt, id, comm);  // rank 0's; null on the others
+  const std::unique_ptr<RunDirectory> run_dir =
+      claim_run_dir(opt, id, resumed ? resumed->state.step : -1, comm);  // rank 0's; null on the others
   bind_rank_cpus(comm, device);
   set_num_threads(opt.threads);
   Qwen35Model model = build_model(opt, device, comm);
