@@ -98,8 +98,9 @@ struct GpuFp8Bufs {
 // 0..2 the mixer input's linears in order, 3 the mixer's output projection, 4 gate|up, 5 down.
 // frozen_weights (a LoRA run: the base is uploaded once and never written again, model/gpu_model.cpp): each
 // weight's amax, computed at its first cast, holds for every later pass too (the same bf16 values, so the same
-// max; one read of the base per step less in each direction). With DELTASTACK_FP8_AMAX=separate every cast still
-// runs its own pass, which makes that the bitwise reference (CudaLora.Fp8FrozenBaseAmaxIsTheSeparatePasses).
+// max; one amax read of the base less per pass, a micro-batch's forward and backward: begin_pass). With
+// DELTASTACK_FP8_AMAX=separate every cast still runs its own amax pass, which makes that the bitwise reference
+// (CudaLora.Fp8FrozenBaseAmaxIsTheSeparatePasses).
 class GpuFp8Linear {
  public:
   using bf16 = ds::cuda::bf16;
