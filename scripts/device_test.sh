@@ -386,22 +386,35 @@ elif has train-27b; then
 --warmup 5 --schedule constant --val-fraction 0 --eval-batches 0 ${TRAIN27_MODES:---precision fp8 --optimizer-state 8bit --recompute full --gradients in-backward --clip 0}"
   S=/dev/shm/ds_27b
   TIME=$([ -x /usr/bin/time ] && echo "/usr/bin/time -v" || true)
-  rm -rf /tmp/ds_27b_ref $S /tmp/ds_27b_r /tmp/ds_27b_export
-  { df -h /tmp /dev/shm | tail -2; free -g | head -2; } | tee "$OUT/train_27b_host.txt"
-  t0=$(date +%s)
-  $TIME timeout 420 $D train $N --steps 20 --no-save --out /tmp/ds_27b_ref >"$OUT/train_27b_ref.txt" 2>&1
-  rc=$?; echo "27b reference rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"; [ $rc = 0 ] || status=1
-  t0=$(date +%s)
-  $TIME timeout 420 $D train $N --steps 10 --out $S >"$OUT/train_27b_saved.txt" 2>&1
-  rc=$?; echo "27b run to the checkpoint rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"; [ $rc = 0 ] || status=1
-  { du -sh $S/checkpoint-10; ls -la $S/checkpoint-10; free -g | head -2; } 2>&1 | tee -a "$OUT/train_27b_host.txt"
-  t0=$(date +%s)
-  $TIME timeout 420 $D train --resume $S/checkpoint-10 --steps 20 --no-save --out /tmp/ds_27b_r \
-    >"$OUT/train_27b_resumed.txt" 2>&1
-  rc=$?; echo "27b resume rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"; [ $rc = 0 ] || status=1
-  cp /tmp/ds_27b_ref/metrics.jsonl "$OUT/metrics_27b.jsonl"
-  cp /tmp/ds_27b_r/metrics.jsonl "$OUT/metrics_27b_resumed.jsonl"
-  python3 - <<'PY' | tee -a "$OUT/train_27b_host.txt" || status=1
+  # TRAIN27_PARTS (default all four, in order): the parts to run now. One device command has 10 minutes, so the
+  # parts may go in chained calls of the same warm machine (/tmp and /dev/shm stay); a part's own output is
+  # removed before it runs, and everything after `export` (or with TRAIN27_CLEAN=1).
+  parts=" ${TRAIN27_PARTS:-ref save resume export} "
+  part() { [[ "$parts" == *" $1 "* ]]; }
+  part ref && rm -rf /tmp/ds_27b_ref
+  part save && rm -rf $S
+  part resume && rm -rf /tmp/ds_27b_r
+  part export && rm -rf /tmp/ds_27b_export
+  { echo "parts:$parts"; df -h /tmp /dev/shm | tail -2; free -g | head -2; } | tee -a "$OUT/train_27b_host.txt"
+  run27() {  # label, log file, command...: timed, its rc into the host log and status
+    local label=$1 log=$2 t0 rc
+    shift 2
+    t0=$(date +%s)
+    $TIME timeout 420 "$@" >"$OUT/$log" 2>&1
+    rc=$?
+    echo "27b $label rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"
+    [ $rc = 0 ] || status=1
+  }
+  part ref && run27 reference train_27b_ref.txt $D train $N --steps 20 --no-save --out /tmp/ds_27b_ref
+  if part save; then
+    run27 "run to the checkpoint" train_27b_saved.txt $D train $N --steps 10 --out $S
+    { du -sh $S/checkpoint-10; ls -la $S/checkpoint-10; free -g | head -2; } 2>&1 | tee -a "$OUT/train_27b_host.txt"
+  fi
+  if part resume; then
+    run27 resume train_27b_resumed.txt $D train --resume $S/checkpoint-10 --steps 20 --no-save --out /tmp/ds_27b_r
+    cp /tmp/ds_27b_ref/metrics.jsonl "$OUT/metrics_27b.jsonl"
+    cp /tmp/ds_27b_r/metrics.jsonl "$OUT/metrics_27b_resumed.jsonl"
+    python3 - <<'PY' | tee -a "$OUT/train_27b_host.txt" || status=1
 import json
 L = lambda p: {j["step"]: j for j in map(json.loads, open(p)) if "loss" in j}
 a, b = L("/tmp/ds_27b_ref/metrics.jsonl"), L("/tmp/ds_27b_r/metrics.jsonl")
@@ -411,11 +424,12 @@ print(f"27b: loss {a[1]['loss']:.4f} -> {a[20]['loss']:.4f}, median {tps:.0f} to
       f"{max(a[s].get('peak_gib', 0) for s in a):.1f} GiB; resume from step 10: {'bitwise identical' if same else 'DIFFERENT'}")
 raise SystemExit(0 if same else 1)
 PY
-  t0=$(date +%s)
-  $TIME timeout 420 $D export $S/checkpoint-10 /tmp/ds_27b_export >"$OUT/export_27b.txt" 2>&1
-  rc=$?; echo "27b export rc=$rc in $(( $(date +%s) - t0 )) s" | tee -a "$OUT/train_27b_host.txt"; [ $rc = 0 ] || status=1
-  { du -sh /tmp/ds_27b_export; ls /tmp/ds_27b_export | head; } 2>&1 | tee -a "$OUT/train_27b_host.txt"
-  rm -rf /tmp/ds_27b_ref $S /tmp/ds_27b_r /tmp/ds_27b_export
+  fi
+  if part export; then
+    run27 export export_27b.txt $D export $S/checkpoint-10 /tmp/ds_27b_export
+    { du -sh /tmp/ds_27b_export; ls /tmp/ds_27b_export | head; } 2>&1 | tee -a "$OUT/train_27b_host.txt"
+  fi
+  if part export || [ "${TRAIN27_CLEAN:-0}" = 1 ]; then rm -rf /tmp/ds_27b_ref $S /tmp/ds_27b_r /tmp/ds_27b_export; fi
 fi
 if has train-9b; then
   # Qwen3.5-9B on the H200 (seq 8192 x 1, the modes --memory auto picks: bf16 state): 20 steps on real text with a
