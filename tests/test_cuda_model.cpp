@@ -135,11 +135,12 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
     std::vector<float> grads;
     size_t bytes;
   };
-  auto run = [&](ds::Recompute rc) {
+  auto run = [&](ds::Recompute rc, int64_t kept_layers = 0) {
     ds::GpuPlan plan;
     plan.max_tokens = b.size();
     plan.max_seqs = 4;
     plan.recompute = rc;
+    plan.kept_layers = kept_layers;
     ds::GpuModel gpu(host, plan);
     EXPECT_EQ(gpu.recompute(), rc);
     Run r{gpu.forward_backward(b, scale).loss_sum, {}, gpu.planned_bytes()};
@@ -157,6 +158,15 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
   EXPECT_LT(full.bytes, mlp.bytes);
   EXPECT_LT(mlp.bytes, sel.bytes);
   EXPECT_LT(sel.bytes, none.bytes);
+  // Recompute by layer (GpuPlan::kept_layers): the first layer keeps, the others rebuild; bitwise the same too.
+  ASSERT_GE(c.num_hidden_layers, 2);
+  for (ds::Recompute rc : {ds::Recompute::Selective, ds::Recompute::Mlp}) {
+    const Run part = run(rc, 1);
+    EXPECT_EQ(part.loss, sel.loss) << ds::recompute_name(rc);
+    EXPECT_TRUE(part.grads == sel.grads) << ds::recompute_name(rc);
+    EXPECT_LT(part.bytes, none.bytes) << ds::recompute_name(rc);
+    EXPECT_GT(part.bytes, rc == ds::Recompute::Mlp ? mlp.bytes : sel.bytes) << ds::recompute_name(rc);
+  }
 }
 
 // The bf16 optimizer state (ops/adamw/bf16_state.h): the same first forward as the fp32 state (both run the

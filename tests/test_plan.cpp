@@ -420,6 +420,53 @@ TEST(Plan, EvalLeavesTheModesToTheDevice) {
 // state; the adapters' fp32 master + bf16 copy (6 B), gradients (4 B) and two moments (8 B) per adapter value. The
 // optimizer-state and gradient flags do not apply (resolved), in-backward and --shard optimizer are errors, and
 // `plan --lora-rank` prints it.
+// Recompute by layer (GpuPlan::kept_layers): the first k layers of selective or mlp keep what those policies rebuild,
+// so the bytes grow with k from the policy's to none's; `auto` takes the most layers that fit (none's speed for
+// them), and a policy the user gave keeps every layer rebuilding. The shape is issue 26's: 9B LoRA, FP8 base, seq
+// 8192, within the 64.9 GiB transformers + PEFT took (none needs 69.4, selective 53.4).
+TEST(Plan, AutoKeepsTheMostLayersThatFit) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  const ds::ModelConfig c = ds::ModelConfig::preset("9b");
+  const int64_t L = c.num_hidden_layers;
+  ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
+  plan.precision = ds::Precision::Fp8;
+  plan.lora.r = 16;
+  plan.lora.lora_alpha = 8;
+  plan.lora.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  auto total = [&](ds::Recompute r, int64_t kept) {
+    ds::GpuPlan p = plan;
+    p.recompute = r;
+    p.kept_layers = kept;
+    return ds::plan_gpu_memory(c, p).total;
+  };
+  for (ds::Recompute r : {ds::Recompute::Selective, ds::Recompute::Mlp}) {
+    size_t last = total(r, 0);
+    for (int64_t k : {int64_t{1}, L / 2, L - 1}) {
+      EXPECT_GT(total(r, k), last) << ds::recompute_name(r) << " " << k;
+      last = total(r, k);
+    }
+    EXPECT_EQ(total(r, L), total(ds::Recompute::None, 0)) << "every layer kept is none's layout";
+  }
+  const double budget = 64.9 * kGiB;
+  auto fits = [&](const ds::GpuMemoryPlan& p) { return static_cast<double>(p.total) <= budget; };
+  plan.recompute = ds::Recompute::Auto;
+  const ds::GpuPlan r = ds::resolve_memory_modes(c, plan, fits);
+  EXPECT_EQ(r.recompute, ds::Recompute::Selective);
+  EXPECT_GT(r.kept_layers, 0);
+  EXPECT_LT(r.kept_layers, L);
+  EXPECT_LE(static_cast<double>(total(ds::Recompute::Selective, r.kept_layers)), budget);
+  EXPECT_GT(static_cast<double>(total(ds::Recompute::Selective, r.kept_layers + 1)), budget);
+  EXPECT_EQ(ds::recompute_label(r, L), fmt::format("selective, the first {} of {} layers keeping their activations",
+                                                   r.kept_layers, L));
+  plan.recompute = ds::Recompute::Selective;  // given: every layer rebuilds
+  EXPECT_EQ(ds::resolve_memory_modes(c, plan, fits).kept_layers, 0);
+  EXPECT_EQ(ds::recompute_label(plan, L), "selective");
+  plan.recompute = ds::Recompute::Auto;  // room for none: none, nothing kept by layer
+  const ds::GpuPlan roomy = ds::resolve_memory_modes(c, plan, [](const ds::GpuMemoryPlan&) { return true; });
+  EXPECT_EQ(roomy.recompute, ds::Recompute::None);
+  EXPECT_EQ(roomy.kept_layers, 0);
+}
+
 TEST(Plan, LoraFreezesTheBaseAndCountsTheAdapters) {
   if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
   using ds::MemoryUse;

@@ -106,6 +106,10 @@ struct GpuPlan {
   int64_t ce_chunk_tokens = 2048;  // fused-loss chunk
   OptimizerState optimizer_state = OptimizerState::Fp32;
   Recompute recompute = Recompute::Selective;
+  // With recompute selective or mlp: the first kept_layers decoder layers keep the activations those policies rebuild
+  // (as recompute none does), the rest rebuild them (docs/memory.md "Recompute by layer"). 0: every layer rebuilds.
+  // `auto` sets it to the most layers that fit between none and the full policy; bitwise the same results.
+  int64_t kept_layers = 0;
   Precision precision = Precision::Bf16;
   Gradients gradients = Gradients::Fp32;
   // Whether a Gradients::InBackward step needs its norm-only pass (--clip > 0 or --nan-policy skip; in_backward_step):

@@ -50,10 +50,11 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     if (any_attn) transient.og = a.take<bf16>(N * Hq * hd);
     a.use = MemoryUse::Kept;
   }
-  auto rebuilt = [&](bool gdn, bool attn) {
+  // One layer's own set (per_layer: none, or a kept layer) or the set all rebuilding layers share.
+  auto rebuilt = [&](bool gdn, bool attn, bool per_layer) {
     Rebuilt r;
     r.xn1 = a.take<bf16>(N * H);
-    r.xn2 = t8 ? transient.xn2 : rc == Recompute::None ? a.take<bf16>(N * H) : r.xn1;  // rebuilt in turn: one buffer
+    r.xn2 = t8 ? transient.xn2 : per_layer ? a.take<bf16>(N * H) : r.xn1;  // rebuilt in turn: one buffer
     r.act = t8 ? transient.act : a.take<bf16>(N * I);
     if (gdn) {
       r.conv = a.take<bf16>(N * CD);
@@ -64,11 +65,14 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     if (attn) r.og = t8 ? transient.og : a.take<bf16>(N * Hq * hd);
     return r;
   };
+  // Selective / mlp with kept_layers: layers below it keep their own buffers, as with none (GpuPlan::kept_layers).
+  auto keeps = [&](int64_t i) { return rc == Recompute::None || ((rc == Recompute::Selective || rc == Recompute::Mlp) &&
+                                                                 i < s.kept_layers); };
   Rebuilt shared;
   bf16* shared_gu = nullptr;  // mlp: the gate|up output, rebuilt in the backward (its GEMM again)
-  if (rc != Recompute::None) {
+  if (rc == Recompute::Full || (rc != Recompute::None && s.kept_layers < c.num_hidden_layers)) {
     a.use = MemoryUse::Recomputed;
-    shared = rebuilt(any_gdn, any_attn);
+    shared = rebuilt(any_gdn, any_attn, false);
     if (rc == Recompute::Mlp) shared_gu = a.take<bf16>(N * 2 * I);
   }
   a.use = MemoryUse::Kept;
@@ -82,7 +86,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
       L = *first_of[attn];
       continue;
     }
-    const Rebuilt r = rc == Recompute::None ? rebuilt(!attn, attn) : shared;
+    const Rebuilt r = keeps(i) ? rebuilt(!attn, attn, true) : shared;
     const GpuLayerActs* other = rc == Recompute::Full ? first_of[!attn] : nullptr;
     L.xn1 = r.xn1;
     L.xn2 = r.xn2;
@@ -99,7 +103,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
       L.rstd1 = a.take<float>(N);
       L.h_mid = a.take<bf16>(N * H);
       L.rstd2 = a.take<float>(N);
-      L.gu = rc == Recompute::Mlp ? shared_gu : a.take<bf16>(N * 2 * I);  // (null while sizing: test rc)
+      L.gu = rc == Recompute::Mlp && !keeps(i) ? shared_gu : a.take<bf16>(N * 2 * I);  // (null while sizing)
     }
     if (attn) {
       L.qraw = a.take<bf16>(N * Hq * hd);

@@ -78,6 +78,7 @@ struct GpuActivations {
     size_t gdn_saved = 0, gdn_batch = 0, attn_batch = 0;  // from the op plans
     size_t op_scratch = 0, ce_scratch = 0;                // the largest scratch of any op / the fused loss
     Recompute recompute = Recompute::Selective;           // resolved (not Auto)
+    int64_t kept_layers = 0;                              // selective / mlp: layers that keep them (GpuPlan)
     bool fp8 = false;                                     // --precision fp8: reserve the FP8 casts' buffers
     bool fp8_saved = false;                               // and keep the FP8-only inputs in FP8 (fp8_keeps_inputs)
   };

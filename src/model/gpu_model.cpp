@@ -226,8 +226,11 @@ struct GpuModel::Impl {
     lay_out_gpu_memory(a, c, plan, *store, optimizer.get(), lora.get(), acts, ops);
   }
 
-  // Whether the backward rebuilds the shared activations (recompute selective, mlp or full; none keeps them per layer).
-  bool rebuild() const { return plan.recompute != Recompute::None; }
+  // Whether the backward of layer cur_layer (enter_layer) rebuilds the shared activations: recompute selective, mlp
+  // or full, but not the first kept_layers layers of selective / mlp, which keep their own as none does.
+  bool rebuild() const {
+    return plan.recompute == Recompute::Full || (plan.recompute != Recompute::None && cur_layer >= plan.kept_layers);
+  }
 
   // ---------------------------------------------------------------------------------------------------------
   // Per micro-batch: the inputs on the device and every op plan's batch data, once for all layers.
@@ -685,7 +688,7 @@ struct GpuModel::Impl {
         ProfScope ps = scope("norm", "rmsnorm", 0, 4 * n * H);
         K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
       }
-      if (plan.recompute == Recompute::Mlp) {
+      if (plan.recompute == Recompute::Mlp) {  // (a kept layer kept its gate|up output: rebuild() is false)
         ProfScope ps = scope("gemm", "mlp gate_up", 2 * n * H * 2 * I);
         linears_forward(A.xn2, H, Fp8Input::MlpIn, {{p.compute.mlp.gate_up, 2 * I, A.gu}});
       }
@@ -993,7 +996,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   m.note_peak();
   log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}, gradients {}), one allocation of {:.2f} GiB for "
            "{} tokens x {} documents per micro-batch; gated delta rule: {}, attention: {}", cuda_device_name(),
-           ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_name(m.plan.recompute),
+           ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_label(m.plan, m.c.num_hidden_layers),
            ds::gradients_name(m.plan.gradients), m.arena_bytes / 1073741824.0, plan.max_tokens, plan.max_seqs,
            m.gdn ? m.gdn->name() : "-", m.attn ? m.attn->name() : "-");
 }

@@ -3,6 +3,9 @@
 #include "core/checked.h"
 #include "core/error.h"
 
+#include <algorithm>
+#include <string>
+
 #ifdef DELTASTACK_CUDA
 #include <algorithm>
 #include <initializer_list>
@@ -84,6 +87,7 @@ void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, Gpu
                             ops.attn_workspace});
   sz.ce_scratch = ops.ce_workspace;
   sz.recompute = plan.recompute;
+  sz.kept_layers = plan.kept_layers;
   sz.fp8 = plan.precision == Precision::Fp8;
   sz.fp8_saved = fp8_keeps_inputs(c, sz.fp8, plan.recompute == Recompute::None, lora != nullptr);
   acts.reserve(a, c, sz);
@@ -184,11 +188,24 @@ GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::func
                              const std::string& attention) {
   plan = resolved(plan);  // a LoRA plan: only the recompute policy is left to choose
   const auto candidates = memory_candidates(plan.optimizer_state, plan.recompute, plan.gradients, plan.norm_pass);
+  const bool choose_layers = plan.recompute == Recompute::Auto && plan.kept_layers == 0;
   for (size_t k = 0; k < candidates.size(); ++k) {
     GpuPlan p = plan;
     p.optimizer_state = candidates[k].state;
     p.recompute = candidates[k].recompute;
     p.gradients = candidates[k].gradients;
+    if (choose_layers && (p.recompute == Recompute::Selective || p.recompute == Recompute::Mlp)) {
+      // The most layers that keep their activations (none's speed for them) and still fit; the bytes grow with
+      // kept_layers, so a bisection over 1 .. L-1 finds it.
+      int64_t lo = 0, hi = c.num_hidden_layers - 1;
+      while (lo < hi) {
+        p.kept_layers = (lo + hi + 1) / 2;
+        if (fits(plan_gpu_memory(c, p, attention))) lo = p.kept_layers;
+        else hi = p.kept_layers - 1;
+      }
+      p.kept_layers = lo;
+      if (lo > 0) return p;
+    }
     if (k + 1 == candidates.size() || fits(plan_gpu_memory(c, p, attention))) return p;
   }
   return plan;  // unreachable: at least one candidate
@@ -210,3 +227,17 @@ GpuPlan resolve_memory_modes(const ModelConfig&, GpuPlan, const std::function<bo
 }  // namespace ds
 
 #endif
+
+namespace ds {
+
+std::string recompute_label(const GpuPlan& plan, int64_t layers) {
+  const bool partial = (plan.recompute == Recompute::Selective || plan.recompute == Recompute::Mlp) &&
+                       plan.kept_layers > 0;
+  if (!partial) return recompute_name(plan.recompute);
+  const int64_t k = std::min(plan.kept_layers, layers);
+  return k == 1 ? fmt::format("{}, the first of {} layers keeping its activations", recompute_name(plan.recompute), layers)
+                : fmt::format("{}, the first {} of {} layers keeping their activations", recompute_name(plan.recompute),
+                              k, layers);
+}
+
+}  // namespace ds

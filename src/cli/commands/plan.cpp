@@ -86,7 +86,7 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
              precision_name(plan.precision), plan.precision == Precision::Fp8 ? " (FP8 casts of the GEMM operands in the workspace)" : "",
              lora ? "lora" : optimizer_state_name(plan.optimizer_state), state_what,
              chosen_state && !lora ? "; chosen by --memory auto" : "",
-             recompute_name(plan.recompute), rc_what, chosen_rc ? "; chosen by --memory auto" : "",
+             recompute_label(plan, cfg.num_hidden_layers), rc_what, chosen_rc ? "; chosen by --memory auto" : "",
              p.gated_delta_rule.empty() ? "-" : p.gated_delta_rule, p.attention.empty() ? "-" : p.attention);
   if (fp8_keeps_inputs(cfg, plan.precision == Precision::Fp8, plan.recompute == Recompute::None, lora)) {
     const double kept = static_cast<double>(fp8_kept_bytes(cfg, plan.max_tokens)) / GiB;
