@@ -151,6 +151,8 @@ TEST(Plan, CommandEndsWithTheVerdictAndExitsZero) {
   EXPECT_NE(out.find("--recompute must be"), std::string::npos) << out;
   EXPECT_EQ(ds::test::run("bench step --preset 9b --memory lots", &out), 1);
   EXPECT_NE(out.find("--memory must be"), std::string::npos) << out;
+  EXPECT_EQ(ds::test::run("bench step --preset 9b --max-memory -1", &out), 1);
+  EXPECT_NE(out.find("--max-memory must be GiB >= 0"), std::string::npos) << out;
 }
 
 // `plan --help` and `bench step --help` name every --recompute policy (they said "auto, none, selective or full"

@@ -149,6 +149,9 @@ int main(int argc, char** argv) {
   };
   ds::cli::MemoryFlags bench_memory, plan_memory;
   add_memory_flags(bench_step, bench_memory);
+  bench_step->add_option("--max-memory", bench_memory.max_memory_gib, "GiB of device memory the run may use, the CUDA "
+                         "context included, as plan --device-memory (0 = all that is free): --memory auto fits the "
+                         "modes into it")->capture_default_str();
   bench_step->add_option("--clip", bench_memory.clip, "Max global grad norm (0 = off); with --gradients in-backward "
                          "it adds the norm-only pass")->capture_default_str();
   auto* bench_tok = bench->add_subcommand("tokenizer", "Tokenizer encode speed, MB/s on one core (CPU)");

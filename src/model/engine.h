@@ -110,6 +110,9 @@ struct GpuPlan {
   // (as recompute none does), the rest rebuild them (docs/memory.md "Recompute by layer"). 0: every layer rebuilds.
   // `auto` sets it to the most layers that fit between none and the full policy; bitwise the same results.
   int64_t kept_layers = 0;
+  // Bytes the process may use on the device, the CUDA context included (0: all the device has free); `auto` and
+  // the fit check plan within it as `plan --device-memory` does (bench step --max-memory).
+  size_t memory_limit = 0;
   Precision precision = Precision::Bf16;
   Gradients gradients = Gradients::Fp32;
   // Whether a Gradients::InBackward step needs its norm-only pass (--clip > 0 or --nan-policy skip; in_backward_step):

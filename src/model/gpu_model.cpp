@@ -929,6 +929,10 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   DS_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
   size_t free_b = 0, total_b = 0;
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  if (m.plan.memory_limit > 0) {  // as `plan --device-memory`: the allocation plus the context within the limit
+    const size_t room = m.plan.memory_limit > kCudaContextBytes ? m.plan.memory_limit - kCudaContextBytes : 0;
+    free_b = std::min(free_b, room + (512u << 20));  // (the checks below keep 512 MiB of free_b spare)
+  }
   if (m.plan.optimizer_state == OptimizerState::Auto || m.plan.recompute == Recompute::Auto ||
       m.plan.gradients == Gradients::Auto) {
     // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h).

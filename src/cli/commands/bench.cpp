@@ -382,6 +382,9 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   plan.norm_pass = memory.clip > 0;
   plan.lora = memory_flags_lora(memory);
   DS_CHECK(memory.clip >= 0 && std::isfinite(memory.clip), "bench step: --clip must be >= 0, got {}", memory.clip);
+  DS_CHECK(memory.max_memory_gib >= 0 && memory.max_memory_gib < 1e6, "bench step: --max-memory must be GiB >= 0 "
+           "(0 = all that is free), got {}", memory.max_memory_gib);
+  plan.memory_limit = static_cast<size_t>(memory.max_memory_gib * 1073741824.0);
   DS_CHECK(seq_len >= 2 && micro_batch >= 1 && steps >= 1, "bench step: bad --seq-len/--micro-batch/--steps");
   DS_CHECK(cuda_device_count() > 0, "bench step: no CUDA device");
   ModelConfig cfg = ModelConfig::resolve(preset);
