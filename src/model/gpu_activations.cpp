@@ -65,12 +65,10 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     if (attn) r.og = t8 ? transient.og : a.take<bf16>(N * Hq * hd);
     return r;
   };
-  // Selective / mlp with kept_layers: layers below it keep their own buffers, as with none (GpuPlan::kept_layers).
-  auto keeps = [&](int64_t i) { return rc == Recompute::None || ((rc == Recompute::Selective || rc == Recompute::Mlp) &&
-                                                                 i < s.kept_layers); };
+  auto keeps = [&](int64_t i) { return layer_keeps_rebuilt(rc, s.kept_layers, i); };
   Rebuilt shared;
   bf16* shared_gu = nullptr;  // mlp: the gate|up output, rebuilt in the backward (its GEMM again)
-  if (rc == Recompute::Full || (rc != Recompute::None && s.kept_layers < c.num_hidden_layers)) {
+  if (!keeps(c.num_hidden_layers - 1)) {  // some layer rebuilds (the kept ones come first)
     a.use = MemoryUse::Recomputed;
     shared = rebuilt(any_gdn, any_attn, false);
     if (rc == Recompute::Mlp) shared_gu = a.take<bf16>(N * 2 * I);

@@ -24,6 +24,12 @@
 
 namespace ds {
 
+// Whether decoder layer `layer` keeps its own copy of the activations the policy rebuilds (none; the first
+// kept_layers layers of selective or mlp: GpuPlan::kept_layers) instead of rebuilding them in the backward.
+inline bool layer_keeps_rebuilt(Recompute rc, int64_t kept_layers, int64_t layer) {
+  return rc == Recompute::None || ((rc == Recompute::Selective || rc == Recompute::Mlp) && layer < kept_layers);
+}
+
 struct GpuLayerActs {
   using bf16 = ds::cuda::bf16;
   bf16 *xn1, *h_mid, *xn2, *gu, *act;

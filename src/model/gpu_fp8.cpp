@@ -123,12 +123,10 @@ int64_t GpuFp8Linear::weight_slot(int64_t layer, int weight) const {
   return layer * GpuFp8Bufs::kPerLayer + 4 + weight;
 }
 
-float* GpuFp8Linear::amax_of(int64_t slot, const bf16* x, int64_t rows, int64_t cols) {
+float* GpuFp8Linear::amax_of(int64_t slot, const bf16* x, int64_t rows, int64_t cols, bool all_passes) {
   float* a = b_.amax + slot;
   uint64_t& have = have_[static_cast<size_t>(slot)];
-  // A weight's slots follow the layer's 4 inputs (weight_slot); a frozen one's amax, once computed, holds.
-  const bool frozen = frozen_weights_ && slot < layers_ * GpuFp8Bufs::kPerLayer && slot % GpuFp8Bufs::kPerLayer >= 4;
-  if (!r_.fused_amax || (frozen ? have == 0 : have != pass_)) {
+  if (!r_.fused_amax || (all_passes ? have == 0 : have != pass_)) {
     K::fp8_amax(x, rows, cols, cols, a, s_);
     have = pass_;
   }
@@ -161,7 +159,7 @@ void GpuFp8Linear::forward(const Fp8Matrix& qx, const bf16* W, int64_t N, bf16* 
                            int weight, const bf16* residual) {
   DS_CHECK(!(accumulate && residual), "internal: fp8 forward with accumulate and a residual");
   const int64_t Kd = qx.cols;
-  const float* a = amax_of(weight_slot(layer, weight), W, N, Kd);
+  const float* a = amax_of(weight_slot(layer, weight), W, N, Kd, frozen_weights_);
   K::fp8_quantize(W, N, Kd, Kd, a, Fp8Format::E4M3, b_.w, Kd, b_.f + 4 * kFp8Slot, s_);
   const Fp8Matrix qw{b_.w, N, Kd, Kd, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
   K::gemm_fp8(qx, qw, y, false, N, accumulate || residual ? 1.0f : 0.0f, r_.fast_accum_forward, s_,
@@ -188,7 +186,7 @@ void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8M
   K::fp8_quantize_both(dy, M, N, N, dy_amax, r_.grad, b_.dy, N, b_.dyt, Mp, b_.f + 6 * kFp8Slot,
                        b_.f + 5 * kFp8Slot, s_);
   // dgrad: dx[M, K] = q(dy)[M, N] . q(W^T)[K, N]^T
-  const float* wa = amax_of(weight_slot(layer, weight), W, N, Kd);
+  const float* wa = amax_of(weight_slot(layer, weight), W, N, Kd, frozen_weights_);
   K::fp8_quantize_transpose(W, N, Kd, Kd, wa, Fp8Format::E4M3, b_.w, N, b_.f + 4 * kFp8Slot, s_);
   const Fp8Matrix qdy{b_.dy, M, N, N, r_.grad, b_.f + 5 * kFp8Slot}, qwt{b_.w, Kd, N, N, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
   K::gemm_fp8(qdy, qwt, dx, false, Kd, accumulate_dx ? 1.0f : 0.0f, r_.fast_accum_backward, s_);

@@ -141,8 +141,9 @@ class GpuFp8Linear {
                 bool accumulate_dx, float* dW, int64_t layer, int weight, const float* dy_amax);
 
  private:
-  // The table's slot of an input / a weight; its amax, computed from x [rows, cols] unless this pass has it.
-  float* amax_of(int64_t slot, const bf16* x, int64_t rows, int64_t cols);
+  // The table's slot of an input / a weight; its amax, computed from x [rows, cols] unless this pass has it (or,
+  // all_passes: a frozen weight's, unless any pass has).
+  float* amax_of(int64_t slot, const bf16* x, int64_t rows, int64_t cols, bool all_passes = false);
   int64_t input_slot(int64_t layer, Fp8Input role) const;
   int64_t weight_slot(int64_t layer, int weight) const;
   float* kept_scale(int64_t layer, Fp8Input role) const;

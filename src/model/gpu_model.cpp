@@ -228,9 +228,7 @@ struct GpuModel::Impl {
 
   // Whether the backward of layer cur_layer (enter_layer) rebuilds the shared activations: recompute selective, mlp
   // or full, but not the first kept_layers layers of selective / mlp, which keep their own as none does.
-  bool rebuild() const {
-    return plan.recompute == Recompute::Full || (plan.recompute != Recompute::None && cur_layer >= plan.kept_layers);
-  }
+  bool rebuild() const { return !layer_keeps_rebuilt(plan.recompute, plan.kept_layers, cur_layer); }
 
   // ---------------------------------------------------------------------------------------------------------
   // Per micro-batch: the inputs on the device and every op plan's batch data, once for all layers.
