@@ -123,6 +123,14 @@ TEST(CheckpointCodes, EightBitMomentsLoadAsTheirDequantizedValues) {
     nan_scale[0] = std::nanf("");
     s = ds::make_tensor_f32(s.name, s.shape, nan_scale.data());
   }, "a block scale must be finite");
+  std::vector<float> huge_scale;
+  refused([&](std::vector<ds::SaveTensor>& ts) {  // sqrt(v)'s scale whose square overflows: v would be inf
+    ds::SaveTensor& s = find(ts, "exp_avg_sq_scale.");
+    huge_scale.assign(reinterpret_cast<const float*>(s.bytes.data()),
+                      reinterpret_cast<const float*>(s.bytes.data()) + s.bytes.size() / 4);
+    huge_scale[0] = 1e20f;
+    s = ds::make_tensor_f32(s.name, s.shape, huge_scale.data());
+  }, "its square finite too");
   refused([&](std::vector<ds::SaveTensor>& ts) {
     ds::SaveTensor& s = find(ts, "exp_avg_sq_scale.");
     s.shape = {s.shape[0] - 1};

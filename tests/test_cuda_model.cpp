@@ -509,6 +509,20 @@ TEST(CudaEngine, EightBitCheckpointStoresCodesAndResumesBitwise) {
   from.defer_load(dir + "/model.safetensors");
   std::unique_ptr<ds::Engine> r = ds::make_engine("cuda", from, plan);
   ds::load_optimizer_state(*r, dir);
+  {  // The loader hands the stored codes to the engine as they are (CodeSource, model/engine.h): the device's codes
+     // and block scales are the file's bytes.
+    const ds::CheckpointReader ck(dir + "/optimizer.safetensors");
+    int checked = 0;
+    for (const ds::SaveTensor& t : r->optimizer_tensors()) {
+      if (t.dtype != ds::DType::U8) continue;
+      const std::string want = ck.copy_bytes(t.name);
+      std::string got(want.size(), '\0');
+      t.byte_reader(0, static_cast<int64_t>(got.size()), reinterpret_cast<uint8_t*>(got.data()));
+      EXPECT_TRUE(got == want) << t.name;
+      ++checked;
+    }
+    EXPECT_EQ(checked, u8);
+  }
   for (int64_t t = 4; t <= 5; ++t) EXPECT_EQ(step(*a, t), step(*r, t)) << "step " << t;
   // Into the fp32 state: the moments are the codes' values.
   ds::GpuPlan p32 = plan;

@@ -207,7 +207,7 @@ TEST(CudaOps, Rope) {
 TEST(CudaOps, AdamW) {
   DS_SKIP_WITHOUT_GPU();
   expect_ok(check_adamw({.n = 1000003}));                   // float4 body + scalar tail; sum_squares many blocks
-  expect_ok(check_adamw({.n = 9000011}));                   // several float4 groups per thread (the prefetch)
+  expect_ok(check_adamw({.n = 9000011}));                   // many blocks
   expect_ok(check_adamw({.n = 4096, .with_bf16 = false}));  // no bf16 copy
   expect_ok(check_adamw({.n = 1001, .offset = 1}));         // unaligned: scalar path
   expect_ok(check_adamw({.n = 3}));                         // shorter than a vector
@@ -216,7 +216,7 @@ TEST(CudaOps, AdamW) {
 TEST(CudaOps, AdamWBf16State) {
   DS_SKIP_WITHOUT_GPU();
   expect_ok(check_adamw_bf16({.n = 1000003}));            // 4-wide body + scalar tail
-  expect_ok(check_adamw_bf16({.n = 9000011}));            // several groups per thread (the prefetch)
+  expect_ok(check_adamw_bf16({.n = 9000011}));            // many blocks
   expect_ok(check_adamw_bf16({.n = 1001, .offset = 1}));  // unaligned: scalar path
   expect_ok(check_adamw_bf16({.n = 3}));                  // shorter than a vector
 }
@@ -224,9 +224,10 @@ TEST(CudaOps, AdamWBf16State) {
 // The 8-bit state: kernel bitwise the CPU reference over three steps (ops/adamw/q8_state.h).
 TEST(CudaOps, AdamW8bitState) {
   DS_SKIP_WITHOUT_GPU();
-  expect_ok(check_adamw_8bit({.n = 1000003}));              // many blocks, partial first and last
-  expect_ok(check_adamw_8bit({.n = 9000011, .seed = 2}));   // more blocks than the grid: grid-stride
-  expect_ok(check_adamw_8bit({.n = 1001, .offset = 1}));    // unaligned pointers (byte codes, no vector path)
+  expect_ok(check_adamw_8bit({.n = 1000003}));              // many blocks, partial first and last (index0 1001: lanes element by element)
+  expect_ok(check_adamw_8bit({.n = 1000003, .seed = 8}));   // index0 1008: the 8-element vector path, partial ends
+  expect_ok(check_adamw_8bit({.n = 9000011, .seed = 2}));   // many CUDA blocks
+  expect_ok(check_adamw_8bit({.n = 1001, .offset = 1}));    // unaligned pointers (element by element)
   expect_ok(check_adamw_8bit({.n = 3}));                    // one short block
   expect_ok(check_adamw_8bit({.n = 256, .seed = 24}));      // index0 1024: exactly one whole block
 }

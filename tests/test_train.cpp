@@ -571,6 +571,9 @@ TEST(Train, NanGuardAndBadInputs) {
                "--optimizer-state 8bit is a mode of the GPU engine");
   expect_error("train " + args + " --steps 1 --device cpu --recompute full --out " + dir + "/x",
                "--recompute full is a mode of the GPU engine");
+  expect_error("train " + args + " --steps 1 --device cpu --max-memory 40 --out " + dir + "/x",
+               "--max-memory 40 limits the GPU engine's memory");
+  expect_error("train " + args + " --steps 1 --max-memory -1 --out " + dir + "/x", "--max-memory");
   // --resume keeps the checkpoint's options: --steps defaults to the saved total, run-defining flags are refused.
   ASSERT_EQ(run("train " + args + " --steps 2 --warmup 1 --threads 1 --save-interval 1 --out " + dir + "/r"), 0);
   expect_error("train --resume " + dir + "/r/checkpoint-1 --lr 0.5", "--lr cannot change on --resume");

@@ -266,7 +266,7 @@ class CpuEngine final : public Engine, private UnitSource {
     std::vector<float>().swap(w_full_);
   }
   // Whole moments from the checkpoint (any world size wrote them); this rank keeps its share.
-  void load_optimizer(const TensorSource& read) override {
+  void load_optimizer(const TensorSource& read, const CodeSource& /*codes: fp32 host moments*/ = nullptr) override {
     moments();
     if (const LoraAdapter* a = model_.adapter()) {  // lora_moments' names
       for (const LoraTensorRef& t : lora_tensor_refs(*a))
@@ -636,7 +636,7 @@ class CudaEngine final : public Engine {
     }
     return out;
   }
-  void load_optimizer(const TensorSource& read) override {
+  void load_optimizer(const TensorSource& read, const CodeSource& codes = nullptr) override {
     if (gpu_->adapter()) {
       for (const LoraTensorRef& t : lora_)
         for (auto [prefix, which] : {std::pair{kLoraExpAvg, GpuModel::LoraBuffer::ExpAvg},
@@ -647,9 +647,17 @@ class CudaEngine final : public Engine {
         }
       return;
     }
-    for (const ParamSpec& p : params_)
+    std::string c;
+    std::vector<float> s;
+    for (size_t pi = 0; pi < params_.size(); ++pi)
       for (int k = 0; k < gpu_->optimizer_state_count(); ++k) {
+        const ParamSpec& p = params_[pi];
         const std::string name = gpu_->optimizer_state_name(k, p);
+        if (codes && gpu_->optimizer_codes_8bit(pi) && codes(name, p.numel, p.offset, c, s)) {
+          gpu_->write_optimizer_codes(k, p.offset, p.numel, reinterpret_cast<const uint8_t*>(c.data()));
+          gpu_->write_optimizer_block_scales(k, pi, 0, static_cast<int64_t>(s.size()), s.data());
+          continue;
+        }
         const std::vector<float> x = read(name, p.numel, p.offset);
         DS_CHECK(static_cast<int64_t>(x.size()) == p.numel, "optimizer state {} has the wrong size", name);
         gpu_->write_optimizer_state(k, p.offset, p.numel, x.data());

@@ -157,6 +157,12 @@ struct GpuPlan {
 // the file and tensor when it is missing or has another element count. The trainer passes a checkpoint reader here
 // on resume; it dequantizes a moment stored as 8-bit codes (moment_scale_name) by the flat offset's blocks.
 using TensorSource = std::function<std::vector<float>(const std::string& name, int64_t numel, int64_t flat_offset)>;
+// A moment the checkpoint stores as 8-bit codes (the layout below), as stored: fills `codes` (numel bytes) and
+// `scales` (q8_state::num_blocks(flat_offset, numel) F32 block scales, each finite and >= 0) and returns true;
+// false where the checkpoint holds the tensor in another dtype (TensorSource then reads it). ds::Error naming the
+// file and tensor where a count is wrong or a scale is not finite and >= 0.
+using CodeSource = std::function<bool(const std::string& name, int64_t numel, int64_t flat_offset, std::string& codes,
+                                      std::vector<float>& scales)>;
 
 // The 8bit state's moments in checkpoints (ops/adamw/q8_state.h): "exp_avg.<param>" / "exp_avg_sq.<param>" hold the
 // U8 codes (of m, and of sqrt(v)) in the parameter's shape, and moment_scale_name of that name ("exp_avg_scale.
@@ -251,8 +257,10 @@ class Engine {
   // bf16 only, bf16_weights(OptimizerState)).
   virtual std::vector<SaveTensor> checkpoint_weight_tensors() { return weight_tensors(DType::F32); }
   virtual std::vector<SaveTensor> optimizer_tensors() = 0;
-  // Restores the optimizer state that optimizer_tensors() wrote (names as there), one tensor at a time.
-  virtual void load_optimizer(const TensorSource& read) = 0;
+  // Restores the optimizer state that optimizer_tensors() wrote (names as there), one tensor at a time. `codes`
+  // (may be empty): an engine that keeps the 8bit state's codes takes a moment stored as codes as it is (bitwise
+  // and without a host re-quantization: a 27B resume's 54 billion elements), else it reads fp32 values from `read`.
+  virtual void load_optimizer(const TensorSource& read, const CodeSource& codes = nullptr) = 0;
   // The accumulated gradients with HF names (fp32), streamed like the weights (`deltastack forward --grads`); with
   // a LoRA adapter on the model (Qwen35Model::set_adapter), the adapters' under PEFT's keys.
   virtual std::vector<SaveTensor> grad_tensors() = 0;

@@ -115,23 +115,29 @@ struct GpuModel::Impl {
     slot_busy[s] = false;
     DS_CUDA_CHECK(cudaMemsetAsync(store->unit_grads(u), 0, units[u].size() * sizeof(float), stream));
   }
+  // The unit's sum of squares and (an updating pass) its update, both on `side`, off the step's stream: the sum is
+  // the same kernel with the same bits wherever it runs, and grad_sum_squares() waits for `sums_done` (the last
+  // unit's sum) before it reads the sums, not for the updates queued behind it.
   void update_in_backward(size_t u) {
-    {
-      ProfScope ps = scope("optimizer", "grad sum of squares (in backward)", 0, 4.0 * units[u].size());
-      store->unit_sum_squares(u, stream);
-    }
-    if (!ib_update) return;
     ensure_units();
     DS_CUDA_CHECK(cudaEventRecord(ready, stream));
     DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
-    optimizer->step_params(*store, ib_params, unit_params[u].first, unit_params[u].second, side);
-    const int s = store->slot_of(u);
+    store->unit_sum_squares(u, side);
+    if (!sums_done) DS_CUDA_CHECK(cudaEventCreateWithFlags(&sums_done, cudaEventDisableTiming));
+    DS_CUDA_CHECK(cudaEventRecord(sums_done, side));
+    sums_pending = side_unjoined = true;
+    if (ib_update) {
+      optimizer->step_params(*store, ib_params, unit_params[u].first, unit_params[u].second, side);
+      DS_CUDA_CHECK(cudaEventRecord(updated[u], side));
+      waits_pending = true;
+    }
+    const int s = store->slot_of(u);  // its next unit waits for the sum (and the update) that read it
     if (!slot_free[s]) DS_CUDA_CHECK(cudaEventCreateWithFlags(&slot_free[s], cudaEventDisableTiming));
     DS_CUDA_CHECK(cudaEventRecord(slot_free[s], side));
     slot_busy[s] = true;
-    DS_CUDA_CHECK(cudaEventRecord(updated[u], side));
-    waits_pending = side_unjoined = true;
   }
+  cudaEvent_t sums_done = nullptr;  // recorded on `side` after each in-backward unit's sum of squares
+  bool sums_pending = false;        // grad_sum_squares() has not waited for sums_done yet
   void unit_final(size_t u) {
     if (in_backward()) return update_in_backward(u);
     if (bf16_grads()) {
@@ -157,7 +163,9 @@ struct GpuModel::Impl {
   bool grads_zeroed = false;    // the gradients were zeroed on `side` after the update
   void ensure_side() {
     if (side) return;
-    DS_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    int least = 0, greatest = 0;  // the least priority: the step's stream goes first (GpuModel's constructor)
+    DS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    DS_CUDA_CHECK(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, least));
     DS_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
   }
   void wait_updated(size_t u) {
@@ -210,6 +218,7 @@ struct GpuModel::Impl {
     for (cudaEvent_t e : updated) cudaEventDestroy(e);
     for (cudaEvent_t e : slot_free)
       if (e) cudaEventDestroy(e);
+    if (sums_done) cudaEventDestroy(sums_done);
     if (ready) cudaEventDestroy(ready);
     if (side) cudaStreamDestroy(side);
     if (stream) cudaStreamDestroy(stream);
@@ -924,7 +933,13 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   m.P = host.num_parameters();
   DS_CHECK(m.plan.max_seqlen <= m.plan.max_tokens, "gpu: max_seqlen {} exceeds max_tokens {}", m.plan.max_seqlen,
            m.plan.max_tokens);
-  DS_CUDA_CHECK(cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking));
+  // The step's stream at the device's greatest priority; `side` (the overlapped optimizer updates, in-backward
+  // updates and overlapped reduces) at the default, the least: where both have blocks waiting for SMs, the step's
+  // go first, and the updates fill what the step leaves idle (their short-lived blocks give the SMs back soon:
+  // ops/adamw/cuda.cu).
+  int least_priority = 0, greatest_priority = 0;
+  DS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
+  DS_CUDA_CHECK(cudaStreamCreateWithPriority(&m.stream, cudaStreamNonBlocking, greatest_priority));
   size_t free_b = 0, total_b = 0;
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   if (m.plan.memory_limit > 0) {  // as `plan --device-memory`: the allocation plus the context within the limit
@@ -1038,7 +1053,11 @@ void GpuModel::zero_grads() {
 
 // The two scopes below end after the synchronisation their calls finish with (a few microseconds late).
 double GpuModel::grad_sum_squares() {
-  if (impl_->in_backward()) return impl_->store->grad_sum_squares(impl_->stream, false);  // the backward's sums
+  if (impl_->in_backward()) {  // the backward's sums, taken on the side stream (update_in_backward)
+    if (impl_->sums_pending) DS_CUDA_CHECK(cudaStreamWaitEvent(impl_->stream, impl_->sums_done, 0));
+    impl_->sums_pending = false;
+    return impl_->store->grad_sum_squares(impl_->stream, false);
+  }
   impl_->join_side();
   if (impl_->lora) {  // the adapters' gradients only
     ProfScope ps = impl_->scope("optimizer", "grad sum of squares (LoRA)", 0, 4.0 * impl_->lora->size());
@@ -1244,6 +1263,15 @@ void GpuModel::read_optimizer_block_scales(int which, size_t k, int64_t first_bl
   impl_->optimizer->read_block_scales(which, k, first_block, count, dst, impl_->stream);
 }
 
+void GpuModel::write_optimizer_codes(int which, int64_t first, int64_t count, const uint8_t* src) {
+  impl_->join_side();
+  impl_->optimizer->write_codes(which, first, count, src, impl_->stream);
+}
+void GpuModel::write_optimizer_block_scales(int which, size_t k, int64_t first_block, int64_t count, const float* src) {
+  impl_->join_side();
+  impl_->optimizer->write_block_scales(which, k, first_block, count, src, impl_->stream);
+}
+
 void GpuModel::download_grads(std::vector<float>& out) const {
   out.resize(static_cast<size_t>(impl_->P));
   read(Buffer::Grads, 0, impl_->P, out.data());
@@ -1287,6 +1315,8 @@ void GpuModel::write_lora(LoraBuffer, int64_t, int64_t, const float*) {}
 bool GpuModel::optimizer_codes_8bit(size_t) const { return false; }
 void GpuModel::read_optimizer_codes(int, int64_t, int64_t, uint8_t*) const {}
 void GpuModel::read_optimizer_block_scales(int, size_t, int64_t, int64_t, float*) const {}
+void GpuModel::write_optimizer_codes(int, int64_t, int64_t, const uint8_t*) {}
+void GpuModel::write_optimizer_block_scales(int, size_t, int64_t, int64_t, const float*) {}
 GpuModel::DeviceGrads GpuModel::device_grads() { return {nullptr, 0, nullptr}; }
 GpuModel::ShardBuffers GpuModel::shard_buffers() { return {}; }
 void GpuModel::reduce_grads_during_next_backward(std::function<void(float*, int64_t, void*)>) {}

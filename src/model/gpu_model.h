@@ -126,10 +126,12 @@ class GpuModel {
   void write_optimizer_state(int which, int64_t first, int64_t count, const float* src);
   // The 8bit state as checkpoints store it (model/engine.h moment_scale_name; unsharded): whether parameter k's
   // moments are 8-bit codes, their codes (flat offsets as ParamSpec's, inside one parameter) and parameter k's
-  // block scales [first_block, first_block + count).
+  // block scales [first_block, first_block + count); and the same two written (a resume: bitwise, no re-quantization).
   bool optimizer_codes_8bit(size_t k) const;
   void read_optimizer_codes(int which, int64_t first, int64_t count, uint8_t* dst) const;
   void read_optimizer_block_scales(int which, size_t k, int64_t first_block, int64_t count, float* dst) const;
+  void write_optimizer_codes(int which, int64_t first, int64_t count, const uint8_t* src);
+  void write_optimizer_block_scales(int which, size_t k, int64_t first_block, int64_t count, const float* src);
 
   // A LoRA run (the host model had an adapter, Qwen35Model::set_adapter; docs/lora.md, model/gpu_lora.h): the base
   // frozen in bf16, the adapters trained. adapter(): the host adapter the engine was built with (its config; the

@@ -178,17 +178,40 @@ void GpuAdamW::read_codes(int which, int64_t first, int64_t count, uint8_t* dst,
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
-void GpuAdamW::read_block_scales(int which, size_t k, int64_t first_block, int64_t count, float* dst,
-                                 cudaStream_t stream) const {
+float* GpuAdamW::block_scales(int which, size_t k, int64_t first_block, int64_t count) const {
   DS_CHECK(which == 0 || which == 1, "adamw: state tensor {} does not exist", which);
   DS_CHECK(codes_8bit(k), "adamw: {} has no 8-bit codes", store_.params()[k].name);
   const auto [a, b] = piece(k);
   DS_CHECK(first_block >= 0 && count >= 0 && first_block + count <= Q::num_blocks(a, b - a),
            "adamw: block scales [{}, {}) outside the {} of {}", first_block, first_block + count,
            Q::num_blocks(a, b - a), store_.params()[k].name);
+  return (which == 0 ? ma_ : va_) + q0_[k] + first_block;
+}
+
+void GpuAdamW::read_block_scales(int which, size_t k, int64_t first_block, int64_t count, float* dst,
+                                 cudaStream_t stream) const {
+  const float* src = block_scales(which, k, first_block, count);
   if (count == 0) return;
-  DS_CUDA_CHECK(cudaMemcpyAsync(dst, (which == 0 ? ma_ : va_) + q0_[k] + first_block, count * sizeof(float),
-                                cudaMemcpyDeviceToHost, stream));
+  DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+void GpuAdamW::write_codes(int which, int64_t first, int64_t count, const uint8_t* src, cudaStream_t stream) {
+  DS_CHECK(which == 0 || which == 1, "adamw: state tensor {} does not exist", which);
+  const size_t k = store_.param_at(first, count);
+  DS_CHECK(codes_8bit(k), "adamw: {} has no 8-bit codes (state {}, sharded {})", store_.params()[k].name,
+           optimizer_state_name(store_.state()), store_.sharded());
+  if (count == 0) return;
+  DS_CUDA_CHECK(cudaMemcpyAsync((which == 0 ? mq_ : vq_) + (first - store_.share_lo()), src, count,
+                                cudaMemcpyHostToDevice, stream));
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // src is the caller's (pageable) buffer
+}
+
+void GpuAdamW::write_block_scales(int which, size_t k, int64_t first_block, int64_t count, const float* src,
+                                  cudaStream_t stream) {
+  float* dst = block_scales(which, k, first_block, count);
+  if (count == 0) return;
+  DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyHostToDevice, stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 

@@ -49,6 +49,12 @@ class GpuOptimizer {
                           cudaStream_t /*stream*/) const {}
   virtual void read_block_scales(int /*which*/, size_t /*k*/, int64_t /*first_block*/, int64_t /*count*/,
                                  float* /*dst*/, cudaStream_t /*stream*/) const {}
+  // The same written back (a resume from a checkpoint that stores the codes: bitwise, no re-quantization). ds::Error
+  // where parameter k has no 8-bit codes or the range is outside it.
+  virtual void write_codes(int /*which*/, int64_t /*first*/, int64_t /*count*/, const uint8_t* /*src*/,
+                           cudaStream_t /*stream*/) {}
+  virtual void write_block_scales(int /*which*/, size_t /*k*/, int64_t /*first_block*/, int64_t /*count*/,
+                                  const float* /*src*/, cudaStream_t /*stream*/) {}
 };
 
 class GpuAdamW final : public GpuOptimizer {
@@ -69,6 +75,9 @@ class GpuAdamW final : public GpuOptimizer {
   void read_codes(int which, int64_t first, int64_t count, uint8_t* dst, cudaStream_t stream) const override;
   void read_block_scales(int which, size_t k, int64_t first_block, int64_t count, float* dst,
                          cudaStream_t stream) const override;
+  void write_codes(int which, int64_t first, int64_t count, const uint8_t* src, cudaStream_t stream) override;
+  void write_block_scales(int which, size_t k, int64_t first_block, int64_t count, const float* src,
+                          cudaStream_t stream) override;
 
  private:
   using bf16 = ds::cuda::bf16;
@@ -84,6 +93,9 @@ class GpuAdamW final : public GpuOptimizer {
   int64_t f0_ = 0, n32_ = 0, nb_ = 0, nq_ = 0;
   // Parameter k's elements in the share, [a, b) (a >= b: none).
   std::pair<int64_t, int64_t> piece(size_t k) const;
+  // The device address of block scales [first_block, first_block + count) of moment `which` of parameter k;
+  // ds::Error where k has no 8-bit codes or the range is outside its blocks.
+  float* block_scales(int which, size_t k, int64_t first_block, int64_t count) const;
   // The 8-bit state's slab [first, first + count) of parameter k (inside the share) to / from fp32 on the host.
   void read_q8(int which, size_t k, int64_t first, int64_t count, float* dst, cudaStream_t stream) const;
   void write_q8(int which, size_t k, int64_t first, int64_t count, const float* src, cudaStream_t stream);

@@ -117,35 +117,46 @@ SavedCheckpoint read_checkpoint_state(const std::string& dir) {
   return c;
 }
 
-// A moment stored as the 8bit state's codes (moment_scale_name, model/engine.h): the U8 codes and their block scales,
-// dequantized exactly as the kernel decodes them (ops::dequantize_moment_8bit), by the flat offset's blocks.
-// ds::Error naming the file and tensor for a tensor outside the flat parameters, a count that does not match, or a
-// non-finite or negative scale.
-static std::vector<float> read_moment_codes(const CheckpointReader& os, const std::string& name, int64_t numel,
-                                            int64_t flat_offset, std::set<std::string>& ours) {
+// A moment stored as the 8bit state's codes (moment_scale_name, model/engine.h): the U8 codes and their block scales
+// as stored, by the flat offset's blocks; returns which moment (0: exp_avg, 1: exp_avg_sq). ds::Error naming the file
+// and tensor for a tensor outside the flat parameters, a count that does not match, or a scale that is not finite and
+// >= 0, or (exp_avg_sq's) whose square is not finite: every code then decodes to a finite moment, exp_avg_sq's >= 0.
+static int read_moment_codes(const CheckpointReader& os, const std::string& name, int64_t numel, int64_t flat_offset,
+                             std::set<std::string>& ours, std::string& codes, std::vector<float>& scale) {
   const std::string scale_name = moment_scale_name(name);
+  ours.insert(name);
   ours.insert(scale_name);
   DS_CHECK(flat_offset >= 0, "{}: optimizer state {} is stored as 8-bit codes, which only the flat parameters' "
            "moments may be", os.path(), name);
   const int which = name.rfind("exp_avg_sq.", 0) == 0 ? 1 : 0;
   DS_CHECK(which == 1 || name.rfind("exp_avg.", 0) == 0, "{}: optimizer state {} is stored as 8-bit codes, but it "
            "is no AdamW moment (exp_avg / exp_avg_sq)", os.path(), name);
-  const std::string codes = os.copy_bytes(name);
+  codes = os.copy_bytes(name);
   DS_CHECK(static_cast<int64_t>(codes.size()) == numel, "{}: optimizer state {} has {} codes, expected {}", os.path(),
            name, codes.size(), numel);
   DS_CHECK(os.has(scale_name), "{}: optimizer state {} is stored as 8-bit codes without its block scales {}",
            os.path(), name, scale_name);
-  const std::vector<float> scale = os.read_f32(scale_name);
+  scale = os.read_f32(scale_name);
   const int64_t blocks = ops::q8_state::num_blocks(flat_offset, numel);
   DS_CHECK(static_cast<int64_t>(scale.size()) == blocks, "{}: {} has {} block scales, expected {} (256-element blocks "
            "of the flat range [{}, {}))", os.path(), scale_name, scale.size(), blocks, flat_offset, flat_offset + numel);
   for (size_t i = 0; i < scale.size(); ++i)
-    DS_CHECK(std::isfinite(scale[i]) && scale[i] >= 0.0f, "{}: {} holds {} at index {}; a block scale must be finite "
-             "and >= 0: the checkpoint is corrupt", os.path(), scale_name, scale[i], i);
-  std::vector<float> x(static_cast<size_t>(numel));
-  ops::dequantize_moment_8bit(which, reinterpret_cast<const uint8_t*>(codes.data()), scale.data(), numel, flat_offset,
-                              x.data());
-  return x;
+    DS_CHECK(std::isfinite(scale[i]) && scale[i] >= 0.0f && (which == 0 || std::isfinite(scale[i] * scale[i])),
+             "{}: {} holds {} at index {}; a block scale must be finite and >= 0 (exp_avg_sq's, of sqrt(v): its "
+             "square finite too): the checkpoint is corrupt", os.path(), scale_name, scale[i], i);
+  return which;
+}
+
+// The first index in x [n] that is not finite (or, with nonnegative, below 0), or -1: in parallel, the same answer
+// for any thread count.
+static int64_t first_bad_moment(const std::vector<float>& x, bool nonnegative) {
+  const int64_t n = static_cast<int64_t>(x.size());
+  int64_t first = n;
+#pragma omp parallel for schedule(static) reduction(min : first)
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[static_cast<size_t>(i)]) || (nonnegative && x[static_cast<size_t>(i)] < 0.0f))
+      first = std::min(first, i);
+  return first < n ? first : -1;
 }
 
 void load_optimizer_state(Engine& engine, const std::string& dir) {
@@ -153,21 +164,41 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
   const fs::path index = fs::path(dir) / "optimizer.safetensors.index.json";
   CheckpointReader os(fs::exists(index) ? index.string() : (fs::path(dir) / "optimizer.safetensors").string());
   std::set<std::string> ours;  // the names this engine reads
-  engine.load_optimizer([&](const std::string& name, int64_t numel, int64_t flat_offset) {
+  const auto stored_as_codes = [&](const std::string& name) {
+    return os.has(name) && os.info(name).dtype == DType::U8;
+  };
+  // Fp32 values: a moment stored as codes dequantized exactly as the kernel decodes it (ops::dequantize_moment_8bit).
+  const TensorSource read = [&](const std::string& name, int64_t numel, int64_t flat_offset) {
     ours.insert(name);
-    std::vector<float> x = os.has(name) && os.info(name).dtype == DType::U8
-                               ? read_moment_codes(os, name, numel, flat_offset, ours)
-                               : os.read_f32(name);
+    std::vector<float> x;
+    if (stored_as_codes(name)) {
+      std::string codes;
+      std::vector<float> scale;
+      const int which = read_moment_codes(os, name, numel, flat_offset, ours, codes, scale);
+      x.resize(static_cast<size_t>(numel));
+      ops::dequantize_moment_8bit(which, reinterpret_cast<const uint8_t*>(codes.data()), scale.data(), numel,
+                                  flat_offset, x.data());
+      return x;  // finite, and >= 0 for exp_avg_sq, by the scales' check
+    }
+    x = os.read_f32(name);
     DS_CHECK(static_cast<int64_t>(x.size()) == numel, "{}: optimizer state {} has {} values, expected {}", os.path(),
              name, x.size(), numel);
     // A corrupt moment would turn into NaN weights at the first update (and a checkpoint that cannot be loaded).
     const bool second_moment = name.rfind("exp_avg_sq.", 0) == 0;
-    for (size_t i = 0; i < x.size(); ++i)
-      DS_CHECK(std::isfinite(x[i]) && (!second_moment || x[i] >= 0.0f),
-               "{}: optimizer state {} holds {} at index {} ({}); the checkpoint is corrupt", os.path(), name, x[i], i,
-               second_moment ? "a second moment must be finite and >= 0" : "it must be finite");
+    const int64_t i = first_bad_moment(x, second_moment);
+    DS_CHECK(i < 0, "{}: optimizer state {} holds {} at index {} ({}); the checkpoint is corrupt", os.path(), name,
+             i < 0 ? 0.0f : x[static_cast<size_t>(i)], i,
+             second_moment ? "a second moment must be finite and >= 0" : "it must be finite");
     return x;
-  });
+  };
+  // The codes as stored, for an engine that keeps them (a 27B resume: no host dequantization or re-quantization).
+  const CodeSource codes = [&](const std::string& name, int64_t numel, int64_t flat_offset, std::string& c,
+                               std::vector<float>& scale) {
+    if (!stored_as_codes(name)) return false;
+    read_moment_codes(os, name, numel, flat_offset, ours, c, scale);
+    return true;
+  };
+  engine.load_optimizer(read, codes);
   // Every tensor must belong to this model: an extra one means the state is another run's (a larger model's).
   for (const std::string& name : os.names())
     DS_CHECK(ours.count(name), "{}: optimizer state {} has no parameter in this model: the file belongs to another "

@@ -157,6 +157,10 @@ const std::vector<TrainOption>& train_options() {
       opt("memory", &O::memory, "auto",
           "auto: the memory modes not given are chosen to fit the GPU (docs/memory.md); fixed: fp32 and selective",
           one_of({"auto", "fixed"}), kResumable | kNewerKey | kNotSaved),
+      opt("max-memory", &O::max_memory, 0.0, "GiB of GPU memory the run may use, the CUDA context included, as "
+          "`plan --device-memory` (0 = all that is free): the plan and --memory auto's choice fit into it (a GPU "
+          "shared with another job; a run held to another stack's footprint)", in_range(0.0, 1e6),
+          kResumable | kNewerKey | kNotSaved),
       opt("shard", &O::shard, "none",
           "With several ranks: none (every rank holds the AdamW state), optimizer (each rank holds and updates "
           "1/ranks of it; gradients reduce-scattered, weights all-gathered) or full (the weights and gradients too: "

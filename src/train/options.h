@@ -33,6 +33,7 @@ struct TrainOptions {
   std::string resume;
   std::string device;
   std::string optimizer_state, recompute, memory;
+  double max_memory;      // GiB of GPU memory the run may use, the CUDA context included (0: all that is free)
   std::string precision;  // bf16 | fp8 (the decoder's matrix GEMMs; docs/fp8.md)
   std::string gradients;  // fp32 | in-backward (model/engine.h Gradients)
   std::string shard;  // none | optimizer (several ranks; docs/distributed.md)

@@ -103,6 +103,7 @@ std::string tokenizer_path(const TrainOptions& opt) {
 // explicitly otherwise), and knows whether its step needs the norm pass (--clip > 0 or --nan-policy skip).
 void apply_train_memory_flags(GpuPlan& plan, const TrainOptions& opt, const dist::Communicator& comm) {
   apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute, opt.gradients);
+  plan.memory_limit = static_cast<size_t>(opt.max_memory * 1073741824.0);  // --max-memory (0: none)
   const bool in_backward_runs = opt.grad_accum == 1 && comm.world() == 1 && opt.shard == "none" &&
                                 opt.lora_rank == 0 && opt.adapter.empty();
   if (plan.gradients == Gradients::Auto && !in_backward_runs) plan.gradients = Gradients::Fp32;
@@ -118,10 +119,13 @@ void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::stri
            opt.seq_len, kMaxTokens);
   constexpr double GiB = 1073741824.0;
   if (device == "cuda") {
-    const size_t free = cuda_free_bytes(), slack = size_t{512} << 20;  // the engine's margin (gpu_model.cpp)
+    size_t free = cuda_free_bytes();
+    const size_t slack = size_t{512} << 20;  // the engine's margin (gpu_model.cpp)
     if (free == 0) return;
     GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, 1);
     apply_train_memory_flags(plan, opt, comm);
+    if (plan.memory_limit > 0)  // --max-memory: what the engine will allow itself (GpuModel's constructor)
+      free = std::min(free, (plan.memory_limit > kCudaContextBytes ? plan.memory_limit - kCudaContextBytes : 0) + slack);
     if (opt.shard == "optimizer") {
       plan.shard_rank = comm.rank();
       plan.shard_world = comm.world();
@@ -137,11 +141,12 @@ void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::stri
     }
     if (least == std::numeric_limits<size_t>::max()) return;  // no plan at all: the engine's own error says why
     DS_CHECK(least + slack < free, "the model ({}: {} parameters) with --micro-batch {} x --seq-len {} needs at least "
-             "{:.2f} GiB of GPU memory in the leanest memory modes{}, but {:.2f} GiB is free: lower --micro-batch "
+             "{:.2f} GiB of GPU memory in the leanest memory modes{}, but {:.2f} GiB is free{}: lower --micro-batch "
              "(--grad-accum keeps the step's batch) or --seq-len, or use a smaller model (`deltastack plan` shows the "
              "breakdown)", cfg.source, cfg.num_parameters(), opt.micro_batch, opt.seq_len, (least + slack) / GiB,
              opt.memory == "fixed" || opt.was_given("optimizer-state") || opt.was_given("recompute")
-                 ? " the flags allow" : "", free / GiB);
+                 ? " the flags allow" : "", free / GiB,
+             plan.memory_limit > 0 ? fmt::format(" within --max-memory {}", opt.max_memory) : std::string());
     return;
   }
   if (device != "cpu") return;
@@ -632,6 +637,8 @@ void check_run_options(const TrainOptions& opt, bool resumed, const std::string&
   ops::check_knobs();  // a bad DELTASTACK_<OP> fails here, before --out is touched
   check_engine_knobs();  // and a bad DELTASTACK_ASYNC_OPTIMIZER / _DP_OVERLAP (the GPU engine reads them later)
   if (device != "cuda") {  // the GPU engine's memory modes, on the CPU: errors now
+    DS_CHECK(opt.max_memory == 0, "--max-memory {} limits the GPU engine's memory; this run trains on the CPU (use "
+             "--device cuda on a machine with a GPU, or leave --max-memory out)", opt.max_memory);
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
              "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",
              opt.recompute);

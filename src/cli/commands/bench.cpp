@@ -26,6 +26,8 @@
 #include "core/cuda/profile.h"
 #include "core/profile.h"
 #include "model/engine.h"
+#include "ops/adamw/cuda.h"
+#include "ops/adamw/q8_state.h"
 #include "ops/attention/cuda.h"
 #include "ops/attention/cudnn.h"
 #include "ops/conv1d/cuda.h"
@@ -368,6 +370,50 @@ int cmd_bench_ops() {
                     fmt::format("{:.0f} TFLOP/s; scratch {:.2f} GiB", fl / (fb * 1e-3) / 1e12,
                                 K::linear_cross_entropy_scratch_bytes(N, H, V, opt.chunk_tokens) / 1073741824.0),
                     fl / (fb * 1e-3) / kGemmRate});
+  }
+  {  // AdamW, one 9B decoder layer's worth (218M parameters), fp32 gradients, each --optimizer-state's kernel. Bytes
+     // read + written per parameter: fp32 30 (p, m, v in and out, g in, the bf16 copy out), bf16 16, 8bit 12 (the
+     // block scales: 8 B per 256 parameters).
+    DevBuf d;
+    const int64_t n = 218103808;
+    float* g = d.get<float>(n);
+    K::fill_uniform(g, n, 19, -1e-3f, 1e-3f, s);
+    ops::AdamWParams hp;
+    hp.lr = 1e-4;
+    hp.step = 10;
+    std::vector<std::pair<std::string, double>> t;
+    {
+      float *p = d.get<float>(n), *m = d.get<float>(n), *v = d.get<float>(n);
+      bf16* pb = d.get<bf16>(n);
+      DS_CUDA_CHECK(cudaMemset(p, 0, n * 4));
+      DS_CUDA_CHECK(cudaMemset(m, 0, n * 4));
+      DS_CUDA_CHECK(cudaMemset(v, 0, n * 4));
+      t.emplace_back("fp32", time_ms([&] { K::adamw_update(p, g, m, v, pb, n, hp, s); }));
+    }
+    {
+      bf16 *p = d.get<bf16>(n), *m = d.get<bf16>(n), *v = d.get<bf16>(n);
+      DS_CUDA_CHECK(cudaMemset(p, 0, n * 2));
+      DS_CUDA_CHECK(cudaMemset(m, 0, n * 2));
+      DS_CUDA_CHECK(cudaMemset(v, 0, n * 2));
+      t.emplace_back("bf16", time_ms([&] { K::adamw_update_bf16(p, g, m, v, n, hp, 0, s); }));
+    }
+    {
+      const int64_t nb = ops::q8_state::num_blocks(0, n);
+      bf16* p = d.get<bf16>(n);
+      uint8_t *mc = d.get<uint8_t>(n), *vc = d.get<uint8_t>(n);
+      float *ma = d.get<float>(nb), *va = d.get<float>(nb);
+      DS_CUDA_CHECK(cudaMemset(p, 0, n * 2));
+      DS_CUDA_CHECK(cudaMemset(mc, 0, n));
+      DS_CUDA_CHECK(cudaMemset(vc, 0, n));
+      DS_CUDA_CHECK(cudaMemset(ma, 0, nb * 4));
+      DS_CUDA_CHECK(cudaMemset(va, 0, nb * 4));
+      t.emplace_back("8bit", time_ms([&] { K::adamw_update_8bit(p, g, mc, vc, ma, va, n, hp, 0, s); }));
+    }
+    for (const auto& [name, ms] : t) {
+      const double bytes = (name == "fp32" ? 30.0 : name == "bf16" ? 16.0 : 12.0 + 8.0 / 256) * n;
+      rows.push_back({"adamw " + name + " state", fmt::format("{}M params", n >> 20), ms, ms,
+                      fmt::format("{:.2f} TB/s", bytes / (ms * 1e-3) / 1e12), bytes / (ms * 1e-3) / kCopyBw});
+    }
   }
   print_rows(rows);
   return 0;

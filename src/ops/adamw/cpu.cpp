@@ -68,6 +68,7 @@ void quantize_moment_8bit(int which, const float* x, int64_t n, int64_t index0, 
   namespace Q = q8_state;
   const Q::Tables t = Q::host_tables();
   const int64_t nb = Q::num_blocks(index0, n), c0 = index0 / Q::kBlock;
+#pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t lo = std::max(index0, (c0 + b) * Q::kBlock) - index0;
     const int64_t hi = std::min(index0 + n, (c0 + b + 1) * Q::kBlock) - index0;
@@ -85,6 +86,7 @@ void dequantize_moment_8bit(int which, const uint8_t* code, const float* absmax,
   namespace Q = q8_state;
   const Q::Tables t = Q::host_tables();
   const int64_t c0 = index0 / Q::kBlock;
+#pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const float a = absmax[(index0 + i) / Q::kBlock - c0];
     if (which == 0) {

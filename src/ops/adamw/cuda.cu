@@ -22,6 +22,10 @@ using namespace ds::cuda;
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 4096;     // elementwise grids (grid-stride beyond)
+// The AdamW updates' grids: one pass of short-lived blocks up to 2^28 threads (grid-stride beyond), so that a
+// kernel on a higher-priority stream takes the SMs as the update's blocks retire (the updates run on the engine's
+// low-priority side stream, overlapped with the step: model/gpu_model.cpp).
+constexpr int64_t kMaxUpdateBlocks = int64_t{1} << 20;
 constexpr int64_t kSumChunk = 16384;     // elements per sum_squares block at least
 constexpr int64_t kMaxSumBlocks = 1024;  // at most this many partials
 
@@ -116,14 +120,37 @@ __global__ void __launch_bounds__(kThreads)
     bf16_state::update(param[i], grad1(grad, i), m[i], v[i], k, static_cast<uint64_t>(index0 + i));
 }
 
-// The 8-bit state (q8_state.h): one CUDA block per quantization block (kThreads == q8_state::kBlock), thread t on
-// element t of its chunk; the tables in shared memory; the block's new absmax of m and r by a shuffle / shared-memory
-// max (exact in any order).
-static_assert(kThreads == q8_state::kBlock, "one thread per element of a quantization block");
+// The 8-bit state (q8_state.h): one warp per quantization block, lane l on the block's elements 8l .. 8l + 7 (a
+// 16-byte bf16 load, two float4 gradient loads and 8-byte code loads where the whole group is in range and every
+// pointer is aligned, else element by element); the block's new absmax of m and r by warp shuffles (fmaxf: exact in
+// any order), so no block-wide barrier inside the work. Each CUDA block takes kQ8BlocksPerCta consecutive
+// quantization blocks and exits: short-lived blocks let a kernel on a higher-priority stream take the SMs as they
+// free up (the update runs on the engine's low-priority side stream, model/gpu_model.cpp). The tables are copied
+// to shared memory once per CUDA block (766 floats).
+static_assert(q8_state::kBlock == 32 * 8, "a quantization block is one warp of 8 elements per lane");
+constexpr int kQ8WarpsPerCta = kThreads / 32;
+constexpr int64_t kQ8BlocksPerCta = 4 * kQ8WarpsPerCta;  // each warp takes 4 quantization blocks
 __constant__ float c_q8_m_mag[128] = {DS_Q8_M_MAGNITUDES};
 __constant__ float c_q8_m_thr[127] = {DS_Q8_M_THRESHOLDS};
 __constant__ float c_q8_r_val[256] = {DS_Q8_R_VALUES};
 __constant__ float c_q8_r_thr[255] = {DS_Q8_R_THRESHOLDS};
+
+__device__ __forceinline__ bool dev_aligned(const void* p, unsigned bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+__device__ __forceinline__ void load8_grad(const float* g, float* x) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(g)), b = __ldg(reinterpret_cast<const float4*>(g) + 1);
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+__device__ __forceinline__ void load8_grad(const uint16_t* g, float* x) {
+  const uint4 a = __ldg(reinterpret_cast<const uint4*>(g));
+  const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    x[2 * j] = bf16_state::widen(static_cast<uint16_t>(w[j] & 0xffffu));
+    x[2 * j + 1] = bf16_state::widen(static_cast<uint16_t>(w[j] >> 16));
+  }
+}
 
 template <typename G>
 __global__ void __launch_bounds__(kThreads)
@@ -132,8 +159,7 @@ __global__ void __launch_bounds__(kThreads)
                       int64_t n, int64_t index0, int64_t nblocks, bf16_state::Consts k) {
   namespace Q = q8_state;
   __shared__ float m_mag[128], m_thr[127], r_val[256], r_thr[255];
-  __shared__ float red_m[kThreads / 32], red_r[kThreads / 32];
-  const int t = threadIdx.x;
+  const int t = threadIdx.x, lane = t & 31;
   if (t < 128) m_mag[t] = c_q8_m_mag[t];
   if (t < 127) m_thr[t] = c_q8_m_thr[t];
   r_val[t] = c_q8_r_val[t];
@@ -141,32 +167,76 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const Q::Tables tab{m_mag, m_thr, r_val, r_thr};
   const int64_t c0 = index0 / Q::kBlock;
-  for (int64_t b = blockIdx.x; b < nblocks; b += gridDim.x) {
-    const int64_t i = (c0 + b) * Q::kBlock + t - index0;  // this thread's element of the range
-    const bool active = i >= 0 && i < n;
-    float mm = 0.0f, rr = 0.0f;
-    if (active) {
-      const float m_old = Q::dequantize_m(m_code[i], m_absmax[b], tab);
-      const float r_old = Q::dequantize_r(v_code[i], v_absmax[b], tab);
-      Q::update_element(param[i], grad1(grad, i), m_old, r_old, k, static_cast<uint64_t>(index0 + i), mm, rr);
+  // Quantization blocks b, b + warps, ... of this CUDA block's kQ8BlocksPerCta (a grid-stride loop beyond the
+  // grid's cap: 2^31 - 1 CUDA blocks).
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kQ8BlocksPerCta; base < nblocks;
+       base += static_cast<int64_t>(gridDim.x) * kQ8BlocksPerCta) {
+    for (int64_t b = base + (t >> 5); b < base + kQ8BlocksPerCta && b < nblocks; b += kQ8WarpsPerCta) {
+      const int64_t i0 = (c0 + b) * Q::kBlock + 8 * lane - index0;  // this lane's first element of the range
+      const float scale_m = m_absmax[b], scale_r = v_absmax[b];
+      float mm[8], rr[8];
+      const bool vec = i0 >= 0 && i0 + 8 <= n && dev_aligned(param + i0, 16) &&
+                       dev_aligned(grad + i0, 16) &&
+                       dev_aligned(m_code + i0, 8) && dev_aligned(v_code + i0, 8);
+      if (vec) {
+        float g[8];
+        load8_grad(grad + i0, g);
+        uint4 pw = *reinterpret_cast<const uint4*>(param + i0);
+        const uint2 mc = *reinterpret_cast<const uint2*>(m_code + i0), vc = *reinterpret_cast<const uint2*>(v_code + i0);
+        uint32_t pv[4] = {pw.x, pw.y, pw.z, pw.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const uint8_t cm = static_cast<uint8_t>(((j < 4 ? mc.x : mc.y) >> (8 * (j & 3))) & 0xffu);
+          const uint8_t cv = static_cast<uint8_t>(((j < 4 ? vc.x : vc.y) >> (8 * (j & 3))) & 0xffu);
+          uint16_t p = static_cast<uint16_t>((pv[j >> 1] >> (16 * (j & 1))) & 0xffffu);
+          Q::update_element(p, g[j], Q::dequantize_m(cm, scale_m, tab), Q::dequantize_r(cv, scale_r, tab), k,
+                            static_cast<uint64_t>(index0 + i0 + j), mm[j], rr[j]);
+          pv[j >> 1] = (j & 1) ? (pv[j >> 1] & 0xffffu) | (static_cast<uint32_t>(p) << 16)
+                               : (pv[j >> 1] & 0xffff0000u) | p;
+        }
+        pw = make_uint4(pv[0], pv[1], pv[2], pv[3]);
+        *reinterpret_cast<uint4*>(param + i0) = pw;
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int64_t i = i0 + j;
+          mm[j] = 0.0f, rr[j] = 0.0f;
+          if (i >= 0 && i < n)
+            Q::update_element(param[i], grad1(grad, i), Q::dequantize_m(m_code[i], scale_m, tab),
+                              Q::dequantize_r(v_code[i], scale_r, tab), k, static_cast<uint64_t>(index0 + i), mm[j],
+                              rr[j]);
+        }
+      }
+      float am = 0.0f, ar = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) am = fmaxf(am, fabsf(mm[j])), ar = fmaxf(ar, rr[j]);
+      for (int o = 16; o > 0; o >>= 1) {  // every lane has read the old scales above before lane 0 writes
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        ar = fmaxf(ar, __shfl_xor_sync(0xffffffffu, ar, o));
+      }
+      am = Q::block_scale(am);
+      ar = Q::block_scale(ar);
+      if (vec) {
+        uint32_t cm[2] = {0, 0}, cv[2] = {0, 0};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          cm[j >> 2] |= static_cast<uint32_t>(Q::encode_m(Q::normalized(mm[j], am), tab)) << (8 * (j & 3));
+          cv[j >> 2] |= static_cast<uint32_t>(Q::encode_r(Q::normalized(rr[j], ar), tab)) << (8 * (j & 3));
+        }
+        *reinterpret_cast<uint2*>(m_code + i0) = make_uint2(cm[0], cm[1]);
+        *reinterpret_cast<uint2*>(v_code + i0) = make_uint2(cv[0], cv[1]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const int64_t i = i0 + j;
+          if (i >= 0 && i < n) {
+            m_code[i] = Q::encode_m(Q::normalized(mm[j], am), tab);
+            v_code[i] = Q::encode_r(Q::normalized(rr[j], ar), tab);
+          }
+        }
+      }
+      if (lane == 0) m_absmax[b] = am, v_absmax[b] = ar;
     }
-    float am = fabsf(mm), ar = rr;
-    for (int o = 16; o > 0; o >>= 1) {
-      am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
-      ar = fmaxf(ar, __shfl_xor_sync(0xffffffffu, ar, o));
-    }
-    if ((t & 31) == 0) red_m[t >> 5] = am, red_r[t >> 5] = ar;
-    __syncthreads();  // also: every thread has read the old absmax before thread 0 writes the new one
-    am = red_m[0], ar = red_r[0];
-    for (int w = 1; w < kThreads / 32; ++w) am = fmaxf(am, red_m[w]), ar = fmaxf(ar, red_r[w]);
-    am = Q::block_scale(am);
-    ar = Q::block_scale(ar);
-    if (active) {
-      m_code[i] = Q::encode_m(Q::normalized(mm, am), tab);
-      v_code[i] = Q::encode_r(Q::normalized(rr, ar), tab);
-    }
-    if (t == 0) m_absmax[b] = am, v_absmax[b] = ar;
-    __syncthreads();  // red_m / red_r are reused by the next block
   }
 }
 
@@ -244,6 +314,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 unsigned grid_for(int64_t work) { return grid_1d(work, kThreads, kMaxBlocks); }
+unsigned update_grid(int64_t work) { return grid_1d(work, kThreads, kMaxUpdateBlocks); }
 
 struct SumPlan {
   int64_t chunk = 0, blocks = 0;
@@ -282,12 +353,12 @@ void adamw_update_t(float* param, const G* grad, float* m, float* v, ds::cuda::b
   int64_t begin = 0;
   if (vec && n >= 4) {
     const int64_t n4 = n / 4;
-    adamw_vec4_kernel<<<grid_for(n4), kThreads, 0, stream>>>(param, grad, m, v, param_bf16, n4, k);
+    adamw_vec4_kernel<<<update_grid(n4), kThreads, 0, stream>>>(param, grad, m, v, param_bf16, n4, k);
     DS_CUDA_LAUNCH_CHECK();
     begin = n4 * 4;
   }
   if (begin < n) {
-    adamw_scalar_kernel<<<grid_for(n - begin), kThreads, 0, stream>>>(param, grad, m, v, param_bf16, begin, n, k);
+    adamw_scalar_kernel<<<update_grid(n - begin), kThreads, 0, stream>>>(param, grad, m, v, param_bf16, begin, n, k);
     DS_CUDA_LAUNCH_CHECK();
   }
 }
@@ -306,12 +377,12 @@ void adamw_update_bf16_t(ds::cuda::bf16* param, const G* grad, ds::cuda::bf16* m
   int64_t begin = 0;
   if (aligned(param, 8) && aligned(m, 8) && aligned(v, 8) && aligned(grad, vec_align<G>) && n >= 4) {
     const int64_t n4 = n / 4;
-    adamw_bf16_vec4_kernel<<<grid_for(n4), kThreads, 0, stream>>>(pu, grad, mu, vu, n4, index0, k);
+    adamw_bf16_vec4_kernel<<<update_grid(n4), kThreads, 0, stream>>>(pu, grad, mu, vu, n4, index0, k);
     DS_CUDA_LAUNCH_CHECK();
     begin = n4 * 4;
   }
   if (begin < n) {
-    adamw_bf16_scalar_kernel<<<grid_for(n - begin), kThreads, 0, stream>>>(pu, grad, mu, vu, begin, n, index0, k);
+    adamw_bf16_scalar_kernel<<<update_grid(n - begin), kThreads, 0, stream>>>(pu, grad, mu, vu, begin, n, index0, k);
     DS_CUDA_LAUNCH_CHECK();
   }
 }
@@ -324,7 +395,7 @@ void adamw_update_8bit_t(ds::cuda::bf16* param, const G* grad, uint8_t* m_code, 
   if (n == 0) return;
   DS_CUDA_REQUIRE(param && grad && m_code && v_code && m_absmax && v_absmax, "adamw_update_8bit: null pointer argument");
   const int64_t nb = q8_state::num_blocks(index0, n);
-  const unsigned grid = static_cast<unsigned>(nb < kMaxBlocks * 8 ? nb : kMaxBlocks * 8);
+  const unsigned grid = grid_1d(nb, static_cast<int>(kQ8BlocksPerCta), 0x7fffffff);
   adamw_8bit_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(param), grad, m_code, v_code, m_absmax,
                                                    v_absmax, n, index0, nb, bf16_state::consts(p));
   DS_CUDA_LAUNCH_CHECK();
