@@ -278,6 +278,8 @@ if has peer-lora; then
   # scripts/fetch_peers.sh), the model config from our binary. LORA_RUNS: space-separated PRESET:SEQ:MB (default
   # "9b:8192:1"; "27b:8192:1" too for the issue's second shape), LORA_RANK (16), LORA_TIMEOUT s per run (600);
   # ours once per LORA_PRECISIONS (bf16; "bf16 fp8" adds the FP8 base), LORA_ARGS more bench step flags.
+  # A peer that runs out of memory is run again with --gradient-checkpointing (row peer-lora-gc; LORA_GC=0: not).
+  # LORA_MATCH_MEMORY=1: the peer runs first, and ours with --max-memory of its peak (ours within its memory).
   # Lines: "[ours P SxB] ..." ("[ours P SxB fp8] ..." per precision past bf16), "[peer P SxB peer-lora] ...";
   # the summary gives each of ours / peer.
   : >"$OUT/peer_lora.txt"
@@ -285,23 +287,44 @@ if has peer-lora; then
   for d in fla liger_kernel peft accelerate; do
     [ -d .peers/site/$d ] || { echo "peer-lora: .peers/site/$d not carried (scripts/fetch_peers.sh)" | tee -a "$OUT/peer_lora.txt"; peers=0; }
   done
+  lora_peer() {  # preset seq mb tag row [peer_lora_step flags]: one peer run; its peak (status ok) into peer_peak
+    local preset=$1 seq=$2 mb=$3 tag=$4 row=$5 rc
+    shift 5
+    PYTHONPATH=$PWD/.peers/site timeout ${LORA_TIMEOUT:-600} python3 scripts/peer_lora_step.py --preset $preset \
+      --seq-len $seq --micro-batch $mb --rank ${LORA_RANK:-16} --deltastack $BUILD/deltastack "$@" 2>&1 |
+      grep -v "Warning" | sed "s/^/[peer $tag $row] /" | tee -a "$OUT/peer_lora.txt"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 124 ] && echo "[peer $tag $row] timed out after ${LORA_TIMEOUT:-600} s" | tee -a "$OUT/peer_lora.txt"
+    [ "$rc" = 0 ] || status=1
+    peer_peak=$(grep -F "[peer $tag $row] step_result" "$OUT/peer_lora.txt" | tail -1 | sed 's/^[^{]*//' |
+      python3 -c 'import json,sys; j=json.loads(sys.stdin.read() or "{}"); print(j["peak_gib"] if j.get("status") == "ok" else "")' 2>/dev/null)
+  }
+  lora_peers() {  # preset seq mb tag: the peer, and with checkpointing where it ran out of memory
+    peer_peak=""
+    [ $peers = 1 ] || return 0
+    lora_peer "$@" peer-lora
+    if [ -z "$peer_peak" ] && [ "${LORA_GC:-1}" = 1 ] &&
+       grep -qF "[peer $4 peer-lora] step_result" "$OUT/peer_lora.txt" &&
+       grep -F "[peer $4 peer-lora] step_result" "$OUT/peer_lora.txt" | tail -1 | grep -q '"out of memory"'; then
+      lora_peer "$@" peer-lora-gc --gradient-checkpointing
+    fi
+  }
   for run in ${LORA_RUNS:-9b:8192:1}; do
     IFS=: read -r preset seq mb <<<"$run"
     tag="$preset ${seq}x$mb"
+    match=""
+    if [ "${LORA_MATCH_MEMORY:-0}" = 1 ]; then
+      lora_peers $preset $seq $mb "$tag"
+      [ -n "$peer_peak" ] && match="--max-memory $peer_peak"
+    fi
     for prec in ${LORA_PRECISIONS:-bf16}; do
       # Tagged per precision past bf16 (the peer's), so that the summary keeps each run apart.
       otag="$tag"; [ "$prec" = bf16 ] || otag="$tag $prec"
       timeout ${LORA_TIMEOUT:-600} $BUILD/deltastack bench step --preset $preset --seq-len $seq --micro-batch $mb \
-        --lora-rank ${LORA_RANK:-16} --precision $prec ${LORA_ARGS:-} 2>&1 | sed "s/^/[ours $otag] /" | tee -a "$OUT/peer_lora.txt"
+        --lora-rank ${LORA_RANK:-16} --precision $prec $match ${LORA_ARGS:-} 2>&1 | sed "s/^/[ours $otag] /" | tee -a "$OUT/peer_lora.txt"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
-    [ $peers = 1 ] || continue
-    PYTHONPATH=$PWD/.peers/site timeout ${LORA_TIMEOUT:-600} python3 scripts/peer_lora_step.py --preset $preset \
-      --seq-len $seq --micro-batch $mb --rank ${LORA_RANK:-16} --deltastack $BUILD/deltastack 2>&1 | grep -v "Warning" |
-      sed "s/^/[peer $tag peer-lora] /" | tee -a "$OUT/peer_lora.txt"
-    rc=${PIPESTATUS[0]}
-    [ "$rc" = 124 ] && echo "[peer $tag peer-lora] timed out after ${LORA_TIMEOUT:-600} s" | tee -a "$OUT/peer_lora.txt"
-    [ "$rc" = 0 ] || status=1
+    [ "${LORA_MATCH_MEMORY:-0}" = 1 ] || lora_peers $preset $seq $mb "$tag"
   done
   peer_summary "$OUT/peer_lora.txt" peer-lora
 fi

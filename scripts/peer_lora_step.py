@@ -11,6 +11,9 @@ dropout (PEFT's defaults, as `bench step --lora-rank`), PEFT's init:
   base       bf16 parameters, frozen (requires_grad False: no gradient, no AdamW state)
   adapters   fp32 (PEFT's autocast_adapter_dtype, its default), under bf16 torch.autocast
   optimizer  torch.optim.AdamW(fused=True) over the adapters, lr 1e-5, weight decay 0.1; no gradient checkpointing
+             (--gradient-checkpointing: transformers' non-reentrant checkpointing of every decoder layer, what LoRA
+             fine-tuners turn on where the activations do not fit, e.g. 27B at seq 8192; the row is then
+             `peer-lora-gc`)
 The row `peer-lora` runs in its own process; its lines are peer_step.py's (`peer lora step <preset> seq S x B
 peer-lora: <ms> ms/step, ...` and `step_result {...}`), the stack naming PEFT's version and the rank.
 Liger's patch goes on the built model first, PEFT's LoRA layers then replace the targeted nn.Linear modules in place
@@ -55,6 +58,8 @@ def lora_prepare(args, base_prepare, base_check):
 
     def prepare(model):
         base_prepare(model)
+        if args.gradient_checkpointing:  # before PEFT wraps the model; non-reentrant: no input_require_grads needed
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         cfg = LoraConfig(r=args.rank, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, bias="none",
                          task_type="CAUSAL_LM")
         get_peft_model(model, cfg)  # injects the LoRA layers into `model` itself and freezes the rest
@@ -77,6 +82,8 @@ def lora_prepare(args, base_prepare, base_check):
             sys.exit(f"peer_lora_step: the first step ran no LoRA layer of {', '.join(missing)} (calls {calls})")
 
     desc = f"PEFT {peer_step.version_of(peft, 'peft')} LoRA r={args.rank} alpha 8 on {len(TARGETS)} linear modules"
+    if args.gradient_checkpointing:
+        desc += ", gradient checkpointing (non-reentrant, every decoder layer)"
     return desc, prepare, check
 
 
@@ -94,6 +101,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     ap.add_argument("--bypass-640", action=argparse.BooleanOptionalAction, default=True,
                     help="lift fla's #640 Hopper guard, timing only (default: lifted; scripts/peer_common.py)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="checkpoint every decoder layer (transformers, non-reentrant); the row is peer-lora-gc")
     ap.add_argument("--dry-run", action="store_true", help="build the model and run one step, no timing")
     ap.add_argument("--tiny", action="store_true", help="with --dry-run: a 2-layer width-64 model of the same kinds")
     args = ap.parse_args()
@@ -112,7 +121,8 @@ def main():
                  "into .peers/site, which scripts/device_test.sh puts on PYTHONPATH")
     os.environ.setdefault("FLA_TILELANG", "0")
     # peer_step.run's fields: the frozen bf16 base (optimizer_state 'bf16': bf16 parameters) under bf16 autocast
-    args.device, args.row, args.optimizer_state, args.autocast, args.max_grad_norm = "cuda", "peer-lora", "bf16", True, 0.0
+    args.device, args.optimizer_state, args.autocast, args.max_grad_norm = "cuda", "bf16", True, 0.0
+    args.row = "peer-lora-gc" if args.gradient_checkpointing else "peer-lora"
     cfg_path, name, tmp = peer_step.resolve_config(args, "peer_lora_step")
     try:
         with open(cfg_path) as f:
