@@ -858,6 +858,7 @@ bool engine_knob(const char* name) {
 void check_engine_knobs() {
   engine_knob("DELTASTACK_ASYNC_OPTIMIZER");
   engine_knob("DELTASTACK_DP_OVERLAP");
+  engine_knob("DELTASTACK_STREAM_PRIORITY");
   Fp8Recipe::from_env();  // DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM
 }
 

@@ -317,8 +317,10 @@ InBackwardStep in_backward_step(Engine& e, const PackedBatch& b, double grad_sca
 std::string resolve_device(const std::string& device);
 
 // The GPU engine's on/off environment switches, "0" or "1" (unset: 1): DELTASTACK_ASYNC_OPTIMIZER (the optimizer
-// step overlapped with the next step) and DELTASTACK_DP_OVERLAP (the data-parallel all-reduce overlapped with the
-// last backward). ds::Error naming the variable for any other value. check_engine_knobs() checks both, whatever
+// step overlapped with the next step), DELTASTACK_DP_OVERLAP (the data-parallel all-reduce overlapped with the
+// last backward) and DELTASTACK_STREAM_PRIORITY (the step's stream at the device's greatest priority and the side
+// stream of the overlapped updates at the least; 0: both at the default, for A/B timing). ds::Error naming the
+// variable for any other value. check_engine_knobs() checks them all, whatever
 // the device: the trainer (with ops::check_knobs, before --out is touched), eval and generate call it first.
 bool engine_knob(const char* name);
 void check_engine_knobs();

@@ -89,6 +89,7 @@ struct GpuModel::Impl {
   std::function<void(float*, int64_t, void*)> reduce;
   std::vector<ParamUnit> units;
   cudaStream_t side = nullptr;
+  bool prioritized = true;  // the step's stream at the greatest priority (DELTASTACK_STREAM_PRIORITY)
   cudaEvent_t ready = nullptr;
   bool side_unjoined = false;  // work issued on `side` (reduces, an update) that `stream` has not joined yet
   bool reduce_issued = false;  // the armed backward handed its units to `reduce` (join_reduce reports it)
@@ -163,7 +164,7 @@ struct GpuModel::Impl {
   bool grads_zeroed = false;    // the gradients were zeroed on `side` after the update
   void ensure_side() {
     if (side) return;
-    int least = 0, greatest = 0;  // the least priority: the step's stream goes first (GpuModel's constructor)
+    int least = 0, greatest = 0;  // the least priority (the default's): the step's stream goes first when prioritized
     DS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     DS_CUDA_CHECK(cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, least));
     DS_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
@@ -937,9 +938,12 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   // updates and overlapped reduces) at the default, the least: where both have blocks waiting for SMs, the step's
   // go first, and the updates fill what the step leaves idle (their short-lived blocks give the SMs back soon:
   // ops/adamw/cuda.cu).
+  // DELTASTACK_STREAM_PRIORITY=0: both at the default (model/engine.h engine_knob).
   int least_priority = 0, greatest_priority = 0;
   DS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
-  DS_CUDA_CHECK(cudaStreamCreateWithPriority(&m.stream, cudaStreamNonBlocking, greatest_priority));
+  m.prioritized = engine_knob("DELTASTACK_STREAM_PRIORITY");
+  DS_CUDA_CHECK(cudaStreamCreateWithPriority(&m.stream, cudaStreamNonBlocking,
+                                             m.prioritized ? greatest_priority : least_priority));
   size_t free_b = 0, total_b = 0;
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   if (m.plan.memory_limit > 0) {  // as `plan --device-memory`: the allocation plus the context within the limit
