@@ -577,6 +577,9 @@ TEST(Train, NanGuardAndBadInputs) {
   // --resume keeps the checkpoint's options: --steps defaults to the saved total, run-defining flags are refused.
   ASSERT_EQ(run("train " + args + " --steps 2 --warmup 1 --threads 1 --save-interval 1 --out " + dir + "/r"), 0);
   expect_error("train --resume " + dir + "/r/checkpoint-1 --lr 0.5", "--lr cannot change on --resume");
+  // --max-memory may be given on a resume (not saved; kResumable): here it reaches the CPU engine's refusal.
+  expect_error("train --resume " + dir + "/r/checkpoint-1 --max-memory 40",
+               "--max-memory 40 limits the GPU engine's memory");
   ASSERT_EQ(run("train --resume " + dir + "/r/checkpoint-1 --threads 1"), 0);  // continues runs/r to step 2
   auto m = metrics(dir + "/r/metrics.jsonl");
   EXPECT_EQ(m.back().value("step", -1), 2);
