@@ -116,22 +116,26 @@ struct GpuModel::Impl {
     slot_busy[s] = false;
     DS_CUDA_CHECK(cudaMemsetAsync(store->unit_grads(u), 0, units[u].size() * sizeof(float), stream));
   }
-  // The unit's sum of squares and (an updating pass) its update, both on `side`, off the step's stream: the sum is
-  // the same kernel with the same bits wherever it runs, and grad_sum_squares() waits for `sums_done` (the last
-  // unit's sum) before it reads the sums, not for the updates queued behind it.
+  // The unit's update (an updating pass) and its sum of squares, both on `side`, off the step's stream. The 8-bit
+  // update writes its parameters' sum-of-squares partials from its own read of the gradients (GpuOptimizer::
+  // fuses_sum: bitwise what unit_sum_squares would take), unit_sum_squares takes the others' and adds them;
+  // grad_sum_squares() waits for `sums_done` (the last unit's sum) before it reads the sums.
   void update_in_backward(size_t u) {
     ensure_units();
     DS_CUDA_CHECK(cudaEventRecord(ready, stream));
     DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
-    store->unit_sum_squares(u, side);
+    if (ib_update) {
+      optimizer->step_params(*store, ib_params, unit_params[u].first, unit_params[u].second, side,
+                             /*fuse_sums=*/true);
+      DS_CUDA_CHECK(cudaEventRecord(updated[u], side));
+      waits_pending = true;
+      store->unit_sum_squares(u, side, [this](size_t k) { return optimizer->fuses_sum(k); });
+    } else {
+      store->unit_sum_squares(u, side);
+    }
     if (!sums_done) DS_CUDA_CHECK(cudaEventCreateWithFlags(&sums_done, cudaEventDisableTiming));
     DS_CUDA_CHECK(cudaEventRecord(sums_done, side));
     sums_pending = side_unjoined = true;
-    if (ib_update) {
-      optimizer->step_params(*store, ib_params, unit_params[u].first, unit_params[u].second, side);
-      DS_CUDA_CHECK(cudaEventRecord(updated[u], side));
-      waits_pending = true;
-    }
     const int s = store->slot_of(u);  // its next unit waits for the sum (and the update) that read it
     if (!slot_free[s]) DS_CUDA_CHECK(cudaEventCreateWithFlags(&slot_free[s], cudaEventDisableTiming));
     DS_CUDA_CHECK(cudaEventRecord(slot_free[s], side));

@@ -76,7 +76,7 @@ void GpuAdamW::step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_
 }
 
 void GpuAdamW::step_params(GpuParamStore& store, const ops::AdamWParams& p, size_t first, size_t last,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, bool fuse_sums) {
   const std::vector<ParamSpec>& params = store.params();
   const int64_t lo = store.share_lo(), hi = store.share_hi();
   for (size_t k = first; k < last && k < params.size(); ++k) {
@@ -94,7 +94,7 @@ void GpuAdamW::step_params(GpuParamStore& store, const ops::AdamWParams& p, size
                         b - a, q, stream);
       else if (mq_)
         K::adamw_update_8bit(store.compute(k) + in, g, mq_ + (a - lo), vq_ + (a - lo), ma_ + q0_[k], va_ + q0_[k],
-                             b - a, q, a, stream);
+                             b - a, q, a, stream, fuse_sums && fuses_sum(k) ? store.param_partials(k) : nullptr);
       else
         K::adamw_update_bf16(store.compute(k) + in, g, mb_ + (a - lo), vb_ + (a - lo), b - a, q, a, stream);
     };

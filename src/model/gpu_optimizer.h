@@ -32,9 +32,12 @@ class GpuOptimizer {
   // keeps the store's bf16 compute copy of those elements current.
   virtual void step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_t stream) = 0;
   // The same update of parameters [first, last) (ParamSpec indices) only, enqueued on `stream` without waiting
-  // for it: step() is step_params over all of them, then a synchronisation.
+  // for it: step() is step_params over all of them, then a synchronisation. fuse_sums: where fuses_sum(k), the
+  // update also writes parameter k's gradient sum-of-squares partials (GpuParamStore::param_partials, bitwise
+  // what unit_sum_squares computes), read from the same pass over the gradients.
   virtual void step_params(GpuParamStore& store, const ops::AdamWParams& p, size_t first, size_t last,
-                           cudaStream_t stream) = 0;
+                           cudaStream_t stream, bool fuse_sums = false) = 0;
+  virtual bool fuses_sum(size_t /*k*/) const { return false; }
   // The state as checkpoint tensors: names (one per state tensor and parameter) and fp32 slab access; a slab
   // [first, first + count) of flat offsets lies inside one parameter.
   virtual int num_state_tensors() const = 0;                     // per parameter
@@ -64,7 +67,11 @@ class GpuAdamW final : public GpuOptimizer {
   void zero_state(cudaStream_t stream) override;
   void step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_t stream) override;
   void step_params(GpuParamStore& store, const ops::AdamWParams& p, size_t first, size_t last,
-                   cudaStream_t stream) override;
+                   cudaStream_t stream, bool fuse_sums = false) override;
+  // The 8-bit update of a whole, unsharded GEMM weight with fp32 gradients (adamw_update_8bit's partials).
+  bool fuses_sum(size_t k) const override {
+    return mq_ && !store_.sharded() && store_.fp32_offset(k) < 0 && store_.grads_bf16() == nullptr;
+  }
   int num_state_tensors() const override { return 2; }
   std::string state_name(int which, const ParamSpec& p) const override {
     return (which == 0 ? "exp_avg." : "exp_avg_sq.") + p.name;

@@ -65,6 +65,15 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
     DS_CHECK(units_[u].lo == units_[u - 1].hi, "gpu: parameter unit {} does not start where unit {} ends", u, u - 1);
   unit_slot_.assign(units_.size(), 0);
   unit_at_.resize(units_.size());
+  partial_at_.assign(params.size() + 1, 0);
+  for (size_t k = 0; k < params.size(); ++k)
+    partial_at_[k + 1] = partial_at_[k] + K::sum_squares_partials_count(params[k].offset, params[k].numel);
+  for (const ParamUnit& u : units_) {  // the parameters whose first element lies in the unit (units hold whole ones)
+    size_t a = params.size(), b = 0;
+    for (size_t k = 0; k < params.size(); ++k)
+      if (params[k].offset >= u.lo && params[k].offset < u.hi) a = std::min(a, k), b = std::max(b, k + 1);
+    unit_params_.emplace_back(a, std::max(a, b));
+  }
   if (frozen_) {
     DS_CHECK(state == OptimizerState::Bf16 && gradients_ == Gradients::Fp32 && shard.world == 0, "internal: a frozen "
              "base is kept in the bf16 layout, with the fp32 gradient mode and no shard");
@@ -162,6 +171,7 @@ void GpuParamStore::reserve(Arena& a) {
   a.use = MemoryUse::Workspace;
   sumsq_ = a.take<double>(static_cast<int64_t>(units_.size()));
   sumsq_scratch_ = a.bytes(K::sum_squares_scratch_bytes(P_));
+  partials_ = a.take<double>(std::max<int64_t>(1, partial_at_.back()));
 }
 
 GpuParamStore::Layer GpuParamStore::layer_params(int64_t i) const {
@@ -233,9 +243,15 @@ void GpuParamStore::accumulate_unit(size_t u, uint64_t key, cudaStream_t stream)
   K::accumulate_grad_bf16(gb_ + units_[u].lo, unit_grads(u), units_[u].size(), key, units_[u].lo, stream);
 }
 
-void GpuParamStore::unit_sum_squares(size_t u, cudaStream_t stream) {
-  if (gb_) return K::sum_squares(gb_ + units_[u].lo, units_[u].size(), sumsq_ + u, sumsq_scratch_, stream);
-  K::sum_squares(unit_grads(u), units_[u].size(), sumsq_ + u, sumsq_scratch_, stream);
+void GpuParamStore::unit_sum_squares(size_t u, cudaStream_t stream, const std::function<bool(size_t k)>& fused) {
+  const auto [k0, k1] = unit_params_[u];
+  for (size_t k = k0; k < k1; ++k) {
+    if (fused && fused(k)) continue;
+    const ParamSpec& p = params_[k];
+    if (gb_) K::sum_squares_partials(grad_bf16(k), p.numel, p.offset, param_partials(k), stream);
+    else K::sum_squares_partials(grad(k), p.numel, p.offset, param_partials(k), stream);
+  }
+  K::sum_partials(param_partials(k0), partial_at_[k1] - partial_at_[k0], sumsq_ + u, stream);
 }
 
 double GpuParamStore::sum_squares_of(const float* x, int64_t n, cudaStream_t stream) {

@@ -105,10 +105,13 @@ class GpuParamStore {
   void accumulate_unit(size_t u, uint64_t key, cudaStream_t stream);
   // Zeroes unit u's accumulated gradients (the flat buffer's range, or the bf16 buffer's), enqueued on `stream`.
   void zero_unit_grads(size_t u, cudaStream_t stream);
-  // The sum of squares of unit u's gradients (fixed order, ops/adamw/cuda.h sum_squares; Bf16: of its bf16 values)
-  // into its entry of the per-unit sums, enqueued on `stream`; grad_sum_squares(stream, false) then adds the entries
-  // in unit order.
-  void unit_sum_squares(size_t u, cudaStream_t stream);
+  // The sum of squares of unit u's gradients (Bf16: of its bf16 values) into its entry of the per-unit sums,
+  // enqueued on `stream`; grad_sum_squares(stream, false) then adds the entries in unit order. Each parameter's
+  // partials (ops/adamw/cuda.h sum_squares_partials, at param_partials(k)), then all of the unit's in parameter
+  // order (sum_partials): a fixed order. `fused` (may be empty): the parameters whose partials an update on the
+  // same stream already wrote (GpuOptimizer::fuses_sum), not taken again.
+  void unit_sum_squares(size_t u, cudaStream_t stream, const std::function<bool(size_t k)>& fused = nullptr);
+  double* param_partials(size_t k) const { return partials_ + partial_at_[k]; }
   bf16* compute_base() const { return wb_; }  // the bf16 weights [P_pad], flat
   float* master_base() const { return w_; }   // the fp32 master [fp32_size()] (fp32 layout: flat, [P_pad])
 
@@ -161,6 +164,11 @@ class GpuParamStore {
   double sum_squares_of(const float* x, int64_t n, cudaStream_t stream);  // the fixed-order sum, synchronised
   double* sumsq_ = nullptr;  // per unit
   void* sumsq_scratch_ = nullptr;
+  // The gradients' sum-of-squares partials: parameter k's at partial_at_[k] (params_.size() + 1 entries, in parameter
+  // order, so a unit's are contiguous), and each unit's parameters [unit_params_[u].first, .second).
+  double* partials_ = nullptr;
+  std::vector<int64_t> partial_at_;
+  std::vector<std::pair<size_t, size_t>> unit_params_;
 };
 
 // Device <-> host copies of bf16 values as fp32 (exact widening / round to nearest even), through a bounded host

@@ -411,7 +411,7 @@ int cmd_bench_ops() {
     }
     for (const auto& [name, ms] : t) {
       const double bytes = (name == "fp32" ? 30.0 : name == "bf16" ? 16.0 : 12.0 + 8.0 / 256) * n;
-      rows.push_back({"adamw " + name + " state", fmt::format("{}M params", n >> 20), ms, ms,
+      rows.push_back({"adamw " + name + " state", fmt::format("{:.0f}M params", n / 1e6), ms, ms,
                       fmt::format("{:.2f} TB/s", bytes / (ms * 1e-3) / 1e12), bytes / (ms * 1e-3) / kCopyBw});
     }
   }

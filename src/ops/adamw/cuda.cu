@@ -152,13 +152,63 @@ __device__ __forceinline__ void load8_grad(const uint16_t* g, float* x) {
   }
 }
 
+// The gradients' sums of squares in this partition (cuda.h sum_squares_partials): one partial per CUDA block's
+// kQ8BlocksPerCta quantization blocks; each lane adds its elements' squares in double (fma), in element order and
+// then block order, then a warp xor tree, then the warps in order. The update below (partials given) and
+// sum_squares_partials_kernel run exactly these operations on the same values, so their partials are bitwise equal.
+__device__ __forceinline__ void sq_add(double& s, float g) {
+  s = __fma_rn(static_cast<double>(g), static_cast<double>(g), s);
+}
+// The CUDA block's partial from every thread's s; valid in thread 0. red: kQ8WarpsPerCta doubles of shared memory.
+__device__ __forceinline__ double q8_cta_sum(double s, double* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
+  __syncthreads();
+  double total = 0.0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < kQ8WarpsPerCta; ++w) total += red[w];
+  __syncthreads();  // red is reused by the next group
+  return total;
+}
+
+template <typename G>
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_partials_kernel(const G* __restrict__ x, int64_t n, int64_t index0, int64_t nblocks,
+                                double* __restrict__ partials) {
+  namespace Q = q8_state;
+  __shared__ double red[kQ8WarpsPerCta];
+  const int t = threadIdx.x, lane = t & 31;
+  const int64_t c0 = index0 / Q::kBlock;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kQ8BlocksPerCta; base < nblocks;
+       base += static_cast<int64_t>(gridDim.x) * kQ8BlocksPerCta) {
+    double s = 0.0;
+    for (int64_t b = base + (t >> 5); b < base + kQ8BlocksPerCta && b < nblocks; b += kQ8WarpsPerCta) {
+      const int64_t i0 = (c0 + b) * Q::kBlock + 8 * lane - index0;
+      if (i0 >= 0 && i0 + 8 <= n && dev_aligned(x + i0, 16)) {
+        float g[8];
+        load8_grad(x + i0, g);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sq_add(s, g[j]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (i0 + j >= 0 && i0 + j < n) sq_add(s, grad1(x, i0 + j));
+      }
+    }
+    const double total = q8_cta_sum(s, red);
+    if (t == 0) partials[base / kQ8BlocksPerCta] = total;
+  }
+}
+
 template <typename G>
 __global__ void __launch_bounds__(kThreads)
     adamw_8bit_kernel(uint16_t* __restrict__ param, const G* __restrict__ grad, uint8_t* __restrict__ m_code,
                       uint8_t* __restrict__ v_code, float* __restrict__ m_absmax, float* __restrict__ v_absmax,
-                      int64_t n, int64_t index0, int64_t nblocks, bf16_state::Consts k) {
+                      int64_t n, int64_t index0, int64_t nblocks, bf16_state::Consts k, double* __restrict__ partials) {
   namespace Q = q8_state;
   __shared__ float m_mag[128], m_thr[127], r_val[256], r_thr[255];
+  __shared__ double red[kQ8WarpsPerCta];
   const int t = threadIdx.x, lane = t & 31;
   if (t < 128) m_mag[t] = c_q8_m_mag[t];
   if (t < 127) m_thr[t] = c_q8_m_thr[t];
@@ -171,6 +221,7 @@ __global__ void __launch_bounds__(kThreads)
   // grid's cap: 2^31 - 1 CUDA blocks).
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kQ8BlocksPerCta; base < nblocks;
        base += static_cast<int64_t>(gridDim.x) * kQ8BlocksPerCta) {
+    double s = 0.0;  // the gradients' sum of squares (partials given): sum_squares_partials_kernel's operations
     for (int64_t b = base + (t >> 5); b < base + kQ8BlocksPerCta && b < nblocks; b += kQ8WarpsPerCta) {
       const int64_t i0 = (c0 + b) * Q::kBlock + 8 * lane - index0;  // this lane's first element of the range
       const float scale_m = m_absmax[b], scale_r = v_absmax[b];
@@ -181,6 +232,10 @@ __global__ void __launch_bounds__(kThreads)
       if (vec) {
         float g[8];
         load8_grad(grad + i0, g);
+        if (partials) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) sq_add(s, g[j]);
+        }
         uint4 pw = *reinterpret_cast<const uint4*>(param + i0);
         const uint2 mc = *reinterpret_cast<const uint2*>(m_code + i0), vc = *reinterpret_cast<const uint2*>(v_code + i0);
         uint32_t pv[4] = {pw.x, pw.y, pw.z, pw.w};
@@ -201,10 +256,13 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < 8; ++j) {
           const int64_t i = i0 + j;
           mm[j] = 0.0f, rr[j] = 0.0f;
-          if (i >= 0 && i < n)
-            Q::update_element(param[i], grad1(grad, i), Q::dequantize_m(m_code[i], scale_m, tab),
+          if (i >= 0 && i < n) {
+            const float g = grad1(grad, i);
+            if (partials) sq_add(s, g);
+            Q::update_element(param[i], g, Q::dequantize_m(m_code[i], scale_m, tab),
                               Q::dequantize_r(v_code[i], scale_r, tab), k, static_cast<uint64_t>(index0 + i), mm[j],
                               rr[j]);
+          }
         }
       }
       float am = 0.0f, ar = 0.0f;
@@ -236,6 +294,10 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       if (lane == 0) m_absmax[b] = am, v_absmax[b] = ar;
+    }
+    if (partials) {  // uniform over the CUDA block: the barriers in q8_cta_sum are safe
+      const double total = q8_cta_sum(s, red);
+      if (t == 0) partials[base / kQ8BlocksPerCta] = total;
     }
   }
 }
@@ -389,7 +451,8 @@ void adamw_update_bf16_t(ds::cuda::bf16* param, const G* grad, ds::cuda::bf16* m
 
 template <typename G>
 void adamw_update_8bit_t(ds::cuda::bf16* param, const G* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
-                         float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
+                         float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream,
+                         double* partials) {
   DS_CUDA_REQUIRE(n >= 0 && index0 >= 0, "adamw_update_8bit: n and index0 must be >= 0");
   DS_CUDA_REQUIRE(p.step >= 1, "adamw_update_8bit: step must be >= 1 (1-based), got " + std::to_string(p.step));
   if (n == 0) return;
@@ -397,7 +460,18 @@ void adamw_update_8bit_t(ds::cuda::bf16* param, const G* grad, uint8_t* m_code, 
   const int64_t nb = q8_state::num_blocks(index0, n);
   const unsigned grid = grid_1d(nb, static_cast<int>(kQ8BlocksPerCta), 0x7fffffff);
   adamw_8bit_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(param), grad, m_code, v_code, m_absmax,
-                                                   v_absmax, n, index0, nb, bf16_state::consts(p));
+                                                   v_absmax, n, index0, nb, bf16_state::consts(p), partials);
+  DS_CUDA_LAUNCH_CHECK();
+}
+
+template <typename G>
+void sum_squares_partials_t(const G* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(n >= 0 && index0 >= 0, "sum_squares_partials: n and index0 must be >= 0");
+  if (n == 0) return;
+  DS_CUDA_REQUIRE(x && partials, "sum_squares_partials: null pointer argument");
+  const int64_t nb = q8_state::num_blocks(index0, n);
+  sum_squares_partials_kernel<<<grid_1d(nb, static_cast<int>(kQ8BlocksPerCta), 0x7fffffff), kThreads, 0, stream>>>(
+      x, n, index0, nb, partials);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -441,13 +515,34 @@ void adamw_update_bf16(ds::cuda::bf16* param, const ds::cuda::bf16* grad, ds::cu
   adamw_update_bf16_t(param, bits(grad), m, v, n, p, index0, stream);
 }
 void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
-                       float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream) {
-  adamw_update_8bit_t(param, grad, m_code, v_code, m_absmax, v_absmax, n, p, index0, stream);
+                       float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream,
+                       double* partials) {
+  adamw_update_8bit_t(param, grad, m_code, v_code, m_absmax, v_absmax, n, p, index0, stream, partials);
 }
 void adamw_update_8bit(ds::cuda::bf16* param, const ds::cuda::bf16* grad, uint8_t* m_code, uint8_t* v_code,
                        float* m_absmax, float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0,
-                       cudaStream_t stream) {
-  adamw_update_8bit_t(param, bits(grad), m_code, v_code, m_absmax, v_absmax, n, p, index0, stream);
+                       cudaStream_t stream, double* partials) {
+  adamw_update_8bit_t(param, bits(grad), m_code, v_code, m_absmax, v_absmax, n, p, index0, stream, partials);
+}
+
+int64_t sum_squares_partials_count(int64_t index0, int64_t n) {
+  return (q8_state::num_blocks(index0, n) + kQ8BlocksPerCta - 1) / kQ8BlocksPerCta;
+}
+void sum_squares_partials(const float* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream) {
+  sum_squares_partials_t(x, n, index0, partials, stream);
+}
+void sum_squares_partials(const ds::cuda::bf16* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream) {
+  sum_squares_partials_t(bits(x), n, index0, partials, stream);
+}
+void sum_partials(const double* partials, int64_t count, double* out, cudaStream_t stream) {
+  DS_CUDA_REQUIRE(count >= 0 && out != nullptr && (count == 0 || partials != nullptr),
+                  "sum_partials: bad arguments");
+  if (count == 0) {
+    DS_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(double), stream));
+    return;
+  }
+  sumsq_final_kernel<<<1, kThreads, 0, stream>>>(partials, count, out);
+  DS_CUDA_LAUNCH_CHECK();
 }
 
 void accumulate_grad_bf16(ds::cuda::bf16* acc, const float* g, int64_t n, uint64_t key, int64_t index0,

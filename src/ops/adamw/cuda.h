@@ -17,8 +17,11 @@ void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16*
                        const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream);
 // The 8-bit state's AdamW (ops/adamw/q8_state.h; bitwise ops::adamw_update_8bit, whose comment gives the layout):
 // param bf16 [n] in place, grad fp32 [n], m_code / v_code uint8 [n], m_absmax / v_absmax fp32 [num_blocks].
+// partials (may be null): also the gradients' sums of squares, sum_squares_partials(grad, n, index0, partials)'s
+// values bitwise, from the same read of the gradients (--gradients in-backward: no second pass over them).
 void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
-                       float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream);
+                       float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream,
+                       double* partials = nullptr);
 // The same three updates reading bf16 gradients (`--gradients bf16`: the whole-model gradient buffer in bf16),
 // each widened exactly to fp32 where the fp32 overloads read the fp32 value: the same results as the fp32 overloads
 // given the widened gradients, bitwise. grad: bf16 [n].
@@ -28,7 +31,7 @@ void adamw_update_bf16(ds::cuda::bf16* param, const ds::cuda::bf16* grad, ds::cu
                        int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream);
 void adamw_update_8bit(ds::cuda::bf16* param, const ds::cuda::bf16* grad, uint8_t* m_code, uint8_t* v_code,
                        float* m_absmax, float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0,
-                       cudaStream_t stream);
+                       cudaStream_t stream, double* partials = nullptr);
 // The bf16 gradient buffer's stochastic-rounded accumulation (bitwise ops::accumulate_grad_bf16): acc bf16 [n] in
 // place, acc[i] = SR(float(acc[i]) + g[i]), g fp32 [n] (a unit's gradient slot), key = bf16_state::grad_key(step,
 // micro-batch), index0 = the flat parameter index of element 0.
@@ -38,6 +41,17 @@ void accumulate_grad_bf16(ds::cuda::bf16* acc, const float* g, int64_t n, uint64
 void widen_bf16(const ds::cuda::bf16* x, float* y, int64_t n, cudaStream_t stream);
 // Converts fp32 -> bf16 (round to nearest even).
 void to_bf16(const float* x, ds::cuda::bf16* y, int64_t n, cudaStream_t stream);
+// A gradient's sum of squares in pieces, the partition of the 8-bit update (so the update can produce them from its
+// own read: adamw_update_8bit's partials): x [n] holds flat parameter elements [index0, index0 + n) of one
+// parameter; partials [sum_squares_partials_count(index0, n)] (fp64, device) gets, for each run of 32 of the
+// range's 256-element quantization blocks (q8_state::num_blocks), the sum of its elements' squares in double in a
+// fixed order (the same for fp32 and widened bf16 values of the same numbers). sum_partials adds `count`
+// consecutive partials in a fixed order (a function of count) into *out. A unit's gradient norm is its
+// parameters' partials, in parameter order, added by one sum_partials (model/gpu_params.h unit_sum_squares).
+int64_t sum_squares_partials_count(int64_t index0, int64_t n);
+void sum_squares_partials(const float* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream);
+void sum_squares_partials(const ds::cuda::bf16* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream);
+void sum_partials(const double* partials, int64_t count, double* out, cudaStream_t stream);
 // Sum of squares of x [n] in fixed block order into *out (device double). scratch: sum_squares_scratch_bytes(n).
 size_t sum_squares_scratch_bytes(int64_t n);
 void sum_squares(const float* x, int64_t n, double* out, void* scratch, cudaStream_t stream);

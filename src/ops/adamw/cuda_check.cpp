@@ -158,6 +158,40 @@ Result check_adamw_8bit(const AdamwCase& c) {
   r.exact("exp_avg_sq block scales bitwise the CPU reference's", same_bits(a.va, va));
   r.add("param update", rel_l2(minus(to_f32(a.p), to_f32(p0)), minus(to_f32(p), to_f32(p0))), kForward);
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
+  // The gradients' sum-of-squares partials (--gradients in-backward): the update's own (fused) are bitwise the
+  // standalone kernel's, for fp32 and widened-bf16 gradients of the same values; the update with them is bitwise
+  // the update without; their sum tracks the float64 sum of squares.
+  const int64_t np = cuda::sum_squares_partials_count(index0, n);
+  Buf<double> fused(np), alone(np), total(1);
+  bool same_partials = true;
+  double worst = 0;
+  DS_CUDA_CHECK(cudaMemcpyAsync(p_d.get(), p0.data(), p_d.bytes(), cudaMemcpyHostToDevice, ctx.s));
+  ctx.upload(mq_d, mq0), ctx.upload(vq_d, vq0), ctx.upload(ma_d, ma0), ctx.upload(va_d, va0);
+  for (int s = 0; s < kSteps; ++s) {
+    hp.step = c.hp.step + s;
+    cuda::adamw_update_8bit(p_d.get(), g_d[static_cast<size_t>(s)].get(), mq_d.get(), vq_d.get(), ma_d.get(),
+                            va_d.get(), n, hp, index0, ctx.s, fused.get());
+    cuda::sum_squares_partials(g_d[static_cast<size_t>(s)].get(), n, index0, alone.get(), ctx.s);
+    same_partials = same_partials && same_bits(ctx.down(fused), ctx.down(alone));
+    cuda::sum_partials(alone.get(), np, total.get(), ctx.s);
+    double want = 0;
+    for (float g : grads[static_cast<size_t>(s)]) want += static_cast<double>(g) * g;
+    worst = std::max(worst, std::fabs(ctx.down(total)[0] - want) / want);
+  }
+  r.exact("sum-of-squares partials of the update bitwise the standalone kernel's", same_partials);
+  r.exact("the update with partials bitwise the update without",
+          same_runs(a, Out{ctx.bits(p_d), ctx.down(mq_d), ctx.down(vq_d), ctx.down(ma_d), ctx.down(va_d)}));
+  r.add("sum of squares from the partials vs float64", worst, 1e-12);
+  {  // bf16 gradients: the same values widened give the same partials
+    Vec gb = grads[0];
+    for (float& x : gb) x = bf16_bits_to_f32(f32_to_bf16_bits(x));
+    Buf<float> gf = ctx.up(gb, c.offset);
+    Buf<bf16> gh(n, c.offset);
+    ctx.upload_bf16(gh, gb);
+    cuda::sum_squares_partials(gf.get(), n, index0, fused.get(), ctx.s);
+    cuda::sum_squares_partials(gh.get(), n, index0, alone.get(), ctx.s);
+    r.exact("partials of bf16 gradients bitwise those of their fp32 values", same_bits(ctx.down(fused), ctx.down(alone)));
+  }
   return r;
 }
 
