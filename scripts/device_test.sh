@@ -351,11 +351,15 @@ if has profile-step; then
 fi
 if has memory; then
   # The memory modes at the issue's shapes: bench step reports the modes, step time and peak (plan beside it).
+  # MEMORY_AB_PRIORITY=1: each run again with DELTASTACK_STREAM_PRIORITY=0 (lines "[priority 0 ARGS] ...").
   D=$BUILD/deltastack
   while read -r args; do
     [ -z "$args" ] && continue
     timeout ${MEMORY_TIMEOUT:-300} $D bench step $args --steps ${MEMORY_STEPS:-3} 2>&1 | grep -v "^\[deltastack\] attention" |
       sed "s|^|[$args] |" | tee -a "$OUT/bench_memory.txt"
+    [ "${MEMORY_AB_PRIORITY:-0}" = 1 ] && DELTASTACK_STREAM_PRIORITY=0 timeout ${MEMORY_TIMEOUT:-300} $D bench step $args \
+      --steps ${MEMORY_STEPS:-3} 2>&1 | grep -v "^\[deltastack\] attention" | sed "s|^|[priority 0 $args] |" |
+      tee -a "$OUT/bench_memory.txt"
   done <<EOF2
 ${MEMORY_RUNS:---preset 9b --seq-len 8192 --micro-batch 1
 --preset 2b --seq-len 8192 --micro-batch 2 --optimizer-state bf16 --recompute full

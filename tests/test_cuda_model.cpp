@@ -159,13 +159,19 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
   EXPECT_LT(mlp.bytes, sel.bytes);
   EXPECT_LT(sel.bytes, none.bytes);
   // Recompute by layer (GpuPlan::kept_layers): the first layer keeps, the others rebuild; bitwise the same too.
+  // Full: the kept layers keep everything and their forward does not run again; with all but the last kept, the
+  // last (the other mixer kind's only rebuilding layer) has no set to share.
   ASSERT_GE(c.num_hidden_layers, 2);
-  for (ds::Recompute rc : {ds::Recompute::Selective, ds::Recompute::Mlp}) {
-    const Run part = run(rc, 1);
-    EXPECT_EQ(part.loss, sel.loss) << ds::recompute_name(rc);
-    EXPECT_TRUE(part.grads == sel.grads) << ds::recompute_name(rc);
-    EXPECT_LT(part.bytes, none.bytes) << ds::recompute_name(rc);
-    EXPECT_GT(part.bytes, rc == ds::Recompute::Mlp ? mlp.bytes : sel.bytes) << ds::recompute_name(rc);
+  const int64_t L = c.num_hidden_layers;
+  for (auto [rc, kept] : {std::pair{ds::Recompute::Selective, int64_t{1}}, std::pair{ds::Recompute::Mlp, int64_t{1}},
+                          std::pair{ds::Recompute::Full, int64_t{1}}, std::pair{ds::Recompute::Full, L - 1}}) {
+    const Run part = run(rc, kept);
+    const std::string what = ds::recompute_name(rc) + std::string(" kept ") + std::to_string(kept);
+    EXPECT_EQ(part.loss, sel.loss) << what;
+    EXPECT_TRUE(part.grads == sel.grads) << what;
+    EXPECT_LT(part.bytes, none.bytes) << what;
+    EXPECT_GT(part.bytes, rc == ds::Recompute::Mlp ? mlp.bytes : rc == ds::Recompute::Full ? full.bytes : sel.bytes)
+        << what;
   }
 }
 

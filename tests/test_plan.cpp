@@ -441,7 +441,7 @@ TEST(Plan, AutoKeepsTheMostLayersThatFit) {
     p.kept_layers = kept;
     return ds::plan_gpu_memory(c, p).total;
   };
-  for (ds::Recompute r : {ds::Recompute::Selective, ds::Recompute::Mlp}) {
+  for (ds::Recompute r : {ds::Recompute::Selective, ds::Recompute::Mlp, ds::Recompute::Full}) {
     size_t last = total(r, 0);
     for (int64_t k : {int64_t{1}, L / 2, L - 1}) {
       EXPECT_GT(total(r, k), last) << ds::recompute_name(r) << " " << k;
@@ -467,6 +467,15 @@ TEST(Plan, AutoKeepsTheMostLayersThatFit) {
   const ds::GpuPlan roomy = ds::resolve_memory_modes(c, plan, [](const ds::GpuMemoryPlan&) { return true; });
   EXPECT_EQ(roomy.recompute, ds::Recompute::None);
   EXPECT_EQ(roomy.kept_layers, 0);
+  // Between mlp and full: full, its first layers keeping all of their activations (their forward not run again).
+  const double tight = static_cast<double>(total(ds::Recompute::Full, L / 4));
+  auto fits_tight = [&](const ds::GpuMemoryPlan& p) { return static_cast<double>(p.total) <= tight; };
+  ASSERT_GT(static_cast<double>(total(ds::Recompute::Mlp, 0)), tight);
+  const ds::GpuPlan f = ds::resolve_memory_modes(c, plan, fits_tight);
+  EXPECT_EQ(f.recompute, ds::Recompute::Full);
+  EXPECT_EQ(f.kept_layers, L / 4);
+  EXPECT_EQ(ds::recompute_label(f, L), fmt::format("full, the first {} of {} layers keeping their activations",
+                                                   L / 4, L));
 }
 
 TEST(Plan, LoraFreezesTheBaseAndCountsTheAdapters) {

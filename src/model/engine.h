@@ -106,8 +106,9 @@ struct GpuPlan {
   int64_t ce_chunk_tokens = 2048;  // fused-loss chunk
   OptimizerState optimizer_state = OptimizerState::Fp32;
   Recompute recompute = Recompute::Selective;
-  // With recompute selective or mlp: the first kept_layers decoder layers keep the activations those policies rebuild
-  // (as recompute none does), the rest rebuild them (docs/memory.md "Recompute by layer"). 0: every layer rebuilds.
+  // With recompute selective, mlp or full: the first kept_layers decoder layers keep the activations those policies
+  // rebuild (as recompute none does; full: their forward does not run again), the rest rebuild them (docs/memory.md
+  // "Recompute by layer"). 0: every layer rebuilds.
   // `auto` sets it to the most layers that fit between none and the full policy; bitwise the same results.
   int64_t kept_layers = 0;
   // Bytes the process may use on the device, the CUDA context included (0: all the device has free); `auto` and

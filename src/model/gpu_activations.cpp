@@ -75,17 +75,19 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   }
   a.use = MemoryUse::Kept;
   // With full recompute only the residual stream (hs) is kept per layer; everything else below exists once for
-  // all layers (once per mixer kind), rewritten by the layer's forward that the backward runs again first.
-  const GpuLayerActs* first_of[2] = {nullptr, nullptr};  // [attention?]: the first layer of each mixer kind
+  // all layers (once per mixer kind), rewritten by the layer's forward that the backward runs again first. The
+  // first kept_layers layers (kept first, before any shared set) keep their own, as with none.
+  const GpuLayerActs* first_of[2] = {nullptr, nullptr};  // [attention?]: the first rebuilding layer of each kind
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     GpuLayerActs& L = layers[static_cast<size_t>(i)];
     const bool attn = c.is_full_attention(i);
-    if (rc == Recompute::Full && first_of[attn]) {
+    const bool shares = rc == Recompute::Full && !keeps(i);  // full, and this layer's forward runs again
+    if (shares && first_of[attn]) {
       L = *first_of[attn];
       continue;
     }
     const Rebuilt r = keeps(i) ? rebuilt(!attn, attn, true) : shared;
-    const GpuLayerActs* other = rc == Recompute::Full ? first_of[!attn] : nullptr;
+    const GpuLayerActs* other = shares ? first_of[!attn] : nullptr;
     L.xn1 = r.xn1;
     L.xn2 = r.xn2;
     L.act = r.act;
@@ -133,7 +135,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
       L.rstd_g = a.take<float>(N * Hv);
       L.y = r.y;
     }
-    if (!first_of[attn]) first_of[attn] = &L;
+    if (shares && !first_of[attn]) first_of[attn] = &L;
   }
   hf = a.take<bf16>(N * H);
   rstd_f = a.take<float>(N);

@@ -25,9 +25,11 @@
 namespace ds {
 
 // Whether decoder layer `layer` keeps its own copy of the activations the policy rebuilds (none; the first
-// kept_layers layers of selective or mlp: GpuPlan::kept_layers) instead of rebuilding them in the backward.
+// kept_layers layers of selective, mlp or full: GpuPlan::kept_layers) instead of rebuilding them in the backward
+// (full: a kept layer keeps all of its activations, as none does, and its forward does not run again).
 inline bool layer_keeps_rebuilt(Recompute rc, int64_t kept_layers, int64_t layer) {
-  return rc == Recompute::None || ((rc == Recompute::Selective || rc == Recompute::Mlp) && layer < kept_layers);
+  return rc == Recompute::None ||
+         ((rc == Recompute::Selective || rc == Recompute::Mlp || rc == Recompute::Full) && layer < kept_layers);
 }
 
 struct GpuLayerActs {
@@ -84,7 +86,7 @@ struct GpuActivations {
     size_t gdn_saved = 0, gdn_batch = 0, attn_batch = 0;  // from the op plans
     size_t op_scratch = 0, ce_scratch = 0;                // the largest scratch of any op / the fused loss
     Recompute recompute = Recompute::Selective;           // resolved (not Auto)
-    int64_t kept_layers = 0;                              // selective / mlp: layers that keep them (GpuPlan)
+    int64_t kept_layers = 0;                              // selective / mlp / full: layers that keep them (GpuPlan)
     bool fp8 = false;                                     // --precision fp8: reserve the FP8 casts' buffers
     bool fp8_saved = false;                               // and keep the FP8-only inputs in FP8 (fp8_keeps_inputs)
   };

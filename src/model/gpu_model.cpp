@@ -241,7 +241,7 @@ struct GpuModel::Impl {
   }
 
   // Whether the backward of layer cur_layer (enter_layer) rebuilds the shared activations: recompute selective, mlp
-  // or full, but not the first kept_layers layers of selective / mlp, which keep their own as none does.
+  // or full, but not the first kept_layers layers of those, which keep their own as none does.
   bool rebuild() const { return !layer_keeps_rebuilt(plan.recompute, plan.kept_layers, cur_layer); }
 
   // ---------------------------------------------------------------------------------------------------------
@@ -821,8 +821,9 @@ struct GpuModel::Impl {
       }
       unit_final(static_cast<size_t>(L + 1));  // the head: the final norm, and lm_head when untied
       for (int64_t i = L - 1; i >= 0; --i) {
-        // full recompute: the layer's activations again (the last layer's are still there from the forward)
-        if (plan.recompute == Recompute::Full && i != L - 1) {
+        // full recompute: the layer's activations again (the last layer's are still there from the forward, and a
+        // kept layer, GpuPlan::kept_layers, has its own)
+        if (plan.recompute == Recompute::Full && i != L - 1 && !layer_keeps_rebuilt(plan.recompute, plan.kept_layers, i)) {
           mark_rebuild(true);
           layer_forward(i);
           mark_rebuild(false);

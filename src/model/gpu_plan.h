@@ -86,8 +86,8 @@ struct MemoryModes {
 std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradients g = Gradients::Fp32,
                                            bool norm_pass = true);
 // plan with its Auto modes replaced by the first candidate whose plan `fits` (the last, leanest one when none
-// does: the caller reports what it needs). Modes already given are kept. With --recompute auto, a selective or mlp
-// candidate first takes the most kept_layers (1 .. layers - 1) that fit: those layers run at none's speed.
+// does: the caller reports what it needs). Modes already given are kept. With --recompute auto, a selective, mlp or
+// full candidate first takes the most kept_layers (1 .. layers - 1) that fit: those layers run at none's speed.
 // The recompute policy as logs and `plan` name it: "selective", or "selective, the first 21 of 32 layers keeping
 // their activations" (GpuPlan::kept_layers).
 std::string recompute_label(const GpuPlan& plan, int64_t layers);
