@@ -226,6 +226,9 @@ TEST(CudaOps, AdamW8bitState) {
   DS_SKIP_WITHOUT_GPU();
   expect_ok(check_adamw_8bit({.n = 1000003}));              // many blocks, partial first and last (index0 1001: lanes element by element)
   expect_ok(check_adamw_8bit({.n = 1000003, .seed = 8}));   // index0 1008: the 8-element vector path, partial ends
+  // index0 1004: every lane's fp32 gradients 16-byte aligned, its bf16 weights and codes not: the update goes element
+  // by element where the standalone sum of squares (and its fp32 read of bf16 gradients) loads 8 at once
+  expect_ok(check_adamw_8bit({.n = 1000003, .seed = 4}));
   expect_ok(check_adamw_8bit({.n = 9000011, .seed = 2}));   // many CUDA blocks
   expect_ok(check_adamw_8bit({.n = 1001, .offset = 1}));    // unaligned pointers (element by element)
   expect_ok(check_adamw_8bit({.n = 3}));                    // one short block

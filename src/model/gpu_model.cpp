@@ -186,12 +186,7 @@ struct GpuModel::Impl {
   void ensure_units() {
     ensure_side();
     if (unit_params.empty()) {
-      for (const ParamUnit& u : units) {
-        size_t a = params.size(), b = 0;
-        for (size_t k = 0; k < params.size(); ++k)
-          if (params[k].offset >= u.lo && params[k].offset < u.hi) a = std::min(a, k), b = std::max(b, k + 1);
-        unit_params.emplace_back(a, std::max(a, b));
-      }
+      for (size_t u = 0; u < units.size(); ++u) unit_params.push_back(store->unit_params(u));
       updated.resize(units.size());
       for (cudaEvent_t& e : updated) DS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     }

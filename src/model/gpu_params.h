@@ -112,6 +112,9 @@ class GpuParamStore {
   // same stream already wrote (GpuOptimizer::fuses_sum), not taken again.
   void unit_sum_squares(size_t u, cudaStream_t stream, const std::function<bool(size_t k)>& fused = nullptr);
   double* param_partials(size_t k) const { return partials_ + partial_at_[k]; }
+  // Unit u's parameters, the ParamSpec index range [first, last) of those whose first element lies in the unit: the
+  // range an in-backward update of the unit covers (GpuOptimizer::step_params), and unit_sum_squares sums.
+  std::pair<size_t, size_t> unit_params(size_t u) const { return unit_params_[u]; }
   bf16* compute_base() const { return wb_; }  // the bf16 weights [P_pad], flat
   float* master_base() const { return w_; }   // the fp32 master [fp32_size()] (fp32 layout: flat, [P_pad])
 

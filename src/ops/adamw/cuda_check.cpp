@@ -163,6 +163,7 @@ Result check_adamw_8bit(const AdamwCase& c) {
   // the update without; their sum tracks the float64 sum of squares.
   const int64_t np = cuda::sum_squares_partials_count(index0, n);
   Buf<double> fused(np), alone(np), total(1);
+  DS_CUDA_CHECK(cudaMemsetAsync(fused.get(), 0xFF, fused.bytes(), ctx.s));  // NaN: a partial the update skips shows
   bool same_partials = true;
   double worst = 0;
   DS_CUDA_CHECK(cudaMemcpyAsync(p_d.get(), p0.data(), p_d.bytes(), cudaMemcpyHostToDevice, ctx.s));
