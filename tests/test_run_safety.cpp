@@ -886,6 +886,13 @@ TEST(RunSafety, SaveRefusedWhenTheDiskIsTooSmall) {
   EXPECT_FALSE(fs::exists(out + "/.checkpoint-2.tmp"));
   EXPECT_FALSE(fs::exists(out + "/checkpoint-2"));
   EXPECT_FALSE(contains(read_or_empty(out + "/metrics.jsonl"), "\"loss\"")) << "a step was trained";
+  {  // --steps 0 writes checkpoint-0 (the initial weights): checked the same way, before it is written
+    const ScopedEnv env({{"DELTASTACK_TEST_DISK_FREE_BYTES", "1000000"}});
+    EXPECT_EQ(run("train " + small_setup(dir) + " --threads 1 --steps 0 --out " + dir + "/zero", &log), 1) << log;
+  }
+  EXPECT_TRUE(contains(log, "not training: checkpoint-0 (due at step 0) needs")) << log;
+  EXPECT_FALSE(fs::exists(dir + "/zero/checkpoint-0"));
+  EXPECT_FALSE(fs::exists(dir + "/zero/.checkpoint-0.tmp"));
   fs::remove_all(dir);
 }
 

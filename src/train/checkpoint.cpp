@@ -268,7 +268,8 @@ void Checkpoints::check_room(int64_t need, const std::string& what, const std::s
 void Checkpoints::check_room_for_next_save(const ModelConfig& config, int64_t step,
                                            const std::string& last_checkpoint) const {
   if (opt_.no_save) return;  // --no-save: nothing will be written
-  if (step >= opt_.steps) return;
+  // Nothing is due after the last step, except a new run's --steps 0, whose checkpoint-0 is its one save.
+  if (step >= opt_.steps && !(opt_.steps == 0 && step == 0 && last_checkpoint.empty())) return;
   int64_t next = opt_.steps;
   if (opt_.save_interval > 0) next = std::min(next, (step / opt_.save_interval + 1) * opt_.save_interval);
   // A LoRA checkpoint: the adapter and its two moments (fp32), the base's config.
