@@ -55,6 +55,11 @@ inline int64_t share_align(OptimizerState s) { return s == OptimizerState::Eight
 //   auto: chosen with the optimizer state to fit the device (the order of memory_candidates(), model/gpu_plan.h).
 // Every policy computes bitwise the same losses and gradients (the rebuilt values are the forward's own bits).
 enum class Recompute { Auto, None, Selective, Mlp, Full };
+// The policies whose backward rebuilds activations (selective, mlp, full), and so whose first GpuPlan::kept_layers
+// layers may keep theirs instead.
+inline bool rebuilds_activations(Recompute r) {
+  return r == Recompute::Selective || r == Recompute::Mlp || r == Recompute::Full;
+}
 const char* optimizer_state_name(OptimizerState s);  // "auto" | "fp32" | "bf16" | "8bit"
 const char* recompute_name(Recompute r);             // "auto" | "none" | "selective" | "mlp" | "full"
 OptimizerState parse_optimizer_state(const std::string& s);  // ds::Error naming --optimizer-state

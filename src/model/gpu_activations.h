@@ -28,8 +28,7 @@ namespace ds {
 // kept_layers layers of selective, mlp or full: GpuPlan::kept_layers) instead of rebuilding them in the backward
 // (full: a kept layer keeps all of its activations, as none does, and its forward does not run again).
 inline bool layer_keeps_rebuilt(Recompute rc, int64_t kept_layers, int64_t layer) {
-  return rc == Recompute::None ||
-         ((rc == Recompute::Selective || rc == Recompute::Mlp || rc == Recompute::Full) && layer < kept_layers);
+  return rc == Recompute::None || (rebuilds_activations(rc) && layer < kept_layers);
 }
 
 struct GpuLayerActs {

@@ -946,14 +946,11 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
                                              m.prioritized ? greatest_priority : least_priority));
   size_t free_b = 0, total_b = 0;
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  if (m.plan.memory_limit > 0) {  // as `plan --device-memory`: the allocation plus the context within the limit
-    const size_t room = m.plan.memory_limit > kCudaContextBytes ? m.plan.memory_limit - kCudaContextBytes : 0;
-    free_b = std::min(free_b, room + (512u << 20));  // (the checks below keep 512 MiB of free_b spare)
-  }
+  free_b = plannable_free_bytes(free_b, m.plan.memory_limit);  // --max-memory (the checks below keep the slack)
   if (m.plan.optimizer_state == OptimizerState::Auto || m.plan.recompute == Recompute::Auto ||
       m.plan.gradients == Gradients::Auto) {
     // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h).
-    m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + (512u << 20) < free_b; });
+    m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + kAllocationSlack < free_b; });
   }
   if (m.plan.precision == Precision::Fp8 && !ops::fp8_gemm_usable()) {
     // before the layout: an FP8 plan reserves the casts' buffers and keeps some inputs in FP8 only (model/gpu_fp8.h)
@@ -976,7 +973,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   Arena sizing;
   m.layout_memory(sizing);
   m.arena_bytes = sizing.off;
-  if (m.attn && m.arena_bytes + (512u << 20) >= free_b && m.attn->name() != "cuda-simple") {
+  if (m.attn && m.arena_bytes + kAllocationSlack >= free_b && m.attn->name() != "cuda-simple") {
     // cuDNN's deterministic backward keeps an S^2 workspace; when that is what does not fit, drop to the simple
     // kernel (no workspace) rather than fail (ds::Error instead when DELTASTACK_ATTENTION names cuDNN).
     const size_t cudnn_ws = m.attn->workspace_bytes();
@@ -987,7 +984,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     m.layout_memory(sizing);
     m.arena_bytes = sizing.off;
   }
-  DS_CHECK(m.arena_bytes + (512u << 20) < free_b,
+  DS_CHECK(m.arena_bytes + kAllocationSlack < free_b,
            "gpu: the memory plan (optimizer state {}, recompute {}, gradients {}) needs {:.2f} GiB but only {:.2f} GiB "
            "is free; lower --micro-batch or --seq-len, or choose leaner modes (--optimizer-state bf16 or 8bit, "
            "--recompute full, --gradients in-backward; `deltastack plan` shows each)",

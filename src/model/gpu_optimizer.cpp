@@ -167,14 +167,18 @@ void GpuAdamW::read_q8(int which, size_t k, int64_t first, int64_t count, float*
   }
 }
 
-void GpuAdamW::read_codes(int which, int64_t first, int64_t count, uint8_t* dst, cudaStream_t stream) const {
+uint8_t* GpuAdamW::codes(int which, int64_t first, int64_t count) const {
   DS_CHECK(which == 0 || which == 1, "adamw: state tensor {} does not exist", which);
   const size_t k = store_.param_at(first, count);
   DS_CHECK(codes_8bit(k), "adamw: {} has no 8-bit codes (state {}, sharded {})", store_.params()[k].name,
            optimizer_state_name(store_.state()), store_.sharded());
+  return (which == 0 ? mq_ : vq_) + (first - store_.share_lo());
+}
+
+void GpuAdamW::read_codes(int which, int64_t first, int64_t count, uint8_t* dst, cudaStream_t stream) const {
+  const uint8_t* src = codes(which, first, count);
   if (count == 0) return;
-  DS_CUDA_CHECK(cudaMemcpyAsync(dst, (which == 0 ? mq_ : vq_) + (first - store_.share_lo()), count,
-                                cudaMemcpyDeviceToHost, stream));
+  DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToHost, stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
@@ -197,13 +201,9 @@ void GpuAdamW::read_block_scales(int which, size_t k, int64_t first_block, int64
 }
 
 void GpuAdamW::write_codes(int which, int64_t first, int64_t count, const uint8_t* src, cudaStream_t stream) {
-  DS_CHECK(which == 0 || which == 1, "adamw: state tensor {} does not exist", which);
-  const size_t k = store_.param_at(first, count);
-  DS_CHECK(codes_8bit(k), "adamw: {} has no 8-bit codes (state {}, sharded {})", store_.params()[k].name,
-           optimizer_state_name(store_.state()), store_.sharded());
+  uint8_t* dst = codes(which, first, count);
   if (count == 0) return;
-  DS_CUDA_CHECK(cudaMemcpyAsync((which == 0 ? mq_ : vq_) + (first - store_.share_lo()), src, count,
-                                cudaMemcpyHostToDevice, stream));
+  DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, count, cudaMemcpyHostToDevice, stream));
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // src is the caller's (pageable) buffer
 }
 

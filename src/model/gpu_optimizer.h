@@ -100,6 +100,9 @@ class GpuAdamW final : public GpuOptimizer {
   int64_t f0_ = 0, n32_ = 0, nb_ = 0, nq_ = 0;
   // Parameter k's elements in the share, [a, b) (a >= b: none).
   std::pair<int64_t, int64_t> piece(size_t k) const;
+  // The device address of the codes of flat elements [first, first + count) of moment `which` (inside one
+  // parameter); ds::Error where that parameter has no 8-bit codes or the range spans two.
+  uint8_t* codes(int which, int64_t first, int64_t count) const;
   // The device address of block scales [first_block, first_block + count) of moment `which` of parameter k;
   // ds::Error where k has no 8-bit codes or the range is outside its blocks.
   float* block_scales(int which, size_t k, int64_t first_block, int64_t count) const;

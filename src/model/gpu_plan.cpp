@@ -194,8 +194,7 @@ GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::func
     p.optimizer_state = candidates[k].state;
     p.recompute = candidates[k].recompute;
     p.gradients = candidates[k].gradients;
-    if (choose_layers &&
-        (p.recompute == Recompute::Selective || p.recompute == Recompute::Mlp || p.recompute == Recompute::Full)) {
+    if (choose_layers && rebuilds_activations(p.recompute)) {
       // The most layers that keep their activations (none's speed for them) and still fit; the bytes grow with
       // kept_layers, so a bisection over 1 .. L-1 finds it.
       int64_t lo = 0, hi = c.num_hidden_layers - 1;
@@ -232,8 +231,7 @@ GpuPlan resolve_memory_modes(const ModelConfig&, GpuPlan, const std::function<bo
 namespace ds {
 
 std::string recompute_label(const GpuPlan& plan, int64_t layers) {
-  const bool partial = (plan.recompute == Recompute::Selective || plan.recompute == Recompute::Mlp ||
-                        plan.recompute == Recompute::Full) && plan.kept_layers > 0;
+  const bool partial = rebuilds_activations(plan.recompute) && plan.kept_layers > 0;
   if (!partial) return recompute_name(plan.recompute);
   const int64_t k = std::min(plan.kept_layers, layers);
   return k == 1 ? fmt::format("{}, the first of {} layers keeping its activations", recompute_name(plan.recompute), layers)

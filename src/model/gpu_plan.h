@@ -55,6 +55,17 @@ void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, Gpu
 // Device memory the CUDA runtime, cuBLASLt and cuDNN hold beside the engine's allocation (measured on the H200,
 // CUDA 13.0, cuDNN 9.19: process peak minus the allocation, 0.52-0.57 GiB at 0.8B and 2B).
 constexpr size_t kCudaContextBytes = size_t{590} << 20;
+// The engine's margin: an allocation fits when allocation + kAllocationSlack < the free bytes.
+constexpr size_t kAllocationSlack = size_t{512} << 20;
+
+// The free device bytes the engine plans against: `free`, or with a limit (GpuPlan::memory_limit > 0, as `plan
+// --device-memory`: the allocation plus the context within it) at most what the limit leaves after the context,
+// plus the slack the fit check keeps spare.
+inline size_t plannable_free_bytes(size_t free, size_t memory_limit) {
+  if (memory_limit == 0) return free;
+  const size_t room = memory_limit > kCudaContextBytes ? memory_limit - kCudaContextBytes : 0;
+  return room + kAllocationSlack < free ? room + kAllocationSlack : free;
+}
 
 struct GpuMemoryPlan {
   std::array<size_t, static_cast<size_t>(MemoryUse::kCount)> by_use{};

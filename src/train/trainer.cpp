@@ -120,12 +120,11 @@ void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::stri
   constexpr double GiB = 1073741824.0;
   if (device == "cuda") {
     size_t free = cuda_free_bytes();
-    const size_t slack = size_t{512} << 20;  // the engine's margin (gpu_model.cpp)
+    const size_t slack = kAllocationSlack;  // the engine's margin (model/gpu_plan.h)
     if (free == 0) return;
     GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, 1);
     apply_train_memory_flags(plan, opt, comm);
-    if (plan.memory_limit > 0)  // --max-memory: what the engine will allow itself (GpuModel's constructor)
-      free = std::min(free, (plan.memory_limit > kCudaContextBytes ? plan.memory_limit - kCudaContextBytes : 0) + slack);
+    free = plannable_free_bytes(free, plan.memory_limit);  // --max-memory: what the engine will allow itself
     if (opt.shard == "optimizer") {
       plan.shard_rank = comm.rank();
       plan.shard_world = comm.world();

@@ -159,16 +159,23 @@ __device__ __forceinline__ void load8_grad(const uint16_t* g, float* x) {
 __device__ __forceinline__ void sq_add(double& s, float g) {
   s = __fma_rn(static_cast<double>(g), static_cast<double>(g), s);
 }
-// The CUDA block's partial from every thread's s; valid in thread 0. red: kQ8WarpsPerCta doubles of shared memory.
-__device__ __forceinline__ double q8_cta_sum(double s, double* red) {
+// Block sum of a double in a fixed tree (shuffles, then warp results in order); valid in thread 0.
+__device__ __forceinline__ double block_sum(double s) {
+  __shared__ double red[kThreads / 32];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
   __syncthreads();
-  double total = 0.0;
+  double t = 0.0;
   if (threadIdx.x == 0)
-    for (int w = 0; w < kQ8WarpsPerCta; ++w) total += red[w];
-  __syncthreads();  // red is reused by the next group
+    for (int i = 0; i < kThreads / 32; ++i) t += red[i];
+  return t;
+}
+// The CUDA block's partial from every thread's s (block_sum), valid in thread 0, with every thread past the sum
+// before the next group's block_sum writes its shared array again.
+__device__ __forceinline__ double q8_cta_sum(double s) {
+  const double total = block_sum(s);
+  __syncthreads();
   return total;
 }
 
@@ -177,7 +184,6 @@ __global__ void __launch_bounds__(kThreads)
     sum_squares_partials_kernel(const G* __restrict__ x, int64_t n, int64_t index0, int64_t nblocks,
                                 double* __restrict__ partials) {
   namespace Q = q8_state;
-  __shared__ double red[kQ8WarpsPerCta];
   const int t = threadIdx.x, lane = t & 31;
   const int64_t c0 = index0 / Q::kBlock;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kQ8BlocksPerCta; base < nblocks;
@@ -196,7 +202,7 @@ __global__ void __launch_bounds__(kThreads)
           if (i0 + j >= 0 && i0 + j < n) sq_add(s, grad1(x, i0 + j));
       }
     }
-    const double total = q8_cta_sum(s, red);
+    const double total = q8_cta_sum(s);
     if (t == 0) partials[base / kQ8BlocksPerCta] = total;
   }
 }
@@ -208,7 +214,6 @@ __global__ void __launch_bounds__(kThreads)
                       int64_t n, int64_t index0, int64_t nblocks, bf16_state::Consts k, double* __restrict__ partials) {
   namespace Q = q8_state;
   __shared__ float m_mag[128], m_thr[127], r_val[256], r_thr[255];
-  __shared__ double red[kQ8WarpsPerCta];
   const int t = threadIdx.x, lane = t & 31;
   if (t < 128) m_mag[t] = c_q8_m_mag[t];
   if (t < 127) m_thr[t] = c_q8_m_thr[t];
@@ -296,7 +301,7 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0) m_absmax[b] = am, v_absmax[b] = ar;
     }
     if (partials) {  // uniform over the CUDA block: the barriers in q8_cta_sum are safe
-      const double total = q8_cta_sum(s, red);
+      const double total = q8_cta_sum(s);
       if (t == 0) partials[base / kQ8BlocksPerCta] = total;
     }
   }
@@ -332,18 +337,6 @@ __global__ void __launch_bounds__(kThreads) widen_bf16_kernel(const uint16_t* __
     y[i] = bf16_state::widen(x[i]);
 }
 
-// Block sum of a double in a fixed tree (shuffles, then warp results in order); valid in thread 0.
-__device__ __forceinline__ double block_sum(double s) {
-  __shared__ double red[kThreads / 32];
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = s;
-  __syncthreads();
-  double t = 0.0;
-  if (threadIdx.x == 0)
-    for (int i = 0; i < kThreads / 32; ++i) t += red[i];
-  return t;
-}
 
 // Block b sums elements [b*chunk, min(n, (b+1)*chunk)).
 template <typename G>
