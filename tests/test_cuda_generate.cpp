@@ -94,11 +94,27 @@ TEST(CudaGenerate, LastLogitsAndGreedyIdsMatchCpu) {
 // The command line on the GPU: --device cuda prints the same greedy text as --device cpu (the margins above), and
 // so does --device auto (the GPU engine when present). The output is compared from the prompt on (the GPU engine's
 // log lines on stderr come before it).
+// The fixture's vocab_size is 256, and a tokenizer with more ids than the model is refused (data/dataset.cpp), so
+// the command takes the Qwen3 tokenizer cut to its 256 single-byte tokens (ids 0..255, no merges: every merge of
+// the full vocab makes an id past 255, no added tokens): the prompt's ids are those the full tokenizer gives it.
+std::string byte_tokenizer(const std::string& dir) {
+  nlohmann::json t = nlohmann::json::parse(ds::read_file(ds::test::data_path("qwen3_tokenizer/tokenizer.json")));
+  nlohmann::json vocab = nlohmann::json::object();
+  for (const auto& [piece, id] : t["model"]["vocab"].items())
+    if (id.get<int64_t>() < 256) vocab[piece] = id;
+  t["model"]["vocab"] = vocab;
+  t["model"]["merges"] = nlohmann::json::array();
+  t["added_tokens"] = nlohmann::json::array();
+  const std::string path = dir + "/tokenizer.json";
+  ds::write_file_atomic(path, t.dump());
+  return path;
+}
+
 TEST(CudaGenerate, CommandLineMatchesCpu) {
   DS_SKIP_WITHOUT_GPU();
+  const std::string dir = ds::test::fresh_tmpdir("cuda_generate_cli");
   const std::string g = "generate --threads 1 --temperature 0 --max-new-tokens 8 --prompt N5L1S1J7J9 --model " +
-                        fixture("hf_qwen35_tiny_a") + " --tokenizer " +
-                        ds::test::data_path("qwen3_tokenizer/tokenizer.json");
+                        fixture("hf_qwen35_tiny_a") + " --tokenizer " + byte_tokenizer(dir);
   auto reply = [](const std::string& out) {
     const size_t at = out.find("N5L1S1J7J9");
     return at == std::string::npos ? "(no prompt in) " + out : out.substr(at);

@@ -170,7 +170,6 @@ void GpuParamStore::reserve(Arena& a) {
   wb_ = a.take<bf16>(Ppad_);
   a.use = MemoryUse::Workspace;
   sumsq_ = a.take<double>(static_cast<int64_t>(units_.size()));
-  sumsq_scratch_ = a.bytes(K::sum_squares_scratch_bytes(P_));
   partials_ = a.take<double>(std::max<int64_t>(1, partial_at_.back()));
 }
 
@@ -247,22 +246,22 @@ void GpuParamStore::unit_sum_squares(size_t u, cudaStream_t stream, const std::f
   const auto [k0, k1] = unit_params_[u];
   for (size_t k = k0; k < k1; ++k) {
     if (fused && fused(k)) continue;
+    // The parameter's part inside this rank's share (all of it unsharded); its partials in the partition of that
+    // part, the rest of its partials zero (sum_partials adds each thread's partials in index order, so trailing
+    // zeros leave the sum's bits as they are).
     const ParamSpec& p = params_[k];
-    if (gb_) K::sum_squares_partials(grad_bf16(k), p.numel, p.offset, param_partials(k), stream);
-    else K::sum_squares_partials(grad(k), p.numel, p.offset, param_partials(k), stream);
+    const int64_t lo = std::max(p.offset, lo_), hi = std::min(p.offset + p.numel, hi_);
+    const int64_t used = hi > lo ? K::sum_squares_partials_count(lo, hi - lo) : 0;
+    const int64_t all = partial_at_[k + 1] - partial_at_[k];
+    if (used > 0 && gb_) K::sum_squares_partials(gb_ + lo, hi - lo, lo, param_partials(k), stream);
+    else if (used > 0) K::sum_squares_partials(g_ + grad_at(lo), hi - lo, lo, param_partials(k), stream);
+    if (used < all)
+      DS_CUDA_CHECK(cudaMemsetAsync(param_partials(k) + used, 0, (all - used) * sizeof(double), stream));
   }
   K::sum_partials(param_partials(k0), partial_at_[k1] - partial_at_[k0], sumsq_ + u, stream);
 }
 
-double GpuParamStore::sum_squares_of(const float* x, int64_t n, cudaStream_t stream) {
-  K::sum_squares(x, n, sumsq_, sumsq_scratch_, stream);
-  double s = 0;
-  DS_CUDA_CHECK(cudaMemcpyAsync(&s, sumsq_, sizeof(double), cudaMemcpyDeviceToHost, stream));
-  DS_CUDA_CHECK(cudaStreamSynchronize(stream));
-  return s;
-}
-
-double GpuParamStore::share_grad_sum_squares(cudaStream_t stream) { return sum_squares_of(g_ + lo_, hi_ - lo_, stream); }
+double GpuParamStore::share_grad_sum_squares(cudaStream_t stream) { return grad_sum_squares(stream, true); }
 
 double GpuParamStore::grad_sum_squares(cudaStream_t stream, bool fresh) {
   if (fresh)

@@ -108,7 +108,8 @@ class GpuParamStore {
   // The sum of squares of unit u's gradients (Bf16: of its bf16 values) into its entry of the per-unit sums,
   // enqueued on `stream`; grad_sum_squares(stream, false) then adds the entries in unit order. Each parameter's
   // partials (ops/adamw/cuda.h sum_squares_partials, at param_partials(k)), then all of the unit's in parameter
-  // order (sum_partials): a fixed order. `fused` (may be empty): the parameters whose partials an update on the
+  // order (sum_partials): a fixed order. Sharded: only each parameter's part in the share, the rest of its partials
+  // zero. `fused` (may be empty): the parameters whose partials an update on the
   // same stream already wrote (GpuOptimizer::fuses_sum), not taken again.
   void unit_sum_squares(size_t u, cudaStream_t stream, const std::function<bool(size_t k)>& fused = nullptr);
   double* param_partials(size_t k) const { return partials_ + partial_at_[k]; }
@@ -128,7 +129,10 @@ class GpuParamStore {
   int64_t share_hi() const { return hi_; }
   std::pair<int64_t, int64_t> share_range(int rank) const;  // rank r's flat range [lo, hi)
   std::pair<int64_t, int64_t> fp32_range_of(int rank) const;
-  // Sum of squares of the gradients of [share_lo, share_hi) (the whole buffer unsharded), as grad_sum_squares.
+  // Sum of squares of the gradients of [share_lo, share_hi) (the whole buffer unsharded), synchronised: each unit's
+  // sum as unit_sum_squares takes it over each parameter's part in the share (so one rank's is grad_sum_squares's
+  // bits; at several ranks, a parameter cut by a share boundary is partitioned from the cut: fixed for a world
+  // size, not equal across world sizes). The caller adds the ranks' values (model/engine.cpp).
   double share_grad_sum_squares(cudaStream_t stream);
   // The parameter holding flat element `first` and its count; ds::Error unless [first, first + count) lies
   // inside one parameter.
@@ -164,9 +168,7 @@ class GpuParamStore {
   float *w_ = nullptr, *g_ = nullptr;
   bf16* wb_ = nullptr;
   bf16* gb_ = nullptr;  // Gradients::Bf16's buffer
-  double sum_squares_of(const float* x, int64_t n, cudaStream_t stream);  // the fixed-order sum, synchronised
   double* sumsq_ = nullptr;  // per unit
-  void* sumsq_scratch_ = nullptr;
   // The gradients' sum-of-squares partials: parameter k's at partial_at_[k] (params_.size() + 1 entries, in parameter
   // order, so a unit's are contiguous), and each unit's parameters [unit_params_[u].first, .second).
   double* partials_ = nullptr;
