@@ -1,5 +1,7 @@
 #include "model/gpu_activations.h"
 
+#include <algorithm>
+
 #ifdef DELTASTACK_CUDA
 #include "core/error.h"
 
@@ -165,9 +167,12 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   d.dvv = a.take<bf16>(N * Hkv * hd);
   d.dqg = a.take<bf16>(N * Hq * 2 * hd);
   a.use = MemoryUse::Workspace;
+  // One region for both scratches: the fused loss (ce_scratch) runs between the last layer's forward and the final
+  // norm's backward, on the step's stream, with no op of a layer in flight, and no op keeps anything in either
+  // scratch past its own call (model/gpu_model.cpp), so the two never hold live bytes at once.
   op_scratch_bytes = s.op_scratch;
-  op_scratch = a.bytes(s.op_scratch);
-  ce_scratch = a.bytes(s.ce_scratch);
+  op_scratch = a.bytes(std::max(s.op_scratch, s.ce_scratch));
+  ce_scratch = op_scratch;
   fp8 = GpuFp8Bufs{};
   if (s.fp8) {
     const GpuFp8Bufs::Sizes f = GpuFp8Bufs::sizes(c, N);
