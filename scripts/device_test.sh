@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
+# Stages: env build prebuilt test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # peer-lora, LoRA steps, ours (bench step --lora-rank) vs transformers + PEFT LoRA: scripts/peer_lora_step.py, LORA_RUNS;
@@ -16,7 +16,8 @@
 # corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it; train-27b, 27B 20 steps,
 # its checkpoint in /dev/shm, a bitwise resume, an export;
 # train-bf16 / train-8bit, the default run with --optimizer-state bf16 / 8bit: twice and resumed, bitwise; cpu-blas, the CPU engine's
-# OpenBLAS kernel choice on this host's CPU, 2 pinned cores). BUILD_TARGET builds one target.
+# OpenBLAS kernel choice on this host's CPU, 2 pinned cores; prebuilt, instead of build: the binaries
+# scripts/prebuild_device.sh packed, carried in .prebuilt). BUILD_TARGET builds one target.
 # With a source tree of an earlier commit in .base (e.g.
 # `git archive <commit> src CMakeLists.txt scripts | tar -x -C .base`, carried), `build` also builds its binary
 # (build-base) and `train` / `bench-step` compare against it: losses bitwise, step time.
@@ -68,6 +69,12 @@ if has build && [ -f "$BASE_SRC/CMakeLists.txt" ]; then
         -DCMAKE_CUDA_FLAGS="-isystem $SYS/usr/include" >"$OUT/configure_base.log" 2>&1 &&
     cmake --build build-base -j6 --target deltastack >"$OUT/build_base.log" 2>&1; echo "base build rc=$?" ) &
   BASE_PID=$!
+fi
+if has prebuilt; then
+  # The binaries scripts/prebuild_device.sh packed on the development machine (carry .prebuilt): no build here.
+  [ -f .prebuilt/bin.tar.gz ] || { echo "prebuilt: .prebuilt/bin.tar.gz not carried (scripts/prebuild_device.sh)"; exit 1; }
+  mkdir -p build && tar -xzf .prebuilt/bin.tar.gz -C build && rm -rf $BUILD && ln -sfn build $BUILD
+  echo "prebuilt: $(head -1 .prebuilt/commit.txt 2>/dev/null || echo 'unknown commit') unpacked into build/"
 fi
 if has build; then
   t0=$(date +%s)

@@ -264,8 +264,13 @@ std::string CheckpointWeights::name_of(const ParamSpec& p) const {
 std::vector<float> CheckpointWeights::read(const ParamSpec& p) const {
   const std::string name = name_of(p);
   std::vector<float> v = ck_.read_f32(name);
-  for (size_t i = 0; i < v.size(); ++i)
-    DS_CHECK(std::isfinite(v[i]), "{}: tensor \"{}\" holds a non-finite value at index {}", path_, name, i);
+  // The first non-finite index, the same for any thread count.
+  const int64_t n = static_cast<int64_t>(v.size());
+  int64_t first = n;
+#pragma omp parallel for schedule(static) reduction(min : first) if (n >= (int64_t{1} << 20))
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(v[static_cast<size_t>(i)])) first = std::min(first, i);
+  DS_CHECK(first == n, "{}: tensor \"{}\" holds a non-finite value at index {}", path_, name, first);
   return v;
 }
 

@@ -144,40 +144,46 @@ T load(const char* p) {
   return v;
 }
 
+// Element i of src (dtype t) as Out.
+template <class Out>
+Out element(DType t, const char* src, int64_t i) {
+  switch (t) {
+    case DType::F64: return static_cast<Out>(load<double>(src + 8 * i));
+    case DType::F32: return static_cast<Out>(load<float>(src + 4 * i));
+    case DType::F16: return static_cast<Out>(f16_bits_to_f32(load<uint16_t>(src + 2 * i)));
+    case DType::BF16: return static_cast<Out>(bf16_bits_to_f32(load<uint16_t>(src + 2 * i)));
+    case DType::I64: return static_cast<Out>(load<int64_t>(src + 8 * i));
+    case DType::I32: return static_cast<Out>(load<int32_t>(src + 4 * i));
+    case DType::I16: return static_cast<Out>(load<int16_t>(src + 2 * i));
+    case DType::I8: return static_cast<Out>(load<int8_t>(src + i));
+    case DType::U8: return static_cast<Out>(load<uint8_t>(src + i));
+    case DType::BOOL: return static_cast<Out>(load<uint8_t>(src + i) != 0 ? 1 : 0);
+  }
+  return Out{};
+}
+
+template <class Out, DType T>
+void convert_as(const char* src, int64_t n, Out* dst) {
+  // Each element on its own: the same values for any thread count (a 27B checkpoint's tensors run to 1.3G elements).
+#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 20))
+  for (int64_t i = 0; i < n; ++i) dst[i] = element<Out>(T, src, i);
+}
+
 // Converts the n elements at src (dtype t) to Out. Caller guarantees src holds n * dtype_size(t) bytes.
 template <class Out>
-void convert(DType t, const char* src, size_t n, Out* dst) {
+void convert(DType t, const char* src, size_t count, Out* dst) {
+  const int64_t n = static_cast<int64_t>(count);
   switch (t) {
-    case DType::F64:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<double>(src + 8 * i));
-      break;
-    case DType::F32:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<float>(src + 4 * i));
-      break;
-    case DType::F16:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(f16_bits_to_f32(load<uint16_t>(src + 2 * i)));
-      break;
-    case DType::BF16:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(bf16_bits_to_f32(load<uint16_t>(src + 2 * i)));
-      break;
-    case DType::I64:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<int64_t>(src + 8 * i));
-      break;
-    case DType::I32:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<int32_t>(src + 4 * i));
-      break;
-    case DType::I16:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<int16_t>(src + 2 * i));
-      break;
-    case DType::I8:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<int8_t>(src + i));
-      break;
-    case DType::U8:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<uint8_t>(src + i));
-      break;
-    case DType::BOOL:
-      for (size_t i = 0; i < n; ++i) dst[i] = static_cast<Out>(load<uint8_t>(src + i) != 0 ? 1 : 0);
-      break;
+    case DType::F64: return convert_as<Out, DType::F64>(src, n, dst);
+    case DType::F32: return convert_as<Out, DType::F32>(src, n, dst);
+    case DType::F16: return convert_as<Out, DType::F16>(src, n, dst);
+    case DType::BF16: return convert_as<Out, DType::BF16>(src, n, dst);
+    case DType::I64: return convert_as<Out, DType::I64>(src, n, dst);
+    case DType::I32: return convert_as<Out, DType::I32>(src, n, dst);
+    case DType::I16: return convert_as<Out, DType::I16>(src, n, dst);
+    case DType::I8: return convert_as<Out, DType::I8>(src, n, dst);
+    case DType::U8: return convert_as<Out, DType::U8>(src, n, dst);
+    case DType::BOOL: return convert_as<Out, DType::BOOL>(src, n, dst);
   }
 }
 
