@@ -284,6 +284,7 @@ void download_bf16_as_f32(const ds::cuda::bf16* src, int64_t count, float* dst, 
     const int64_t n = std::min(kStage, count - done);
     DS_CUDA_CHECK(cudaMemcpyAsync(stage.data(), src + done, n * 2, cudaMemcpyDeviceToHost, stream));
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
+#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
     for (int64_t i = 0; i < n; ++i) dst[done + i] = bf16_bits_to_f32(stage[static_cast<size_t>(i)]);
   }
 }
@@ -292,6 +293,7 @@ void upload_f32_as_bf16(const float* src, int64_t count, ds::cuda::bf16* dst, cu
   std::vector<uint16_t> stage(static_cast<size_t>(std::min(count, kStage)));
   for (int64_t done = 0; done < count; done += kStage) {
     const int64_t n = std::min(kStage, count - done);
+#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
     for (int64_t i = 0; i < n; ++i) stage[static_cast<size_t>(i)] = f32_to_bf16_bits(src[done + i]);
     DS_CUDA_CHECK(cudaMemcpyAsync(dst + done, stage.data(), n * 2, cudaMemcpyHostToDevice, stream));
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
