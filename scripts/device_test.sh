@@ -72,9 +72,12 @@ if has build && [ -f "$BASE_SRC/CMakeLists.txt" ]; then
 fi
 if has prebuilt; then
   # The binaries scripts/prebuild_device.sh packed on the development machine (carry .prebuilt): no build here.
+  # Not together with `build` (that would configure and build into build-prebuilt through the link).
   [ -f .prebuilt/bin.tar.gz ] || { echo "prebuilt: .prebuilt/bin.tar.gz not carried (scripts/prebuild_device.sh)"; exit 1; }
-  mkdir -p build && tar -xzf .prebuilt/bin.tar.gz -C build && rm -rf $BUILD && ln -sfn build $BUILD
-  echo "prebuilt: $(head -1 .prebuilt/commit.txt 2>/dev/null || echo 'unknown commit') unpacked into build/"
+  rm -rf build-prebuilt "$BUILD"
+  tar -xzf .prebuilt/bin.tar.gz && [ -x build-prebuilt/deltastack_tests ] && ln -sfn build-prebuilt "$BUILD" ||
+    { echo "prebuilt: unpacking .prebuilt/bin.tar.gz failed"; exit 1; }
+  echo "prebuilt: $(head -1 .prebuilt/commit.txt 2>/dev/null || echo 'unknown commit') unpacked into build-prebuilt/"
 fi
 if has build; then
   t0=$(date +%s)

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -128,6 +129,7 @@ TEST(CudaGenerate, CommandLineMatchesCpu) {
   EXPECT_EQ(reply(autod), reply(cpu)) << autod;
   EXPECT_NE(cuda.find("gpu: "), std::string::npos) << "the GPU engine's line: " << cuda;
   EXPECT_NE(autod.find("gpu: "), std::string::npos) << "auto picks the GPU: " << autod;
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
