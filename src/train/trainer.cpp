@@ -749,18 +749,22 @@ std::unique_ptr<Engine> make_train_engine(TrainOptions& opt, Qwen35Model&& model
     plan.shard_rank = comm.rank();
     plan.shard_world = comm.world();
   }
+  const auto built = std::chrono::steady_clock::now();
   std::unique_ptr<Engine> engine = make_engine(opt.device, std::move(model), plan);
+  const double build_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - built).count();
   opt.device = engine->device();  // saved in checkpoints: a resume continues on the same engine
   // The optimizer state in use, saved too: a resume keeps the numerics unless --optimizer-state changes them.
   opt.optimizer_state = optimizer_state_name(engine->optimizer_state());
   engine->distribute(comm, opt.shard == "full"        ? Engine::ShardMode::Full
                           : opt.shard == "optimizer" ? Engine::ShardMode::Optimizer
                                                      : Engine::ShardMode::None);
-  log_info("device: {}{}", opt.device,
+  // The seconds the engine took to build: the weights initialised or read, and uploaded (minutes at 27B).
+  log_info("device: {}{} (engine and weights ready in {:.1f} s)", opt.device,
            comm.world() > 1 || comm.backend() != "single"
                ? fmt::format(", {} rank{} ({}), --shard {}, {} communicator", comm.world(), comm.world() > 1 ? "s" : "",
                              comm.launch().launcher, opt.shard, comm.backend())
-               : std::string());
+               : std::string(),
+           build_s);
   // The mode in effect, which the free-space check's estimate reads (checkpoint_bytes_estimate: a sharded 8bit
   // state is saved as F32 moments, 10 bytes a parameter, an unsharded one as codes, about 4): one process without a
   // device communicator shards nothing, whatever --shard says (distribute).
@@ -774,9 +778,11 @@ TrainerState start_state(Engine& engine, const TrainOptions& opt, const std::opt
                          const dist::Communicator& comm) {
   TrainerState progress;
   if (resumed) {
+    const auto t0 = std::chrono::steady_clock::now();
     load_optimizer_state(engine, opt.resume);
     progress = resumed->state;
-    log_info("resuming from {} at step {}", opt.resume, progress.step);
+    log_info("resuming from {} at step {} (optimizer state read in {:.1f} s)", opt.resume, progress.step,
+             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   progress.world_size = comm.world();
   DS_CHECK(opt.steps >= progress.step, "--steps {} is below the checkpoint's step {}", opt.steps, progress.step);
