@@ -52,6 +52,14 @@ if [ -n "$NCCL_DIR" ]; then
   export LD_LIBRARY_PATH=$NCCL_DIR/lib:$LD_LIBRARY_PATH
 fi
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device tool's KINDS.md)
+# The peers' Triton kernels (fla, Liger): compiled kernels and autotune winners on disk (TRITON_CACHE_AUTOTUNING=1),
+# in .peers/triton_cache. A cold peer call compiles every autotune configuration of fla's kernels (146-182 s of
+# warm-up at 9B); with the winners' records carried it compiles only the winners. PEER_TRITON_CACHE=1 brings the
+# records back as $OUT/triton_autotune.tar.gz (kilobytes); unpack it into .peers/ here to carry it next time.
+if [ -d .peers/site ]; then
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.peers/triton_cache} TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+  mkdir -p "$TRITON_CACHE_DIR"
+fi
 [ -f third_party/cudnn_frontend/include/cudnn_frontend.h ] || echo "warning: third_party/cudnn_frontend not carried"
 export PATH=/usr/local/cuda/bin:$PATH
 BUILD=build-device
@@ -728,5 +736,11 @@ if has ncu-step; then
   timeout 300 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     $BUILD/deltastack bench step --preset ${NCU_PRESET:-2b} --steps 1 >"$OUT/ncu_step.csv" 2>"$OUT/ncu_step.err"
   echo "ncu-step rc=$? ($(grep -c gpu__time_duration "$OUT/ncu_step.csv") kernel launches)"
+fi
+if [ "${PEER_TRITON_CACHE:-0}" = 1 ] && [ -d "${TRITON_CACHE_DIR:-}" ]; then
+  # Only the autotune records (<hash>/<kernel>.autotune.json), under triton_cache/ as .peers/ holds them.
+  ( cd "$(dirname "$TRITON_CACHE_DIR")" && find "$(basename "$TRITON_CACHE_DIR")" -name '*.autotune.json' -print0 |
+      tar -czf "$OUT/triton_autotune.tar.gz" --null -T - ) &&
+    echo "triton: $(tar -tzf "$OUT/triton_autotune.tar.gz" | grep -c autotune) autotune records in $OUT/triton_autotune.tar.gz"
 fi
 exit $status
