@@ -378,6 +378,10 @@ if has memory; then
     [ "${MEMORY_AB_PRIORITY:-0}" = 1 ] && DELTASTACK_STREAM_PRIORITY=0 timeout ${MEMORY_TIMEOUT:-300} $D bench step $args \
       --steps ${MEMORY_STEPS:-3} 2>&1 | grep -v "^\[deltastack\] attention" | sed "s|^|[priority 0 $args] |" |
       tee -a "$OUT/bench_memory.txt"
+    # MEMORY_AB_ENV="VAR=VALUE ...": each run again with those variables (e.g. DELTASTACK_SIDE_ZEROING=1).
+    [ -n "${MEMORY_AB_ENV:-}" ] && env ${MEMORY_AB_ENV} timeout ${MEMORY_TIMEOUT:-300} $D bench step $args \
+      --steps ${MEMORY_STEPS:-3} 2>&1 | grep -v "^\[deltastack\] attention" | sed "s|^|[${MEMORY_AB_ENV} $args] |" |
+      tee -a "$OUT/bench_memory.txt"
   done <<EOF2
 ${MEMORY_RUNS:---preset 9b --seq-len 8192 --micro-batch 1
 --preset 2b --seq-len 8192 --micro-batch 2 --optimizer-state bf16 --recompute full

@@ -849,16 +849,17 @@ std::string resolve_device(const std::string& device) {
   return device;
 }
 
-bool engine_knob(const char* name) {
+bool engine_knob(const char* name, bool unset) {
   const char* v = std::getenv(name);
   DS_CHECK(!v || std::string(v) == "0" || std::string(v) == "1", "{} must be 0 or 1, got \"{}\"", name, v ? v : "");
-  return !v || std::string(v) == "1";
+  return v ? std::string(v) == "1" : unset;
 }
 
 void check_engine_knobs() {
   engine_knob("DELTASTACK_ASYNC_OPTIMIZER");
   engine_knob("DELTASTACK_DP_OVERLAP");
   engine_knob("DELTASTACK_STREAM_PRIORITY");
+  engine_knob("DELTASTACK_SIDE_ZEROING", false);
   Fp8Recipe::from_env();  // DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM
 }
 

@@ -325,10 +325,13 @@ std::string resolve_device(const std::string& device);
 // The GPU engine's on/off environment switches, "0" or "1" (unset: 1): DELTASTACK_ASYNC_OPTIMIZER (the optimizer
 // step overlapped with the next step), DELTASTACK_DP_OVERLAP (the data-parallel all-reduce overlapped with the
 // last backward) and DELTASTACK_STREAM_PRIORITY (the step's stream at the device's greatest priority and the side
-// stream of the overlapped updates at the least; 0: both at the default, for A/B timing). ds::Error naming the
-// variable for any other value. check_engine_knobs() checks them all, whatever
-// the device: the trainer (with ops::check_knobs, before --out is touched), eval and generate call it first.
-bool engine_knob(const char* name);
+// stream of the overlapped updates at the least; 0: both at the default, for A/B timing); and, unset 0,
+// DELTASTACK_SIDE_ZEROING (--gradients in-backward: each gradient slot zeroed on the side stream right after the
+// update that read it, instead of on the step's stream before its next unit; the same zeros, off the step's
+// critical path; opt-in until measured on the H200). ds::Error naming the variable for any other value.
+// check_engine_knobs() checks them all, whatever the device: the trainer (with ops::check_knobs, before --out is
+// touched), eval and generate call it first. `unset`: the value when the variable is not set.
+bool engine_knob(const char* name, bool unset = true);
 void check_engine_knobs();
 
 }  // namespace ds

@@ -109,11 +109,20 @@ struct GpuModel::Impl {
   ops::AdamWParams ib_params;
   cudaEvent_t slot_free[4] = {};
   bool slot_busy[4] = {};
+  // DELTASTACK_SIDE_ZEROING (model/engine.h engine_knob): update_in_backward zeroes the whole slot on `side` after
+  // the update and the sum that read it, before slot_free; slot_zeroed[s] says so, and begin_unit then skips its
+  // own memset on the step's stream (the same zeros: the unit's gradients start from 0 either way).
+  bool side_zeroing = false;
+  bool slot_zeroed[4] = {};
   void begin_unit(size_t u) {
     if (!store->slotted()) return;
     const int s = store->slot_of(u);
     if (slot_busy[s]) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, slot_free[s], 0));
     slot_busy[s] = false;
+    if (slot_zeroed[s]) {  // zeroed on `side` before slot_free, which the step's stream just waited for
+      slot_zeroed[s] = false;
+      return;
+    }
     DS_CUDA_CHECK(cudaMemsetAsync(store->unit_grads(u), 0, units[u].size() * sizeof(float), stream));
   }
   // The unit's update (an updating pass) and its sum of squares, both on `side`, off the step's stream. The 8-bit
@@ -137,6 +146,10 @@ struct GpuModel::Impl {
     DS_CUDA_CHECK(cudaEventRecord(sums_done, side));
     sums_pending = side_unjoined = true;
     const int s = store->slot_of(u);  // its next unit waits for the sum (and the update) that read it
+    if (side_zeroing) {
+      DS_CUDA_CHECK(cudaMemsetAsync(store->slot_begin(s), 0, store->slot_size(s) * sizeof(float), side));
+      slot_zeroed[s] = true;
+    }
     if (!slot_free[s]) DS_CUDA_CHECK(cudaEventCreateWithFlags(&slot_free[s], cudaEventDisableTiming));
     DS_CUDA_CHECK(cudaEventRecord(slot_free[s], side));
     slot_busy[s] = true;
@@ -942,6 +955,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   int least_priority = 0, greatest_priority = 0;
   DS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
   m.prioritized = engine_knob("DELTASTACK_STREAM_PRIORITY");
+  m.side_zeroing = engine_knob("DELTASTACK_SIDE_ZEROING", false);
   DS_CUDA_CHECK(cudaStreamCreateWithPriority(&m.stream, cudaStreamNonBlocking,
                                              m.prioritized ? greatest_priority : least_priority));
   size_t free_b = 0, total_b = 0;

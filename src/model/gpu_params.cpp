@@ -114,8 +114,9 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
   for (size_t u = 1; u < head; ++u) need(u, 2 + static_cast<int>((u - 1) % 2));
   int64_t start[4];
   for (int s = 0; s < 4; ++s) {
-    start[s] = G_;
-    G_ += (size[s] + 63) / 64 * 64;
+    start[s] = slot_at_[s] = G_;
+    slot_len_[s] = (size[s] + 63) / 64 * 64;
+    G_ += slot_len_[s];
   }
   for (size_t u = 0; u < U; ++u) unit_at_[u] = start[unit_slot_[u]] + units_[u].lo % 64;
   grad_layout_ = layout.remapped([this](int64_t off) { return grad_at(off); });

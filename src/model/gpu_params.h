@@ -95,6 +95,10 @@ class GpuParamStore {
   // buffer's range and slot 0 in Fp32).
   float* unit_grads(size_t u) const { return g_ + grad_at(units_[u].lo); }
   int slot_of(size_t u) const { return unit_slot_[u]; }
+  // Slot s's whole range in g_ (InBackward, Bf16): [slot_begin(s), + slot_size(s)) fp32 elements, every unit that
+  // lives in it inside (DELTASTACK_SIDE_ZEROING zeroes all of it after a unit's update).
+  float* slot_begin(int s) const { return g_ + slot_at_[s]; }
+  int64_t slot_size(int s) const { return slot_len_[s]; }
   // Whether the backward makes each unit's gradients in a slot (InBackward, Bf16): zeroed before its first kernel.
   bool slotted() const { return gradients_ != Gradients::Fp32; }
   // Gradients::Bf16: the bf16 gradient buffer [P_pad] (flat; null in the other modes), parameter k's part of it,
@@ -164,6 +168,7 @@ class GpuParamStore {
   std::vector<int> unit_slot_;        // per unit: its slot (InBackward)
   std::vector<int64_t> unit_at_;      // per unit: where its first element lies in g_
   int64_t G_ = 0;                     // elements of g_
+  int64_t slot_at_[4] = {}, slot_len_[4] = {};  // the slots' ranges in g_ (slotted modes)
   int64_t grad_at(int64_t flat) const;  // where flat element `flat` lies in g_
   float *w_ = nullptr, *g_ = nullptr;
   bf16* wb_ = nullptr;
