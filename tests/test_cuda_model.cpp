@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -411,6 +412,23 @@ TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
 // selective and full recompute, with a tied and an untied lm_head (the head's slot shared with the embedding's, or
 // its own). Step 4 runs without a backward (grad_scale 0, as for a batch without targets): the update over zero
 // gradients runs in both modes.
+namespace {
+// Sets an environment variable for a scope and restores its earlier value (or its absence) when the scope ends,
+// also when a run inside throws.
+struct EnvSet {
+  std::string name;
+  std::optional<std::string> old;
+  EnvSet(const char* n, const char* value) : name(n) {
+    if (const char* v = std::getenv(n)) old = v;
+    setenv(n, value, 1);
+  }
+  ~EnvSet() {
+    if (old) setenv(name.c_str(), old->c_str(), 1);
+    else unsetenv(name.c_str());
+  }
+};
+}  // namespace
+
 TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
   DS_SKIP_WITHOUT_GPU();
   for (const bool tied : {true, false}) {
@@ -472,12 +490,16 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
         ASSERT_GT(std::sqrt(ref.values[6]), 0.5) << "step 3 should clip";  // values: l1 s1 l2 s2 eval l3 s3 ...
         ASSERT_EQ(ref.values[8], 0.0) << "step 4 has no gradient";
         const Run one = run(ds::Gradients::InBackward, 0.5, false), two = run(ds::Gradients::InBackward, 0.5, true);
-        // DELTASTACK_SIDE_ZEROING=1 (model/engine.h): the slots zeroed on the side stream after each update, read
-        // when the engine is built; the same bits.
-        setenv("DELTASTACK_SIDE_ZEROING", "1", 1);
-        const Run side = run(ds::Gradients::InBackward, 0.5, false), side2 = run(ds::Gradients::InBackward, 0.5, true);
-        unsetenv("DELTASTACK_SIDE_ZEROING");
-        for (const Run* x : {&one, &two, &side, &side2}) {
+        // DELTASTACK_SIDE_ZEROING=1 (model/engine.h kSideZeroingKnob): the slots zeroed on the side stream after
+        // each update, read when the engine is built; the same bits. A slot left unzeroed, or zeroed in part, gives
+        // the next unit stale gradients (the tiny model's four layers reuse slots 2 and 3 within a pass).
+        Run side, side2;
+        {
+          const EnvSet on(ds::kSideZeroingKnob, "1");
+          side = run(ds::Gradients::InBackward, 0.5, false);
+          side2 = run(ds::Gradients::InBackward, 0.5, true);
+        }
+        for (const Run* x : std::initializer_list<const Run*>{&one, &two, &side, &side2}) {
           EXPECT_EQ(ref.values, x->values);
           EXPECT_TRUE(ref.weights == x->weights);
           EXPECT_TRUE(ref.m == x->m);

@@ -859,7 +859,7 @@ void check_engine_knobs() {
   engine_knob("DELTASTACK_ASYNC_OPTIMIZER");
   engine_knob("DELTASTACK_DP_OVERLAP");
   engine_knob("DELTASTACK_STREAM_PRIORITY");
-  engine_knob("DELTASTACK_SIDE_ZEROING", false);
+  engine_knob(kSideZeroingKnob, false);
   Fp8Recipe::from_env();  // DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM
 }
 

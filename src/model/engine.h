@@ -332,6 +332,7 @@ std::string resolve_device(const std::string& device);
 // check_engine_knobs() checks them all, whatever the device: the trainer (with ops::check_knobs, before --out is
 // touched), eval and generate call it first. `unset`: the value when the variable is not set.
 bool engine_knob(const char* name, bool unset = true);
+inline constexpr const char* kSideZeroingKnob = "DELTASTACK_SIDE_ZEROING";  // the name, for its reader and tests
 void check_engine_knobs();
 
 }  // namespace ds

@@ -955,7 +955,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   int least_priority = 0, greatest_priority = 0;
   DS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
   m.prioritized = engine_knob("DELTASTACK_STREAM_PRIORITY");
-  m.side_zeroing = engine_knob("DELTASTACK_SIDE_ZEROING", false);
+  m.side_zeroing = engine_knob(kSideZeroingKnob, false);
   DS_CUDA_CHECK(cudaStreamCreateWithPriority(&m.stream, cudaStreamNonBlocking,
                                              m.prioritized ? greatest_priority : least_priority));
   size_t free_b = 0, total_b = 0;
