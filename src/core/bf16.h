@@ -21,6 +21,17 @@ inline float bf16_bits_to_f32(uint16_t b) {
   return f;
 }
 
+// dst[i] = f32_to_bf16_bits(src[i]) / bf16_bits_to_f32(src[i]) for i < n, each element on its own, on all cores
+// past 64k elements (the same values for any thread count; a 27B checkpoint's weights are 27 G elements).
+inline void to_bf16_bits(const float* src, int64_t n, uint16_t* dst) {
+#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16_bits(src[i]);
+}
+inline void from_bf16_bits(const uint16_t* src, int64_t n, float* dst) {
+#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_f32(src[i]);
+}
+
 // The fp32 value nearest to f that bf16 can hold (round-to-nearest-even).
 inline float round_bf16(float f) { return bf16_bits_to_f32(f32_to_bf16_bits(f)); }
 

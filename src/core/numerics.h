@@ -21,6 +21,16 @@ struct Bf16View {
 };
 inline Bf16View bf16_view(const std::vector<uint16_t>& bits) { return {bits.data(), bits.size()}; }
 
+// The first index of x [n] that is not finite (or, with `nonnegative`, below 0), or -1; on all cores past 1 Mi
+// elements, the same answer for any thread count (the checks of checkpoint tensors as they are read).
+inline int64_t first_non_finite(const float* x, int64_t n, bool nonnegative = false) {
+  int64_t first = n;
+#pragma omp parallel for schedule(static) reduction(min : first) if (n >= (int64_t{1} << 20))
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i]) || (nonnegative && x[i] < 0.0f)) first = std::min(first, i);
+  return first < n ? first : -1;
+}
+
 // ||got - ref|| / max(||ref||, 1e-300), accumulated in double, over any two indexable ranges of numbers
 // (std::vector<float>, std::vector<double>, Bf16View, ...). 0 when they are equal (also both zero);
 // +infinity when the sizes differ or either side holds a NaN or an infinity (a NaN-poisoned output element that

@@ -170,7 +170,6 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   // One region for both scratches: the fused loss (ce_scratch) runs between the last layer's forward and the final
   // norm's backward, on the step's stream, with no op of a layer in flight, and no op keeps anything in either
   // scratch past its own call (model/gpu_model.cpp), so the two never hold live bytes at once.
-  op_scratch_bytes = s.op_scratch;
   op_scratch = a.bytes(std::max(s.op_scratch, s.ce_scratch));
   ce_scratch = op_scratch;
   fp8 = GpuFp8Bufs{};

@@ -76,7 +76,6 @@ struct GpuActivations {
   GpuBatchBufs batch;
   GpuGradBufs grad{};
   void* op_scratch = nullptr;  // shared by every op call (the largest need of any op or plan)
-  size_t op_scratch_bytes = 0;
   void* ce_scratch = nullptr;  // the fused loss's scratch: the same bytes as op_scratch (never live at once)
   GpuFp8Bufs fp8;  // --precision fp8: the GEMM operands' casts (model/gpu_fp8.h); null otherwise
 

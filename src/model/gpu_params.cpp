@@ -112,13 +112,12 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
   need(0, 0);
   need(head, tied ? 1 : 0);
   for (size_t u = 1; u < head; ++u) need(u, 2 + static_cast<int>((u - 1) % 2));
-  int64_t start[4];
   for (int s = 0; s < 4; ++s) {
-    start[s] = slot_at_[s] = G_;
+    slot_at_[s] = G_;
     slot_len_[s] = (size[s] + 63) / 64 * 64;
     G_ += slot_len_[s];
   }
-  for (size_t u = 0; u < U; ++u) unit_at_[u] = start[unit_slot_[u]] + units_[u].lo % 64;
+  for (size_t u = 0; u < U; ++u) unit_at_[u] = slot_at_[unit_slot_[u]] + units_[u].lo % 64;
   grad_layout_ = layout.remapped([this](int64_t off) { return grad_at(off); });
 }
 
@@ -285,8 +284,7 @@ void download_bf16_as_f32(const ds::cuda::bf16* src, int64_t count, float* dst, 
     const int64_t n = std::min(kStage, count - done);
     DS_CUDA_CHECK(cudaMemcpyAsync(stage.data(), src + done, n * 2, cudaMemcpyDeviceToHost, stream));
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
-#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
-    for (int64_t i = 0; i < n; ++i) dst[done + i] = bf16_bits_to_f32(stage[static_cast<size_t>(i)]);
+    from_bf16_bits(stage.data(), n, dst + done);
   }
 }
 
@@ -294,8 +292,7 @@ void upload_f32_as_bf16(const float* src, int64_t count, ds::cuda::bf16* dst, cu
   std::vector<uint16_t> stage(static_cast<size_t>(std::min(count, kStage)));
   for (int64_t done = 0; done < count; done += kStage) {
     const int64_t n = std::min(kStage, count - done);
-#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
-    for (int64_t i = 0; i < n; ++i) stage[static_cast<size_t>(i)] = f32_to_bf16_bits(src[done + i]);
+    to_bf16_bits(src + done, n, stage.data());
     DS_CUDA_CHECK(cudaMemcpyAsync(dst + done, stage.data(), n * 2, cudaMemcpyHostToDevice, stream));
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
   }

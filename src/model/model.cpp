@@ -14,6 +14,7 @@
 #include "core/files.h"
 #include "core/fp8.h"
 #include "core/log.h"
+#include "core/numerics.h"
 #include "core/rng.h"
 #include "model/dims.h"
 #include "model/gpu_fp8.h"
@@ -264,13 +265,8 @@ std::string CheckpointWeights::name_of(const ParamSpec& p) const {
 std::vector<float> CheckpointWeights::read(const ParamSpec& p) const {
   const std::string name = name_of(p);
   std::vector<float> v = ck_.read_f32(name);
-  // The first non-finite index, the same for any thread count.
-  const int64_t n = static_cast<int64_t>(v.size());
-  int64_t first = n;
-#pragma omp parallel for schedule(static) reduction(min : first) if (n >= (int64_t{1} << 20))
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(v[static_cast<size_t>(i)])) first = std::min(first, i);
-  DS_CHECK(first == n, "{}: tensor \"{}\" holds a non-finite value at index {}", path_, name, first);
+  const int64_t bad = first_non_finite(v.data(), static_cast<int64_t>(v.size()));
+  DS_CHECK(bad < 0, "{}: tensor \"{}\" holds a non-finite value at index {}", path_, name, bad);
   return v;
 }
 

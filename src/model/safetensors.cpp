@@ -540,14 +540,6 @@ uint64_t payload_bytes(const SaveTensor& t, const std::string& what) {
   return need;
 }
 
-// dst[j] = the bf16 bits of src[j] (round to nearest even) for j < m, each element on its own (all cores: a 27B
-// checkpoint's weights are 27 G elements).
-void to_bf16_bits(const float* src, uint64_t m, uint16_t* dst) {
-  const int64_t n = static_cast<int64_t>(m);
-#pragma omp parallel for schedule(static) if (n >= (int64_t{1} << 16))
-  for (int64_t j = 0; j < n; ++j) dst[j] = f32_to_bf16_bits(src[j]);
-}
-
 // Streams the payload of t (bytes, or its fp32 source / reader converted in pieces of 1 Mi elements) into sink.
 template <typename Sink>
 void emit_payload(const SaveTensor& t, uint64_t bytes, Sink&& sink) {
@@ -572,7 +564,7 @@ void emit_payload(const SaveTensor& t, uint64_t bytes, Sink&& sink) {
       if (t.dtype == DType::F32) {
         sink(f.data(), m * 4);
       } else {
-        to_bf16_bits(f.data(), m, h.data());
+        to_bf16_bits(f.data(), static_cast<int64_t>(m), h.data());
         sink(h.data(), m * 2);
       }
     }
@@ -590,7 +582,7 @@ void emit_payload(const SaveTensor& t, uint64_t bytes, Sink&& sink) {
   std::vector<uint16_t> buf(static_cast<size_t>(std::min(n, kPiece)));
   for (uint64_t i = 0; i < n; i += kPiece) {
     const uint64_t m = std::min(kPiece, n - i);
-    to_bf16_bits(t.f32_source + i, m, buf.data());
+    to_bf16_bits(t.f32_source + i, static_cast<int64_t>(m), buf.data());
     sink(buf.data(), m * 2);
   }
 }

@@ -18,6 +18,7 @@
 #include "core/files.h"
 #include "core/fs_safety.h"
 #include "core/log.h"
+#include "core/numerics.h"
 #include "model/engine.h"
 #include "model/model.h"
 #include "model/safetensors.h"
@@ -147,18 +148,6 @@ static int read_moment_codes(const CheckpointReader& os, const std::string& name
   return which;
 }
 
-// The first index in x [n] that is not finite (or, with nonnegative, below 0), or -1: in parallel, the same answer
-// for any thread count.
-static int64_t first_bad_moment(const std::vector<float>& x, bool nonnegative) {
-  const int64_t n = static_cast<int64_t>(x.size());
-  int64_t first = n;
-#pragma omp parallel for schedule(static) reduction(min : first)
-  for (int64_t i = 0; i < n; ++i)
-    if (!std::isfinite(x[static_cast<size_t>(i)]) || (nonnegative && x[static_cast<size_t>(i)] < 0.0f))
-      first = std::min(first, i);
-  return first < n ? first : -1;
-}
-
 void load_optimizer_state(Engine& engine, const std::string& dir) {
   // optimizer.safetensors, or optimizer.safetensors.index.json with its shards.
   const fs::path index = fs::path(dir) / "optimizer.safetensors.index.json";
@@ -185,7 +174,7 @@ void load_optimizer_state(Engine& engine, const std::string& dir) {
              name, x.size(), numel);
     // A corrupt moment would turn into NaN weights at the first update (and a checkpoint that cannot be loaded).
     const bool second_moment = name.rfind("exp_avg_sq.", 0) == 0;
-    const int64_t i = first_bad_moment(x, second_moment);
+    const int64_t i = first_non_finite(x.data(), static_cast<int64_t>(x.size()), second_moment);
     DS_CHECK(i < 0, "{}: optimizer state {} holds {} at index {} ({}); the checkpoint is corrupt", os.path(), name,
              i < 0 ? 0.0f : x[static_cast<size_t>(i)], i,
              second_moment ? "a second moment must be finite and >= 0" : "it must be finite");

@@ -337,7 +337,6 @@ __global__ void __launch_bounds__(kThreads) widen_bf16_kernel(const uint16_t* __
     y[i] = bf16_state::widen(x[i]);
 }
 
-
 // Block b sums elements [b*chunk, min(n, (b+1)*chunk)).
 template <typename G>
 __global__ void __launch_bounds__(kThreads)
