@@ -33,7 +33,8 @@ has() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; 
 SYS=/tmp/ds_sysroot
 if [ ! -d "$SYS/usr" ]; then
   mkdir -p "$SYS"
-  for f in .deps/*.deb; do dpkg -x "$f" "$SYS"; done
+  # .deps (every package, for a build) or the runtime packages a `prebuilt` pack carries (scripts/prebuild_device.sh).
+  for f in .deps/*.deb .prebuilt/deps/*.deb; do [ -f "$f" ] && dpkg -x "$f" "$SYS"; done
 fi
 export PKG_CONFIG_SYSROOT_DIR=$SYS
 export PKG_CONFIG_LIBDIR=$SYS/usr/lib/x86_64-linux-gnu/pkgconfig:$SYS/usr/lib/x86_64-linux-gnu/openblas-pthread/pkgconfig:$SYS/usr/share/pkgconfig
@@ -81,10 +82,13 @@ fi
 if has prebuilt; then
   # The binaries scripts/prebuild_device.sh packed on the development machine (carry .prebuilt): no build here.
   # Not together with `build` (that would configure and build into build-prebuilt through the link).
-  [ -f .prebuilt/bin.tar.gz ] || { echo "prebuilt: .prebuilt/bin.tar.gz not carried (scripts/prebuild_device.sh)"; exit 1; }
+  [ -f .prebuilt/bin.tar.xz ] || { echo "prebuilt: .prebuilt/bin.tar.xz not carried (scripts/prebuild_device.sh)"; exit 1; }
   rm -rf build-prebuilt "$BUILD"
-  tar -xzf .prebuilt/bin.tar.gz && [ -x build-prebuilt/deltastack_tests ] && ln -sfn build-prebuilt "$BUILD" ||
-    { echo "prebuilt: unpacking .prebuilt/bin.tar.gz failed"; exit 1; }
+  tar -xJf .prebuilt/bin.tar.xz && [ -x build-prebuilt/deltastack_tests ] && ln -sfn build-prebuilt "$BUILD" ||
+    { echo "prebuilt: unpacking .prebuilt/bin.tar.xz failed"; exit 1; }
+  if [ ! -d .peers/site ] && [ -f .prebuilt/peers_site.tar.xz ]; then
+    mkdir -p .peers && tar -xJf .prebuilt/peers_site.tar.xz -C .peers || { echo "prebuilt: unpacking the peers failed"; exit 1; }
+  fi
   echo "prebuilt: $(head -1 .prebuilt/commit.txt 2>/dev/null || echo 'unknown commit') unpacked into build-prebuilt/"
 fi
 if has build; then
@@ -247,9 +251,12 @@ for run, variants in ours.items():
 for (run, row), tail in last.items():
     r = peers.get((run, row))
     if r and r["status"] == "ok":
-        print(f"  {run} {row}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']} tokens/s, peak {r['peak_gib']:.1f} GiB")
+        used = r.get("device_used_gib")  # the peer's device footprint as ours is measured (peer_step.py)
+        print(f"  {run} {row}: {r['ms_per_step']:.1f} ms/step, {r['tokens_per_s']} tokens/s, peak {r['peak_gib']:.1f} GiB"
+              + (f" allocated, {used:.1f} GiB device memory in use" if used else ""))
         for v, (tok, peak) in ours.get(run, {}).items():
-            print(f"    ours{' ' + v if v else ''}/peer {tok / r['tokens_per_s']:.2f}x tokens/s, {peak / r['peak_gib']:.2f}x memory")
+            print(f"    ours{' ' + v if v else ''}/peer {tok / r['tokens_per_s']:.2f}x tokens/s, {peak / r['peak_gib']:.2f}x memory"
+                  + (f" ({peak / used:.2f}x its device memory in use)" if used else ""))
     elif r:
         print(f"  {run} {row}: {r['status']} ({r['peak_gib']:.1f} GiB peak)")
     else:
@@ -378,7 +385,7 @@ if has memory; then
     [ "${MEMORY_AB_PRIORITY:-0}" = 1 ] && DELTASTACK_STREAM_PRIORITY=0 timeout ${MEMORY_TIMEOUT:-300} $D bench step $args \
       --steps ${MEMORY_STEPS:-3} 2>&1 | grep -v "^\[deltastack\] attention" | sed "s|^|[priority 0 $args] |" |
       tee -a "$OUT/bench_memory.txt"
-    # MEMORY_AB_ENV="VAR=VALUE ...": each run again with those variables (e.g. DELTASTACK_SIDE_ZEROING=1).
+    # MEMORY_AB_ENV="VAR=VALUE ...": each run again with those variables (e.g. DELTASTACK_ATTENTION_SPLIT=1).
     [ -n "${MEMORY_AB_ENV:-}" ] && env ${MEMORY_AB_ENV} timeout ${MEMORY_TIMEOUT:-300} $D bench step $args \
       --steps ${MEMORY_STEPS:-3} 2>&1 | grep -v "^\[deltastack\] attention" | sed "s|^|[${MEMORY_AB_ENV} $args] |" |
       tee -a "$OUT/bench_memory.txt"

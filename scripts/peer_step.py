@@ -28,7 +28,10 @@ with labels = the inputs (transformers shifts them), loss.backward(), optional g
 as measured on 2026-12-02), optimizer step, zero_grad(set_to_none=True).
 Timing: --warmup steps (2), then --steps timed steps (5), each between two CUDA events; the median is reported.
 Peak is torch.cuda.max_memory_allocated() from just before the first step (the model and the optimizer built) to
-the end, i.e. PyTorch's allocations, not the CUDA context.
+the end, i.e. PyTorch's allocations, not the CUDA context. The result line also gives reserved_gib
+(torch.cuda.max_memory_reserved) and device_used_gib: total minus free device memory after the timed steps
+(torch.cuda.mem_get_info; the context, the libraries and the allocator's reserve included), the measure deltastack's
+own peak uses.
 Output per row: `peer step <preset> seq S x B <row>: <ms> ms/step, <tok/s> tokens/s, peak <GiB> GiB (<stack>)` (or
 `... <row>: out of memory (<GiB> GiB peak) (<stack>)`, exit 0), and one machine-readable line
 `step_result {"label": ..., "row": ..., "ms_per_step": ..., "tokens_per_s": ..., "peak_gib": ..., ...}` (JSON;
@@ -311,10 +314,17 @@ def run(args, config, label, desc, prepare=None, check=None):
         times.append(a.elapsed_time(b))
     ms = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() / GiB
-    print(f"peer: last step loss {loss.item():.4f}; steps (ms) {' '.join(f'{t:.1f}' for t in times)}", flush=True)
+    # What the process holds on the device, as deltastack's own peak counts it (cudaMemGetInfo: the CUDA context,
+    # cuBLAS / cuDNN and the caching allocator's reserve included); the allocator gives nothing back during the run.
+    free_b, total_b = torch.cuda.mem_get_info()
+    device_used = (total_b - free_b) / GiB
+    reserved = torch.cuda.max_memory_reserved() / GiB
+    print(f"peer: last step loss {loss.item():.4f}; steps (ms) {' '.join(f'{t:.1f}' for t in times)}; device memory "
+          f"in use {device_used:.1f} GiB (max reserved {reserved:.1f})", flush=True)
     print(f"{label}: {ms:.1f} ms/step, {B * S / (ms / 1e3):.0f} tokens/s, peak {peak:.1f} GiB ({desc})", flush=True)
     result.update(status="ok", ms_per_step=round(ms, 2), tokens_per_s=round(B * S / (ms / 1e3)),
-                  peak_gib=round(peak, 2), steps=args.steps, warmup=args.warmup, loss=round(loss.item(), 4))
+                  peak_gib=round(peak, 2), reserved_gib=round(reserved, 2), device_used_gib=round(device_used, 2),
+                  steps=args.steps, warmup=args.warmup, loss=round(loss.item(), 4))
     print("step_result " + json.dumps(result), flush=True)
 
 

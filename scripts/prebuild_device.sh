@@ -6,7 +6,10 @@
 # no Open MPI: .deps carries no MPI runtime), not like build/. Both machines have CUDA 13.0 and the same Debian 12
 # libraries (.deps), and the sources sit at the same path there, so the binaries run unchanged. Rerun this after
 # every change: the archive is what the sources were when it ran (their commit and changed files are written
-# beside it, in .prebuilt/commit.txt).
+# beside it, in .prebuilt/commit.txt). The pack is self-sufficient, so that one carry of ".prebuilt" stays under the
+# device tool's 64 MiB: the binaries (xz), the Debian runtime libraries they link (the non -dev .deb files of .deps,
+# unpacked there into the sysroot in place of .deps) and, where scripts/fetch_peers.sh has filled .peers/site, the
+# peers' Python packages (xz; unpacked there into .peers/site when .peers is not carried).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=build-prebuilt
@@ -20,7 +23,9 @@ trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/$B"
 strip -o "$tmp/$B/deltastack" $B/deltastack
 strip -o "$tmp/$B/deltastack_tests" $B/deltastack_tests
-mkdir -p .prebuilt
-tar -czf .prebuilt/bin.tar.gz -C "$tmp" $B
+rm -rf .prebuilt && mkdir -p .prebuilt/deps
+tar -cJf .prebuilt/bin.tar.xz -C "$tmp" $B
+for f in .deps/*.deb; do case $f in *-dev_*|*pkgconf*|*nlohmann*) ;; *) cp "$f" .prebuilt/deps/ ;; esac; done
+[ -d .peers/site ] && tar -cJf .prebuilt/peers_site.tar.xz -C .peers site
 { git rev-parse HEAD; git status --short; } > .prebuilt/commit.txt
-echo "packed $(du -h .prebuilt/bin.tar.gz | cut -f1) into .prebuilt/bin.tar.gz (commit $(head -1 .prebuilt/commit.txt), $(($(wc -l < .prebuilt/commit.txt) - 1)) changed files)"
+echo "packed $(du -sh --apparent-size .prebuilt | cut -f1) into .prebuilt (commit $(head -1 .prebuilt/commit.txt), $(($(wc -l < .prebuilt/commit.txt) - 1)) changed files)"

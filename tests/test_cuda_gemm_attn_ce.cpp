@@ -220,25 +220,56 @@ TEST(CudaAttention, HeadDim32) {
 
 // Buckets 1..64, 65..128, 129..256, 257..512, 513..600 with interleaved documents, an empty one, lengths at
 // the bucket edges (64, 65, 128, 129); graphs built for 16 documents (unused entries).
+ds::ops::AttentionCase packed_buckets_hd256() {
+  return {.lens = {1, 100, 257, 0, 600, 64, 65, 128, 129, 7},
+          .Hq = 8,
+          .Hkv = 2,
+          .head_dim = 256,
+          .cudnn = true,
+          .max_seqs = 16,
+          .max_seqlen = 600};
+}
+// Six documents across four buckets, graphs for 8 documents, head_dim 128, GQA 4 (Hq / Hkv heads).
+ds::ops::AttentionCase packed_buckets_hd128(int64_t Hq, int64_t Hkv) {
+  return {.lens = {300, 5, 64, 1, 33, 200},
+          .Hq = Hq,
+          .Hkv = Hkv,
+          .head_dim = 128,
+          .cudnn = true,
+          .max_seqs = 8,
+          .max_seqlen = 512};
+}
 TEST(CudnnAttention, PackedBucketsHeadDim256) {
   DS_SKIP_WITHOUT_CUDNN();
-  expect_ok(check_attention({.lens = {1, 100, 257, 0, 600, 64, 65, 128, 129, 7},
-                             .Hq = 8,
-                             .Hkv = 2,
-                             .head_dim = 256,
-                             .cudnn = true,
-                             .max_seqs = 16,
-                             .max_seqlen = 600}));
+  expect_ok(check_attention(packed_buckets_hd256()));
 }
 TEST(CudnnAttention, PackedBucketsHeadDim128Gqa4) {
   DS_SKIP_WITHOUT_CUDNN();
-  expect_ok(check_attention({.lens = {300, 5, 64, 1, 33, 200},
-                             .Hq = 8,
-                             .Hkv = 2,
-                             .head_dim = 128,
-                             .cudnn = true,
-                             .max_seqs = 8,
-                             .max_seqlen = 512}));
+  expect_ok(check_attention(packed_buckets_hd128(8, 2)));
+}
+// The backward by head groups (AttnBounds::head_groups, the engine's DELTASTACK_ATTENTION_SPLIT): each group's call
+// writes its own heads' dq, dk, dv at the full rows' strides; the same buckets as above.
+TEST(CudnnAttention, PackedBucketsInHeadGroups) {
+  DS_SKIP_WITHOUT_CUDNN();
+  ds::ops::AttentionCase a = packed_buckets_hd256(), b = packed_buckets_hd128(12, 4);
+  a.head_groups = 2;
+  b.head_groups = 4;
+  expect_ok(check_attention(a));
+  expect_ok(check_attention(b));
+}
+// What the groups are for: cuDNN's own workspace (its dP of B x Hq x S^2 bf16 on Hopper) shrinks with the heads of
+// one call, as the memory plan (model/gpu_plan.cpp) assumes; a group count that does not divide Hkv is an error.
+TEST(CudnnAttention, HeadGroupsShrinkTheWorkspace) {
+  DS_SKIP_WITHOUT_CUDNN();
+  ds::ops::cudnn::AttnBounds b{8192, 1, 8192, 8, 2, 256, 0.0625, 1};
+  ds::ops::cudnn::Attention one(b);
+  b.head_groups = 2;
+  ds::ops::cudnn::Attention two(b);
+  const double dp = 8.0 * 8192 * 8192 * 2;  // bytes of dP over all 8 heads
+  EXPECT_GE(static_cast<double>(one.workspace_bytes()), dp);
+  EXPECT_LE(static_cast<double>(two.workspace_bytes()), 0.6 * static_cast<double>(one.workspace_bytes()));
+  b.head_groups = 3;
+  EXPECT_THROW(ds::ops::cudnn::Attention bad(b), ds::Error);
 }
 TEST(CudnnAttention, OneDocumentHeadDim64) {
   DS_SKIP_WITHOUT_CUDNN();

@@ -123,6 +123,62 @@ TEST(CudaEngine, ChunkedGatedDeltaRuleMatchesCpu) {
 
 // The recompute policies (model/engine.h Recompute) rebuild the forward's own values: bitwise the same loss and
 // gradients, with less memory the more they rebuild.
+// --offload-activations (GpuPlan::offload_activations): with full recompute the layer inputs go to pinned host memory
+// during the forward and come back before each layer's backward, through a ring of three device buffers. Eight
+// layers, so that five of them are fetched back (the ring still holds the last three): bitwise the losses and
+// gradients of full recompute without it, with no kept layer and with two, over two steps and an evaluation
+// between them on one engine (the ring and the host copies reused); its device plan is five layer inputs smaller.
+TEST(CudaEngine, OffloadedLayerInputsAreBitwiseFullRecompute) {
+  DS_SKIP_WITHOUT_GPU();
+  ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+  c.vocab_size = 4096;
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  c.num_hidden_layers = 8;
+  c.layer_types.clear();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i)
+    c.layer_types.push_back(i % 4 == 3 ? "full_attention" : "linear_attention");
+  ds::Qwen35Model host(c);
+  host.init_weights(13);
+  const ds::PackedBatch b1 = make_batch({100, 1, 155, 39}, c.vocab_size, 31),
+                        b2 = make_batch({7, 288}, c.vocab_size, 32);
+  const int64_t N = std::max(b1.size(), b2.size());
+  struct Run {
+    std::vector<double> losses;
+    std::vector<float> grads1, grads2;
+    size_t bytes;
+  };
+  auto run = [&](bool offload, int64_t kept) {
+    ds::GpuPlan plan;
+    plan.max_tokens = N;
+    plan.max_seqs = 4;
+    plan.recompute = ds::Recompute::Full;
+    plan.kept_layers = kept;
+    plan.offload_activations = offload;
+    ds::GpuModel gpu(host, plan);
+    Run r;
+    r.bytes = gpu.planned_bytes();
+    r.losses.push_back(gpu.forward_backward(b1, 1.0 / static_cast<double>(b1.num_targets())).loss_sum);
+    gpu.download_grads(r.grads1);
+    r.losses.push_back(gpu.forward_backward(b2, 0.0).loss_sum);  // a forward only, between the backwards
+    gpu.zero_grads();
+    r.losses.push_back(gpu.forward_backward(b2, 1.0 / static_cast<double>(b2.num_targets())).loss_sum);
+    gpu.download_grads(r.grads2);
+    return r;
+  };
+  for (const int64_t kept : {int64_t{0}, int64_t{2}}) {
+    SCOPED_TRACE("kept layers " + std::to_string(kept));
+    const Run ref = run(false, kept), off = run(true, kept);
+    EXPECT_EQ(ref.losses, off.losses);
+    EXPECT_TRUE(ref.grads1 == off.grads1);
+    EXPECT_TRUE(ref.grads2 == off.grads2);
+    EXPECT_GT(ref.losses[0], 0.0);
+    // 9 residual-stream buffers against 4 (a ring of three and the last output), each N x hidden bf16, up to the
+    // arena's alignment
+    const double saved = 5.0 * static_cast<double>(N * c.hidden_size) * 2;
+    EXPECT_NEAR(static_cast<double>(ref.bytes - off.bytes), saved, 5 * 256.0);
+  }
+}
+
 TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
   DS_SKIP_WITHOUT_GPU();
   ds::ModelConfig c = ds::ModelConfig::preset("tiny");
@@ -412,23 +468,6 @@ TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
 // selective and full recompute, with a tied and an untied lm_head (the head's slot shared with the embedding's, or
 // its own). Step 4 runs without a backward (grad_scale 0, as for a batch without targets): the update over zero
 // gradients runs in both modes.
-namespace {
-// Sets an environment variable for a scope and restores its earlier value (or its absence) when the scope ends,
-// also when a run inside throws.
-struct EnvSet {
-  std::string name;
-  std::optional<std::string> old;
-  EnvSet(const char* n, const char* value) : name(n) {
-    if (const char* v = std::getenv(n)) old = v;
-    setenv(n, value, 1);
-  }
-  ~EnvSet() {
-    if (old) setenv(name.c_str(), old->c_str(), 1);
-    else unsetenv(name.c_str());
-  }
-};
-}  // namespace
-
 TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
   DS_SKIP_WITHOUT_GPU();
   for (const bool tied : {true, false}) {
@@ -490,16 +529,7 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
         ASSERT_GT(std::sqrt(ref.values[6]), 0.5) << "step 3 should clip";  // values: l1 s1 l2 s2 eval l3 s3 ...
         ASSERT_EQ(ref.values[8], 0.0) << "step 4 has no gradient";
         const Run one = run(ds::Gradients::InBackward, 0.5, false), two = run(ds::Gradients::InBackward, 0.5, true);
-        // DELTASTACK_SIDE_ZEROING=1 (model/engine.h kSideZeroingKnob): the slots zeroed on the side stream after
-        // each update, read when the engine is built; the same bits. A slot left unzeroed, or zeroed in part, gives
-        // the next unit stale gradients (the tiny model's four layers reuse slots 2 and 3 within a pass).
-        Run side, side2;
-        {
-          const EnvSet on(ds::kSideZeroingKnob, "1");
-          side = run(ds::Gradients::InBackward, 0.5, false);
-          side2 = run(ds::Gradients::InBackward, 0.5, true);
-        }
-        for (const Run* x : std::initializer_list<const Run*>{&one, &two, &side, &side2}) {
+        for (const Run* x : std::initializer_list<const Run*>{&one, &two}) {
           EXPECT_EQ(ref.values, x->values);
           EXPECT_TRUE(ref.weights == x->weights);
           EXPECT_TRUE(ref.m == x->m);

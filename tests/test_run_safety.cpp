@@ -1484,6 +1484,20 @@ TEST(Issue25, ASignalRightAfterTheTempDirIsMadeRemovesIt) {
   fs::remove_all(dir);
 }
 
+// --offload-activations moves the layer inputs of full recompute to host memory: with another --recompute, or on the
+// CPU engine (whose activations are in host memory already), it is refused naming the flags, before --out exists.
+TEST(RunSafety, OffloadActivationsRefusedWhereItCannotRun) {
+  const std::string dir = tmpdir("offload");
+  const std::string args = small_setup(dir) + " --threads 1 --steps 1 --offload-activations";
+  std::string log;
+  EXPECT_EQ(run("train " + args + " --recompute selective --out " + dir + "/a", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "--offload-activations and --recompute selective contradict each other")) << log;
+  EXPECT_EQ(run("train " + args + " --device cpu --out " + dir + "/b", &log), 1) << log;
+  EXPECT_TRUE(contains(log, "--offload-activations is a mode of the GPU engine")) << log;
+  EXPECT_FALSE(fs::exists(dir + "/a"));
+  EXPECT_FALSE(fs::exists(dir + "/b"));
+}
+
 // --no-save (a benchmark, a throwaway run, a resume check of a model whose second checkpoint would not fit, as the
 // 27B run on the H200's /dev/shm): no checkpoint at all, not at the end and not on a signal, and no free-space check
 // (the disk the test hook reports could not hold one); --save-interval or --keep-last with it are refused naming

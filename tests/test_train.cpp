@@ -718,7 +718,8 @@ TEST(Train, BadKnobFailsBeforeTouchingOut) {
   EXPECT_EQ(ds::read_file(dir + "/run/metrics.jsonl"), "{\"step\": 1, \"loss\": 5.0}\n");
 }
 
-// The GPU engine's switches (DELTASTACK_ASYNC_OPTIMIZER, DELTASTACK_DP_OVERLAP, DELTASTACK_STREAM_PRIORITY: 0 or 1) are checked with the op
+// The GPU engine's switches (DELTASTACK_ASYNC_OPTIMIZER, DELTASTACK_DP_OVERLAP, DELTASTACK_STREAM_PRIORITY,
+// DELTASTACK_ATTENTION_SPLIT: 0 or 1) are checked with the op
 // knobs, whatever the device: a bad value stops the run before --out is touched (it was read only once the GPU
 // engine existed, after --out was locked, and never on the CPU), and eval / generate stop on it too (with --device
 // auto it made the GPU engine fail and the command fall back to the CPU).
@@ -726,7 +727,7 @@ TEST(Train, BadEngineSwitchFailsBeforeTouchingOut) {
   const std::string dir = ds::test::fresh_tmpdir("bad_engine_knob");
   const std::string args = ds::test::small_setup(dir);
   for (const char* knob : {"DELTASTACK_ASYNC_OPTIMIZER", "DELTASTACK_DP_OVERLAP", "DELTASTACK_STREAM_PRIORITY",
-                           "DELTASTACK_SIDE_ZEROING"}) {
+                           "DELTASTACK_ATTENTION_SPLIT"}) {
     SCOPED_TRACE(knob);
     std::filesystem::remove_all(dir + "/run");
     std::filesystem::create_directories(dir + "/run");

@@ -3,7 +3,9 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,5 +68,22 @@ inline double dot(const std::vector<double>& a, const std::vector<double>& b) {
   for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
   return s;
 }
+
+// Sets an environment variable for a scope and restores its earlier value (or its absence) when the scope ends,
+// also when a run inside throws.
+struct EnvSet {
+  std::string name;
+  std::optional<std::string> old;
+  EnvSet(const char* n, const char* value) : name(n) {
+    if (const char* v = std::getenv(n)) old = v;
+    setenv(n, value, 1);
+  }
+  ~EnvSet() {
+    if (old) setenv(name.c_str(), old->c_str(), 1);
+    else unsetenv(name.c_str());
+  }
+  EnvSet(const EnvSet&) = delete;
+  EnvSet& operator=(const EnvSet&) = delete;
+};
 
 }  // namespace ds::test

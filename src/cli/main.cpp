@@ -146,6 +146,8 @@ int main(int argc, char** argv) {
         ->capture_default_str();
     cmd->add_option("--lora-rank", m.lora_rank, "A LoRA run of this rank on every linear layer (the base frozen in "
                     "bf16; docs/lora.md); 0 = a full run")->capture_default_str();
+    cmd->add_flag("--offload-activations", m.offload_activations, "With --recompute full (auto: full): the layer "
+                  "inputs in pinned host memory, copied back before each layer's backward (docs/memory.md)");
   };
   ds::cli::MemoryFlags bench_memory, plan_memory;
   add_memory_flags(bench_step, bench_memory);

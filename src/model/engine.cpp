@@ -859,13 +859,15 @@ void check_engine_knobs() {
   engine_knob("DELTASTACK_ASYNC_OPTIMIZER");
   engine_knob("DELTASTACK_DP_OVERLAP");
   engine_knob("DELTASTACK_STREAM_PRIORITY");
-  engine_knob(kSideZeroingKnob, false);
+  engine_knob(kAttentionSplitKnob, false);
   Fp8Recipe::from_env();  // DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan) {
   const std::string d = resolve_device(device);
   if (d == "cuda") return std::make_unique<CudaEngine>(std::move(host), plan);
+  DS_CHECK(!plan.offload_activations, "--offload-activations is a mode of the GPU engine; the CPU engine keeps its "
+           "activations in host memory already");
   DS_CHECK(!bf16_weights(plan.optimizer_state), "--optimizer-state {} is a mode of the GPU engine; the CPU engine "
            "keeps fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)",
            optimizer_state_name(plan.optimizer_state));

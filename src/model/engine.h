@@ -116,6 +116,11 @@ struct GpuPlan {
   // "Recompute by layer"). 0: every layer rebuilds.
   // `auto` sets it to the most layers that fit between none and the full policy; bitwise the same results.
   int64_t kept_layers = 0;
+  // --offload-activations (recompute full, or auto: then only full is considered): the decoder layers' inputs, all
+  // that full recompute keeps of a layer, go to pinned host memory during the forward (N x hidden_size bf16 per
+  // layer) and come back before each layer's backward, behind the compute on a copy stream; the device keeps a
+  // ring of three of them (docs/memory.md "Offloaded layer inputs"). Bitwise the same results.
+  bool offload_activations = false;
   // Bytes the process may use on the device, the CUDA context included (0: all the device has free); `auto` and
   // the fit check plan within it as `plan --device-memory` does (bench step --max-memory).
   size_t memory_limit = 0;
@@ -326,13 +331,13 @@ std::string resolve_device(const std::string& device);
 // step overlapped with the next step), DELTASTACK_DP_OVERLAP (the data-parallel all-reduce overlapped with the
 // last backward) and DELTASTACK_STREAM_PRIORITY (the step's stream at the device's greatest priority and the side
 // stream of the overlapped updates at the least; 0: both at the default, for A/B timing); and, unset 0,
-// DELTASTACK_SIDE_ZEROING (--gradients in-backward: each gradient slot zeroed on the side stream right after the
-// update that read it, instead of on the step's stream before its next unit; the same zeros, off the step's
-// critical path; opt-in until measured on the H200). ds::Error naming the variable for any other value.
+// DELTASTACK_ATTENTION_SPLIT (cuDNN's attention backward as one call per key/value head, its dP workspace divided by
+// num_key_value_heads, which the memory plan counts; measured on the H200: +0.3 % at 9B, +0.9 % at 2B per step,
+// docs/memory.md). ds::Error naming the variable for any other value.
 // check_engine_knobs() checks them all, whatever the device: the trainer (with ops::check_knobs, before --out is
 // touched), eval and generate call it first. `unset`: the value when the variable is not set.
 bool engine_knob(const char* name, bool unset = true);
-inline constexpr const char* kSideZeroingKnob = "DELTASTACK_SIDE_ZEROING";  // the name, for its reader and tests
+inline constexpr const char* kAttentionSplitKnob = "DELTASTACK_ATTENTION_SPLIT";  // the name, for its reader and tests
 void check_engine_knobs();
 
 }  // namespace ds

@@ -28,7 +28,14 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   b.attn_batch = s.attn_batch ? a.bytes(s.attn_batch) : nullptr;
   a.use = MemoryUse::Kept;
   hs.assign(static_cast<size_t>(c.num_hidden_layers + 1), nullptr);
-  for (auto& h : hs) h = a.take<bf16>(N * H);
+  if (s.offload) {  // the layer inputs in a ring (the rest of each lives in pinned host memory), the output apart
+    const int64_t R = std::min(kOffloadRing, c.num_hidden_layers);
+    for (int64_t i = 0; i < R; ++i) hs[static_cast<size_t>(i)] = a.take<bf16>(N * H);
+    for (int64_t i = R; i < c.num_hidden_layers; ++i) hs[static_cast<size_t>(i)] = hs[static_cast<size_t>(i % R)];
+    hs.back() = a.take<bf16>(N * H);
+  } else {
+    for (auto& h : hs) h = a.take<bf16>(N * H);
+  }
   layers.assign(static_cast<size_t>(c.num_hidden_layers), GpuLayerActs{});
   bool any_gdn = false, any_attn = false;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) (c.is_full_attention(i) ? any_attn : any_gdn) = true;

@@ -70,6 +70,10 @@ struct GpuGradBufs {
 struct GpuActivations {
   using bf16 = ds::cuda::bf16;
   std::vector<bf16*> hs;  // residual stream entering each layer; hs[L] = the last layer's output
+  // offload (GpuPlan::offload_activations): hs[0..L-1] share a ring of kOffloadRing device buffers, hs[i] in
+  // buffer i % kOffloadRing, each copied to pinned host memory during the forward and back before its layer's
+  // backward (model/gpu_model.cpp); hs[L] keeps its own.
+  static constexpr int64_t kOffloadRing = 3;
   std::vector<GpuLayerActs> layers;
   bf16 *hf = nullptr, *qg = nullptr;
   float* rstd_f = nullptr;
@@ -87,6 +91,7 @@ struct GpuActivations {
     int64_t kept_layers = 0;                              // selective / mlp / full: layers that keep them (GpuPlan)
     bool fp8 = false;                                     // --precision fp8: reserve the FP8 casts' buffers
     bool fp8_saved = false;                               // and keep the FP8-only inputs in FP8 (fp8_keeps_inputs)
+    bool offload = false;                                 // hs[0..L-1] in a ring (GpuPlan::offload_activations)
   };
   // Lays every buffer out in `a` for config c and the sizes.
   void reserve(Arena& a, const ModelConfig& c, const Sizes& s);

@@ -109,20 +109,11 @@ struct GpuModel::Impl {
   ops::AdamWParams ib_params;
   cudaEvent_t slot_free[4] = {};
   bool slot_busy[4] = {};
-  // DELTASTACK_SIDE_ZEROING (model/engine.h engine_knob): update_in_backward zeroes the whole slot on `side` after
-  // the update and the sum that read it, before slot_free; slot_zeroed[s] says so, and begin_unit then skips its
-  // own memset on the step's stream (the same zeros: the unit's gradients start from 0 either way).
-  bool side_zeroing = false;
-  bool slot_zeroed[4] = {};
   void begin_unit(size_t u) {
     if (!store->slotted()) return;
     const int s = store->slot_of(u);
     if (slot_busy[s]) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, slot_free[s], 0));
     slot_busy[s] = false;
-    if (slot_zeroed[s]) {  // zeroed on `side` before slot_free, which the step's stream just waited for
-      slot_zeroed[s] = false;
-      return;
-    }
     DS_CUDA_CHECK(cudaMemsetAsync(store->unit_grads(u), 0, units[u].size() * sizeof(float), stream));
   }
   // The unit's update (an updating pass) and its sum of squares, both on `side`, off the step's stream. The 8-bit
@@ -146,10 +137,6 @@ struct GpuModel::Impl {
     DS_CUDA_CHECK(cudaEventRecord(sums_done, side));
     sums_pending = side_unjoined = true;
     const int s = store->slot_of(u);  // its next unit waits for the sum (and the update) that read it
-    if (side_zeroing) {
-      DS_CUDA_CHECK(cudaMemsetAsync(store->slot_begin(s), 0, store->slot_size(s) * sizeof(float), side));
-      slot_zeroed[s] = true;
-    }
     if (!slot_free[s]) DS_CUDA_CHECK(cudaEventCreateWithFlags(&slot_free[s], cudaEventDisableTiming));
     DS_CUDA_CHECK(cudaEventRecord(slot_free[s], side));
     slot_busy[s] = true;
@@ -223,9 +210,62 @@ struct GpuModel::Impl {
     return ProfScope(prof, stream, family, role, flops, bytes);
   }
 
+  // --offload-activations (GpuPlan::offload_activations; docs/memory.md "Offloaded layer inputs"): the layer inputs
+  // hs[0..L-1] share a ring of R device buffers (GpuActivations::kOffloadRing; hs[j] in buffer j % R) and live in
+  // pinned host memory (host_hs, [L, max_tokens, H] bf16), copied there on `copy` as the forward writes them and
+  // back before their layer's backward. Events per layer input j: hs_written (its writer done, on `stream`),
+  // hs_copied (its host copy done, on `copy`), hs_freed (the ring buffer it goes back into free, on `stream`),
+  // hs_fetched (back on the device, on `copy`).
+  cudaStream_t copy = nullptr;
+  bf16* host_hs = nullptr;
+  std::vector<cudaEvent_t> hs_written, hs_copied, hs_freed, hs_fetched;
+  bool offloads() const { return host_hs != nullptr; }
+  int64_t ring() const { return std::min(GpuActivations::kOffloadRing, c.num_hidden_layers); }
+  bf16* host_input(int64_t j) const { return host_hs + j * plan.max_tokens * c.hidden_size; }
+  size_t input_bytes() const { return static_cast<size_t>(N * c.hidden_size) * sizeof(bf16); }
+  // The forward, before hs[j] (j < L) is written: its ring buffer held hs[j - R], whose host copy must be done.
+  void offload_before_write(int64_t j) {
+    if (!offloads() || j >= c.num_hidden_layers || j < ring()) return;
+    DS_CUDA_CHECK(cudaStreamWaitEvent(stream, hs_copied[static_cast<size_t>(j - ring())], 0));
+  }
+  // The forward, after hs[j] (j < L) is written: its copy to the host, on `copy`.
+  void offload_after_write(int64_t j) {
+    if (!offloads() || j >= c.num_hidden_layers) return;
+    const size_t k = static_cast<size_t>(j);
+    DS_CUDA_CHECK(cudaEventRecord(hs_written[k], stream));
+    DS_CUDA_CHECK(cudaStreamWaitEvent(copy, hs_written[k], 0));
+    DS_CUDA_CHECK(cudaMemcpyAsync(host_input(j), acts.hs[k], input_bytes(), cudaMemcpyDeviceToHost, copy));
+    DS_CUDA_CHECK(cudaEventRecord(hs_copied[k], copy));
+  }
+  // The backward, before layer i's rerun and backward: hs[i] on the device, and hs[i - 1]'s fetch started. The
+  // ring still holds hs[L-R..L-1] from the forward (a rerun of layer k writes hs[k + 1], identical, into buffer
+  // (k + 1) % R, which holds a layer input that is no longer needed: the last layer is never rerun); every earlier
+  // input is fetched into its buffer while the layer above it runs, once that layer's predecessor in the backward
+  // (the last reader and writer of that buffer) is done.
+  void offload_before_backward(int64_t i) {
+    if (!offloads()) return;
+    const int64_t L = c.num_hidden_layers, resident = L - ring();
+    // Every forward copy done before the backward's reruns write into the ring (the same bytes, but no race).
+    if (i == L - 1) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, hs_copied[static_cast<size_t>(L - 1)], 0));
+    if (i >= 1 && i - 1 < resident) {
+      const size_t k = static_cast<size_t>(i - 1);
+      DS_CUDA_CHECK(cudaEventRecord(hs_freed[k], stream));
+      DS_CUDA_CHECK(cudaStreamWaitEvent(copy, hs_freed[k], 0));
+      DS_CUDA_CHECK(cudaMemcpyAsync(acts.hs[k], host_input(i - 1), input_bytes(), cudaMemcpyHostToDevice, copy));
+      DS_CUDA_CHECK(cudaEventRecord(hs_fetched[k], copy));
+    }
+    if (i < resident) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, hs_fetched[static_cast<size_t>(i)], 0));
+  }
+
   // Also runs when the constructor throws after the stream or the allocation exist.
   ~Impl() {
     attn.reset();  // cuDNN's handle and plans before the stream and memory they were used with
+    if (copy) cudaStreamSynchronize(copy);
+    for (auto* v : {&hs_written, &hs_copied, &hs_freed, &hs_fetched})
+      for (cudaEvent_t e : *v)
+        if (e) cudaEventDestroy(e);
+    if (host_hs) cudaFreeHost(host_hs);
+    if (copy) cudaStreamDestroy(copy);
     if (side) cudaStreamSynchronize(side);
     if (arena_base) cudaFree(arena_base);
     for (cudaEvent_t e : updated) cudaEventDestroy(e);
@@ -768,12 +808,16 @@ struct GpuModel::Impl {
     dh_amax = nullptr;
     {
       wait_updated(0);
+      offload_before_write(0);
       ProfScope ps = scope("embedding", "embedding", 0, n * (4 * H + 4));  // ids, bf16 rows -> hs[0]
       K::embedding_forward(acts.batch.ids, mp.compute.embed_tokens, acts.hs[0], N, H, stream);
     }
+    offload_after_write(0);
     for (int64_t i = 0; i < L; ++i) {
       wait_updated(static_cast<size_t>(1 + i));
+      offload_before_write(i + 1);
       layer_forward(i);
+      offload_after_write(i + 1);
     }
     wait_updated(static_cast<size_t>(L + 1));
     waits_pending = false;
@@ -829,6 +873,7 @@ struct GpuModel::Impl {
       }
       unit_final(static_cast<size_t>(L + 1));  // the head: the final norm, and lm_head when untied
       for (int64_t i = L - 1; i >= 0; --i) {
+        offload_before_backward(i);
         // full recompute: the layer's activations again (the last layer's are still there from the forward, and a
         // kept layer, GpuPlan::kept_layers, has its own)
         if (plan.recompute == Recompute::Full && i != L - 1 && !layer_keeps_rebuilt(plan.recompute, plan.kept_layers, i)) {
@@ -899,6 +944,8 @@ struct GpuModel::Impl {
       return out;
     };
     if (cap->hidden_states) {
+      DS_CHECK(!offloads(), "gpu: the hidden states of every layer are not on the device with "
+               "--offload-activations (run `forward` without it)");
       cap->hidden.clear();
       for (int64_t i = 0; i < c.num_hidden_layers; ++i) cap->hidden.push_back(down_bf16(acts.hs[i], N * H));
       cap->hidden.push_back(down_bf16(acts.hf, N * H));
@@ -955,7 +1002,6 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   int least_priority = 0, greatest_priority = 0;
   DS_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least_priority, &greatest_priority));
   m.prioritized = engine_knob("DELTASTACK_STREAM_PRIORITY");
-  m.side_zeroing = engine_knob(kSideZeroingKnob, false);
   DS_CUDA_CHECK(cudaStreamCreateWithPriority(&m.stream, cudaStreamNonBlocking,
                                              m.prioritized ? greatest_priority : least_priority));
   size_t free_b = 0, total_b = 0;
@@ -1009,6 +1055,25 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   Arena real;
   real.base = m.arena_base;
   m.layout_memory(real);
+  if (m.plan.offload_activations) {
+    const size_t host_bytes = offload_host_bytes(m.c, m.plan);
+    const cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&m.host_hs), host_bytes, cudaHostAllocDefault);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      m.host_hs = nullptr;
+      fail("gpu: --offload-activations needs {:.2f} GiB of pinned host memory for the layer inputs ({} layers x {} "
+           "tokens x hidden_size {} in bf16), and cudaHostAlloc refused it ({}); lower --micro-batch or --seq-len, or "
+           "run without it", host_bytes / 1073741824.0, m.c.num_hidden_layers, m.plan.max_tokens, m.c.hidden_size,
+           cudaGetErrorString(e));
+    }
+    DS_CUDA_CHECK(cudaStreamCreateWithFlags(&m.copy, cudaStreamNonBlocking));
+    for (auto* v : {&m.hs_written, &m.hs_copied, &m.hs_freed, &m.hs_fetched}) {
+      v->assign(static_cast<size_t>(m.c.num_hidden_layers), nullptr);
+      for (cudaEvent_t& ev : *v) DS_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    }
+    log_info("gpu: --offload-activations: the {} layer inputs in {:.2f} GiB of pinned host memory, a ring of {} on "
+             "the device", m.c.num_hidden_layers, host_bytes / 1073741824.0, m.ring());
+  }
   if (m.optimizer) m.optimizer->zero_state(m.stream);
   if (m.plan.precision == Precision::Fp8) {
     const Fp8Recipe recipe = Fp8Recipe::from_env();

@@ -95,10 +95,6 @@ class GpuParamStore {
   // buffer's range and slot 0 in Fp32).
   float* unit_grads(size_t u) const { return g_ + grad_at(units_[u].lo); }
   int slot_of(size_t u) const { return unit_slot_[u]; }
-  // Slot s's whole range in g_ (InBackward, Bf16): [slot_begin(s), + slot_size(s)) fp32 elements, every unit that
-  // lives in it inside (DELTASTACK_SIDE_ZEROING zeroes all of it after a unit's update).
-  float* slot_begin(int s) const { return g_ + slot_at_[s]; }
-  int64_t slot_size(int s) const { return slot_len_[s]; }
   // Whether the backward makes each unit's gradients in a slot (InBackward, Bf16): zeroed before its first kernel.
   bool slotted() const { return gradients_ != Gradients::Fp32; }
   // Gradients::Bf16: the bf16 gradient buffer [P_pad] (flat; null in the other modes), parameter k's part of it,

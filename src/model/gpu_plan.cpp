@@ -2,6 +2,7 @@
 
 #include "core/checked.h"
 #include "core/error.h"
+#include "model/engine.h"
 
 #include <algorithm>
 #include <string>
@@ -30,6 +31,9 @@ namespace K = ds::ops::cuda;
 
 GpuPlan resolved(GpuPlan plan) {
   if (plan.max_seqlen <= 0) plan.max_seqlen = plan.max_tokens;
+  DS_CHECK(!plan.offload_activations || plan.recompute == Recompute::Full || plan.recompute == Recompute::Auto,
+           "--offload-activations moves the layer inputs that --recompute full keeps to host memory: it needs "
+           "--recompute full or auto, not {}", recompute_name(plan.recompute));
   if (plan.lora.r > 0) {
     DS_CHECK(plan.gradients == Gradients::Auto || plan.gradients == Gradients::Fp32, "--gradients {} with LoRA "
              "(--lora-rank / --adapter) is not supported (the adapters' gradients are small: use --gradients fp32)",
@@ -57,6 +61,9 @@ K::AttnLimits attn_limits(const ModelConfig& c, const GpuPlan& plan) {
   l.Hkv = c.num_key_value_heads;
   l.head_dim = c.head_dim;
   l.scale = attn_dims(c, 1, 1).scale;
+  // DELTASTACK_ATTENTION_SPLIT=1 (model/engine.h): cuDNN's backward once per key/value head, its dP workspace
+  // divided by Hkv.
+  l.head_groups = engine_knob(kAttentionSplitKnob, false) ? c.num_key_value_heads : 1;
   return l;
 }
 
@@ -90,6 +97,7 @@ void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, Gpu
   sz.kept_layers = plan.kept_layers;
   sz.fp8 = plan.precision == Precision::Fp8;
   sz.fp8_saved = fp8_keeps_inputs(c, sz.fp8, plan.recompute == Recompute::None, lora != nullptr);
+  sz.offload = plan.offload_activations;
   acts.reserve(a, c, sz);
 }
 
@@ -133,8 +141,8 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
       constexpr const char* kWhat = "plan: the cuDNN attention workspace is more than 2^64 bytes";
       size_t dp = 0, entries = 0;
       for (const ops::cudnn::BucketShape& bk : ops::cudnn::attention_buckets(b)) {
-        size_t bytes = 2;  // bf16 dP of bmax x Hq x S x S
-        for (int64_t f : {bk.bmax, int64_t{b.Hq}, int64_t{bk.S}, int64_t{bk.S}})
+        size_t bytes = 2;  // bf16 dP of bmax x Hq x S x S, for one head group's Hq / head_groups heads
+        for (int64_t f : {bk.bmax, int64_t{b.Hq / b.head_groups}, int64_t{bk.S}, int64_t{bk.S}})
           bytes = checked_mul(bytes, static_cast<size_t>(f), kWhat);
         dp = std::max(dp, bytes);
         entries = checked_add(entries, static_cast<size_t>(bk.bmax), kWhat);
@@ -187,7 +195,10 @@ std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradie
 GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
                              const std::string& attention) {
   plan = resolved(plan);  // a LoRA plan: only the recompute policy is left to choose
-  const auto candidates = memory_candidates(plan.optimizer_state, plan.recompute, plan.gradients, plan.norm_pass);
+  // --offload-activations with --recompute auto: full recompute (the kept layers still chosen), the state and the
+  // gradients as auto takes them.
+  const Recompute rc = plan.offload_activations && plan.recompute == Recompute::Auto ? Recompute::Full : plan.recompute;
+  const auto candidates = memory_candidates(plan.optimizer_state, rc, plan.gradients, plan.norm_pass);
   const bool choose_layers = plan.recompute == Recompute::Auto && plan.kept_layers == 0;
   for (size_t k = 0; k < candidates.size(); ++k) {
     GpuPlan p = plan;
@@ -230,13 +241,21 @@ GpuPlan resolve_memory_modes(const ModelConfig&, GpuPlan, const std::function<bo
 
 namespace ds {
 
+size_t offload_host_bytes(const ModelConfig& c, const GpuPlan& plan) {
+  if (!plan.offload_activations) return 0;
+  constexpr const char* kWhat = "plan: the offloaded layer inputs' bytes";
+  return checked_mul(checked_mul(static_cast<size_t>(c.num_hidden_layers), static_cast<size_t>(plan.max_tokens), kWhat),
+                     static_cast<size_t>(c.hidden_size) * sizeof(uint16_t), kWhat);
+}
+
 std::string recompute_label(const GpuPlan& plan, int64_t layers) {
   const bool partial = rebuilds_activations(plan.recompute) && plan.kept_layers > 0;
-  if (!partial) return recompute_name(plan.recompute);
+  const std::string offload = plan.offload_activations ? ", the layer inputs offloaded to host memory" : "";
+  if (!partial) return recompute_name(plan.recompute) + offload;
   const int64_t k = std::min(plan.kept_layers, layers);
-  return k == 1 ? fmt::format("{}, the first of {} layers keeping its activations", recompute_name(plan.recompute), layers)
-                : fmt::format("{}, the first {} of {} layers keeping their activations", recompute_name(plan.recompute),
-                              k, layers);
+  return (k == 1 ? fmt::format("{}, the first of {} layers keeping its activations", recompute_name(plan.recompute), layers)
+                 : fmt::format("{}, the first {} of {} layers keeping their activations", recompute_name(plan.recompute),
+                               k, layers)) + offload;
 }
 
 }  // namespace ds

@@ -154,6 +154,10 @@ const std::vector<TrainOption>& train_options() {
                       "rank) or auto (in-backward only where fp32 does not fit; never bf16)",
                       one_of({"auto", "fp32", "in-backward", "bf16"}), kResumable | kNewerKey),
                   std::string("fp32")),
+      opt("offload-activations", &O::offload_activations, false, "GPU, with --recompute full (auto: then full): the "
+          "layer inputs full recompute keeps go to pinned host memory during the forward and come back before each "
+          "layer's backward, behind the compute (about N x hidden_size x 2 bytes per layer off the GPU; docs/memory.md)",
+          {}, kResumable | kNewerKey | kNotSaved),
       opt("memory", &O::memory, "auto",
           "auto: the memory modes not given are chosen to fit the GPU (docs/memory.md); fixed: fp32 and selective",
           one_of({"auto", "fixed"}), kResumable | kNewerKey | kNotSaved),
@@ -220,6 +224,11 @@ void validate(const TrainOptions& o) {
   for (const char* f : {"save-interval", "keep-last"})
     DS_CHECK(!o.no_save || !o.was_given(f), "--no-save and --{} contradict each other: --no-save writes no "
              "checkpoint", f);
+  DS_CHECK(!o.offload_activations || o.recompute == "auto" || o.recompute == "full", "--offload-activations and "
+           "--recompute {} contradict each other: it moves the layer inputs that --recompute full keeps to host "
+           "memory (use --recompute full or auto)", o.recompute);
+  DS_CHECK(!o.offload_activations || o.device != "cpu", "--offload-activations is a mode of the GPU engine; the CPU "
+           "engine keeps its activations in host memory already (use --device cuda or auto, or leave it out)");
   // LoRA: --lora-rank starts an adapter, --adapter continues one (its adapter_config.json sets the rest).
   DS_CHECK(!o.was_given("lora-rank") || o.lora_rank > 0, "--lora-rank 0: a LoRA rank must be at least 1 (leave "
            "--lora-rank out to train every parameter)");

@@ -45,6 +45,7 @@ struct TrainOptions {
   std::string adapter;
   bool move_aside;
   bool no_save;  // no checkpoint at all (Checkpoints::due; the trainer's signal and data-changed saves)
+  bool offload_activations;  // --offload-activations (GpuPlan::offload_activations)
   std::string data_changed;
   std::vector<std::string> given;  // long names of the flags on the command line (without "--")
 

@@ -103,6 +103,7 @@ std::string tokenizer_path(const TrainOptions& opt) {
 // explicitly otherwise), and knows whether its step needs the norm pass (--clip > 0 or --nan-policy skip).
 void apply_train_memory_flags(GpuPlan& plan, const TrainOptions& opt, const dist::Communicator& comm) {
   apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute, opt.gradients);
+  plan.offload_activations = opt.offload_activations;
   plan.memory_limit = static_cast<size_t>(opt.max_memory * 1073741824.0);  // --max-memory (0: none)
   const bool in_backward_runs = opt.grad_accum == 1 && comm.world() == 1 && opt.shard == "none" &&
                                 opt.lora_rank == 0 && opt.adapter.empty();

@@ -89,6 +89,7 @@ struct MemoryFlags {
   double clip = 0;                 // bench step --clip: the max grad norm (in-backward: its norm pass); 0 off
   int64_t lora_rank = 0;           // --lora-rank: a LoRA run of that rank (all-linear, PEFT's defaults); 0 off
   double max_memory_gib = 0;       // bench step --max-memory: GiB the run may use (GpuPlan::memory_limit); 0 all
+  bool offload_activations = false;  // --offload-activations (GpuPlan::offload_activations)
 };
 // The LoRA config of --lora-rank in `plan` and `bench step` (GpuPlan::lora): all ten linear modules, PEFT's defaults
 // (lora_alpha 8, no dropout), as `train --lora-rank R` without the other LoRA flags; r 0 when lora_rank is 0.

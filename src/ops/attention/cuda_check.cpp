@@ -25,7 +25,8 @@ Result check_attention(const AttentionCase& c) {
   const int64_t N = d.N, max_len = *std::max_element(c.lens.begin(), c.lens.end());
   const int64_t nq = N * d.Hq * d.head_dim, nk = N * d.Hkv * d.head_dim;
   Result r;
-  r.what = std::string(c.cudnn ? "attention (cuDNN)" : "attention") + " hd " + std::to_string(c.head_dim) + " Hq " +
+  r.what = std::string(c.cudnn ? "attention (cuDNN)" : "attention") +
+           (c.head_groups > 1 ? " in " + std::to_string(c.head_groups) + " head groups" : std::string()) + " hd " + std::to_string(c.head_dim) + " Hq " +
            std::to_string(c.Hq) + " Hkv " + std::to_string(c.Hkv) + " documents " + lengths_str(c.lens);
   Ctx ctx(c.seed);
   const Vec q = ctx.randn_bf16(nq), k = ctx.randn_bf16(nk), v = ctx.randn_bf16(nk), dout = ctx.randn_bf16(nq);
@@ -37,7 +38,8 @@ Result check_attention(const AttentionCase& c) {
   if (c.cudnn)
     att = std::make_unique<cudnn::Attention>(
         cudnn::AttnBounds{c.max_tokens ? c.max_tokens : N, c.max_seqs ? c.max_seqs : d.num_seqs,
-                          c.max_seqlen ? c.max_seqlen : max_len, d.Hq, d.Hkv, d.head_dim, d.scale});
+                          c.max_seqlen ? c.max_seqlen : max_len, d.Hq, d.Hkv, d.head_dim, d.scale, 0,
+                          c.head_groups});
   auto q_d = ctx.up_bf16(q), k_d = ctx.up_bf16(k), v_d = ctx.up_bf16(v), dout_d = ctx.up_bf16(dout);
   auto cu_d = ctx.up(cu);
   Buf<bf16> o_d(nq), dq_d(nq), dk_d(nk), dv_d(nk);
@@ -88,7 +90,9 @@ std::vector<AttentionCase> attention_probe_cases() {
 
 std::vector<AttentionCase> cudnn_attention_probe_cases() {
   return {{.lens = {1, 70, 0, 130, 5}, .Hq = 4, .Hkv = 2, .head_dim = 128, .cudnn = true, .twice = true},
-          {.lens = {1, 70, 0, 130, 5}, .Hq = 4, .Hkv = 1, .head_dim = 256, .cudnn = true, .twice = true}};
+          {.lens = {1, 70, 0, 130, 5}, .Hq = 4, .Hkv = 1, .head_dim = 256, .cudnn = true, .twice = true},
+          {.lens = {1, 70, 0, 130, 5}, .Hq = 4, .Hkv = 2, .head_dim = 256, .cudnn = true, .head_groups = 2,
+           .twice = true}};
 }
 
 double probe_cuda_attention() { return probe("attention", attention_probe_cases(), check_attention); }

@@ -20,6 +20,7 @@ struct AttentionCase {
   int64_t Hq = 4, Hkv = 2, head_dim = 64;
   bool cudnn = false;
   int64_t max_seqs = 0, max_seqlen = 0, max_tokens = 0;  // cuDNN bounds; 0: the batch's own
+  int64_t head_groups = 1;                                 // cuDNN's backward by head groups (AttnBounds)
   uint64_t seed = 1;
   bool twice = true;
 };
@@ -28,7 +29,7 @@ check::Result check_attention(const AttentionCase& c);
 std::vector<AttentionCase> attention_probe_cases();
 // The start-up probe of cuDNN: packed {1, 70, 0, 130, 5} (three length buckets whose documents interleave, unused
 // entries in two of them, an empty document), head_dim 128 (Hq 4, Hkv 2) and 256 (Hq 4, Hkv 1); run twice, the
-// results must agree bitwise.
+// results must agree bitwise; and head_dim 256 with Hq 4, Hkv 2 in two head groups (one backward call per group).
 std::vector<AttentionCase> cudnn_attention_probe_cases();
 // The registry's probes: check::probe("attention", <cases>, check_attention).
 double probe_cuda_attention();

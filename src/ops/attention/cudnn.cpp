@@ -150,12 +150,15 @@ struct Attention::Impl {
 
   void check(fe::error_t e, const Bucket& bk, const char* which, const char* step) const {
     DS_CHECK(e.is_good(), "cuDNN attention ({} graph for documents of {}..{} tokens, {} entries, Hq {}, Hkv {}, "
-             "head_dim {}): {} failed: {}", which, bk.lo, bk.S, bk.bmax, b.Hq, b.Hkv, b.head_dim, step,
-             e.get_message());
+             "head_dim {}, {} head groups): {} failed: {}", which, bk.lo, bk.S, bk.bmax, b.Hq, b.Hkv, b.head_dim,
+             b.head_groups, step, e.get_message());
   }
 
+  // The forward over all heads; the backward over one head group (AttnBounds::head_groups): Hq / G query and
+  // Hkv / G key/value heads, whose rows keep the full rows' strides (the caller offsets the pointers per group).
   std::shared_ptr<fe::graph::Graph> build(Bucket& bk, bool backward) {
-    const int64_t B = bk.bmax, S = bk.S, D = b.head_dim, Hq = b.Hq, Hkv = b.Hkv;
+    const int64_t B = bk.bmax, S = bk.S, D = b.head_dim, G = backward ? b.head_groups : 1;
+    const int64_t Hq = b.Hq / G, Hkv = b.Hkv / G, rq = b.Hq * D, rkv = b.Hkv * D;
     auto g = std::make_shared<fe::graph::Graph>();
     g->set_io_data_type(fe::DataType_t::BFLOAT16)
         .set_intermediate_data_type(fe::DataType_t::FLOAT)
@@ -171,21 +174,23 @@ struct Attention::Impl {
     auto seq_q = index("seq_q", kSeqQ, B), seq_kv = index("seq_kv", kSeqKV, B);
     auto off_q = index("off_q", kOffQ, B + 1), off_kv = index("off_kv", kOffKV, B + 1),
          off_st = index("off_st", kOffSt, B + 1);
-    // Token-major packed rows: element (entry b, head h, row s, d) at off[b] + s * H * D + h * D + d.
+    // Token-major packed rows of R elements (the full row: all heads): element (entry b, head h, row s, d) at
+    // off[b] + s * R + h * D + d, for the H heads of this graph.
     auto rows = [&](std::shared_ptr<fe::graph::Tensor_attributes> t, int64_t uid, int64_t H,
                     std::shared_ptr<fe::graph::Tensor_attributes> off) {
-      t->set_uid(uid).set_dim({B, H, S, D}).set_stride({S * H * D, D, H * D, 1}).set_ragged_offset(off);
+      const int64_t R = H == Hq ? rq : rkv;
+      t->set_uid(uid).set_dim({B, H, S, D}).set_stride({S * R, D, R, 1}).set_ragged_offset(off);
       return t;
     };
     auto input = [&](const char* name, int64_t uid, int64_t H, std::shared_ptr<fe::graph::Tensor_attributes> off) {
       return rows(g->tensor(fe::graph::Tensor_attributes().set_name(name)), uid, H, off);
     };
-    // Stats (lse) [N, Hq] fp32: element (b, h, s) at off_st[b] + s * Hq + h.
+    // Stats (lse) [N, b.Hq] fp32: element (b, h, s) at off_st[b] + s * b.Hq + h.
     auto stats = [&](std::shared_ptr<fe::graph::Tensor_attributes> t) {
       t->set_uid(kStats)
           .set_data_type(fe::DataType_t::FLOAT)
           .set_dim({B, Hq, S, 1})
-          .set_stride({Hq * S, 1, Hq, 1})
+          .set_stride({b.Hq * S, 1, b.Hq, 1})
           .set_ragged_offset(off_st);
       return t;
     };
@@ -252,8 +257,21 @@ struct Attention::Impl {
       // other ops' scratch), the deterministic backward returned NaN gradients on the H200 (cuDNN 9.19) for a
       // packed batch of documents 1..600 tokens long: parts of it are read before they are written.
       const int64_t bytes = backward ? bk.ws_bwd : bk.ws_fwd;
-      if (bytes > 0) DS_CUDA_CHECK(cudaMemsetAsync(ws, 0, static_cast<size_t>(bytes), s));
-      check((backward ? bk.bwd : bk.fwd)->execute(handle, pack, ws), bk, which, "execute");
+      if (!backward || b.head_groups == 1) {
+        if (bytes > 0) DS_CUDA_CHECK(cudaMemsetAsync(ws, 0, static_cast<size_t>(bytes), s));
+        check((backward ? bk.bwd : bk.fwd)->execute(handle, pack, ws), bk, which, "execute");
+        continue;
+      }
+      // One call per head group, its tensors offset to the group's first head (rows keep their full strides).
+      std::unordered_map<int64_t, void*> part = pack;
+      const int64_t D = b.head_dim, hq = b.Hq / b.head_groups, hkv = b.Hkv / b.head_groups;
+      for (int64_t g = 0; g < b.head_groups; ++g) {
+        for (int64_t uid : {kQ, kO, kdO, kdQ}) part[uid] = static_cast<ds::cuda::bf16*>(pack[uid]) + g * hq * D;
+        for (int64_t uid : {kK, kV, kdK, kdV}) part[uid] = static_cast<ds::cuda::bf16*>(pack[uid]) + g * hkv * D;
+        part[kStats] = static_cast<float*>(pack[kStats]) + g * hq;
+        if (bytes > 0) DS_CUDA_CHECK(cudaMemsetAsync(ws, 0, static_cast<size_t>(bytes), s));
+        check(bk.bwd->execute(handle, part, ws), bk, which, "execute");
+      }
     }
   }
 };
@@ -269,6 +287,8 @@ Attention::Attention(const AttnBounds& bounds) : impl_(std::make_unique<Impl>())
            b.max_seqlen);
   DS_CHECK(b.Hkv > 0 && b.Hq % b.Hkv == 0 && b.head_dim % 8 == 0 && b.head_dim <= 256 && b.scale > 0,
            "cuDNN attention: unsupported heads (Hq {}, Hkv {}, head_dim {})", b.Hq, b.Hkv, b.head_dim);
+  DS_CHECK(b.head_groups >= 1 && b.Hkv % b.head_groups == 0,
+           "cuDNN attention: {} head groups do not divide the {} key/value heads", b.head_groups, b.Hkv);
   DS_CHECK(b.max_tokens * b.Hq * b.head_dim < (int64_t{1} << 31),
            "cuDNN attention: {} tokens x {} heads x {} exceeds the int32 ragged offsets", b.max_tokens, b.Hq,
            b.head_dim);
@@ -298,8 +318,9 @@ Attention::Attention(const AttnBounds& bounds) : impl_(std::make_unique<Impl>())
     bk.bwd = m.build(bk, true);
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  log_info("attention: cuDNN {} fused SDPA, {} length buckets (64..{} tokens), deterministic backward, workspace "
+  log_info("attention: cuDNN {} fused SDPA, {} length buckets (64..{} tokens), deterministic backward{}, workspace "
            "{:.1f} MiB, graphs built in {:.1f} s", load_state().version, m.buckets.size(), b.max_seqlen,
+           b.head_groups > 1 ? fmt::format(" in {} head groups", b.head_groups) : std::string(),
            m.workspace / 1048576.0, secs);
 }
 

@@ -5,7 +5,8 @@
 // Packed documents use cuDNN's THD layout: each document is one batch entry of a [B, H, S, D] tensor whose rows
 // start at a ragged offset (cu_seqlens[i] * H * D elements) and end at a per-entry length (padding mask), so no
 // copy or padding of q/k/v/o is needed. The backward is cuDNN's deterministic algorithm (bitwise reproducible;
-// on Hopper it keeps dP in a workspace of B * Hq * S^2 * 2 bytes). To bound that workspace, documents are put in
+// on Hopper it keeps dP in a workspace of B * Hq * S^2 * 2 bytes, or of a head group's
+// Hq / head_groups heads when it runs by groups: AttnBounds::head_groups). To bound that workspace, documents are put in
 // length buckets S = 64, 128, 256, ... (the last one the plan's max_seqlen); one graph per bucket is built once,
 // for the largest count of documents that bucket can hold, and entries past the batch's count have length 0.
 // Needs cuDNN >= 9.6 (GQA with ragged offsets on sm90) and a device of compute capability >= 9.0.
@@ -36,6 +37,10 @@ struct AttnBounds {
   double scale = 0;         // softmax scale (head_dim^-0.5)
   int64_t rows = 0;         // the tokens are `rows` windows of max_seqlen (the trainer's micro-batch), each holding
                             // its own documents; 0: any packing. Tightens the buckets' entry counts.
+  int64_t head_groups = 1;  // the backward runs as this many calls, each over Hkv / head_groups key/value heads and
+                            // their query heads (Hkv % head_groups == 0): the dP workspace shrinks by that factor.
+                            // Heads never mix in attention, so each call computes its heads' dq, dk, dv as the one
+                            // call does (same math, cuDNN's deterministic algorithm on fewer heads).
 };
 
 // One length bucket: documents of lo..S tokens run as up to bmax entries of graphs of shape [bmax, H, S, D].
