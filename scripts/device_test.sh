@@ -304,7 +304,8 @@ if has peer-lora; then
   # "9b:8192:1"; "27b:8192:1" too for the second shape), LORA_RANK (16), LORA_TIMEOUT s per run (600);
   # ours once per LORA_PRECISIONS (bf16; "bf16 fp8" adds the FP8 base), LORA_ARGS more bench step flags.
   # A peer that runs out of memory is run again with --gradient-checkpointing (row peer-lora-gc; LORA_GC=0: not).
-  # LORA_MATCH_MEMORY=1: the peer runs first, and ours with --max-memory of its peak (ours within its memory).
+  # LORA_MATCH_MEMORY=1: the peer runs first, and ours with --max-memory of its device memory in use (device_used_gib,
+  # the measure of our own peak: context and allocator reserve included; its allocated peak where that is missing).
   # Lines: "[ours P SxB] ..." ("[ours P SxB fp8] ..." per precision past bf16), "[peer P SxB peer-lora] ...";
   # the summary gives each of ours / peer.
   : >"$OUT/peer_lora.txt"
@@ -322,7 +323,7 @@ if has peer-lora; then
     [ "$rc" = 124 ] && echo "[peer $tag $row] timed out after ${LORA_TIMEOUT:-600} s" | tee -a "$OUT/peer_lora.txt"
     [ "$rc" = 0 ] || status=1
     peer_peak=$(grep -F "[peer $tag $row] step_result" "$OUT/peer_lora.txt" | tail -1 | sed 's/^[^{]*//' |
-      python3 -c 'import json,sys; j=json.loads(sys.stdin.read() or "{}"); print(j["peak_gib"] if j.get("status") == "ok" else "")' 2>/dev/null)
+      python3 -c 'import json,sys; j=json.loads(sys.stdin.read() or "{}"); print(j.get("device_used_gib", j["peak_gib"]) if j.get("status") == "ok" else "")' 2>/dev/null)
   }
   lora_peers() {  # preset seq mb tag: the peer, and with checkpointing where it ran out of memory
     peer_peak=""

@@ -121,13 +121,12 @@ TEST(CudaEngine, ChunkedGatedDeltaRuleMatchesCpu) {
   check_engine({100, 1, 155, 39}, 128, 300);  // a plan larger than the batch
 }
 
-// The recompute policies (model/engine.h Recompute) rebuild the forward's own values: bitwise the same loss and
-// gradients, with less memory the more they rebuild.
 // --offload-activations (GpuPlan::offload_activations): with full recompute the layer inputs go to pinned host memory
 // during the forward and come back before each layer's backward, through a ring of three device buffers. Eight
 // layers, so that five of them are fetched back (the ring still holds the last three): bitwise the losses and
-// gradients of full recompute without it, with no kept layer and with two, over two steps and an evaluation
-// between them on one engine (the ring and the host copies reused); its device plan is five layer inputs smaller.
+// gradients of full recompute without it, with no kept layer and with two, over two steps of different lengths (the
+// second shorter than the plan's tokens) and an evaluation of a third batch between them on one engine (the ring
+// and the host copies reused, a forward-only pass in between); its device plan is five layer inputs smaller.
 TEST(CudaEngine, OffloadedLayerInputsAreBitwiseFullRecompute) {
   DS_SKIP_WITHOUT_GPU();
   ds::ModelConfig c = ds::ModelConfig::preset("tiny");
@@ -140,8 +139,9 @@ TEST(CudaEngine, OffloadedLayerInputsAreBitwiseFullRecompute) {
   ds::Qwen35Model host(c);
   host.init_weights(13);
   const ds::PackedBatch b1 = make_batch({100, 1, 155, 39}, c.vocab_size, 31),
-                        b2 = make_batch({7, 288}, c.vocab_size, 32);
-  const int64_t N = std::max(b1.size(), b2.size());
+                        b2 = make_batch({7, 200}, c.vocab_size, 32), b3 = make_batch({50, 120, 3}, c.vocab_size, 33);
+  const int64_t N = b1.size();
+  ASSERT_LT(b2.size(), N);
   struct Run {
     std::vector<double> losses;
     std::vector<float> grads1, grads2;
@@ -159,7 +159,7 @@ TEST(CudaEngine, OffloadedLayerInputsAreBitwiseFullRecompute) {
     r.bytes = gpu.planned_bytes();
     r.losses.push_back(gpu.forward_backward(b1, 1.0 / static_cast<double>(b1.num_targets())).loss_sum);
     gpu.download_grads(r.grads1);
-    r.losses.push_back(gpu.forward_backward(b2, 0.0).loss_sum);  // a forward only, between the backwards
+    r.losses.push_back(gpu.forward_backward(b3, 0.0).loss_sum);  // a forward only, between the backwards
     gpu.zero_grads();
     r.losses.push_back(gpu.forward_backward(b2, 1.0 / static_cast<double>(b2.num_targets())).loss_sum);
     gpu.download_grads(r.grads2);
@@ -179,6 +179,8 @@ TEST(CudaEngine, OffloadedLayerInputsAreBitwiseFullRecompute) {
   }
 }
 
+// The recompute policies (model/engine.h Recompute) rebuild the forward's own values: bitwise the same loss and
+// gradients, with less memory the more they rebuild.
 TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
   DS_SKIP_WITHOUT_GPU();
   ds::ModelConfig c = ds::ModelConfig::preset("tiny");

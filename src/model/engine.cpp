@@ -830,15 +830,19 @@ Precision parse_precision(const std::string& s) {
 }
 
 void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::string& optimizer_state,
-                        const std::string& recompute, const std::string& gradients) {
+                        const std::string& recompute, const std::string& gradients, bool offload_activations) {
   DS_CHECK(memory == "auto" || memory == "fixed", "--memory must be auto or fixed, got \"{}\"", memory);
   plan.optimizer_state = parse_optimizer_state(optimizer_state);
   plan.recompute = parse_recompute(recompute);
   plan.gradients = parse_gradients(gradients);
+  plan.offload_activations = offload_activations;
+  DS_CHECK(!offload_activations || plan.recompute == Recompute::Auto || plan.recompute == Recompute::Full,
+           "--offload-activations and --recompute {} contradict each other: it moves the layer inputs that "
+           "--recompute full keeps to host memory (use --recompute full or auto)", recompute);
   if (memory == "fixed") {
     if (plan.gradients == Gradients::Auto) plan.gradients = Gradients::Fp32;
     if (plan.optimizer_state == OptimizerState::Auto) plan.optimizer_state = OptimizerState::Fp32;
-    if (plan.recompute == Recompute::Auto) plan.recompute = Recompute::Selective;
+    if (plan.recompute == Recompute::Auto) plan.recompute = offload_activations ? Recompute::Full : Recompute::Selective;
   }
 }
 

@@ -99,8 +99,16 @@ Precision parse_precision(const std::string& s);  // ds::Error naming --precisio
 // memory "fixed" an "auto" one becomes fp32 / selective / fp32, with memory "auto" it stays Auto (the engine resolves
 // it to fit the device). ds::Error naming the flag for any other value.
 struct GpuPlan;
+// offload_activations (--offload-activations) needs --recompute full or auto, and with --memory fixed it makes that
+// full recompute (fixed's selective keeps no layer inputs to offload); ds::Error naming the flags otherwise.
 void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::string& optimizer_state,
-                        const std::string& recompute, const std::string& gradients = "fp32");
+                        const std::string& recompute, const std::string& gradients = "fp32",
+                        bool offload_activations = false);
+
+// The device buffers GpuPlan::offload_activations keeps the layer inputs in (layer i's in buffer i % kOffloadRing).
+// At least 3: in the backward, layer i's input, the buffer its rerun writes (layer i + 1's input) and the buffer
+// layer i - 1's input is fetched into must differ (model/gpu_model.cpp offload_before_backward).
+inline constexpr int64_t kOffloadRing = 3;
 
 // Sizes a GPU engine plans its memory for (the CPU engine ignores them).
 struct GpuPlan {
@@ -119,7 +127,7 @@ struct GpuPlan {
   // --offload-activations (recompute full, or auto: then only full is considered): the decoder layers' inputs, all
   // that full recompute keeps of a layer, go to pinned host memory during the forward (N x hidden_size bf16 per
   // layer) and come back before each layer's backward, behind the compute on a copy stream; the device keeps a
-  // ring of three of them (docs/memory.md "Offloaded layer inputs"). Bitwise the same results.
+  // ring of kOffloadRing of them (docs/memory.md "Offloaded layer inputs"). Bitwise the same results.
   bool offload_activations = false;
   // Bytes the process may use on the device, the CUDA context included (0: all the device has free); `auto` and
   // the fit check plan within it as `plan --device-memory` does (bench step --max-memory).

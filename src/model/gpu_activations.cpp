@@ -156,6 +156,10 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   d.dhf = a.take<bf16>(N * H);
   d.dact = a.take<bf16>(N * I);
   d.dgu = a.take<bf16>(N * 2 * I);
+  // A layer's backward is a GDN layer's or an attention layer's, and each mixer's gradient buffers are read and
+  // written only inside its own backward (model/gpu_model.cpp gdn_backward, attn_backward), in stream order: the two
+  // sets share their bytes (the larger of the two).
+  const size_t mixers_at = a.off;
   d.dmixed = a.take<bf16>(N * CD);
   d.dconv = a.take<bf16>(N * CD);
   d.dz = a.take<bf16>(N * VD);
@@ -166,6 +170,8 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   d.dkn = a.take<bf16>(N * KD);
   d.dg = a.take<float>(N * Hv);
   d.dbeta = a.take<float>(N * Hv);
+  const size_t gdn_end = a.off;
+  a.off = mixers_at;
   d.dog = a.take<bf16>(N * Hq * hd);
   d.dao = a.take<bf16>(N * Hq * hd);
   d.dgate = a.take<bf16>(N * Hq * hd);
@@ -173,6 +179,9 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   d.dkr = a.take<bf16>(N * Hkv * hd);
   d.dvv = a.take<bf16>(N * Hkv * hd);
   d.dqg = a.take<bf16>(N * Hq * 2 * hd);
+  const size_t attn_end = a.off;
+  a.off = std::max(gdn_end, attn_end);
+  a.by_use[static_cast<size_t>(MemoryUse::Recomputed)] -= std::min(gdn_end, attn_end) - mixers_at;  // counted twice
   a.use = MemoryUse::Workspace;
   // One region for both scratches: the fused loss (ce_scratch) runs between the last layer's forward and the final
   // norm's backward, on the step's stream, with no op of a layer in flight, and no op keeps anything in either

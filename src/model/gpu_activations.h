@@ -70,10 +70,9 @@ struct GpuGradBufs {
 struct GpuActivations {
   using bf16 = ds::cuda::bf16;
   std::vector<bf16*> hs;  // residual stream entering each layer; hs[L] = the last layer's output
-  // offload (GpuPlan::offload_activations): hs[0..L-1] share a ring of kOffloadRing device buffers, hs[i] in
-  // buffer i % kOffloadRing, each copied to pinned host memory during the forward and back before its layer's
-  // backward (model/gpu_model.cpp); hs[L] keeps its own.
-  static constexpr int64_t kOffloadRing = 3;
+  // offload (GpuPlan::offload_activations): hs[0..L-1] share a ring of kOffloadRing device buffers (model/engine.h),
+  // hs[i] in buffer i % kOffloadRing, copied to pinned host memory during a training pass's forward and back before
+  // its layer's backward (model/gpu_model.cpp); hs[L] keeps its own.
   std::vector<GpuLayerActs> layers;
   bf16 *hf = nullptr, *qg = nullptr;
   float* rstd_f = nullptr;

@@ -216,21 +216,28 @@ struct GpuModel::Impl {
   // back before their layer's backward. Events per layer input j: hs_written (its writer done, on `stream`),
   // hs_copied (its host copy done, on `copy`), hs_freed (the ring buffer it goes back into free, on `stream`),
   // hs_fetched (back on the device, on `copy`).
+  // Only a pass with a backward offloads (offload_pass, set by run()): a forward-only pass (eval, last_logits, an
+  // armed pass without targets) writes the ring in order and needs nothing back. Only hs[0..L-R-1] travel: the
+  // backward finds hs[L-R..L-1] still in the ring.
   cudaStream_t copy = nullptr;
   bf16* host_hs = nullptr;
   std::vector<cudaEvent_t> hs_written, hs_copied, hs_freed, hs_fetched;
+  bool offload_pass = false;
+  static_assert(kOffloadRing >= 3, "the backward's fetch, read and rerun buffers must differ");
   bool offloads() const { return host_hs != nullptr; }
-  int64_t ring() const { return std::min(GpuActivations::kOffloadRing, c.num_hidden_layers); }
+  int64_t ring() const { return std::min(kOffloadRing, c.num_hidden_layers); }
+  int64_t resident() const { return c.num_hidden_layers - ring(); }  // inputs from here on stay in the ring
   bf16* host_input(int64_t j) const { return host_hs + j * plan.max_tokens * c.hidden_size; }
   size_t input_bytes() const { return static_cast<size_t>(N * c.hidden_size) * sizeof(bf16); }
-  // The forward, before hs[j] (j < L) is written: its ring buffer held hs[j - R], whose host copy must be done.
+  // The forward, before hs[j] is written: its ring buffer held hs[j - R], whose host copy must be done (every
+  // copied input, j - R < L - R, is waited for so before the forward ends).
   void offload_before_write(int64_t j) {
-    if (!offloads() || j >= c.num_hidden_layers || j < ring()) return;
+    if (!offload_pass || j >= c.num_hidden_layers || j < ring()) return;
     DS_CUDA_CHECK(cudaStreamWaitEvent(stream, hs_copied[static_cast<size_t>(j - ring())], 0));
   }
-  // The forward, after hs[j] (j < L) is written: its copy to the host, on `copy`.
+  // The forward, after hs[j] is written: its copy to the host, on `copy`, if the backward will fetch it back.
   void offload_after_write(int64_t j) {
-    if (!offloads() || j >= c.num_hidden_layers) return;
+    if (!offload_pass || j >= resident()) return;
     const size_t k = static_cast<size_t>(j);
     DS_CUDA_CHECK(cudaEventRecord(hs_written[k], stream));
     DS_CUDA_CHECK(cudaStreamWaitEvent(copy, hs_written[k], 0));
@@ -238,15 +245,13 @@ struct GpuModel::Impl {
     DS_CUDA_CHECK(cudaEventRecord(hs_copied[k], copy));
   }
   // The backward, before layer i's rerun and backward: hs[i] on the device, and hs[i - 1]'s fetch started. The
-  // ring still holds hs[L-R..L-1] from the forward (a rerun of layer k writes hs[k + 1], identical, into buffer
-  // (k + 1) % R, which holds a layer input that is no longer needed: the last layer is never rerun); every earlier
-  // input is fetched into its buffer while the layer above it runs, once that layer's predecessor in the backward
-  // (the last reader and writer of that buffer) is done.
+  // ring still holds hs[L-R..L-1] from the forward (a rerun of layer k writes hs[k + 1] into buffer (k + 1) % R,
+  // whose input is no longer needed and is never read again: the last layer is never rerun); every earlier input
+  // is fetched into its buffer while the layer above it runs, once that layer's predecessor in the backward (the
+  // last reader and writer of that buffer) is done.
   void offload_before_backward(int64_t i) {
-    if (!offloads()) return;
-    const int64_t L = c.num_hidden_layers, resident = L - ring();
-    // Every forward copy done before the backward's reruns write into the ring (the same bytes, but no race).
-    if (i == L - 1) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, hs_copied[static_cast<size_t>(L - 1)], 0));
+    if (!offload_pass) return;
+    const int64_t resident = this->resident();
     if (i >= 1 && i - 1 < resident) {
       const size_t k = static_cast<size_t>(i - 1);
       DS_CUDA_CHECK(cudaEventRecord(hs_freed[k], stream));
@@ -827,6 +832,8 @@ struct GpuModel::Impl {
   }
 
   LossResult run(const PackedBatch& b, double grad_scale, double z_loss, ForwardCapture* cap) {
+    DS_CHECK(!cap || !cap->hidden_states || !offloads(), "gpu: the hidden states of every layer are not on the "
+             "device with --offload-activations (run `forward` without it)");
     prepare_batch(b);
     const int64_t H = c.hidden_size, L = c.num_hidden_layers;
     const GpuParamStore::Model mp = store->model_params();
@@ -834,6 +841,7 @@ struct GpuModel::Impl {
     const GpuGradBufs& d = acts.grad;
     const double n = static_cast<double>(N);
     const bool backward = grad_scale != 0.0;
+    offload_pass = offloads() && backward;
     // As the CPU engine: dropout in a pass with a backward while the adapter has a dropout key (the trainer's).
     lora_dropout = lora && backward && adapter->dropout_key() && adapter->config().lora_dropout > 0;
     trunk_forward(mp);
@@ -913,6 +921,7 @@ struct GpuModel::Impl {
   std::vector<float> last_logits(const PackedBatch& b) {
     DS_CHECK(b.size() > 0, "last_logits: an empty batch has no last position");
     prepare_batch(b);
+    offload_pass = false;
     lora_dropout = false;
     const int64_t H = c.hidden_size, V = c.vocab_size;
     const GpuParamStore::Model mp = store->model_params();
@@ -944,8 +953,6 @@ struct GpuModel::Impl {
       return out;
     };
     if (cap->hidden_states) {
-      DS_CHECK(!offloads(), "gpu: the hidden states of every layer are not on the device with "
-               "--offload-activations (run `forward` without it)");
       cap->hidden.clear();
       for (int64_t i = 0; i < c.num_hidden_layers; ++i) cap->hidden.push_back(down_bf16(acts.hs[i], N * H));
       cap->hidden.push_back(down_bf16(acts.hf, N * H));
@@ -1055,7 +1062,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   Arena real;
   real.base = m.arena_base;
   m.layout_memory(real);
-  if (m.plan.offload_activations) {
+  if (m.plan.offload_activations && offloaded_layers(m.c, m.plan) > 0) {
     const size_t host_bytes = offload_host_bytes(m.c, m.plan);
     const cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&m.host_hs), host_bytes, cudaHostAllocDefault);
     if (e != cudaSuccess) {
@@ -1063,16 +1070,17 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
       m.host_hs = nullptr;
       fail("gpu: --offload-activations needs {:.2f} GiB of pinned host memory for the layer inputs ({} layers x {} "
            "tokens x hidden_size {} in bf16), and cudaHostAlloc refused it ({}); lower --micro-batch or --seq-len, or "
-           "run without it", host_bytes / 1073741824.0, m.c.num_hidden_layers, m.plan.max_tokens, m.c.hidden_size,
-           cudaGetErrorString(e));
+           "run without it", host_bytes / 1073741824.0, offloaded_layers(m.c, m.plan), m.plan.max_tokens,
+           m.c.hidden_size, cudaGetErrorString(e));
     }
     DS_CUDA_CHECK(cudaStreamCreateWithFlags(&m.copy, cudaStreamNonBlocking));
     for (auto* v : {&m.hs_written, &m.hs_copied, &m.hs_freed, &m.hs_fetched}) {
       v->assign(static_cast<size_t>(m.c.num_hidden_layers), nullptr);
       for (cudaEvent_t& ev : *v) DS_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
     }
-    log_info("gpu: --offload-activations: the {} layer inputs in {:.2f} GiB of pinned host memory, a ring of {} on "
-             "the device", m.c.num_hidden_layers, host_bytes / 1073741824.0, m.ring());
+    log_info("gpu: --offload-activations: {} of the {} layer inputs in {:.2f} GiB of pinned host memory, a ring of {} "
+             "on the device", offloaded_layers(m.c, m.plan), m.c.num_hidden_layers, host_bytes / 1073741824.0,
+             m.ring());
   }
   if (m.optimizer) m.optimizer->zero_state(m.stream);
   if (m.plan.precision == Precision::Fp8) {

@@ -241,11 +241,14 @@ GpuPlan resolve_memory_modes(const ModelConfig&, GpuPlan, const std::function<bo
 
 namespace ds {
 
+int64_t offloaded_layers(const ModelConfig& c, const GpuPlan& plan) {
+  return plan.offload_activations ? std::max<int64_t>(c.num_hidden_layers - kOffloadRing, 0) : 0;
+}
+
 size_t offload_host_bytes(const ModelConfig& c, const GpuPlan& plan) {
-  if (!plan.offload_activations) return 0;
   constexpr const char* kWhat = "plan: the offloaded layer inputs' bytes";
-  return checked_mul(checked_mul(static_cast<size_t>(c.num_hidden_layers), static_cast<size_t>(plan.max_tokens), kWhat),
-                     static_cast<size_t>(c.hidden_size) * sizeof(uint16_t), kWhat);
+  return checked_mul(checked_mul(static_cast<size_t>(offloaded_layers(c, plan)), static_cast<size_t>(plan.max_tokens),
+                                 kWhat), static_cast<size_t>(c.hidden_size) * sizeof(uint16_t), kWhat);
 }
 
 std::string recompute_label(const GpuPlan& plan, int64_t layers) {

@@ -102,8 +102,9 @@ std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradie
 // The recompute policy as logs and `plan` name it: "selective", or "selective, the first 21 of 32 layers keeping
 // their activations" (GpuPlan::kept_layers).
 std::string recompute_label(const GpuPlan& plan, int64_t layers);
-// The pinned host bytes of GpuPlan::offload_activations: the L layer inputs, max_tokens x hidden_size bf16 each
-// (0 without it).
+// The pinned host bytes of GpuPlan::offload_activations: the layer inputs that leave the device, all but the last
+// kOffloadRing of the L (offloaded_layers), max_tokens x hidden_size bf16 each (0 without it).
+int64_t offloaded_layers(const ModelConfig& c, const GpuPlan& plan);
 size_t offload_host_bytes(const ModelConfig& c, const GpuPlan& plan);
 GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
                              const std::string& attention = "cudnn");

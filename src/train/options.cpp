@@ -227,8 +227,7 @@ void validate(const TrainOptions& o) {
   DS_CHECK(!o.offload_activations || o.recompute == "auto" || o.recompute == "full", "--offload-activations and "
            "--recompute {} contradict each other: it moves the layer inputs that --recompute full keeps to host "
            "memory (use --recompute full or auto)", o.recompute);
-  DS_CHECK(!o.offload_activations || o.device != "cpu", "--offload-activations is a mode of the GPU engine; the CPU "
-           "engine keeps its activations in host memory already (use --device cuda or auto, or leave it out)");
+
   // LoRA: --lora-rank starts an adapter, --adapter continues one (its adapter_config.json sets the rest).
   DS_CHECK(!o.was_given("lora-rank") || o.lora_rank > 0, "--lora-rank 0: a LoRA rank must be at least 1 (leave "
            "--lora-rank out to train every parameter)");

@@ -102,8 +102,7 @@ std::string tokenizer_path(const TrainOptions& opt) {
 // mode runs (one micro-batch per step, one rank, no --shard, no LoRA; check_run_options refuses it given
 // explicitly otherwise), and knows whether its step needs the norm pass (--clip > 0 or --nan-policy skip).
 void apply_train_memory_flags(GpuPlan& plan, const TrainOptions& opt, const dist::Communicator& comm) {
-  apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute, opt.gradients);
-  plan.offload_activations = opt.offload_activations;
+  apply_memory_flags(plan, opt.memory, opt.optimizer_state, opt.recompute, opt.gradients, opt.offload_activations);
   plan.memory_limit = static_cast<size_t>(opt.max_memory * 1073741824.0);  // --max-memory (0: none)
   const bool in_backward_runs = opt.grad_accum == 1 && comm.world() == 1 && opt.shard == "none" &&
                                 opt.lora_rank == 0 && opt.adapter.empty();
@@ -642,6 +641,9 @@ void check_run_options(const TrainOptions& opt, bool resumed, const std::string&
     DS_CHECK(!opt.was_given("recompute") || opt.recompute == "auto" || opt.recompute == "none",
              "--recompute {} is a mode of the GPU engine; the CPU engine keeps every activation (use --device cuda)",
              opt.recompute);
+    DS_CHECK(!opt.offload_activations, "--offload-activations is a mode of the GPU engine; this run trains on the "
+             "CPU, whose activations are in host memory already (use --device cuda on a machine with a GPU, or leave "
+             "it out)");
     const bool gpu_state = bf16_weights(parse_optimizer_state(opt.optimizer_state));  // bf16, 8bit
     DS_CHECK(!resumed || opt.was_given("optimizer-state") || !gpu_state,
              "{} is a checkpoint of a run with --optimizer-state {}, a mode of the GPU engine; to continue it on "

@@ -423,8 +423,8 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
                    const MemoryFlags& memory, bool profile) {
   // The flags first: a typo is an error at once, not after the model's weights are made (a minute at 9B).
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
-  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients);
-  plan.offload_activations = memory.offload_activations;
+  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients,
+                     memory.offload_activations);
   plan.precision = parse_precision(memory.precision);
   plan.norm_pass = memory.clip > 0;
   plan.lora = memory_flags_lora(memory);

@@ -59,8 +59,8 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
            seq_len, cfg.max_position_embeddings);
   constexpr double GiB = 1073741824.0;
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, docs_per_window);
-  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients);
-  plan.offload_activations = memory.offload_activations;
+  apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients,
+                     memory.offload_activations);
   plan.precision = parse_precision(memory.precision);
   DS_CHECK(memory.clip >= 0 && std::isfinite(memory.clip), "plan: --clip must be >= 0, got {}", memory.clip);
   plan.norm_pass = memory.clip > 0;
@@ -95,9 +95,9 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
                "transposed FP8 casts: {:.2f} GiB, {:.2f} GiB less than in bf16\n", kept, kept);
   }
   if (plan.offload_activations)
-    fmt::print("  offload: the {} layer inputs in {:.2f} GiB of pinned host memory (host RAM, not counted below), a "
-               "ring of {} of them on the device\n", cfg.num_hidden_layers, offload_host_bytes(cfg, plan) / GiB,
-               std::min<int64_t>(3, cfg.num_hidden_layers));
+    fmt::print("  offload: {} of the {} layer inputs in {:.2f} GiB of pinned host memory (host RAM, not counted below), "
+               "a ring of {} on the device\n", offloaded_layers(cfg, plan), cfg.num_hidden_layers,
+               offload_host_bytes(cfg, plan) / GiB, std::min(kOffloadRing, cfg.num_hidden_layers));
   if (lora)
     fmt::print("  LoRA rank {} (all-linear): the base frozen in bf16 (no gradient, no optimizer state), the adapters' "
                "fp32 masters, gradients and AdamW moments beside it\n", plan.lora.r);

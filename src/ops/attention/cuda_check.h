@@ -29,7 +29,8 @@ check::Result check_attention(const AttentionCase& c);
 std::vector<AttentionCase> attention_probe_cases();
 // The start-up probe of cuDNN: packed {1, 70, 0, 130, 5} (three length buckets whose documents interleave, unused
 // entries in two of them, an empty document), head_dim 128 (Hq 4, Hkv 2) and 256 (Hq 4, Hkv 1); run twice, the
-// results must agree bitwise; and head_dim 256 with Hq 4, Hkv 2 in two head groups (one backward call per group).
+// results must agree bitwise; with DELTASTACK_ATTENTION_SPLIT=1 also head_dim 256 with Hq 6, Hkv 2 in two head
+// groups (one backward call per group; three query heads each, so the stats pointers are 4-byte aligned only).
 std::vector<AttentionCase> cudnn_attention_probe_cases();
 // The registry's probes: check::probe("attention", <cases>, check_attention).
 double probe_cuda_attention();

@@ -176,25 +176,30 @@ struct Attention::Impl {
          off_st = index("off_st", kOffSt, B + 1);
     // Token-major packed rows of R elements (the full row: all heads): element (entry b, head h, row s, d) at
     // off[b] + s * R + h * D + d, for the H heads of this graph.
-    auto rows = [&](std::shared_ptr<fe::graph::Tensor_attributes> t, int64_t uid, int64_t H,
+    auto rows = [&](std::shared_ptr<fe::graph::Tensor_attributes> t, int64_t uid, bool query,
                     std::shared_ptr<fe::graph::Tensor_attributes> off) {
-      const int64_t R = H == Hq ? rq : rkv;
+      const int64_t H = query ? Hq : Hkv, R = query ? rq : rkv;
       t->set_uid(uid).set_dim({B, H, S, D}).set_stride({S * R, D, R, 1}).set_ragged_offset(off);
       return t;
     };
-    auto input = [&](const char* name, int64_t uid, int64_t H, std::shared_ptr<fe::graph::Tensor_attributes> off) {
-      return rows(g->tensor(fe::graph::Tensor_attributes().set_name(name)), uid, H, off);
+    auto input = [&](const char* name, int64_t uid, bool query, std::shared_ptr<fe::graph::Tensor_attributes> off) {
+      return rows(g->tensor(fe::graph::Tensor_attributes().set_name(name)), uid, query, off);
     };
-    // Stats (lse) [N, b.Hq] fp32: element (b, h, s) at off_st[b] + s * b.Hq + h.
+    // Stats (lse) [N, b.Hq] fp32: element (b, h, s) at off_st[b] + s * b.Hq + h. A head group's pointer is offset
+    // by g * Hq floats, so it is aligned to the largest power of two (at most the frontend's default 16) dividing
+    // Hq * 4 bytes.
+    int64_t stats_alignment = 16;
+    while ((Hq * 4) % stats_alignment != 0) stats_alignment /= 2;
     auto stats = [&](std::shared_ptr<fe::graph::Tensor_attributes> t) {
       t->set_uid(kStats)
           .set_data_type(fe::DataType_t::FLOAT)
           .set_dim({B, Hq, S, 1})
           .set_stride({b.Hq * S, 1, b.Hq, 1})
           .set_ragged_offset(off_st);
+      if (G > 1) t->set_alignment(stats_alignment);
       return t;
     };
-    auto Q = input("Q", kQ, Hq, off_q), K = input("K", kK, Hkv, off_kv), V = input("V", kV, Hkv, off_kv);
+    auto Q = input("Q", kQ, true, off_q), K = input("K", kK, false, off_kv), V = input("V", kV, false, off_kv);
     const float scale = static_cast<float>(b.scale);
     if (!backward) {
       auto opts = fe::graph::SDPA_attributes()
@@ -206,10 +211,10 @@ struct Attention::Impl {
                       .set_seq_len_q(seq_q)
                       .set_seq_len_kv(seq_kv);
       auto [O, Stats] = g->sdpa(Q, K, V, opts);
-      rows(O, kO, Hq, off_q)->set_output(true);
+      rows(O, kO, true, off_q)->set_output(true);
       stats(Stats)->set_output(true);
     } else {
-      auto O = input("O", kO, Hq, off_q), dO = input("dO", kdO, Hq, off_q);
+      auto O = input("O", kO, true, off_q), dO = input("dO", kdO, true, off_q);
       auto Stats = stats(g->tensor(fe::graph::Tensor_attributes().set_name("Stats")));
       auto opts = fe::graph::SDPA_backward_attributes()
                       .set_name("sdpa_backward")
@@ -222,9 +227,9 @@ struct Attention::Impl {
                       .set_max_total_seq_len_q(b.max_tokens)
                       .set_max_total_seq_len_kv(b.max_tokens);
       auto [dQ, dK, dV] = g->sdpa_backward(Q, K, V, O, dO, Stats, opts);
-      rows(dQ, kdQ, Hq, off_q)->set_output(true);
-      rows(dK, kdK, Hkv, off_kv)->set_output(true);
-      rows(dV, kdV, Hkv, off_kv)->set_output(true);
+      rows(dQ, kdQ, true, off_q)->set_output(true);
+      rows(dK, kdK, false, off_kv)->set_output(true);
+      rows(dV, kdV, false, off_kv)->set_output(true);
     }
     const char* which = backward ? "backward" : "forward";
     check(g->validate(), bk, which, "validate");
