@@ -53,6 +53,11 @@ if [ -n "$NCCL_DIR" ]; then
   export LD_LIBRARY_PATH=$NCCL_DIR/lib:$LD_LIBRARY_PATH
 fi
 export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on these machines (the device tool's KINDS.md)
+# A prebuilt pack (scripts/prebuild_device.sh) carries the peers' packages and Triton autotune records: unpacked
+# here when .peers itself is not carried.
+if [ ! -d .peers/site ] && [ -f .prebuilt/peers.tar.xz ]; then
+  mkdir -p .peers && tar -xJf .prebuilt/peers.tar.xz -C .peers || echo "warning: unpacking .prebuilt/peers.tar.xz failed"
+fi
 # The peers' Triton kernels (fla, Liger): compiled kernels and autotune winners on disk (TRITON_CACHE_AUTOTUNING=1),
 # in .peers/triton_cache. A cold peer call compiles every autotune configuration of fla's kernels (146-182 s of
 # warm-up at 9B); with the winners' records carried it compiles only the winners. PEER_TRITON_CACHE=1 brings the
@@ -86,9 +91,6 @@ if has prebuilt; then
   rm -rf build-prebuilt "$BUILD"
   tar -xJf .prebuilt/bin.tar.xz && [ -x build-prebuilt/deltastack_tests ] && ln -sfn build-prebuilt "$BUILD" ||
     { echo "prebuilt: unpacking .prebuilt/bin.tar.xz failed"; exit 1; }
-  if [ ! -d .peers/site ] && [ -f .prebuilt/peers_site.tar.xz ]; then
-    mkdir -p .peers && tar -xJf .prebuilt/peers_site.tar.xz -C .peers || { echo "prebuilt: unpacking the peers failed"; exit 1; }
-  fi
   echo "prebuilt: $(head -1 .prebuilt/commit.txt 2>/dev/null || echo 'unknown commit') unpacked into build-prebuilt/"
 fi
 if has build; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Packs a Release build of this machine into .prebuilt/bin.tar.gz for the device machine, so a device call can skip
-# its ~2 minute build: carry ".deps" and ".prebuilt" and run `scripts/device_test.sh prebuilt <stages>` (the
+# Packs a Release build of this machine into .prebuilt/bin.tar.xz for the device machine, so a device call can skip
+# its ~2 minute build: carry ".prebuilt" and run `scripts/device_test.sh prebuilt <stages>` (the
 # `prebuilt` stage unpacks build-prebuilt/ at the repo root, where the tests look for the deltastack binary, and
 # points build-device at it). The build folder is configured like the device's own build (CUDA on, no -march=native,
 # no Open MPI: .deps carries no MPI runtime), not like build/. Both machines have CUDA 13.0 and the same Debian 12
@@ -9,7 +9,8 @@
 # beside it, in .prebuilt/commit.txt). The pack is self-sufficient, so that one carry of ".prebuilt" stays under the
 # device tool's 64 MiB: the binaries (xz), the Debian runtime libraries they link (the non -dev .deb files of .deps,
 # unpacked there into the sysroot in place of .deps) and, where scripts/fetch_peers.sh has filled .peers/site, the
-# peers' Python packages (xz; unpacked there into .peers/site when .peers is not carried).
+# peers' Python packages with any Triton autotune records in .peers/triton_cache (xz; unpacked there into .peers/
+# when .peers is not carried).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 B=build-prebuilt
@@ -26,6 +27,8 @@ strip -o "$tmp/$B/deltastack_tests" $B/deltastack_tests
 rm -rf .prebuilt && mkdir -p .prebuilt/deps
 tar -cJf .prebuilt/bin.tar.xz -C "$tmp" $B
 for f in .deps/*.deb; do case $f in *-dev_*|*pkgconf*|*nlohmann*) ;; *) cp "$f" .prebuilt/deps/ ;; esac; done
-[ -d .peers/site ] && tar -cJf .prebuilt/peers_site.tar.xz -C .peers site
+peers=()
+for d in site triton_cache; do [ -d .peers/$d ] && peers+=("$d"); done
+[ ${#peers[@]} -gt 0 ] && tar -cJf .prebuilt/peers.tar.xz -C .peers "${peers[@]}"
 { git rev-parse HEAD; git status --short; } > .prebuilt/commit.txt
 echo "packed $(du -sh --apparent-size .prebuilt | cut -f1) into .prebuilt (commit $(head -1 .prebuilt/commit.txt), $(($(wc -l < .prebuilt/commit.txt) - 1)) changed files)"

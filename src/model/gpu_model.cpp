@@ -211,9 +211,9 @@ struct GpuModel::Impl {
   }
 
   // --offload-activations (GpuPlan::offload_activations; docs/memory.md "Offloaded layer inputs"): the layer inputs
-  // hs[0..L-1] share a ring of R device buffers (GpuActivations::kOffloadRing; hs[j] in buffer j % R) and live in
-  // pinned host memory (host_hs, [L, max_tokens, H] bf16), copied there on `copy` as the forward writes them and
-  // back before their layer's backward. Events per layer input j: hs_written (its writer done, on `stream`),
+  // hs[0..L-1] share a ring of R device buffers (kOffloadRing, model/engine.h; hs[j] in buffer j % R), and the first
+  // L - R of them live in pinned host memory (host_hs, [L - R, max_tokens, H] bf16), copied there on `copy` as the
+  // forward writes them and back before their layer's backward. Events per layer input j: hs_written (its writer done, on `stream`),
   // hs_copied (its host copy done, on `copy`), hs_freed (the ring buffer it goes back into free, on `stream`),
   // hs_fetched (back on the device, on `copy`).
   // Only a pass with a backward offloads (offload_pass, set by run()): a forward-only pass (eval, last_logits, an
