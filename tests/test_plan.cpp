@@ -532,6 +532,23 @@ TEST(Plan, OffloadKeepsThreeLayerInputsOnTheDevice) {
   EXPECT_EQ(chosen.recompute, ds::Recompute::Full);
   EXPECT_EQ(without.recompute, ds::Recompute::Full);
   EXPECT_GT(chosen.kept_layers, without.kept_layers);
+  // --recompute auto takes it by itself as the last resort: 27B LoRA (bf16 base) needs 65.3 GiB with full recompute
+  // and about 60.6 with the inputs offloaded; within 62 GiB auto offloads, within 70 it does not, and within 50
+  // (nothing fits) the offloaded plan is the leanest, the one a refusal reports.
+  ds::GpuPlan lora = ds::GpuPlan::windows(1, 8192, 1);
+  lora.lora.r = 16;
+  lora.lora.lora_alpha = 8;
+  lora.lora.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  lora.recompute = ds::Recompute::Auto;
+  const auto within = [](double gib) {
+    return [gib](const ds::GpuMemoryPlan& p) { return static_cast<double>(p.total) < gib * kGiB; };
+  };
+  const ds::GpuPlan tight = ds::resolve_memory_modes(c, lora, within(62)), roomy = ds::resolve_memory_modes(c, lora, within(70));
+  EXPECT_TRUE(tight.offload_activations);
+  EXPECT_EQ(tight.recompute, ds::Recompute::Full);
+  EXPECT_LT(static_cast<double>(ds::plan_gpu_memory(c, tight).total), 62 * kGiB);
+  EXPECT_FALSE(roomy.offload_activations);
+  EXPECT_TRUE(ds::resolve_memory_modes(c, lora, within(50)).offload_activations);  // nothing fits: the leanest plan
   std::string out;
   ASSERT_EQ(ds::test::run("plan --model 27b --lora-rank 16 --recompute full --offload-activations", &out), 0) << out;
   EXPECT_NE(out.find("recompute full, the layer inputs offloaded to host memory"), std::string::npos) << out;

@@ -192,8 +192,10 @@ std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradie
   return out;
 }
 
-GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
-                             const std::string& attention) {
+namespace {
+
+GpuPlan resolve_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
+                      const std::string& attention) {
   plan = resolved(plan);  // a LoRA plan: only the recompute policy is left to choose
   // --offload-activations with --recompute auto: full recompute (the kept layers still chosen), the state and the
   // gradients as auto takes them.
@@ -220,6 +222,21 @@ GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::func
     if (k + 1 == candidates.size() || fits(plan_gpu_memory(c, p, attention))) return p;
   }
   return plan;  // unreachable: at least one candidate
+}
+
+}  // namespace
+
+GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
+                             const std::string& attention) {
+  const GpuPlan chosen = resolve_modes(c, plan, fits, attention);
+  // --recompute auto's last resort before "does not fit": full recompute with the layer inputs offloaded to the
+  // host (bitwise the same steps; the copies run beside the compute), and its kept layers. When that does not fit
+  // either, it is still the leanest plan, the one the caller reports.
+  if (plan.recompute == Recompute::Auto && !plan.offload_activations && !fits(plan_gpu_memory(c, chosen, attention))) {
+    plan.offload_activations = true;
+    return resolve_modes(c, plan, fits, attention);
+  }
+  return chosen;
 }
 
 }  // namespace ds

@@ -98,7 +98,9 @@ std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradie
                                            bool norm_pass = true);
 // plan with its Auto modes replaced by the first candidate whose plan `fits` (the last, leanest one when none
 // does: the caller reports what it needs). Modes already given are kept. With --recompute auto, a selective, mlp or
-// full candidate first takes the most kept_layers (1 .. layers - 1) that fit: those layers run at none's speed.
+// full candidate first takes the most kept_layers (1 .. layers - 1) that fit: those layers run at none's speed; and
+// when no candidate fits, full recompute with offload_activations (the layer inputs in pinned host memory) is tried
+// last, with its own kept layers (returned even when it does not fit either: the leanest plan).
 // The recompute policy as logs and `plan` name it: "selective", or "selective, the first 21 of 32 layers keeping
 // their activations" (GpuPlan::kept_layers).
 std::string recompute_label(const GpuPlan& plan, int64_t layers);
