@@ -26,6 +26,7 @@
 #include "core/cuda/profile.h"
 #include "core/profile.h"
 #include "model/engine.h"
+#include "model/gpu_plan.h"
 #include "ops/adamw/cuda.h"
 #include "ops/adamw/q8_state.h"
 #include "ops/attention/cuda.h"
@@ -520,9 +521,9 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
              plan.lora.r > 0 ? fmt::format(", LoRA rank {} (all-linear; optimizer state = the adapters')", plan.lora.r)
                              : std::string());
   fmt::print("  step {:.1f} ms (median) | {:.0f} tokens/s | MFU {:.1f}% of 989 TFLOP/s ({:.1f}% of the measured 699) | "
-             "peak {:.1f} GiB (plan {:.1f} GiB) | loss {:.4f} grad_norm {:.3f}\n",
+             "peak {:.1f} GiB (plan {:.1f} GiB: the arena {:.1f} + the CUDA context) | loss {:.4f} grad_norm {:.3f}\n",
              1e3 * t, tokens / t, 100 * flops / t / 989e12, 100 * flops / t / 699e12, gpu->peak_bytes() / 1073741824.0,
-             gpu->planned_bytes() / 1073741824.0, loss, gn);
+             (gpu->planned_bytes() + kCudaContextBytes) / 1073741824.0, gpu->planned_bytes() / 1073741824.0, loss, gn);
   if (profile) {
     fmt::print("profile: ms per step by op family and role (mean of {} timed steps; CUDA events on the compute "
                "stream); roofline: GEMM-like work against {:.0f} TFLOP/s, memory-bound work (bytes read + written) "
