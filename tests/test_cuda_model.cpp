@@ -468,8 +468,9 @@ TEST(CudaEngine, AsyncOptimizerStepIsTheSameRun) {
 // first (in_backward_step, clipping active at step 3) and without it: every loss, the gradient norm, an evaluation
 // between steps, and the weights and moments at the end are bitwise equal. In the fp32 and 8bit states, with
 // selective and full recompute, with a tied and an untied lm_head (the head's slot shared with the embedding's, or
-// its own). Step 4 runs without a backward (grad_scale 0, as for a batch without targets): the update over zero
-// gradients runs in both modes.
+// its own), and with full recompute also with the layer inputs offloaded (--offload-activations). Step 4 runs
+// without a backward (grad_scale 0, as for a batch without targets): the update over zero gradients runs in both
+// modes.
 TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
   DS_SKIP_WITHOUT_GPU();
   for (const bool tied : {true, false}) {
@@ -490,12 +491,14 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
           std::vector<double> values;
           std::vector<float> weights, m;
         };
-        // clip: the step's clip norm (0: none); in-backward with the norm pass first when clip > 0 or norm_first.
-        auto run = [&](ds::Gradients g, double clip, bool norm_first) {
+        // clip: the step's clip norm (0: none); in-backward with the norm pass first when clip > 0 or norm_first;
+        // offload: --offload-activations (full recompute only).
+        auto run = [&](ds::Gradients g, double clip, bool norm_first, bool offload = false) {
           ds::GpuPlan plan = ds::GpuPlan::windows(1, b.size(), 3);
           plan.optimizer_state = st;
           plan.recompute = rc;
           plan.gradients = g;
+          plan.offload_activations = offload;
           std::unique_ptr<ds::Engine> gpu = ds::make_engine("cuda", host, plan);
           const double scale = 1.0 / static_cast<double>(b.num_targets());
           ds::ops::AdamWParams ap;
@@ -531,7 +534,10 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
         ASSERT_GT(std::sqrt(ref.values[6]), 0.5) << "step 3 should clip";  // values: l1 s1 l2 s2 eval l3 s3 ...
         ASSERT_EQ(ref.values[8], 0.0) << "step 4 has no gradient";
         const Run one = run(ds::Gradients::InBackward, 0.5, false), two = run(ds::Gradients::InBackward, 0.5, true);
-        for (const Run* x : std::initializer_list<const Run*>{&one, &two}) {
+        // With full recompute, also the layer inputs offloaded to the host (four layers: the first fetched back)
+        // through the norm-only pass and the updating pass of each in-backward step.
+        const Run off = rc == ds::Recompute::Full ? run(ds::Gradients::InBackward, 0.5, false, true) : one;
+        for (const Run* x : std::initializer_list<const Run*>{&one, &two, &off}) {
           EXPECT_EQ(ref.values, x->values);
           EXPECT_TRUE(ref.weights == x->weights);
           EXPECT_TRUE(ref.m == x->m);
