@@ -829,6 +829,12 @@ Precision parse_precision(const std::string& s) {
   fail("--precision must be bf16 or fp8, got \"{}\"", s);
 }
 
+void check_offload_recompute(bool offload_activations, const std::string& recompute) {
+  DS_CHECK(!offload_activations || recompute == "auto" || recompute == "full", "--offload-activations and "
+           "--recompute {} contradict each other: it moves the layer inputs that --recompute full keeps to host memory "
+           "(use --recompute full or auto)", recompute);
+}
+
 void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::string& optimizer_state,
                         const std::string& recompute, const std::string& gradients, bool offload_activations) {
   DS_CHECK(memory == "auto" || memory == "fixed", "--memory must be auto or fixed, got \"{}\"", memory);
@@ -836,9 +842,7 @@ void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::str
   plan.recompute = parse_recompute(recompute);
   plan.gradients = parse_gradients(gradients);
   plan.offload_activations = offload_activations;
-  DS_CHECK(!offload_activations || plan.recompute == Recompute::Auto || plan.recompute == Recompute::Full,
-           "--offload-activations and --recompute {} contradict each other: it moves the layer inputs that "
-           "--recompute full keeps to host memory (use --recompute full or auto)", recompute);
+  check_offload_recompute(offload_activations, recompute);
   if (memory == "fixed") {
     if (plan.gradients == Gradients::Auto) plan.gradients = Gradients::Fp32;
     if (plan.optimizer_state == OptimizerState::Auto) plan.optimizer_state = OptimizerState::Fp32;

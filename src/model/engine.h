@@ -99,8 +99,8 @@ Precision parse_precision(const std::string& s);  // ds::Error naming --precisio
 // memory "fixed" an "auto" one becomes fp32 / selective / fp32, with memory "auto" it stays Auto (the engine resolves
 // it to fit the device). ds::Error naming the flag for any other value.
 struct GpuPlan;
-// offload_activations (--offload-activations) needs --recompute full or auto, and with --memory fixed it makes that
-// full recompute (fixed's selective keeps no layer inputs to offload); ds::Error naming the flags otherwise.
+// offload_activations (--offload-activations) needs --recompute full or auto (check_offload_recompute), and with
+// --memory fixed it makes that full recompute (fixed's selective keeps no layer inputs to offload).
 void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::string& optimizer_state,
                         const std::string& recompute, const std::string& gradients = "fp32",
                         bool offload_activations = false);
@@ -109,6 +109,10 @@ void apply_memory_flags(GpuPlan& plan, const std::string& memory, const std::str
 // At least 3: in the backward, layer i's input, the buffer its rerun writes (layer i + 1's input) and the buffer
 // layer i - 1's input is fetched into must differ (model/gpu_model.cpp offload_before_backward).
 inline constexpr int64_t kOffloadRing = 3;
+// The ring's size for a model of `layers` decoder layers (all of them when there are fewer than kOffloadRing).
+inline int64_t offload_ring(int64_t layers) { return layers < kOffloadRing ? layers : kOffloadRing; }
+// ds::Error naming both flags unless --recompute (its text) is full or auto where --offload-activations is on.
+void check_offload_recompute(bool offload_activations, const std::string& recompute);
 
 // Sizes a GPU engine plans its memory for (the CPU engine ignores them).
 struct GpuPlan {

@@ -29,7 +29,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   a.use = MemoryUse::Kept;
   hs.assign(static_cast<size_t>(c.num_hidden_layers + 1), nullptr);
   if (s.offload) {  // the layer inputs in a ring (the rest of each lives in pinned host memory), the output apart
-    const int64_t R = std::min(kOffloadRing, c.num_hidden_layers);
+    const int64_t R = offload_ring(c.num_hidden_layers);
     for (int64_t i = 0; i < R; ++i) hs[static_cast<size_t>(i)] = a.take<bf16>(N * H);
     for (int64_t i = R; i < c.num_hidden_layers; ++i) hs[static_cast<size_t>(i)] = hs[static_cast<size_t>(i % R)];
     hs.back() = a.take<bf16>(N * H);

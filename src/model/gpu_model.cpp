@@ -225,8 +225,8 @@ struct GpuModel::Impl {
   bool offload_pass = false;
   static_assert(kOffloadRing >= 3, "the backward's fetch, read and rerun buffers must differ");
   bool offloads() const { return host_hs != nullptr; }
-  int64_t ring() const { return std::min(kOffloadRing, c.num_hidden_layers); }
-  int64_t resident() const { return c.num_hidden_layers - ring(); }  // inputs from here on stay in the ring
+  int64_t ring() const { return offload_ring(c.num_hidden_layers); }
+  int64_t resident() const { return offloaded_layers(c, plan); }  // inputs from here on stay in the ring
   bf16* host_input(int64_t j) const { return host_hs + j * plan.max_tokens * c.hidden_size; }
   size_t input_bytes() const { return static_cast<size_t>(N * c.hidden_size) * sizeof(bf16); }
   // The forward, before hs[j] is written: its ring buffer held hs[j - R], whose host copy must be done (every
@@ -1062,12 +1062,11 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   Arena real;
   real.base = m.arena_base;
   m.layout_memory(real);
-  if (m.plan.offload_activations && offloaded_layers(m.c, m.plan) > 0) {
+  if (offloaded_layers(m.c, m.plan) > 0) {
     const size_t host_bytes = offload_host_bytes(m.c, m.plan);
     const cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&m.host_hs), host_bytes, cudaHostAllocDefault);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      m.host_hs = nullptr;
       fail("gpu: --offload-activations needs {:.2f} GiB of pinned host memory for the layer inputs ({} layers x {} "
            "tokens x hidden_size {} in bf16), and cudaHostAlloc refused it ({}); lower --micro-batch or --seq-len, or "
            "run without it", host_bytes / 1073741824.0, offloaded_layers(m.c, m.plan), m.plan.max_tokens,

@@ -259,7 +259,7 @@ GpuPlan resolve_memory_modes(const ModelConfig&, GpuPlan, const std::function<bo
 namespace ds {
 
 int64_t offloaded_layers(const ModelConfig& c, const GpuPlan& plan) {
-  return plan.offload_activations ? std::max<int64_t>(c.num_hidden_layers - kOffloadRing, 0) : 0;
+  return plan.offload_activations ? c.num_hidden_layers - offload_ring(c.num_hidden_layers) : 0;
 }
 
 size_t offload_host_bytes(const ModelConfig& c, const GpuPlan& plan) {

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "model/engine.h"
 #include "model/lora.h"
 
 namespace ds {
@@ -224,10 +225,7 @@ void validate(const TrainOptions& o) {
   for (const char* f : {"save-interval", "keep-last"})
     DS_CHECK(!o.no_save || !o.was_given(f), "--no-save and --{} contradict each other: --no-save writes no "
              "checkpoint", f);
-  DS_CHECK(!o.offload_activations || o.recompute == "auto" || o.recompute == "full", "--offload-activations and "
-           "--recompute {} contradict each other: it moves the layer inputs that --recompute full keeps to host "
-           "memory (use --recompute full or auto)", o.recompute);
-
+  check_offload_recompute(o.offload_activations, o.recompute);
   // LoRA: --lora-rank starts an adapter, --adapter continues one (its adapter_config.json sets the rest).
   DS_CHECK(!o.was_given("lora-rank") || o.lora_rank > 0, "--lora-rank 0: a LoRA rank must be at least 1 (leave "
            "--lora-rank out to train every parameter)");

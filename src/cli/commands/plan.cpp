@@ -97,7 +97,7 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   if (plan.offload_activations)
     fmt::print("  offload: {} of the {} layer inputs in {:.2f} GiB of pinned host memory (host RAM, not counted below), "
                "a ring of {} on the device\n", offloaded_layers(cfg, plan), cfg.num_hidden_layers,
-               offload_host_bytes(cfg, plan) / GiB, std::min(kOffloadRing, cfg.num_hidden_layers));
+               offload_host_bytes(cfg, plan) / GiB, offload_ring(cfg.num_hidden_layers));
   if (lora)
     fmt::print("  LoRA rank {} (all-linear): the base frozen in bf16 (no gradient, no optimizer state), the adapters' "
                "fp32 masters, gradients and AdamW moments beside it\n", plan.lora.r);
