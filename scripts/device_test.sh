@@ -305,7 +305,8 @@ if has peer-lora; then
   # scripts/fetch_peers.sh), the model config from our binary. LORA_RUNS: space-separated PRESET:SEQ:MB (default
   # "9b:8192:1"; "27b:8192:1" too for the second shape), LORA_RANK (16), LORA_TIMEOUT s per run (600);
   # ours once per LORA_PRECISIONS (bf16; "bf16 fp8" adds the FP8 base), LORA_ARGS more bench step flags.
-  # A peer that runs out of memory is run again with --gradient-checkpointing (row peer-lora-gc; LORA_GC=0: not).
+  # A peer that runs out of memory is run again with --gradient-checkpointing (row peer-lora-gc; LORA_GC=0: not;
+  # LORA_GC=only: with it at once).
   # LORA_MATCH_MEMORY=1: the peer runs first, and ours with --max-memory of its device memory in use (device_used_gib,
   # the measure of our own peak: context and allocator reserve included; its allocated peak where that is missing).
   # Lines: "[ours P SxB] ..." ("[ours P SxB fp8] ..." per precision past bf16), "[peer P SxB peer-lora] ...";
@@ -330,6 +331,8 @@ if has peer-lora; then
   lora_peers() {  # preset seq mb tag: the peer, and with checkpointing where it ran out of memory
     peer_peak=""
     [ $peers = 1 ] || return 0
+    # LORA_GC=only: straight to checkpointing (a shape known to run out of memory without it, e.g. 27B at 8192).
+    if [ "${LORA_GC:-1}" = only ]; then lora_peer "$@" peer-lora-gc --gradient-checkpointing; return 0; fi
     lora_peer "$@" peer-lora
     if [ -z "$peer_peak" ] && [ "${LORA_GC:-1}" = 1 ] &&
        grep -qF "[peer $4 peer-lora] step_result" "$OUT/peer_lora.txt" &&

@@ -24,6 +24,7 @@
 #include "cuda_test_util.h"
 #include "model/engine.h"
 #include "model/forward_inputs.h"
+#include "model/gpu_fp8.h"
 #include "model/lora.h"
 #include "model/model.h"
 #include "model/safetensors.h"
@@ -148,13 +149,15 @@ TEST(CudaLora, Fp8BaseKeepsTheLoraTermAndTracksTheCpuEmulation) {
   EXPECT_LE(err, 1e-1);
 }
 
-// A LoRA run's frozen base: the FP8 weights' amax is taken once (model/gpu_fp8.h frozen_weights) and kept for every
-// later pass. Three training steps (forward, backward, AdamW on the adapters) against DELTASTACK_FP8_AMAX=separate,
-// which runs an amax pass before every cast: the losses and the adapters bitwise equal.
+// A LoRA run's frozen base kept in bf16 (DELTASTACK_FP8_FROZEN_BASE=0): the FP8 weights' amax is taken once
+// (model/gpu_fp8.h frozen_weights) and kept for every later pass. Three training steps (forward, backward, AdamW on
+// the adapters) against DELTASTACK_FP8_AMAX=separate, which runs an amax pass before every cast: the losses and the
+// adapters bitwise equal.
 TEST(CudaLora, Fp8FrozenBaseAmaxIsTheSeparatePasses) {
   DS_SKIP_WITHOUT_GPU();
   const Fixture f;
   const auto& [c, a, b, scale] = f;
+  ds::test::EnvSet bf16_base(ds::kFp8FrozenBaseKnob, "0");
   ::setenv("DELTASTACK_FP8_AMAX", "separate", 1);
   std::unique_ptr<ds::Engine> separate = engine_with("cuda", a, b, ds::Precision::Fp8);
   ::unsetenv("DELTASTACK_FP8_AMAX");
@@ -175,6 +178,58 @@ TEST(CudaLora, Fp8FrozenBaseAmaxIsTheSeparatePasses) {
   }
   EXPECT_TRUE(separate->adapter()->values() == kept->adapter()->values());
   EXPECT_TRUE(kept->adapter()->values() != a.values());  // the steps moved the adapters
+}
+
+// The frozen base's GEMM weights stored as their FP8 casts only (the default under --precision fp8; model/gpu_fp8.h
+// fp8_stored_base): three training steps bitwise those of the base kept in bf16 with an amax pass before every cast
+// (DELTASTACK_FP8_FROZEN_BASE=0, DELTASTACK_FP8_AMAX=separate: the first FP8 build's way) — losses, the adapters'
+// gradients and values; a weight stored in FP8 cannot be read back as bf16 (an error names it), one kept in bf16 can.
+TEST(CudaLora, Fp8StoredBaseIsBitwiseTheBf16StoredBase) {
+  DS_SKIP_WITHOUT_GPU();
+  const Fixture f;
+  const auto& [c, a, b, scale] = f;
+  std::unique_ptr<ds::Engine> ref;
+  {
+    ds::test::EnvSet bf16_base(ds::kFp8FrozenBaseKnob, "0"), separate("DELTASTACK_FP8_AMAX", "separate");
+    ref = engine_with("cuda", a, b, ds::Precision::Fp8);
+  }
+  std::unique_ptr<ds::Engine> stored = engine_with("cuda", a, b, ds::Precision::Fp8);
+  if (stored->precision() != ds::Precision::Fp8) GTEST_SKIP() << "the FP8 GEMM backend failed its probe here";
+  ds::ops::AdamWParams ap;
+  ap.lr = 5e-3;
+  for (int64_t s = 1; s <= 3; ++s) {
+    ap.step = s;
+    double loss[2];
+    std::vector<float> grads[2];
+    int i = 0;
+    for (ds::Engine* e : {ref.get(), stored.get()}) {
+      e->zero_grads();
+      loss[i] = e->forward_backward(b, scale).loss_sum;
+      grads[i++] = flat(values_of(e->grad_tensors()));
+      e->optimizer_step(ap);
+    }
+    EXPECT_EQ(loss[0], loss[1]) << "step " << s;
+    EXPECT_TRUE(grads[0] == grads[1]) << "step " << s;
+  }
+  EXPECT_TRUE(ref->adapter()->values() == stored->adapter()->values());
+  EXPECT_TRUE(stored->adapter()->values() != a.values());  // the steps moved the adapters
+  // the weights: a decoder GEMM weight stored in FP8 has no bf16 values; the embedding does
+  size_t fp8_only = 0, readable = 0;
+  for (const ds::SaveTensor& t : stored->weight_tensors(ds::DType::F32)) {
+    int64_t n = 1;
+    for (int64_t d : t.shape) n *= d;
+    std::vector<float> v(static_cast<size_t>(n));
+    try {
+      t.f32_reader(0, n, v.data());
+      ++readable;
+    } catch (const ds::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(t.name), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("FP8 cast only"), std::string::npos) << e.what();
+      ++fp8_only;
+    }
+  }
+  EXPECT_GT(fp8_only, 0u);
+  EXPECT_GT(readable, 0u);
 }
 
 // The base is frozen in bf16: its weights read back as the bf16 rounding of the host's, unchanged by updates; its

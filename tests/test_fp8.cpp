@@ -231,6 +231,39 @@ TEST(CudaFp8, HardwareCastMatchesEmulationForEveryBf16) {
   }
 }
 
+// fp8_transpose (the FP8-stored frozen base's dgrad operand, model/gpu_fp8.h fp8_stored_base) of a row-major cast
+// is bitwise the transposed cast of the same bf16 values with the same amax (fp8_quantize_transpose), zero padding
+// rows included: tile edges (rows and columns not multiples of 64), a padded leading dimension, one row.
+TEST(CudaFp8, TransposeOfTheCastIsTheTransposedCast) {
+  DS_SKIP_WITHOUT_GPU();
+  namespace K = ds::ops::cuda;
+  using namespace ds::ops::check;
+  Ctx ctx(11);
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{256, 512}, {100, 36}, {1, 64}, {777, 132}}) {
+    const size_t n = static_cast<size_t>(rows * cols);
+    auto x = ctx.up_bf16(ctx.randn_bf16(n, 3.0));
+    Buf<float> amax(1), s1(1), s2(1);
+    K::fp8_amax(x.get(), rows, cols, cols, amax.get(), ctx.s);
+    const int64_t ldqt = K::fp8_padded(rows) + 16;
+    Buf<uint8_t> q(n), want(static_cast<size_t>(cols * ldqt)), got(static_cast<size_t>(cols * ldqt));
+    DS_CUDA_CHECK(cudaMemsetAsync(got.get(), 0xAB, got.bytes(), ctx.s));  // every byte written by the transpose
+    K::fp8_quantize(x.get(), rows, cols, cols, amax.get(), E4, q.get(), cols, s1.get(), ctx.s);
+    K::fp8_quantize_transpose(x.get(), rows, cols, cols, amax.get(), E4, want.get(), ldqt, s2.get(), ctx.s);
+    K::fp8_transpose(q.get(), rows, cols, cols, got.get(), ldqt, ctx.s);
+    const std::vector<uint8_t> g = ctx.down(got), w = ctx.down(want);
+    EXPECT_EQ(ctx.down(s1)[0], ctx.down(s2)[0]);
+    size_t bad = 0, nonzero = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      nonzero += w[i] != 0;
+      if (g[i] != w[i] && bad++ < 5)
+        ADD_FAILURE() << rows << " x " << cols << " at column " << i / ldqt << " row " << i % ldqt << ": "
+                      << int(g[i]) << " want " << int(w[i]);
+    }
+    EXPECT_EQ(bad, 0u) << rows << " x " << cols;
+    EXPECT_GT(nonzero, n / 2);
+  }
+}
+
 TEST(CudaFp8, LinearLayerMatchesEmulation) {
   DS_SKIP_WITHOUT_GPU();
   using ds::ops::LinearFp8Case;

@@ -868,6 +868,7 @@ void check_engine_knobs() {
   engine_knob("DELTASTACK_DP_OVERLAP");
   engine_knob("DELTASTACK_STREAM_PRIORITY");
   engine_knob(kAttentionSplitKnob, false);
+  engine_knob(kFp8FrozenBaseKnob);
   Fp8Recipe::from_env();  // DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM
 }
 

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "model/engine.h"
 
 namespace ds {
 
@@ -45,6 +47,33 @@ bool fp8_keeps_inputs(const ModelConfig& c, bool fp8, bool recompute_none, bool 
   // out_proj VD -> H, o_proj Hq hd -> H, gate|up H -> 2I, down I -> H
   return fp8_gemm_takes(c.value_dim(), H) && fp8_gemm_takes(c.num_attention_heads * c.head_dim, H) &&
          fp8_gemm_takes(H, 2 * I) && fp8_gemm_takes(I, H);
+}
+
+bool fp8_stored_base(bool fp8, bool lora) { return fp8 && lora && engine_knob(kFp8FrozenBaseKnob); }
+
+std::vector<Fp8WeightUnit> fp8_weight_units(const ModelConfig& c, const ParamLayout& layout) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size, CD = c.conv_dim(), VD = c.value_dim(),
+                Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+  std::vector<Fp8WeightUnit> out;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const LayerParams<int64_t>& o = layout.layer_offsets(i);
+    // Each group as model/gpu_model.cpp's linears_forward runs it: (weight index, offset, N) per linear, and K.
+    auto group = [&](int64_t K, std::initializer_list<std::tuple<int, int64_t, int64_t>> ls) {
+      for (const auto& [w, off, n] : ls)
+        if (!fp8_gemm_takes(K, n)) return;
+      for (const auto& [w, off, n] : ls) out.push_back({i, w, off, n, K});
+    };
+    if (c.is_full_attention(i)) {
+      group(H, {{0, o.attn.q_proj, Hq * 2 * hd}, {1, o.attn.k_proj, Hkv * hd}, {2, o.attn.v_proj, Hkv * hd}});
+      group(Hq * hd, {{3, o.attn.o_proj, H}});
+    } else {
+      group(H, {{0, o.gdn.in_proj_qkv, CD}, {1, o.gdn.in_proj_z, VD}});
+      group(VD, {{3, o.gdn.out_proj, H}});
+    }
+    group(H, {{4, o.mlp.gate_up, 2 * I}});
+    group(I, {{5, o.mlp.down, H}});
+  }
+  return out;
 }
 
 size_t fp8_kept_bytes(const ModelConfig& c, int64_t max_tokens) {
@@ -112,6 +141,26 @@ GpuFp8Linear::GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t
   DS_CHECK(b_.amax, "internal: the FP8 scratch has no amax table");
 }
 
+void GpuFp8Linear::use_stored_weights(const std::vector<Fp8WeightUnit>& units,
+                                      const std::vector<StoredWeight>& weights) {
+  DS_CHECK(units.size() == weights.size(), "internal: fp8: {} stored weights for {} units", weights.size(),
+           units.size());
+  stored_.assign(have_.size(), StoredWeight{});
+  for (size_t u = 0; u < units.size(); ++u) {
+    const StoredWeight& w = weights[u];
+    DS_CHECK(w.q && w.scale && w.rows == units[u].rows && w.cols == units[u].cols,
+             "internal: fp8: stored weight {} of layer {} is not its unit's [{}, {}]", units[u].weight, units[u].layer,
+             units[u].rows, units[u].cols);
+    stored_[static_cast<size_t>(weight_slot(units[u].layer, units[u].weight))] = w;
+  }
+}
+
+const GpuFp8Linear::StoredWeight* GpuFp8Linear::stored(int64_t layer, int weight) const {
+  if (stored_.empty()) return nullptr;
+  const StoredWeight& w = stored_[static_cast<size_t>(weight_slot(layer, weight))];
+  return w.q ? &w : nullptr;
+}
+
 int64_t GpuFp8Linear::input_slot(int64_t layer, Fp8Input role) const {
   DS_CHECK(layer >= 0 && layer < layers_, "internal: fp8 amax table: layer {} of {}", layer, layers_);
   return layer * GpuFp8Bufs::kPerLayer + static_cast<int64_t>(role);
@@ -159,9 +208,15 @@ void GpuFp8Linear::forward(const Fp8Matrix& qx, const bf16* W, int64_t N, bf16* 
                            int weight, const bf16* residual) {
   DS_CHECK(!(accumulate && residual), "internal: fp8 forward with accumulate and a residual");
   const int64_t Kd = qx.cols;
-  const float* a = amax_of(weight_slot(layer, weight), W, N, Kd, frozen_weights_);
-  K::fp8_quantize(W, N, Kd, Kd, a, Fp8Format::E4M3, b_.w, Kd, b_.f + 4 * kFp8Slot, s_);
-  const Fp8Matrix qw{b_.w, N, Kd, Kd, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
+  Fp8Matrix qw{b_.w, N, Kd, Kd, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
+  if (const StoredWeight* sw = stored(layer, weight)) {  // its cast as stored (W is only the store's key)
+    DS_CHECK(sw->rows == N && sw->cols == Kd, "internal: fp8: stored weight [{}, {}] used as [{}, {}]", sw->rows,
+             sw->cols, N, Kd);
+    qw = Fp8Matrix{sw->q, N, Kd, Kd, Fp8Format::E4M3, sw->scale};
+  } else {
+    const float* a = amax_of(weight_slot(layer, weight), W, N, Kd, frozen_weights_);
+    K::fp8_quantize(W, N, Kd, Kd, a, Fp8Format::E4M3, b_.w, Kd, b_.f + 4 * kFp8Slot, s_);
+  }
   K::gemm_fp8(qx, qw, y, false, N, accumulate || residual ? 1.0f : 0.0f, r_.fast_accum_forward, s_,
               K::Fp8ScaleMode::Tensor, residual);
 }
@@ -186,9 +241,17 @@ void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8M
   K::fp8_quantize_both(dy, M, N, N, dy_amax, r_.grad, b_.dy, N, b_.dyt, Mp, b_.f + 6 * kFp8Slot,
                        b_.f + 5 * kFp8Slot, s_);
   // dgrad: dx[M, K] = q(dy)[M, N] . q(W^T)[K, N]^T
-  const float* wa = amax_of(weight_slot(layer, weight), W, N, Kd, frozen_weights_);
-  K::fp8_quantize_transpose(W, N, Kd, Kd, wa, Fp8Format::E4M3, b_.w, N, b_.f + 4 * kFp8Slot, s_);
-  const Fp8Matrix qdy{b_.dy, M, N, N, r_.grad, b_.f + 5 * kFp8Slot}, qwt{b_.w, Kd, N, N, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
+  const float* wscale = b_.f + 4 * kFp8Slot;
+  if (const StoredWeight* sw = stored(layer, weight)) {  // the stored cast transposed: the same codes and scale
+    DS_CHECK(sw->rows == N && sw->cols == Kd, "internal: fp8: stored weight [{}, {}] used as [{}, {}]", sw->rows,
+             sw->cols, N, Kd);
+    K::fp8_transpose(sw->q, N, Kd, Kd, b_.w, N, s_);
+    wscale = sw->scale;
+  } else {
+    const float* wa = amax_of(weight_slot(layer, weight), W, N, Kd, frozen_weights_);
+    K::fp8_quantize_transpose(W, N, Kd, Kd, wa, Fp8Format::E4M3, b_.w, N, b_.f + 4 * kFp8Slot, s_);
+  }
+  const Fp8Matrix qdy{b_.dy, M, N, N, r_.grad, b_.f + 5 * kFp8Slot}, qwt{b_.w, Kd, N, N, Fp8Format::E4M3, wscale};
   K::gemm_fp8(qdy, qwt, dx, false, Kd, accumulate_dx ? 1.0f : 0.0f, r_.fast_accum_backward, s_);
   if (!dW) return;  // a frozen weight (LoRA's base): dgrad only
   // wgrad: dW[N, K] += q(dy^T)[N, Mp] . qxt[K, Mp]^T (the padding columns are zeros in both)

@@ -27,6 +27,7 @@
 
 #include "core/fp8.h"
 #include "model/config.h"
+#include "model/params.h"
 
 namespace ds {
 
@@ -40,6 +41,30 @@ bool fp8_keeps_inputs(const ModelConfig& c, bool fp8, bool recompute_none, bool 
 inline bool fp8_gemm_takes(int64_t K, int64_t N) { return K % 16 == 0 && N % 16 == 0; }
 // The bytes those kept casts take for micro-batches of max_tokens tokens (bf16 would take twice as many).
 size_t fp8_kept_bytes(const ModelConfig& c, int64_t max_tokens);
+
+// A LoRA run's frozen base under --precision fp8 (the default; DELTASTACK_FP8_FROZEN_BASE=0: not): every decoder
+// GEMM weight that the FP8 path takes is stored as its E4M3 cast only, 1 byte per element instead of bf16's 2, cast
+// once at upload with the amax of its bf16 values (model/gpu_params.h). The forward GEMMs read those codes as they
+// are; the dgrad's transposed cast becomes a byte transpose of them. Both are bit for bit the casts the bf16-stored
+// base gives (a cast is elementwise with one scale per tensor, and a frozen weight's amax never changes), so the run
+// is bitwise the same, in less memory and with no weight cast per pass (docs/fp8.md).
+inline constexpr const char* kFp8FrozenBaseKnob = "DELTASTACK_FP8_FROZEN_BASE";
+bool fp8_stored_base(bool fp8, bool lora);
+
+// One FP8-stored weight: layer `layer`'s GEMM weight `weight` (GpuFp8Linear's index: 0..2 the mixer input's linears
+// in order, 3 the mixer's output projection, 4 gate|up, 5 down), rows x cols ([N, K]) elements from flat parameter
+// offset `offset` on (gate|up: gate_proj's rows, then up_proj's: the two tensors, one cast with one amax, as the
+// fused GEMM casts them).
+struct Fp8WeightUnit {
+  int64_t layer = 0;
+  int weight = 0;
+  int64_t offset = 0, rows = 0, cols = 0;
+  int64_t numel() const { return rows * cols; }
+};
+// The weights an FP8-stored base holds as casts: those of every linear group (the linears reading one input) of
+// which every shape takes the FP8 GEMM (fp8_gemm_takes), as the engine's linears_forward decides per group; in
+// layer order, then weight order.
+std::vector<Fp8WeightUnit> fp8_weight_units(const ModelConfig& c, const ParamLayout& layout);
 
 // The FP8 formats and accumulation of a run, from the environment (DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM,
 // DELTASTACK_FP8_AMAX); ds::Error naming the variable for a bad value.
@@ -108,6 +133,16 @@ class GpuFp8Linear {
 
   static bool takes(int64_t K, int64_t N) { return fp8_gemm_takes(K, N); }
 
+  // The FP8-stored frozen weights (fp8_stored_base): for each unit, its E4M3 codes [rows, cols] and their
+  // dequantization scale (a device float). forward() then reads those codes for that weight, whatever W it is given
+  // (the store's view of the weight: a key, not bf16 values), and backward() transposes them for the dgrad.
+  struct StoredWeight {
+    const uint8_t* q = nullptr;
+    const float* scale = nullptr;
+    int64_t rows = 0, cols = 0;
+  };
+  void use_stored_weights(const std::vector<Fp8WeightUnit>& units, const std::vector<StoredWeight>& weights);
+
   // A new pass (a forward, its backward): every amax of the table is stale (a frozen weight's excepted).
   void begin_pass() { ++pass_; }
   // The device float, zeroed on the stream, where the kernel producing layer `layer`'s input `role` writes its
@@ -148,6 +183,9 @@ class GpuFp8Linear {
   int64_t weight_slot(int64_t layer, int weight) const;
   float* kept_scale(int64_t layer, Fp8Input role) const;
 
+  // The stored weight of (layer, weight), or null.
+  const StoredWeight* stored(int64_t layer, int weight) const;
+
   GpuFp8Bufs b_;
   Fp8Recipe r_;
   cudaStream_t s_;
@@ -155,6 +193,7 @@ class GpuFp8Linear {
   bool frozen_weights_;
   uint64_t pass_ = 1;
   std::vector<uint64_t> have_;  // per slot: the pass whose amax it holds (0: none)
+  std::vector<StoredWeight> stored_;  // per weight slot (empty: none stored)
 };
 
 }  // namespace ds

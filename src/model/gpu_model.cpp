@@ -403,7 +403,10 @@ struct GpuModel::Impl {
       for (const LinOut& o : outs)
         f8->forward(qx, o.W, o.n, o.y, false, cur_layer, fp8_weight(role, j++), o.residual);
     } else {
-      for (const LinOut& o : outs) K::linear_forward(x, o.W, o.y, N, Kd, o.n, false, stream, o.residual);
+      for (const LinOut& o : outs) {
+        DS_CHECK(!store->holds_fp8(o.W), "internal: a bf16 GEMM on an FP8-stored weight");
+        K::linear_forward(x, o.W, o.y, N, Kd, o.n, false, stream, o.residual);
+      }
     }
     for (const LinOut& o : outs)
       for (const LoraAt& l : lora_at)
@@ -423,7 +426,10 @@ struct GpuModel::Impl {
         f8->backward(g.dy, N, g.W, qxt, g.n, dx, std::exchange(acc, true), g.dW, cur_layer, fp8_weight(role, j++),
                      g.dy_amax);
     } else {
-      for (const LinGrad& g : gs) K::linear_backward_data(g.dy, g.W, dx, N, Kd, g.n, std::exchange(acc, true), stream);
+      for (const LinGrad& g : gs) {
+        DS_CHECK(!store->holds_fp8(g.W), "internal: a bf16 GEMM on an FP8-stored weight");
+        K::linear_backward_data(g.dy, g.W, dx, N, Kd, g.n, std::exchange(acc, true), stream);
+      }
       for (const LinGrad& g : gs)
         if (g.dW) K::linear_backward_weight(g.dy, x, g.dW, N, Kd, g.n, stream);
     }
@@ -1026,9 +1032,11 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     m.plan.precision = Precision::Bf16;
   }
   m.units = param_units(m.c, m.params);
-  m.store = std::make_unique<GpuParamStore>(*m.layout, m.params, m.plan.optimizer_state,
-                                            ParamShard{m.plan.shard_rank, m.plan.shard_world}, m.units,
-                                            m.plan.gradients, /*frozen=*/m.adapter != nullptr);
+  m.store = std::make_unique<GpuParamStore>(
+      *m.layout, m.params, m.plan.optimizer_state, ParamShard{m.plan.shard_rank, m.plan.shard_world}, m.units,
+      m.plan.gradients, /*frozen=*/m.adapter != nullptr,
+      fp8_stored_base(m.plan.precision == Precision::Fp8, m.adapter != nullptr) ? fp8_weight_units(m.c, *m.layout)
+                                                                                : std::vector<Fp8WeightUnit>{});
   if (m.adapter) m.lora = std::make_unique<GpuLora>(m.c, m.plan.lora, m.plan.max_tokens);
   else m.optimizer = std::make_unique<GpuAdamW>(*m.store);
   bool has_attention = false, has_gdn = false;
@@ -1086,6 +1094,13 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     const Fp8Recipe recipe = Fp8Recipe::from_env();
     // A LoRA run's base is frozen (uploaded below, never written again): its weights' amax is taken once.
     m.f8.emplace(m.acts.fp8, recipe, m.stream, m.c.num_hidden_layers, /*frozen_weights=*/m.lora != nullptr);
+    const std::vector<Fp8WeightUnit>& units = m.store->fp8_units();
+    if (!units.empty()) {  // the frozen base's GEMM weights as their casts (scales set by the upload below)
+      std::vector<GpuFp8Linear::StoredWeight> w;
+      for (size_t u = 0; u < units.size(); ++u)
+        w.push_back({m.store->fp8_codes(u), m.store->fp8_scale(u), units[u].rows, units[u].cols});
+      m.f8->use_stored_weights(units, w);
+    }
     log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({}){}", recipe.describe(),
              m.acts.fp8.saved_scale ? "; the FP8-only GEMM inputs kept for the backward in FP8" : "");
   }
@@ -1095,7 +1110,10 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   if (m.lora) {
     m.lora->upload(m.adapter->values(), m.stream);
     log_info("gpu: LoRA rank {}: {} adapted matrices, {} adapter parameters (fp32 masters and AdamW), the base "
-             "frozen in bf16", m.plan.lora.r, m.lora->specs().size(), m.lora->size());
+             "frozen in bf16{}", m.plan.lora.r, m.lora->specs().size(), m.lora->size(),
+             m.store->fp8_units().empty() ? std::string() : fmt::format(
+                 " and its {} FP8 GEMM weights stored as their E4M3 casts ({:.2f} GiB)", m.store->fp8_units().size(),
+                 m.store->fp8_bytes() / 1073741824.0));
   }
   m.note_peak();
   log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}, gradients {}), one allocation of {:.2f} GiB for "

@@ -7,6 +7,7 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "ops/adamw/cuda.h"
+#include "ops/linear/fp8.h"
 
 namespace ds {
 
@@ -30,9 +31,12 @@ std::vector<int64_t> fp32_offsets(const std::vector<ParamSpec>& params, Optimize
 }  // namespace
 
 GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
-                             ParamShard shard, std::vector<ParamUnit> units, Gradients gradients, bool frozen)
+                             ParamShard shard, std::vector<ParamUnit> units, Gradients gradients, bool frozen,
+                             std::vector<Fp8WeightUnit> fp8_units)
     : layout_(layout),
       params_(params),
+      f8units_(std::move(fp8_units)),
+      compute_layout_(layout),
       state_(state),
       shard_(shard),
       fp32_offset_(fp32_offsets(params, state)),
@@ -59,6 +63,40 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
       const size_t k = param_at(off, 0);
       return fp32_offset_[k] < 0 ? -1 : fp32_offset_[k] + (off - params_[k].offset);
     });
+  // The FP8-stored weights (a frozen base under --precision fp8) and the bf16 copy of the others.
+  DS_CHECK(f8units_.empty() || frozen, "internal: FP8-stored weights need a frozen base");
+  f8unit_of_.assign(params.size(), -1);
+  for (size_t u = 0; u < f8units_.size(); ++u) {
+    const Fp8WeightUnit& f = f8units_[u];
+    const int64_t end = f.offset + f.numel();
+    size_t k = param_at(f.offset, 0);
+    DS_CHECK(params[k].offset == f.offset, "internal: FP8 unit {} starts inside {}", u, params[k].name);
+    for (; k < params.size() && params[k].offset < end; ++k) {
+      DS_CHECK(params[k].offset + params[k].numel <= end && f8unit_of_[k] < 0 && is_matrix(params[k]),
+               "internal: FP8 unit {} (layer {} weight {}) does not cover {} whole", u, f.layer, f.weight,
+               params[k].name);
+      f8unit_of_[k] = static_cast<int>(u);
+    }
+    DS_CHECK(params[k - 1].offset + params[k - 1].numel == end, "internal: FP8 unit {} ends inside {}", u,
+             params[k - 1].name);
+    w8_at_.push_back(W8_);
+    W8_ += (f.numel() + 255) / 256 * 256;
+  }
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (f8unit_of_[k] >= 0) {
+      bf16_offset_.push_back(-1);
+      continue;
+    }
+    if (f8units_.empty()) {  // flat, as the other buffers
+      bf16_offset_.push_back(params[k].offset);
+      continue;
+    }
+    // compacted, at the flat offset's alignment modulo 128 elements (256 bytes), as the flat layout places it
+    Pb_ += ((params[k].offset - Pb_) % 128 + 128) % 128;
+    bf16_offset_.push_back(Pb_);
+    Pb_ += params[k].numel;
+  }
+  if (f8units_.empty()) Pb_ = Ppad_;
   if (units_.empty()) units_.push_back({0, P_});
   DS_CHECK(units_.front().lo == 0 && units_.back().hi == P_, "gpu: the parameter units do not tile the {} parameters", P_);
   for (size_t u = 1; u < units_.size(); ++u)
@@ -167,29 +205,85 @@ void GpuParamStore::reserve(Arena& a) {
   g_ = a.take<float>(G_);
   if (gradients_ == Gradients::Bf16) gb_ = a.take<bf16>(Ppad_);
   a.use = MemoryUse::Parameters;
-  wb_ = a.take<bf16>(Ppad_);
+  wb_ = a.take<bf16>(Pb_);
+  if (!f8units_.empty()) {
+    w8_ = a.take<uint8_t>(W8_);  // after wb_: the compute views below address the codes from wb_ forward
+    w8_f_ = a.take<float>(2 * kScaleSlot * f8units_.size());
+    a.use = MemoryUse::Workspace;
+    stage_ = a.take<bf16>(kUploadStage);
+    if (a.base) {
+      const uintptr_t from = reinterpret_cast<uintptr_t>(wb_);
+      compute_layout_ = layout_.remapped([this, from](int64_t off) -> int64_t {
+        const size_t k = param_at(off, 0);
+        const int u = f8unit_of_[k];
+        if (u < 0) return bf16_offset_[k] + (off - params_[k].offset);
+        const uintptr_t at = reinterpret_cast<uintptr_t>(w8_ + w8_at_[u] + (off - f8units_[u].offset));
+        DS_CHECK(at > from && (at - from) % 2 == 0, "internal: FP8 codes of {} not addressable from the bf16 copy",
+                 params_[k].name);
+        return static_cast<int64_t>((at - from) / 2);
+      });
+    }
+  }
   a.use = MemoryUse::Workspace;
   sumsq_ = a.take<double>(static_cast<int64_t>(units_.size()));
   partials_ = a.take<double>(std::max<int64_t>(1, partial_at_.back()));
 }
 
 GpuParamStore::Layer GpuParamStore::layer_params(int64_t i) const {
-  return {layout_.layer<const bf16>(i, wb_), master_layout_.layer<const float>(i, w_), grad_layout_.layer(i, g_)};
+  return {compute_layout_.layer<const bf16>(i, wb_), master_layout_.layer<const float>(i, w_), grad_layout_.layer(i, g_)};
 }
 
 GpuParamStore::Model GpuParamStore::model_params() const {
-  return {layout_.model<const bf16>(wb_), master_layout_.model<const float>(w_), grad_layout_.model(g_)};
+  return {compute_layout_.model<const bf16>(wb_), master_layout_.model<const float>(w_), grad_layout_.model(g_)};
+}
+
+ds::cuda::bf16* GpuParamStore::compute(size_t k) const {
+  const int u = f8unit_of_[k];
+  if (u < 0) return wb_ + bf16_offset_[k];
+  return reinterpret_cast<bf16*>(w8_ + w8_at_[u] + (params_[k].offset - f8units_[u].offset));
+}
+
+void GpuParamStore::upload_fp8_unit(size_t u, const std::vector<uint16_t>& bits, cudaStream_t stream) {
+  const Fp8WeightUnit& f = f8units_[u];
+  // The amax of the bf16 values: |x|'s bits are ordered as the floats are (NaN's above inf's), as fp8_amax takes it.
+  uint32_t m = 0;
+  const int64_t n = f.numel();
+#pragma omp parallel for reduction(max : m) schedule(static)
+  for (int64_t i = 0; i < n; ++i) m = std::max<uint32_t>(m, bits[static_cast<size_t>(i)] & 0x7fffu);
+  const uint32_t amax_bits = m << 16;
+  float* amax = w8_f_ + 2 * u * kScaleSlot;
+  DS_CUDA_CHECK(cudaMemcpyAsync(amax, &amax_bits, sizeof(float), cudaMemcpyHostToDevice, stream));
+  const int64_t rows_per = std::max<int64_t>(1, kUploadStage / f.cols);
+  DS_CHECK(rows_per * f.cols <= kUploadStage, "gpu: FP8 weight of layer {} has rows of {} elements, more than the "
+           "upload stage's {}", f.layer, f.cols, kUploadStage);
+  for (int64_t r0 = 0; r0 < f.rows; r0 += rows_per) {
+    const int64_t r = std::min(rows_per, f.rows - r0);
+    DS_CUDA_CHECK(cudaMemcpyAsync(stage_, bits.data() + r0 * f.cols, r * f.cols * sizeof(uint16_t),
+                                  cudaMemcpyHostToDevice, stream));
+    K::fp8_quantize(stage_, r, f.cols, f.cols, amax, Fp8Format::E4M3, w8_ + w8_at_[u] + r0 * f.cols, f.cols,
+                    w8_f_ + (2 * u + 1) * kScaleSlot, stream);
+  }
+  DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // amax_bits and the stage
 }
 
 void GpuParamStore::upload(const std::function<void(size_t k, float* dst)>& values, cudaStream_t stream) {
   int64_t largest = 0;
   for (const ParamSpec& p : params_) largest = std::max(largest, p.numel);
   std::vector<float> stage(static_cast<size_t>(largest));  // one parameter at a time: bounded host memory
+  int64_t largest_unit = 0;
+  for (const Fp8WeightUnit& f : f8units_) largest_unit = std::max(largest_unit, f.numel());
+  std::vector<uint16_t> unit_bits(static_cast<size_t>(largest_unit));  // an FP8 unit's bf16 values
   for (size_t k = 0; k < params_.size(); ++k) {
     const ParamSpec& p = params_[k];
     values(k, stage.data());
+    if (const int u = f8unit_of_[k]; u >= 0) {  // into its unit's bf16 values; cast when the unit is whole
+      const Fp8WeightUnit& f = f8units_[static_cast<size_t>(u)];
+      to_bf16_bits(stage.data(), p.numel, unit_bits.data() + (p.offset - f.offset));
+      if (p.offset + p.numel == f.offset + f.numel()) upload_fp8_unit(static_cast<size_t>(u), unit_bits, stream);
+      continue;
+    }
     if (frozen_) {  // the gradient scratch is small: stage on the host (bf16 rounded to nearest there)
-      upload_f32_as_bf16(stage.data(), p.numel, wb_ + p.offset, stream);
+      upload_f32_as_bf16(stage.data(), p.numel, wb_ + bf16_offset_[k], stream);
       if (fp32_offset_[k] >= 0)
         DS_CUDA_CHECK(cudaMemcpyAsync(w_ + fp32_offset_[k], stage.data(), p.numel * sizeof(float),
                                       cudaMemcpyHostToDevice, stream));
@@ -223,7 +317,9 @@ void GpuParamStore::read_weights(int64_t first, int64_t count, float* dst, cudaS
     DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, count * sizeof(float), cudaMemcpyDeviceToHost, stream));
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));
   } else {
-    download_bf16_as_f32(wb_ + first, count, dst, stream);
+    DS_CHECK(f8unit_of_[k] < 0, "gpu: {} of the frozen base is kept as its FP8 cast only (LoRA with --precision fp8); "
+             "its bf16 values are in the base checkpoint, not on the device", params_[k].name);
+    download_bf16_as_f32(wb_ + bf16_offset_[k] + (first - params_[k].offset), count, dst, stream);
   }
 }
 

@@ -20,6 +20,7 @@
 
 #include "core/cuda/cuda_utils.h"
 #include "model/engine.h"
+#include "model/gpu_fp8.h"
 #include "model/gpu_memory.h"
 #include "model/params.h"
 
@@ -57,9 +58,15 @@ class GpuParamStore {
   // their weight gradients) and, for the small parameters' gradients that the ops compute beside dx, one scratch of
   // the largest unit's small parameters that every unit's views share (written, never read). ds::Error with another
   // state, a shard or Gradients::InBackward.
+  // fp8_units (a frozen base under --precision fp8, model/gpu_fp8.h fp8_stored_base): these GEMM weights are kept
+  // as their E4M3 casts only (1 byte per element, cast at upload with the amax of their bf16 values; one unit may
+  // span two tensors, gate_proj and up_proj), the bf16 copy holds the other parameters (compacted, each at its flat
+  // offset's alignment mod 128 elements), and the compute views of the FP8-stored weights point at their codes: keys
+  // for GpuFp8Linear's stored casts (fp8_codes), never bf16 values. Each unit must cover whole parameters; ds::Error
+  // without frozen.
   GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
                 ParamShard shard = {}, std::vector<ParamUnit> units = {}, Gradients gradients = Gradients::Fp32,
-                bool frozen = false);
+                bool frozen = false, std::vector<Fp8WeightUnit> fp8_units = {});
 
   // The buffers above and the grad-norm reduction scratch.
   void reserve(Arena& a);
@@ -86,7 +93,18 @@ class GpuParamStore {
   // Parameter k's fp32 master (nullptr: its weights live in bf16 only), bf16 copy and gradients.
   float* master(size_t k) const { return fp32_offset_[k] < 0 ? nullptr : w_ + fp32_offset_[k]; }
   int64_t fp32_offset(size_t k) const { return fp32_offset_[k]; }  // -1: bf16 only
-  bf16* compute(size_t k) const { return wb_ + params_[k].offset; }
+  // (An FP8-stored weight's compute(k) is its codes' address; see the constructor.)
+  bf16* compute(size_t k) const;
+  // The FP8-stored weights (empty: none): unit u's codes [rows, cols] E4M3 and its dequantization scale (a device
+  // float, set by upload), and whether p points into the codes.
+  const std::vector<Fp8WeightUnit>& fp8_units() const { return f8units_; }
+  const uint8_t* fp8_codes(size_t u) const { return w8_ + w8_at_[u]; }
+  const float* fp8_scale(size_t u) const { return w8_f_ + (2 * u + 1) * kScaleSlot; }
+  bool holds_fp8(const void* p) const {
+    const auto* b = static_cast<const uint8_t*>(p);
+    return w8_ && b >= w8_ && b < w8_ + W8_;
+  }
+  size_t fp8_bytes() const { return static_cast<size_t>(W8_); }
   float* grads() const { return g_; }  // the flat buffer [P_pad] (Gradients::Fp32); the slots in InBackward, Bf16
   float* grad(size_t k) const { return g_ + grad_at(params_[k].offset); }  // parameter k's gradients
   Gradients gradients() const { return gradients_; }
@@ -139,9 +157,11 @@ class GpuParamStore {
   size_t param_at(int64_t first, int64_t count) const;
 
   // The weights, one parameter at a time: values(k, dst) writes parameter k's fp32 values (numel) into dst, a host
-  // buffer of the largest parameter's size (bf16-only weights: rounded to nearest). Zeroes the gradients.
+  // buffer of the largest parameter's size (bf16-only weights: rounded to nearest; FP8-stored ones: rounded to bf16,
+  // then cast with their unit's amax, as GpuFp8Linear casts a bf16 weight). Zeroes the gradients.
   void upload(const std::function<void(size_t k, float* dst)>& values, cudaStream_t stream);
-  // fp32 values of flat elements [first, first + count) (one parameter) to the host.
+  // fp32 values of flat elements [first, first + count) (one parameter) to the host; ds::Error for an FP8-stored
+  // weight (its bf16 values are not kept).
   void read_weights(int64_t first, int64_t count, float* dst, cudaStream_t stream) const;
   void zero_grads(cudaStream_t stream);
   // Sum of squares of the gradients in double, fixed reduction order (bitwise reproducible): each unit's sum
@@ -152,6 +172,19 @@ class GpuParamStore {
  private:
   const ParamLayout& layout_;
   const std::vector<ParamSpec>& params_;
+  static constexpr int64_t kScaleSlot = 64;  // floats between two FP8 amax / scale values (ops/linear/fp8.h kFp8Slot)
+  static constexpr int64_t kUploadStage = int64_t{1} << 23;  // bf16 elements of the FP8 upload's device stage
+  std::vector<Fp8WeightUnit> f8units_;
+  std::vector<int> f8unit_of_;        // per parameter: its FP8 unit, or -1
+  std::vector<int64_t> w8_at_;        // per unit: its codes' byte offset in w8_
+  int64_t W8_ = 0;                    // bytes of w8_
+  std::vector<int64_t> bf16_offset_;  // per parameter: its offset in wb_ (-1: FP8-stored)
+  int64_t Pb_ = 0;                    // elements of wb_
+  ParamLayout compute_layout_;        // layout_ with the offsets of wb_ (FP8-stored: their codes, in bf16 units)
+  uint8_t* w8_ = nullptr;
+  float* w8_f_ = nullptr;             // per unit: amax, scale (kScaleSlot floats apart)
+  bf16* stage_ = nullptr;             // the FP8 upload's device stage [kUploadStage]
+  void upload_fp8_unit(size_t u, const std::vector<uint16_t>& bits, cudaStream_t stream);
   OptimizerState state_;
   ParamShard shard_;
   int64_t P_ = 0, P32_ = 0, Ppad_ = 0, S_ = 0, lo_ = 0, hi_ = 0;

@@ -113,7 +113,9 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   ParamLayout layout(c, params);
   const bool lora = plan.lora.r > 0;
   GpuParamStore store(layout, params, plan.optimizer_state, ParamShard{plan.shard_rank, plan.shard_world},
-                      param_units(c, params), plan.gradients, lora);
+                      param_units(c, params), plan.gradients, lora,
+                      fp8_stored_base(plan.precision == Precision::Fp8, lora) ? fp8_weight_units(c, layout)
+                                                                              : std::vector<Fp8WeightUnit>{});
   std::optional<GpuAdamW> optimizer;
   std::optional<GpuLora> adapters;
   if (lora) adapters.emplace(c, plan.lora, plan.max_tokens);

@@ -73,7 +73,10 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   fmt::print("plan: {} ({:.2f}B parameters), seq {} x micro-batch {} = {} tokens, up to {} documents per window\n",
              model, cfg.num_parameters() / 1e9, seq_len, micro_batch, plan.max_tokens, docs_per_window);
   const bool lora = plan.lora.r > 0;  // the base frozen in bf16: its state and gradient modes do not apply
-  const char* state_what = lora ? "the frozen base in bf16 only; the adapters' fp32 masters and AdamW moments"
+  const bool fp8_base = fp8_stored_base(plan.precision == Precision::Fp8, lora);
+  const char* state_what = lora ? fp8_base ? "the frozen base in bf16, its GEMM weights as FP8 casts only; the "
+                                             "adapters' fp32 masters and AdamW moments"
+                                           : "the frozen base in bf16 only; the adapters' fp32 masters and AdamW moments"
                            : plan.optimizer_state == OptimizerState::Fp32 ? "fp32 master weights + bf16 copy, fp32 AdamW moments"
                            : plan.optimizer_state == OptimizerState::Bf16
                                ? "bf16 GEMM weights and moments, stochastic rounding"
@@ -99,8 +102,10 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
                "a ring of {} on the device\n", offloaded_layers(cfg, plan), cfg.num_hidden_layers,
                offload_host_bytes(cfg, plan) / GiB, offload_ring(cfg.num_hidden_layers));
   if (lora)
-    fmt::print("  LoRA rank {} (all-linear): the base frozen in bf16 (no gradient, no optimizer state), the adapters' "
-               "fp32 masters, gradients and AdamW moments beside it\n", plan.lora.r);
+    fmt::print("  LoRA rank {} (all-linear): the base frozen in bf16{} (no gradient, no optimizer state), the "
+               "adapters' fp32 masters, gradients and AdamW moments beside it\n", plan.lora.r,
+               fp8_base ? ", its FP8 GEMM weights stored as their E4M3 casts only (1 byte each; "
+                          "DELTASTACK_FP8_FROZEN_BASE=0: bf16)" : "");
   const bool ib = plan.gradients == Gradients::InBackward;
   fmt::print("  gradients: {}{}{}\n",
              ib ? "in-backward (each unit updated in the backward; fp32 slots of the embedding, head and two layers"

@@ -164,7 +164,46 @@ bool vec8_ok(const void* x, int64_t cols, int64_t ld, int64_t ldq) {
   return cols % 8 == 0 && ld % 8 == 0 && ldq % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
+// 64 x 64 byte tiles: 4-byte words read along a row of q, 4-byte words (4 rows of one column) written along qt's rows.
+__global__ void __launch_bounds__(kTThreads) transpose_kernel(const uint8_t* __restrict__ q, int64_t rows,
+                                                              int64_t cols, int64_t ldq, uint8_t* __restrict__ qt,
+                                                              int64_t ldqt) {
+  __shared__ uint8_t tile[kTile][kTile + 4];
+  const int64_t r0 = int64_t(blockIdx.x) * kTile, c0 = int64_t(blockIdx.y) * kTile;
+  for (int i = threadIdx.x; i < kTile * kTile / 4; i += kTThreads) {
+    const int rr = i / (kTile / 4), cw = i % (kTile / 4);
+    const int64_t r = r0 + rr, c = c0 + 4 * cw;
+    uint32_t w = 0;  // padding rows (rows <= r) and columns past cols: zeros
+    if (r < rows && c < cols) w = *reinterpret_cast<const uint32_t*>(q + r * ldq + c);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) tile[rr][4 * cw + j] = static_cast<uint8_t>(w >> (8 * j));
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTile * kTile / 4; i += kTThreads) {
+    const int cc = i / (kTile / 4), rw = i % (kTile / 4);
+    const int64_t c = c0 + cc, r = r0 + 4 * rw;
+    if (c >= cols || r >= ldqt) continue;
+    uint32_t w = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w |= uint32_t(tile[4 * rw + j][cc]) << (8 * j);
+    *reinterpret_cast<uint32_t*>(qt + c * ldqt + r) = w;
+  }
+}
+
 }  // namespace
+
+void fp8_transpose(const uint8_t* q, int64_t rows, int64_t cols, int64_t ldq, uint8_t* qt, int64_t ldqt,
+                   cudaStream_t stream) {
+  DS_CUDA_REQUIRE(rows >= 0 && cols >= 0 && ldq >= cols && ldqt >= rows && cols % 4 == 0 && ldq % 4 == 0 &&
+                      ldqt % 4 == 0 && reinterpret_cast<uintptr_t>(q) % 4 == 0 &&
+                      reinterpret_cast<uintptr_t>(qt) % 4 == 0,
+                  "fp8_transpose: bad shape or alignment");
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(1, ds::cuda::ceil_div(ldqt, kTile))),
+                  static_cast<unsigned>(std::max<int64_t>(1, ds::cuda::ceil_div(cols, kTile))));
+  DS_CUDA_REQUIRE(grid.y <= 65535, "fp8_transpose: too many columns");
+  transpose_kernel<<<grid, kTThreads, 0, stream>>>(q, rows, cols, ldq, qt, ldqt);
+  DS_CUDA_LAUNCH_CHECK();
+}
 
 void fp8_amax(const bf16* x, int64_t rows, int64_t cols, int64_t ld, float* amax, cudaStream_t stream) {
   DS_CUDA_REQUIRE(rows >= 0 && cols >= 0 && ld >= cols, "fp8_amax: bad shape (rows " + std::to_string(rows) +

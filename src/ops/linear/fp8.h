@@ -54,6 +54,12 @@ void fp8_quantize_both(const ds::cuda::bf16* x, int64_t rows, int64_t cols, int6
                        Fp8Format format, uint8_t* q, int64_t ldq, uint8_t* qt, int64_t ldqt, float* scale_t,
                        float* scale, cudaStream_t stream);
 
+// qt[c * ldqt + r] = q[r * ldq + c] for r < rows, 0 for rows <= r < ldqt: a cast already made, transposed (its
+// codes as they are; the same scale). cols, ldq and ldqt multiples of 4 and q, qt 4-byte aligned (ds::cuda error
+// otherwise).
+void fp8_transpose(const uint8_t* q, int64_t rows, int64_t cols, int64_t ldq, uint8_t* qt, int64_t ldqt,
+                   cudaStream_t stream);
+
 // Leading dimension of a transposed cast over `rows` rows: rows rounded up to 16 (cuBLASLt's FP8 alignment).
 inline int64_t fp8_padded(int64_t rows) { return (rows + 15) / 16 * 16; }
 
