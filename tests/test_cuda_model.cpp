@@ -195,12 +195,13 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
     std::vector<float> grads;
     size_t bytes;
   };
-  auto run = [&](ds::Recompute rc, int64_t kept_layers = 0) {
+  auto run = [&](ds::Recompute rc, int64_t kept_layers = 0, int64_t mlp_layers = 0) {
     ds::GpuPlan plan;
     plan.max_tokens = b.size();
     plan.max_seqs = 4;
     plan.recompute = rc;
     plan.kept_layers = kept_layers;
+    plan.mlp_layers = mlp_layers;
     ds::GpuModel gpu(host, plan);
     EXPECT_EQ(gpu.recompute(), rc);
     Run r{gpu.forward_backward(b, scale).loss_sum, {}, gpu.planned_bytes()};
@@ -239,6 +240,17 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
     if (rc == ds::Recompute::Full && kept == 1) full_kept_1 = part.bytes;
     EXPECT_GT(part.bytes, rc == ds::Recompute::Mlp ? mlp.bytes : rc == ds::Recompute::Full ? full.bytes : sel.bytes)
         << what;
+  }
+  // Full with layers rebuilding only mlp's activations (GpuPlan::mlp_layers) after the kept ones: one kept and one
+  // mlp (both mixer kinds' full layers after them), two mlp, all but the last mlp (the last layer runs full and
+  // does not run its forward again). Bitwise; more bytes than full, and with some layers full fewer than mlp.
+  for (auto [kept, m] : {std::pair{int64_t{1}, int64_t{1}}, std::pair{int64_t{0}, int64_t{2}}, std::pair{int64_t{0}, L - 1}}) {
+    const Run part = run(ds::Recompute::Full, kept, m);
+    const std::string what = "full kept " + std::to_string(kept) + " mlp " + std::to_string(m);
+    EXPECT_EQ(part.loss, sel.loss) << what;
+    EXPECT_TRUE(part.grads == sel.grads) << what;
+    EXPECT_GT(part.bytes, full.bytes) << what;
+    if (kept == 0 && m < L - 1) EXPECT_LT(part.bytes, mlp.bytes) << what;
   }
 }
 

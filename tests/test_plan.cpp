@@ -472,15 +472,19 @@ TEST(Plan, AutoKeepsTheMostLayersThatFit) {
   const ds::GpuPlan roomy = ds::resolve_memory_modes(c, plan, [](const ds::GpuMemoryPlan&) { return true; });
   EXPECT_EQ(roomy.recompute, ds::Recompute::None);
   EXPECT_EQ(roomy.kept_layers, 0);
-  // Between mlp and full: full, its first layers keeping all of their activations (their forward not run again).
+  // Between mlp and full: full, with its first layers either keeping all of their activations or rebuilding only
+  // mlp's (GpuPlan::mlp_layers), whichever saves more of the forward: in the bytes of L / 4 kept layers, more than
+  // twice as many mlp layers fit, each saving all of its forward but the gate|up GEMM (under half of it here).
   const double tight = static_cast<double>(total(ds::Recompute::Full, L / 4));
   auto fits_tight = [&](const ds::GpuMemoryPlan& p) { return static_cast<double>(p.total) <= tight; };
   ASSERT_GT(static_cast<double>(total(ds::Recompute::Mlp, 0)), tight);
   const ds::GpuPlan f = ds::resolve_memory_modes(c, plan, fits_tight);
   EXPECT_EQ(f.recompute, ds::Recompute::Full);
-  EXPECT_EQ(f.kept_layers, L / 4);
-  EXPECT_EQ(ds::recompute_label(f, L), fmt::format("full, the first {} of {} layers keeping their activations",
-                                                   L / 4, L));
+  EXPECT_EQ(f.kept_layers, 0);
+  EXPECT_GT(f.mlp_layers, 2 * (L / 4));
+  EXPECT_LE(static_cast<double>(ds::plan_gpu_memory(c, f).total), tight);
+  EXPECT_EQ(ds::recompute_label(f, L), fmt::format("full, the first {} of {} rebuilding only mlp's activations",
+                                                   f.mlp_layers, L));
 }
 
 // DELTASTACK_ATTENTION_SPLIT=1 (model/engine.h): cuDNN's attention backward once per key/value head. The plan's
@@ -534,7 +538,7 @@ TEST(Plan, OffloadKeepsThreeLayerInputsOnTheDevice) {
   const ds::GpuPlan without = ds::resolve_memory_modes(c, plan, fits);
   EXPECT_EQ(chosen.recompute, ds::Recompute::Full);
   EXPECT_EQ(without.recompute, ds::Recompute::Full);
-  EXPECT_GT(chosen.kept_layers, without.kept_layers);
+  EXPECT_GT(chosen.kept_layers + chosen.mlp_layers, without.kept_layers + without.mlp_layers);
   // --recompute auto takes it by itself as the last resort: 27B LoRA (bf16 base) needs 65.3 GiB with full recompute
   // and about 60.6 with the inputs offloaded; within 62 GiB auto offloads, within 70 it does not, and within 50
   // (nothing fits) the offloaded plan is the leanest, the one a refusal reports.
@@ -655,4 +659,53 @@ TEST(Plan, LoraFp8BaseStoresTheGemmWeightsAsOneByteCasts) {
   std::string log;
   ASSERT_EQ(ds::test::run("plan --model 9b --lora-rank 16 --precision fp8 --device-memory 139", &log), 0) << log;
   EXPECT_NE(log.find("its FP8 GEMM weights stored as their E4M3 casts only"), std::string::npos) << log;
+}
+
+// Full recompute with layers that rebuild only mlp's activations (GpuPlan::mlp_layers, after the kept layers): the
+// bytes grow with them from full's toward mlp's; `auto` takes them where they save more of the forward than kept
+// layers would (27B LoRA, FP8-stored base, within the 68.2 GiB transformers + PEFT held: a kept layer costs about 1.5
+// GiB over full, an mlp layer about 0.5, and saves 1.7 times as much per byte), and `plan` names them; a policy
+// given on the command line keeps every layer at it.
+TEST(Plan, FullRecomputeTakesLayersRebuildingOnlyMlps) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  const ds::ModelConfig c = ds::ModelConfig::preset("27b");
+  const int64_t L = c.num_hidden_layers;
+  ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
+  plan.precision = ds::Precision::Fp8;
+  plan.offload_activations = true;
+  plan.lora.r = 16;
+  plan.lora.lora_alpha = 8;
+  plan.lora.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  auto total = [&](int64_t kept, int64_t m) {
+    ds::GpuPlan p = plan;
+    p.recompute = ds::Recompute::Full;
+    p.kept_layers = kept;
+    p.mlp_layers = m;
+    return static_cast<double>(ds::plan_gpu_memory(c, p).total);
+  };
+  EXPECT_LT(total(0, 0), total(0, 10));
+  EXPECT_LT(total(0, 10), total(0, 30));
+  EXPECT_LT(total(0, 30), total(10, 30));
+  const double per_mlp = (total(0, 30) - total(0, 10)) / 20, per_kept = (total(10, 0) - total(0, 0)) / 10;
+  EXPECT_GT(per_kept, 2.5 * per_mlp);
+  const double budget = 68.2 * kGiB;
+  auto fits = [&](const ds::GpuMemoryPlan& p) { return static_cast<double>(p.total) <= budget; };
+  plan.recompute = ds::Recompute::Auto;
+  const ds::GpuPlan r = ds::resolve_memory_modes(c, plan, fits);
+  EXPECT_EQ(r.recompute, ds::Recompute::Full);
+  EXPECT_EQ(r.kept_layers, 0);
+  EXPECT_GT(r.mlp_layers, 30);
+  EXPECT_LE(total(0, r.mlp_layers), budget);
+  EXPECT_GT(total(0, r.mlp_layers + 1), budget);
+  EXPECT_EQ(ds::recompute_label(r, L), fmt::format("full, the first {} of {} rebuilding only mlp's activations, the layer "
+                                                   "inputs offloaded to host memory", r.mlp_layers, L));
+  ds::GpuPlan both = r;
+  both.kept_layers = 2;
+  EXPECT_EQ(ds::recompute_label(both, L), fmt::format("full, the first 2 of {} layers keeping their activations, the "
+                                                      "next {} of {} rebuilding only mlp's activations, the layer inputs "
+                                                      "offloaded to host memory", L, r.mlp_layers, L));
+  plan.recompute = ds::Recompute::Full;  // given: every layer runs it
+  const ds::GpuPlan given = ds::resolve_memory_modes(c, plan, fits);
+  EXPECT_EQ(given.mlp_layers, 0);
+  EXPECT_EQ(given.kept_layers, 0);
 }

@@ -128,6 +128,11 @@ struct GpuPlan {
   // "Recompute by layer"). 0: every layer rebuilds.
   // `auto` sets it to the most layers that fit between none and the full policy; bitwise the same results.
   int64_t kept_layers = 0;
+  // With recompute full: the mlp_layers decoder layers after the kept ones rebuild only what recompute mlp rebuilds
+  // (they keep mlp's activations and their forward does not run again; the gate|up GEMM does), the rest run their
+  // forward again (docs/memory.md "Recompute by layer"). `auto` weighs them against kept layers by the forward time
+  // each saves per byte; bitwise the same results.
+  int64_t mlp_layers = 0;
   // --offload-activations (recompute full, or auto: then only full is considered): the decoder layers' inputs, all
   // that full recompute keeps of a layer, go to pinned host memory during the forward (N x hidden_size bf16 per
   // layer) and come back before each layer's backward, behind the compute on a copy stream; the device keeps a

@@ -74,13 +74,17 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     if (attn) r.og = t8 ? transient.og : a.take<bf16>(N * Hq * hd);
     return r;
   };
-  auto keeps = [&](int64_t i) { return layer_keeps_rebuilt(rc, s.kept_layers, i); };
+  // Each layer's policy: none for the kept ones, then (full) the mlp layers, then the plan's.
+  auto layer_rc = [&](int64_t i) { return layer_recompute(rc, s.kept_layers, s.mlp_layers, i); };
+  auto keeps = [&](int64_t i) { return layer_rc(i) == Recompute::None; };
+  bool any_mlp = false;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) any_mlp |= layer_rc(i) == Recompute::Mlp;
   Rebuilt shared;
   bf16* shared_gu = nullptr;  // mlp: the gate|up output, rebuilt in the backward (its GEMM again)
   if (!keeps(c.num_hidden_layers - 1)) {  // some layer rebuilds (the kept ones come first)
     a.use = MemoryUse::Recomputed;
     shared = rebuilt(any_gdn, any_attn, false);
-    if (rc == Recompute::Mlp) shared_gu = a.take<bf16>(N * 2 * I);
+    if (any_mlp) shared_gu = a.take<bf16>(N * 2 * I);
   }
   a.use = MemoryUse::Kept;
   // With full recompute only the residual stream (hs) is kept per layer; everything else below exists once for
@@ -90,7 +94,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     GpuLayerActs& L = layers[static_cast<size_t>(i)];
     const bool attn = c.is_full_attention(i);
-    const bool shares = rc == Recompute::Full && !keeps(i);  // full, and this layer's forward runs again
+    const bool shares = layer_rc(i) == Recompute::Full;  // this layer's forward runs again
     if (shares && first_of[attn]) {
       L = *first_of[attn];
       continue;
@@ -112,7 +116,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
       L.rstd1 = a.take<float>(N);
       L.h_mid = a.take<bf16>(N * H);
       L.rstd2 = a.take<float>(N);
-      L.gu = rc == Recompute::Mlp && !keeps(i) ? shared_gu : a.take<bf16>(N * 2 * I);  // (null while sizing)
+      L.gu = layer_rc(i) == Recompute::Mlp ? shared_gu : a.take<bf16>(N * 2 * I);  // (null while sizing)
     }
     if (attn) {
       L.qraw = a.take<bf16>(N * Hq * hd);

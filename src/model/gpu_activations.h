@@ -30,6 +30,13 @@ namespace ds {
 inline bool layer_keeps_rebuilt(Recompute rc, int64_t kept_layers, int64_t layer) {
   return rc == Recompute::None || (rebuilds_activations(rc) && layer < kept_layers);
 }
+// The policy decoder layer `layer` runs under the plan's rc: none for a kept layer (layer_keeps_rebuilt); under full,
+// mlp for the mlp_layers after the kept ones (GpuPlan::mlp_layers); rc otherwise.
+inline Recompute layer_recompute(Recompute rc, int64_t kept_layers, int64_t mlp_layers, int64_t layer) {
+  if (layer_keeps_rebuilt(rc, kept_layers, layer)) return Recompute::None;
+  if (rc == Recompute::Full && layer < kept_layers + mlp_layers) return Recompute::Mlp;
+  return rc;
+}
 
 struct GpuLayerActs {
   using bf16 = ds::cuda::bf16;
@@ -88,6 +95,7 @@ struct GpuActivations {
     size_t op_scratch = 0, ce_scratch = 0;                // the largest scratch of any op / the fused loss
     Recompute recompute = Recompute::Selective;           // resolved (not Auto)
     int64_t kept_layers = 0;                              // selective / mlp / full: layers that keep them (GpuPlan)
+    int64_t mlp_layers = 0;                               // full: the layers after them that run mlp (GpuPlan)
     bool fp8 = false;                                     // --precision fp8: reserve the FP8 casts' buffers
     bool fp8_saved = false;                               // and keep the FP8-only inputs in FP8 (fp8_keeps_inputs)
     bool offload = false;                                 // hs[0..L-1] in a ring (GpuPlan::offload_activations)

@@ -295,7 +295,9 @@ struct GpuModel::Impl {
 
   // Whether the backward of layer cur_layer (enter_layer) rebuilds the shared activations: recompute selective, mlp
   // or full, but not the first kept_layers layers of those, which keep their own as none does.
-  bool rebuild() const { return !layer_keeps_rebuilt(plan.recompute, plan.kept_layers, cur_layer); }
+  bool rebuild() const { return layer_rc(cur_layer) != Recompute::None; }
+  // Layer i's policy (model/gpu_activations.h layer_recompute: none for a kept layer, mlp for GpuPlan::mlp_layers).
+  Recompute layer_rc(int64_t i) const { return layer_recompute(plan.recompute, plan.kept_layers, plan.mlp_layers, i); }
 
   // ---------------------------------------------------------------------------------------------------------
   // Per micro-batch: the inputs on the device and every op plan's batch data, once for all layers.
@@ -759,7 +761,7 @@ struct GpuModel::Impl {
         ProfScope ps = scope("norm", "rmsnorm", 0, 4 * n * H);
         K::rmsnorm_forward(A.h_mid, p.master.post_attention_layernorm, A.xn2, A.rstd2, N, H, eps, true, stream);
       }
-      if (plan.recompute == Recompute::Mlp) {  // (a kept layer kept its gate|up output: rebuild() is false)
+      if (layer_rc(cur_layer) == Recompute::Mlp) {  // (a kept layer kept its gate|up output: rebuild() is false)
         ProfScope ps = scope("gemm", "mlp gate_up", 2 * n * H * 2 * I);
         linears_forward(A.xn2, H, Fp8Input::MlpIn, {{p.compute.mlp.gate_up, 2 * I, A.gu}});
       }
@@ -888,9 +890,9 @@ struct GpuModel::Impl {
       unit_final(static_cast<size_t>(L + 1));  // the head: the final norm, and lm_head when untied
       for (int64_t i = L - 1; i >= 0; --i) {
         offload_before_backward(i);
-        // full recompute: the layer's activations again (the last layer's are still there from the forward, and a
-        // kept layer, GpuPlan::kept_layers, has its own)
-        if (plan.recompute == Recompute::Full && i != L - 1 && !layer_keeps_rebuilt(plan.recompute, plan.kept_layers, i)) {
+        // full recompute: the layer's activations again (the last layer's are still there from the forward; a kept
+        // layer, GpuPlan::kept_layers, has its own, and an mlp layer, GpuPlan::mlp_layers, mlp's)
+        if (layer_rc(i) == Recompute::Full && i != L - 1) {
           mark_rebuild(true);
           layer_forward(i);
           mark_rebuild(false);

@@ -95,6 +95,7 @@ void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, Gpu
   sz.ce_scratch = ops.ce_workspace;
   sz.recompute = plan.recompute;
   sz.kept_layers = plan.kept_layers;
+  sz.mlp_layers = plan.recompute == Recompute::Full ? plan.mlp_layers : 0;
   sz.fp8 = plan.precision == Precision::Fp8;
   sz.fp8_saved = fp8_keeps_inputs(c, sz.fp8, plan.recompute == Recompute::None, lora != nullptr);
   sz.offload = plan.offload_activations;
@@ -196,6 +197,33 @@ std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradie
 
 namespace {
 
+// The share of a decoder layer's forward GEMM FLOPs in its gate|up GEMM, over all layers: what a layer rebuilding
+// only mlp's activations (GpuPlan::mlp_layers) still runs of the forward that full recompute runs again.
+double gate_up_share(const ModelConfig& c) {
+  const double H = static_cast<double>(c.hidden_size), I = static_cast<double>(c.intermediate_size);
+  double gate_up = 0, all = 0;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const double mixer =
+        c.is_full_attention(i)
+            ? H * static_cast<double>((3 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim)
+            : H * static_cast<double>(c.conv_dim() + 2 * c.value_dim() + 2 * c.linear_num_value_heads);
+    gate_up += 2 * I * H;
+    all += mixer + 3 * I * H;
+  }
+  return gate_up / all;
+}
+
+// The most n in [0, hi] for which plan `at(n)` fits (its bytes grow with n), by bisection.
+int64_t most_that_fit(int64_t hi, const std::function<bool(int64_t)>& fits_at) {
+  int64_t lo = 0;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (fits_at(mid)) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 GpuPlan resolve_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
                       const std::string& attention) {
   plan = resolved(plan);  // a LoRA plan: only the recompute policy is left to choose
@@ -212,14 +240,26 @@ GpuPlan resolve_modes(const ModelConfig& c, GpuPlan plan, const std::function<bo
     if (choose_layers && rebuilds_activations(p.recompute)) {
       // The most layers that keep their activations (none's speed for them) and still fit; the bytes grow with
       // kept_layers, so a bisection over 1 .. L-1 finds it.
-      int64_t lo = 0, hi = c.num_hidden_layers - 1;
-      while (lo < hi) {
-        p.kept_layers = (lo + hi + 1) / 2;
-        if (fits(plan_gpu_memory(c, p, attention))) lo = p.kept_layers;
-        else hi = p.kept_layers - 1;
+      const int64_t L = c.num_hidden_layers;
+      const int64_t kept = most_that_fit(L - 1, [&](int64_t k) {
+        p.kept_layers = k;
+        return fits(plan_gpu_memory(c, p, attention));
+      });
+      p.kept_layers = kept;
+      if (p.recompute == Recompute::Full) {
+        // Or the most layers rebuilding only mlp's activations (each keeps about a third of what a kept layer
+        // does): a kept layer saves its forward, an mlp layer its forward but the gate|up GEMM. The plan that saves
+        // more of the forward full runs again wins.
+        GpuPlan q = p;
+        q.kept_layers = 0;
+        const int64_t m = most_that_fit(L - 1, [&](int64_t n) {
+          q.mlp_layers = n;
+          return fits(plan_gpu_memory(c, q, attention));
+        });
+        q.mlp_layers = m;
+        if (static_cast<double>(m) * (1 - gate_up_share(c)) > static_cast<double>(kept)) return q;
       }
-      p.kept_layers = lo;
-      if (lo > 0) return p;
+      if (kept > 0) return p;
     }
     if (k + 1 == candidates.size() || fits(plan_gpu_memory(c, p, attention))) return p;
   }
@@ -272,7 +312,13 @@ size_t offload_host_bytes(const ModelConfig& c, const GpuPlan& plan) {
 
 std::string recompute_label(const GpuPlan& plan, int64_t layers) {
   const bool partial = rebuilds_activations(plan.recompute) && plan.kept_layers > 0;
-  const std::string offload = plan.offload_activations ? ", the layer inputs offloaded to host memory" : "";
+  std::string offload = plan.offload_activations ? ", the layer inputs offloaded to host memory" : "";
+  if (plan.recompute == Recompute::Full && plan.mlp_layers > 0) {
+    const int64_t m = std::min(plan.mlp_layers, layers - std::min(plan.kept_layers, layers));
+    offload = fmt::format(", {} {} of {} rebuilding only mlp's activations", plan.kept_layers > 0 ? "the next" : "the first",
+                          m, layers) + offload;
+    if (!partial) return recompute_name(plan.recompute) + offload;
+  }
   if (!partial) return recompute_name(plan.recompute) + offload;
   const int64_t k = std::min(plan.kept_layers, layers);
   return (k == 1 ? fmt::format("{}, the first of {} layers keeping its activations", recompute_name(plan.recompute), layers)
