@@ -85,7 +85,9 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
                         : plan.recompute == Recompute::Selective ? "norm, SwiGLU, conv, l2norm, gated-norm and "
                                                                    "output-gate activations rebuilt"
                         : plan.recompute == Recompute::Mlp ? "selective's, and the gate|up output with its GEMM again"
-                                                                 : "only layer inputs kept, each layer's forward rerun";
+                        : plan.mlp_layers > 0 ? "the mlp layers keep mlp's activations, the others only their inputs, "
+                                                "their forward rerun"
+                                              : "only layer inputs kept, each layer's forward rerun";
   fmt::print("  modes: precision {}{}, optimizer state {} ({}{}), recompute {} ({}{}); gated delta rule {}; attention {}\n",
              precision_name(plan.precision), plan.precision == Precision::Fp8 ? " (FP8 casts of the GEMM operands in the workspace)" : "",
              lora ? "lora" : optimizer_state_name(plan.optimizer_state), state_what,
