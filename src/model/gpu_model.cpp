@@ -1120,7 +1120,8 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   m.note_peak();
   log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}, gradients {}), one allocation of {:.2f} GiB for "
            "{} tokens x {} documents per micro-batch; gated delta rule: {}, attention: {}", cuda_device_name(),
-           ds::optimizer_state_name(m.plan.optimizer_state), ds::recompute_label(m.plan, m.c.num_hidden_layers),
+           m.lora ? "fp32 (the adapters'; the base frozen)" : ds::optimizer_state_name(m.plan.optimizer_state),
+           ds::recompute_label(m.plan, m.c.num_hidden_layers),
            ds::gradients_name(m.plan.gradients), m.arena_bytes / 1073741824.0, plan.max_tokens, plan.max_seqs,
            m.gdn ? m.gdn->name() : "-", m.attn ? m.attn->name() : "-");
 }
