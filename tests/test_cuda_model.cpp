@@ -147,12 +147,13 @@ TEST(CudaEngine, OffloadedLayerInputsAreBitwiseFullRecompute) {
     std::vector<float> grads1, grads2;
     size_t bytes;
   };
-  auto run = [&](bool offload, int64_t kept) {
+  auto run = [&](bool offload, int64_t kept, int64_t mlp_layers = 0) {
     ds::GpuPlan plan;
     plan.max_tokens = N;
     plan.max_seqs = 4;
     plan.recompute = ds::Recompute::Full;
     plan.kept_layers = kept;
+    plan.mlp_layers = mlp_layers;
     plan.offload_activations = offload;
     ds::GpuModel gpu(host, plan);
     Run r;
@@ -177,6 +178,12 @@ TEST(CudaEngine, OffloadedLayerInputsAreBitwiseFullRecompute) {
     const double saved = 5.0 * static_cast<double>(N * c.hidden_size) * 2;
     EXPECT_NEAR(static_cast<double>(ref.bytes - off.bytes), saved, 5 * 256.0);
   }
+  // With layers rebuilding only mlp's activations (GpuPlan::mlp_layers: one kept, three mlp, four full) the offloaded
+  // inputs are bitwise full recompute's too.
+  const Run full = run(false, 0), mixed = run(true, 1, 3);
+  EXPECT_EQ(mixed.losses, full.losses);
+  EXPECT_TRUE(mixed.grads1 == full.grads1);
+  EXPECT_TRUE(mixed.grads2 == full.grads2);
 }
 
 // The recompute policies (model/engine.h Recompute) rebuild the forward's own values: bitwise the same loss and

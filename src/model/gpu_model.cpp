@@ -1022,16 +1022,17 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   size_t free_b = 0, total_b = 0;
   DS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   free_b = plannable_free_bytes(free_b, m.plan.memory_limit);  // --max-memory (the checks below keep the slack)
+  if (m.plan.precision == Precision::Fp8 && !ops::fp8_gemm_usable()) {
+    // before the modes and the layout: an FP8 plan reserves the casts' buffers, keeps some inputs in FP8 only and
+    // stores a LoRA run's frozen base in FP8 (model/gpu_fp8.h), so the modes are chosen for what will run
+    log_warn("gpu: --precision fp8: the FP8 GEMM backend failed its probe (`deltastack probe` shows it); the GEMMs "
+             "run in bf16");
+    m.plan.precision = Precision::Bf16;
+  }
   if (m.plan.optimizer_state == OptimizerState::Auto || m.plan.recompute == Recompute::Auto ||
       m.plan.gradients == Gradients::Auto) {
     // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h).
     m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + kAllocationSlack < free_b; });
-  }
-  if (m.plan.precision == Precision::Fp8 && !ops::fp8_gemm_usable()) {
-    // before the layout: an FP8 plan reserves the casts' buffers and keeps some inputs in FP8 only (model/gpu_fp8.h)
-    log_warn("gpu: --precision fp8: the FP8 GEMM backend failed its probe (`deltastack probe` shows it); the GEMMs "
-             "run in bf16");
-    m.plan.precision = Precision::Bf16;
   }
   m.units = param_units(m.c, m.params);
   m.store = std::make_unique<GpuParamStore>(

@@ -64,7 +64,8 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
       return fp32_offset_[k] < 0 ? -1 : fp32_offset_[k] + (off - params_[k].offset);
     });
   // The FP8-stored weights (a frozen base under --precision fp8) and the bf16 copy of the others.
-  DS_CHECK(f8units_.empty() || frozen, "internal: FP8-stored weights need a frozen base");
+  DS_CHECK(f8units_.empty() || (frozen && shard.world == 0), "internal: FP8-stored weights need a frozen, unsharded "
+           "base (its bf16 copy is compacted, not the flat [P_pad] of a shard)");
   f8unit_of_.assign(params.size(), -1);
   for (size_t u = 0; u < f8units_.size(); ++u) {
     const Fp8WeightUnit& f = f8units_[u];
@@ -302,7 +303,7 @@ void GpuParamStore::upload(const std::function<void(size_t k, float* dst)>& valu
     DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // the staging buffer is refilled next
   }
   zero_grads(stream);
-  if (Ppad_ > P_) {  // the padding of the flat buffers: zeros, summed and gathered like the rest
+  if (Ppad_ > P_ && f8units_.empty()) {  // the padding of the flat buffers: zeros, summed and gathered like the rest
     DS_CUDA_CHECK(cudaMemsetAsync(wb_ + P_, 0, (Ppad_ - P_) * sizeof(bf16), stream));
     if (state_ == OptimizerState::Fp32) DS_CUDA_CHECK(cudaMemsetAsync(w_ + P_, 0, (Ppad_ - P_) * sizeof(float), stream));
   }

@@ -134,7 +134,7 @@ class GpuParamStore {
   // Unit u's parameters, the ParamSpec index range [first, last) of those whose first element lies in the unit: the
   // range an in-backward update of the unit covers (GpuOptimizer::step_params), and unit_sum_squares sums.
   std::pair<size_t, size_t> unit_params(size_t u) const { return unit_params_[u]; }
-  bf16* compute_base() const { return wb_; }  // the bf16 weights [P_pad], flat
+  bf16* compute_base() const { return wb_; }  // the bf16 weights [P_pad], flat (compacted with FP8-stored weights)
   float* master_base() const { return w_; }   // the fp32 master [fp32_size()] (fp32 layout: flat, [P_pad])
 
   // The share (ParamShard): whether sharded, P_pad, S, this rank's flat range [share_lo, share_hi), and the range

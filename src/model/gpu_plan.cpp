@@ -313,8 +313,8 @@ size_t offload_host_bytes(const ModelConfig& c, const GpuPlan& plan) {
 std::string recompute_label(const GpuPlan& plan, int64_t layers) {
   const bool partial = rebuilds_activations(plan.recompute) && plan.kept_layers > 0;
   std::string offload = plan.offload_activations ? ", the layer inputs offloaded to host memory" : "";
-  if (plan.recompute == Recompute::Full && plan.mlp_layers > 0) {
-    const int64_t m = std::min(plan.mlp_layers, layers - std::min(plan.kept_layers, layers));
+  const int64_t m = std::min(plan.mlp_layers, layers - std::min(plan.kept_layers, layers));
+  if (plan.recompute == Recompute::Full && m > 0) {
     offload = fmt::format(", {} {} of {} rebuilding only mlp's activations", plan.kept_layers > 0 ? "the next" : "the first",
                           m, layers) + offload;
     if (!partial) return recompute_name(plan.recompute) + offload;

@@ -130,12 +130,19 @@ void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::stri
       plan.shard_world = comm.world();
     }
     size_t least = std::numeric_limits<size_t>::max();
-    for (const char* attention : {"cudnn", "simple"}) {
-      try {  // a kernel that cannot take these shapes is not one the engine would use: the other decides
-        const GpuPlan leanest = resolve_memory_modes(
-            cfg, plan, [&](const GpuMemoryPlan& q) { return q.allocation + slack < free; }, attention);
-        least = std::min(least, plan_gpu_memory(cfg, leanest, attention).allocation);
-      } catch (const Error&) {
+    // --precision fp8 where the FP8 GEMMs run, bf16 where the engine's probe finds they do not: the smaller plan of
+    // the two is the bound (an FP8 LoRA plan stores its frozen base in 1 byte per weight, model/gpu_fp8.h; a full
+    // run's adds the casts' buffers).
+    const Precision given = parse_precision(opt.precision);
+    for (const Precision precision : {given, Precision::Bf16}) {
+      plan.precision = precision;
+      for (const char* attention : {"cudnn", "simple"}) {
+        try {  // a kernel that cannot take these shapes is not one the engine would use: the other decides
+          const GpuPlan leanest = resolve_memory_modes(
+              cfg, plan, [&](const GpuMemoryPlan& q) { return q.allocation + slack < free; }, attention);
+          least = std::min(least, plan_gpu_memory(cfg, leanest, attention).allocation);
+        } catch (const Error&) {
+        }
       }
     }
     if (least == std::numeric_limits<size_t>::max()) return;  // no plan at all: the engine's own error says why
