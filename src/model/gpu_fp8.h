@@ -4,8 +4,9 @@
 // in_proj_b|a, the gated delta rule, attention, A_log, dt_bias).
 //
 // The casts go into a few scratch buffers of the activation plan (GpuFp8Bufs), rewritten by every GEMM: x (a
-// forward input, or a backward input cast transposed), w (a weight, or its transpose), dy and dyt (an output
-// gradient and its transpose). One stream: each buffer is read by its GEMM before the next cast rewrites it.
+// forward input, or a backward input cast transposed), w (a weight, or its transpose; a LoRA run's FP8-stored
+// weight needs only the transpose, fp8_stored_base below), dy and dyt (an output gradient and its transpose). One
+// stream: each buffer is read by its GEMM before the next cast rewrites it.
 //
 // Each cast needs its tensor's amax first. No amax pass is run twice for one tensor within a pass (a forward and
 // its backward, recompute included), and none where the kernel that produced the tensor computed it:
