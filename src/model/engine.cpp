@@ -670,6 +670,7 @@ class CudaEngine final : public Engine {
     return gpu_->adapter() ? OptimizerState::Fp32 : gpu_->optimizer_state();
   }
   Recompute recompute() const override { return gpu_->recompute(); }
+  std::string recompute_label() const override { return gpu_->recompute_label(); }
   // The host adapter with the device's current values (copied back after an update, once).
   LoraAdapter* adapter() override {
     LoraAdapter* a = gpu_->adapter();

@@ -309,6 +309,9 @@ class Engine {
   // The memory modes in use (resolved: never Auto). The CPU engine: fp32 state, nothing recomputed.
   virtual OptimizerState optimizer_state() const { return OptimizerState::Fp32; }
   virtual Recompute recompute() const { return Recompute::None; }
+  // The policy with its layers as logs name it (model/gpu_plan.h recompute_label: "full, the first 48 of 64
+  // rebuilding only mlp's activations"); the policy's name where no layer differs.
+  virtual std::string recompute_label() const { return recompute_name(recompute()); }
   // The GEMM precision in use: the plan's, or bf16 where the FP8 backend failed its probe (one log line).
   virtual Precision precision() const { return Precision::Bf16; }
   // Timed scopes of the step's ops on the compute stream, collected by the caller after each step (`bench step

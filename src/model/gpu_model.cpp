@@ -1389,6 +1389,7 @@ void GpuModel::download_grads(std::vector<float>& out) const {
 size_t GpuModel::planned_bytes() const { return impl_->arena_bytes; }
 OptimizerState GpuModel::optimizer_state() const { return impl_->plan.optimizer_state; }
 Recompute GpuModel::recompute() const { return impl_->plan.recompute; }
+std::string GpuModel::recompute_label() const { return ds::recompute_label(impl_->plan, impl_->c.num_hidden_layers); }
 Precision GpuModel::precision() const { return impl_->f8 ? Precision::Fp8 : Precision::Bf16; }
 size_t GpuModel::peak_bytes() const { return impl_->peak; }
 
@@ -1436,6 +1437,7 @@ double GpuModel::share_grad_sum_squares() { return 0; }
 size_t GpuModel::planned_bytes() const { return 0; }
 OptimizerState GpuModel::optimizer_state() const { return OptimizerState::Fp32; }
 Recompute GpuModel::recompute() const { return Recompute::Selective; }
+std::string GpuModel::recompute_label() const { return "selective"; }
 Precision GpuModel::precision() const { return Precision::Bf16; }
 size_t GpuModel::peak_bytes() const { return 0; }
 }  // namespace ds

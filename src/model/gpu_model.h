@@ -149,6 +149,7 @@ class GpuModel {
   size_t planned_bytes() const;  // the single device allocation
   OptimizerState optimizer_state() const;  // the modes in use (GpuPlan's, Auto resolved)
   Recompute recompute() const;
+  std::string recompute_label() const;  // model/gpu_plan.h recompute_label of the plan in use
   Precision precision() const;  // the plan's, or bf16 where the FP8 backend failed its probe
   size_t peak_bytes() const;     // device memory in use by this process at its high point (cudaMemGetInfo)
 

@@ -515,7 +515,7 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   double flops = ((plan.lora.r > 0 ? 4.0 : 6.0) * matmul_params + attn) * tokens;
   fmt::print("bench step: preset {} ({:.2f}B params), seq {} x micro-batch {}, {} timed steps on {}; optimizer state "
              "{}, recompute {}, precision {}, gradients {}{}{}\n", preset, cfg.num_parameters() / 1e9, seq_len, micro_batch,
-             steps, cuda_device_name(), optimizer_state_name(gpu->optimizer_state()), recompute_name(gpu->recompute()),
+             steps, cuda_device_name(), optimizer_state_name(gpu->optimizer_state()), gpu->recompute_label(),
              precision_name(gpu->precision()), gradients_name(gpu->gradients()),
              memory.clip > 0 ? fmt::format(", clip {}", memory.clip) : std::string(),
              plan.lora.r > 0 ? fmt::format(", LoRA rank {} (all-linear; optimizer state = the adapters')", plan.lora.r)
