@@ -90,6 +90,39 @@ std::vector<float> flat(const std::map<std::string, std::vector<float>>& m) {
   return out;
 }
 
+// The reference of the FP8-stored base: the base kept in bf16 with an amax pass before every cast
+// (DELTASTACK_FP8_FROZEN_BASE=0, DELTASTACK_FP8_AMAX=separate: the first FP8 build's way), made by `make`.
+template <class Make>
+std::unique_ptr<ds::Engine> bf16_stored_reference(const Make& make) {
+  ds::test::EnvSet bf16_base(ds::kFp8FrozenBaseKnob, "0"), separate("DELTASTACK_FP8_AMAX", "separate");
+  return make();
+}
+
+// `steps` training steps (forward, backward, AdamW at lr) of each engine on b: every engine's loss and adapter
+// gradients bitwise the first's at every step, and its adapters after them.
+void expect_steps_bitwise(const std::vector<ds::Engine*>& engines, const ds::PackedBatch& b, double scale,
+                          int64_t steps, double lr) {
+  ds::ops::AdamWParams ap;
+  ap.lr = lr;
+  for (int64_t s = 1; s <= steps; ++s) {
+    ap.step = s;
+    std::vector<double> loss;
+    std::vector<std::vector<float>> grads;
+    for (ds::Engine* e : engines) {
+      e->zero_grads();
+      loss.push_back(e->forward_backward(b, scale).loss_sum);
+      grads.push_back(flat(values_of(e->grad_tensors())));
+      e->optimizer_step(ap);
+    }
+    for (size_t j = 1; j < engines.size(); ++j) {
+      EXPECT_EQ(loss[0], loss[j]) << "step " << s << ", engine " << j;
+      EXPECT_TRUE(grads[0] == grads[j]) << "step " << s << ", engine " << j;
+    }
+  }
+  for (size_t j = 1; j < engines.size(); ++j)
+    EXPECT_TRUE(engines[0]->adapter()->values() == engines[j]->adapter()->values()) << "engine " << j;
+}
+
 
 }  // namespace
 
@@ -191,35 +224,14 @@ TEST(CudaLora, Fp8StoredBaseIsBitwiseTheBf16StoredBase) {
   DS_SKIP_WITHOUT_GPU();
   const Fixture f;
   const auto& [c, a, b, scale] = f;
-  std::unique_ptr<ds::Engine> ref;
-  {
-    ds::test::EnvSet bf16_base(ds::kFp8FrozenBaseKnob, "0"), separate("DELTASTACK_FP8_AMAX", "separate");
-    ref = engine_with("cuda", a, b, ds::Precision::Fp8);
-  }
+  const std::unique_ptr<ds::Engine> ref =
+      bf16_stored_reference([&] { return engine_with("cuda", a, b, ds::Precision::Fp8); });
   std::unique_ptr<ds::Engine> stored = engine_with("cuda", a, b, ds::Precision::Fp8);
   if (stored->precision() != ds::Precision::Fp8) GTEST_SKIP() << "the FP8 GEMM backend failed its probe here";
-  // and as the 27B run of docs/lora.md plans it: full recompute, some layers rebuilding only mlp's activations
+  // and as the 27B run of docs/lora.md plans it (engine 2): full recompute, some layers rebuilding only mlp's
+  // activations
   std::unique_ptr<ds::Engine> stored_full = engine_with("cuda", a, b, ds::Precision::Fp8, ds::Recompute::Full, 2);
-  ds::ops::AdamWParams ap;
-  ap.lr = 5e-3;
-  for (int64_t s = 1; s <= 3; ++s) {
-    ap.step = s;
-    double loss[3];
-    std::vector<float> grads[3];
-    int i = 0;
-    for (ds::Engine* e : {ref.get(), stored.get(), stored_full.get()}) {
-      e->zero_grads();
-      loss[i] = e->forward_backward(b, scale).loss_sum;
-      grads[i++] = flat(values_of(e->grad_tensors()));
-      e->optimizer_step(ap);
-    }
-    EXPECT_EQ(loss[0], loss[1]) << "step " << s;
-    EXPECT_TRUE(grads[0] == grads[1]) << "step " << s;
-    EXPECT_EQ(loss[0], loss[2]) << "step " << s << " (full, mlp layers)";
-    EXPECT_TRUE(grads[0] == grads[2]) << "step " << s << " (full, mlp layers)";
-  }
-  EXPECT_TRUE(ref->adapter()->values() == stored->adapter()->values());
-  EXPECT_TRUE(ref->adapter()->values() == stored_full->adapter()->values());
+  expect_steps_bitwise({ref.get(), stored.get(), stored_full.get()}, b, scale, 3, 5e-3);
   EXPECT_TRUE(stored->adapter()->values() != a.values());  // the steps moved the adapters
   // the weights: a decoder GEMM weight stored in FP8 has no bf16 values; the embedding does
   size_t fp8_only = 0, readable = 0;
@@ -267,30 +279,10 @@ TEST(CudaLora, Fp8StoredBaseUploadedInChunksIsBitwiseTheBf16StoredBase) {
     plan.precision = ds::Precision::Fp8;
     return ds::make_engine("cuda", std::move(m), plan);
   };
-  std::unique_ptr<ds::Engine> ref;
-  {
-    ds::test::EnvSet bf16_base(ds::kFp8FrozenBaseKnob, "0"), separate("DELTASTACK_FP8_AMAX", "separate");
-    ref = engine();
-  }
+  const std::unique_ptr<ds::Engine> ref = bf16_stored_reference(engine);
   std::unique_ptr<ds::Engine> stored = engine();
   if (stored->precision() != ds::Precision::Fp8) GTEST_SKIP() << "the FP8 GEMM backend failed its probe here";
-  ds::ops::AdamWParams ap;
-  ap.lr = 1e-3;
-  for (int64_t s = 1; s <= 2; ++s) {
-    ap.step = s;
-    double loss[2];
-    std::vector<float> grads[2];
-    int i = 0;
-    for (ds::Engine* e : {ref.get(), stored.get()}) {
-      e->zero_grads();
-      loss[i] = e->forward_backward(b, scale).loss_sum;
-      grads[i++] = flat(values_of(e->grad_tensors()));
-      e->optimizer_step(ap);
-    }
-    EXPECT_EQ(loss[0], loss[1]) << "step " << s;
-    EXPECT_TRUE(grads[0] == grads[1]) << "step " << s;
-  }
-  EXPECT_TRUE(ref->adapter()->values() == stored->adapter()->values());
+  expect_steps_bitwise({ref.get(), stored.get()}, b, scale, 2, 1e-3);
 }
 
 // The base is frozen in bf16: its weights read back as the bf16 rounding of the host's, unchanged by updates; its

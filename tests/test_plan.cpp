@@ -28,6 +28,15 @@ namespace {
 
 constexpr double kGiB = 1073741824.0;
 
+// LoRA rank 16, alpha 8, on every linear layer: the shape of issue 26's runs and of the peer's.
+ds::LoraConfig lora_r16() {
+  ds::LoraConfig l;
+  l.r = 16;
+  l.lora_alpha = 8;
+  l.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  return l;
+}
+
 double planned_gib(const char* preset, int64_t seq, int64_t mb) {  // fp32 state, selective recompute
   return ds::plan_gpu_memory(ds::ModelConfig::preset(preset), ds::GpuPlan::windows(mb, seq, 1)).total / kGiB;
 }
@@ -436,9 +445,7 @@ TEST(Plan, AutoKeepsTheMostLayersThatFit) {
   const int64_t L = c.num_hidden_layers;
   ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
   plan.precision = ds::Precision::Fp8;
-  plan.lora.r = 16;
-  plan.lora.lora_alpha = 8;
-  plan.lora.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  plan.lora = lora_r16();
   auto total = [&](ds::Recompute r, int64_t kept) {
     ds::GpuPlan p = plan;
     p.recompute = r;
@@ -543,9 +550,7 @@ TEST(Plan, OffloadKeepsThreeLayerInputsOnTheDevice) {
   // and about 60.6 with the inputs offloaded; within 62 GiB auto offloads, within 70 it does not, and within 50
   // (nothing fits) the offloaded plan is the leanest, the one a refusal reports.
   ds::GpuPlan lora = ds::GpuPlan::windows(1, 8192, 1);
-  lora.lora.r = 16;
-  lora.lora.lora_alpha = 8;
-  lora.lora.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  lora.lora = lora_r16();
   lora.recompute = ds::Recompute::Auto;
   const auto within = [](double gib) {
     return [gib](const ds::GpuMemoryPlan& p) { return static_cast<double>(p.total) < gib * kGiB; };
@@ -573,9 +578,7 @@ TEST(Plan, LoraFreezesTheBaseAndCountsTheAdapters) {
   const ds::ModelConfig c = ds::ModelConfig::preset("9b");
   ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
   plan.recompute = ds::Recompute::Selective;
-  plan.lora.r = 16;
-  plan.lora.lora_alpha = 8;
-  plan.lora.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  plan.lora = lora_r16();
   const double A = static_cast<double>(ds::lora_num_values(ds::lora_tensor_specs(c, plan.lora), 16));
   double P = static_cast<double>(c.num_parameters()), small = 0;
   for (const ds::ParamSpec& p : ds::qwen35_params(c))
@@ -644,9 +647,7 @@ TEST(Plan, LoraFp8BaseStoresTheGemmWeightsAsOneByteCasts) {
   ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
   plan.recompute = ds::Recompute::Selective;
   plan.precision = ds::Precision::Fp8;
-  plan.lora.r = 16;
-  plan.lora.lora_alpha = 8;
-  plan.lora.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  plan.lora = lora_r16();
   const double fp8 = static_cast<double>(use(ds::plan_gpu_memory(c, plan), ds::MemoryUse::Parameters));
   double bf16 = 0;
   {
@@ -673,9 +674,7 @@ TEST(Plan, FullRecomputeTakesLayersRebuildingOnlyMlps) {
   ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
   plan.precision = ds::Precision::Fp8;
   plan.offload_activations = true;
-  plan.lora.r = 16;
-  plan.lora.lora_alpha = 8;
-  plan.lora.target_modules = ds::parse_lora_targets({"all-linear"}, "test");
+  plan.lora = lora_r16();
   auto total = [&](int64_t kept, int64_t m) {
     ds::GpuPlan p = plan;
     p.recompute = ds::Recompute::Full;

@@ -24,16 +24,12 @@
 
 namespace ds {
 
-// Whether decoder layer `layer` keeps its own copy of the activations the policy rebuilds (none; the first
-// kept_layers layers of selective, mlp or full: GpuPlan::kept_layers) instead of rebuilding them in the backward
-// (full: a kept layer keeps all of its activations, as none does, and its forward does not run again).
-inline bool layer_keeps_rebuilt(Recompute rc, int64_t kept_layers, int64_t layer) {
-  return rc == Recompute::None || (rebuilds_activations(rc) && layer < kept_layers);
-}
-// The policy decoder layer `layer` runs under the plan's rc: none for a kept layer (layer_keeps_rebuilt); under full,
-// mlp for the mlp_layers after the kept ones (GpuPlan::mlp_layers); rc otherwise.
+// The policy decoder layer `layer` runs under the plan's rc: none for the first kept_layers layers of selective, mlp
+// or full (GpuPlan::kept_layers: they keep their own copy of what the policy rebuilds; under full all of their
+// activations, and their forward does not run again); under full, mlp for the mlp_layers after them
+// (GpuPlan::mlp_layers); rc otherwise.
 inline Recompute layer_recompute(Recompute rc, int64_t kept_layers, int64_t mlp_layers, int64_t layer) {
-  if (layer_keeps_rebuilt(rc, kept_layers, layer)) return Recompute::None;
+  if (rebuilds_activations(rc) && layer < kept_layers) return Recompute::None;
   if (rc == Recompute::Full && layer < kept_layers + mlp_layers) return Recompute::Mlp;
   return rc;
 }

@@ -76,6 +76,10 @@ std::vector<Fp8WeightUnit> fp8_weight_units(const ModelConfig& c, const ParamLay
   return out;
 }
 
+std::vector<Fp8WeightUnit> fp8_stored_units(const ModelConfig& c, const ParamLayout& layout, bool fp8, bool lora) {
+  return fp8_stored_base(fp8, lora) ? fp8_weight_units(c, layout) : std::vector<Fp8WeightUnit>{};
+}
+
 size_t fp8_kept_bytes(const ModelConfig& c, int64_t max_tokens) {
   const int64_t Np = (max_tokens + 15) / 16 * 16, H = c.hidden_size, I = c.intermediate_size;
   int64_t per_token = 0;  // the mixer's output projection's input, gate|up's, down's: as GpuActivations::reserve
@@ -141,24 +145,21 @@ GpuFp8Linear::GpuFp8Linear(const GpuFp8Bufs& b, const Fp8Recipe& r, cudaStream_t
   DS_CHECK(b_.amax, "internal: the FP8 scratch has no amax table");
 }
 
-void GpuFp8Linear::use_stored_weights(const std::vector<Fp8WeightUnit>& units,
-                                      const std::vector<StoredWeight>& weights) {
-  DS_CHECK(units.size() == weights.size(), "internal: fp8: {} stored weights for {} units", weights.size(),
-           units.size());
+void GpuFp8Linear::use_stored_weights(const std::vector<StoredWeight>& weights) {
   stored_.assign(have_.size(), StoredWeight{});
-  for (size_t u = 0; u < units.size(); ++u) {
-    const StoredWeight& w = weights[u];
-    DS_CHECK(w.q && w.scale && w.rows == units[u].rows && w.cols == units[u].cols,
-             "internal: fp8: stored weight {} of layer {} is not its unit's [{}, {}]", units[u].weight, units[u].layer,
-             units[u].rows, units[u].cols);
-    stored_[static_cast<size_t>(weight_slot(units[u].layer, units[u].weight))] = w;
+  for (const StoredWeight& w : weights) {
+    DS_CHECK(w.q && w.scale, "internal: fp8: stored weight {} of layer {} without codes", w.unit.weight, w.unit.layer);
+    stored_[static_cast<size_t>(weight_slot(w.unit.layer, w.unit.weight))] = w;
   }
 }
 
-const GpuFp8Linear::StoredWeight* GpuFp8Linear::stored(int64_t layer, int weight) const {
+const GpuFp8Linear::StoredWeight* GpuFp8Linear::stored(int64_t layer, int weight, int64_t N, int64_t K) const {
   if (stored_.empty()) return nullptr;
   const StoredWeight& w = stored_[static_cast<size_t>(weight_slot(layer, weight))];
-  return w.q ? &w : nullptr;
+  if (!w.q) return nullptr;
+  DS_CHECK(w.unit.rows == N && w.unit.cols == K, "internal: fp8: stored weight [{}, {}] used as [{}, {}]", w.unit.rows,
+           w.unit.cols, N, K);
+  return &w;
 }
 
 int64_t GpuFp8Linear::input_slot(int64_t layer, Fp8Input role) const {
@@ -209,9 +210,7 @@ void GpuFp8Linear::forward(const Fp8Matrix& qx, const bf16* W, int64_t N, bf16* 
   DS_CHECK(!(accumulate && residual), "internal: fp8 forward with accumulate and a residual");
   const int64_t Kd = qx.cols;
   Fp8Matrix qw{b_.w, N, Kd, Kd, Fp8Format::E4M3, b_.f + 4 * kFp8Slot};
-  if (const StoredWeight* sw = stored(layer, weight)) {  // its cast as stored (W is only the store's key)
-    DS_CHECK(sw->rows == N && sw->cols == Kd, "internal: fp8: stored weight [{}, {}] used as [{}, {}]", sw->rows,
-             sw->cols, N, Kd);
+  if (const StoredWeight* sw = stored(layer, weight, N, Kd)) {  // its cast as stored (W is only the store's key)
     qw = Fp8Matrix{sw->q, N, Kd, Kd, Fp8Format::E4M3, sw->scale};
   } else {
     const float* a = amax_of(weight_slot(layer, weight), W, N, Kd, frozen_weights_);
@@ -242,9 +241,7 @@ void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8M
                        b_.f + 5 * kFp8Slot, s_);
   // dgrad: dx[M, K] = q(dy)[M, N] . q(W^T)[K, N]^T
   const float* wscale = b_.f + 4 * kFp8Slot;
-  if (const StoredWeight* sw = stored(layer, weight)) {  // the stored cast transposed: the same codes and scale
-    DS_CHECK(sw->rows == N && sw->cols == Kd, "internal: fp8: stored weight [{}, {}] used as [{}, {}]", sw->rows,
-             sw->cols, N, Kd);
+  if (const StoredWeight* sw = stored(layer, weight, N, Kd)) {  // the stored cast transposed: same codes, scale
     K::fp8_transpose(sw->q, N, Kd, Kd, b_.w, N, s_);
     wscale = sw->scale;
   } else {

@@ -66,6 +66,8 @@ struct Fp8WeightUnit {
 // which every shape takes the FP8 GEMM (fp8_gemm_takes), as the engine's linears_forward decides per group; in
 // layer order, then weight order.
 std::vector<Fp8WeightUnit> fp8_weight_units(const ModelConfig& c, const ParamLayout& layout);
+// The units a plan stores in FP8: fp8_weight_units where fp8_stored_base(fp8, lora), none otherwise.
+std::vector<Fp8WeightUnit> fp8_stored_units(const ModelConfig& c, const ParamLayout& layout, bool fp8, bool lora);
 
 // The FP8 formats and accumulation of a run, from the environment (DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM,
 // DELTASTACK_FP8_AMAX); ds::Error naming the variable for a bad value.
@@ -138,11 +140,11 @@ class GpuFp8Linear {
   // dequantization scale (a device float). forward() then reads those codes for that weight, whatever W it is given
   // (the store's view of the weight: a key, not bf16 values), and backward() transposes them for the dgrad.
   struct StoredWeight {
+    Fp8WeightUnit unit;
     const uint8_t* q = nullptr;
     const float* scale = nullptr;
-    int64_t rows = 0, cols = 0;
   };
-  void use_stored_weights(const std::vector<Fp8WeightUnit>& units, const std::vector<StoredWeight>& weights);
+  void use_stored_weights(const std::vector<StoredWeight>& weights);
 
   // A new pass (a forward, its backward): every amax of the table is stale (a frozen weight's excepted).
   void begin_pass() { ++pass_; }
@@ -184,8 +186,8 @@ class GpuFp8Linear {
   int64_t weight_slot(int64_t layer, int weight) const;
   float* kept_scale(int64_t layer, Fp8Input role) const;
 
-  // The stored weight of (layer, weight), or null.
-  const StoredWeight* stored(int64_t layer, int weight) const;
+  // The stored weight of (layer, weight), or null; ds::Error when it is not [N, K].
+  const StoredWeight* stored(int64_t layer, int weight, int64_t N, int64_t K) const;
 
   GpuFp8Bufs b_;
   Fp8Recipe r_;

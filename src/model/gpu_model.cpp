@@ -1038,8 +1038,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   m.store = std::make_unique<GpuParamStore>(
       *m.layout, m.params, m.plan.optimizer_state, ParamShard{m.plan.shard_rank, m.plan.shard_world}, m.units,
       m.plan.gradients, /*frozen=*/m.adapter != nullptr,
-      fp8_stored_base(m.plan.precision == Precision::Fp8, m.adapter != nullptr) ? fp8_weight_units(m.c, *m.layout)
-                                                                                : std::vector<Fp8WeightUnit>{});
+      fp8_stored_units(m.c, *m.layout, m.plan.precision == Precision::Fp8, m.adapter != nullptr));
   if (m.adapter) m.lora = std::make_unique<GpuLora>(m.c, m.plan.lora, m.plan.max_tokens);
   else m.optimizer = std::make_unique<GpuAdamW>(*m.store);
   bool has_attention = false, has_gdn = false;
@@ -1097,13 +1096,8 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     const Fp8Recipe recipe = Fp8Recipe::from_env();
     // A LoRA run's base is frozen (uploaded below, never written again): its weights' amax is taken once.
     m.f8.emplace(m.acts.fp8, recipe, m.stream, m.c.num_hidden_layers, /*frozen_weights=*/m.lora != nullptr);
-    const std::vector<Fp8WeightUnit>& units = m.store->fp8_units();
-    if (!units.empty()) {  // the frozen base's GEMM weights as their casts (scales set by the upload below)
-      std::vector<GpuFp8Linear::StoredWeight> w;
-      for (size_t u = 0; u < units.size(); ++u)
-        w.push_back({m.store->fp8_codes(u), m.store->fp8_scale(u), units[u].rows, units[u].cols});
-      m.f8->use_stored_weights(units, w);
-    }
+    // the frozen base's GEMM weights as their casts, if stored so (scales set by the upload below)
+    m.f8->use_stored_weights(m.store->fp8_stored_weights());
     log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({}){}", recipe.describe(),
              m.acts.fp8.saved_scale ? "; the FP8-only GEMM inputs kept for the backward in FP8" : "");
   }

@@ -209,7 +209,7 @@ void GpuParamStore::reserve(Arena& a) {
   wb_ = a.take<bf16>(Pb_);
   if (!f8units_.empty()) {
     w8_ = a.take<uint8_t>(W8_);  // after wb_: the compute views below address the codes from wb_ forward
-    w8_f_ = a.take<float>(2 * kScaleSlot * f8units_.size());
+    w8_f_ = a.take<float>(2 * ops::cuda::kFp8Slot * f8units_.size());
     a.use = MemoryUse::Workspace;
     stage_ = a.take<bf16>(kUploadStage);
     if (a.base) {
@@ -244,6 +244,12 @@ ds::cuda::bf16* GpuParamStore::compute(size_t k) const {
   return reinterpret_cast<bf16*>(w8_ + w8_at_[u] + (params_[k].offset - f8units_[u].offset));
 }
 
+std::vector<GpuFp8Linear::StoredWeight> GpuParamStore::fp8_stored_weights() const {
+  std::vector<GpuFp8Linear::StoredWeight> out;
+  for (size_t u = 0; u < f8units_.size(); ++u) out.push_back({f8units_[u], fp8_codes(u), fp8_scale(u)});
+  return out;
+}
+
 void GpuParamStore::upload_fp8_unit(size_t u, const std::vector<uint16_t>& bits, cudaStream_t stream) {
   const Fp8WeightUnit& f = f8units_[u];
   // The amax of the bf16 values: |x|'s bits are ordered as the floats are (NaN's above inf's), as fp8_amax takes it.
@@ -252,7 +258,7 @@ void GpuParamStore::upload_fp8_unit(size_t u, const std::vector<uint16_t>& bits,
 #pragma omp parallel for reduction(max : m) schedule(static)
   for (int64_t i = 0; i < n; ++i) m = std::max<uint32_t>(m, bits[static_cast<size_t>(i)] & 0x7fffu);
   const uint32_t amax_bits = m << 16;
-  float* amax = w8_f_ + 2 * u * kScaleSlot;
+  float* amax = w8_f_ + 2 * u * ops::cuda::kFp8Slot;
   DS_CUDA_CHECK(cudaMemcpyAsync(amax, &amax_bits, sizeof(float), cudaMemcpyHostToDevice, stream));
   const int64_t rows_per = std::max<int64_t>(1, kUploadStage / f.cols);
   DS_CHECK(rows_per * f.cols <= kUploadStage, "gpu: FP8 weight of layer {} has rows of {} elements, more than the "
@@ -262,7 +268,7 @@ void GpuParamStore::upload_fp8_unit(size_t u, const std::vector<uint16_t>& bits,
     DS_CUDA_CHECK(cudaMemcpyAsync(stage_, bits.data() + r0 * f.cols, r * f.cols * sizeof(uint16_t),
                                   cudaMemcpyHostToDevice, stream));
     K::fp8_quantize(stage_, r, f.cols, f.cols, amax, Fp8Format::E4M3, w8_ + w8_at_[u] + r0 * f.cols, f.cols,
-                    w8_f_ + (2 * u + 1) * kScaleSlot, stream);
+                    w8_f_ + (2 * u + 1) * ops::cuda::kFp8Slot, stream);
   }
   DS_CUDA_CHECK(cudaStreamSynchronize(stream));  // amax_bits and the stage
 }

@@ -99,7 +99,9 @@ class GpuParamStore {
   // float, set by upload), and whether p points into the codes.
   const std::vector<Fp8WeightUnit>& fp8_units() const { return f8units_; }
   const uint8_t* fp8_codes(size_t u) const { return w8_ + w8_at_[u]; }
-  const float* fp8_scale(size_t u) const { return w8_f_ + (2 * u + 1) * kScaleSlot; }
+  const float* fp8_scale(size_t u) const { return w8_f_ + (2 * u + 1) * ops::cuda::kFp8Slot; }
+  // Every unit with its codes and scale, as GpuFp8Linear::use_stored_weights takes them.
+  std::vector<GpuFp8Linear::StoredWeight> fp8_stored_weights() const;
   bool holds_fp8(const void* p) const {
     const auto* b = static_cast<const uint8_t*>(p);
     return w8_ && b >= w8_ && b < w8_ + W8_;
@@ -172,7 +174,6 @@ class GpuParamStore {
  private:
   const ParamLayout& layout_;
   const std::vector<ParamSpec>& params_;
-  static constexpr int64_t kScaleSlot = 64;  // floats between two FP8 amax / scale values (ops/linear/fp8.h kFp8Slot)
   static constexpr int64_t kUploadStage = int64_t{1} << 23;  // bf16 elements of the FP8 upload's device stage
   std::vector<Fp8WeightUnit> f8units_;
   std::vector<int> f8unit_of_;        // per parameter: its FP8 unit, or -1
@@ -182,7 +183,7 @@ class GpuParamStore {
   int64_t Pb_ = 0;                    // elements of wb_
   ParamLayout compute_layout_;        // layout_ with the offsets of wb_ (FP8-stored: their codes, in bf16 units)
   uint8_t* w8_ = nullptr;
-  float* w8_f_ = nullptr;             // per unit: amax, scale (kScaleSlot floats apart)
+  float* w8_f_ = nullptr;             // per unit: amax, scale (ops/linear/fp8.h kFp8Slot floats apart)
   bf16* stage_ = nullptr;             // the FP8 upload's device stage [kUploadStage]
   void upload_fp8_unit(size_t u, const std::vector<uint16_t>& bits, cudaStream_t stream);
   OptimizerState state_;

@@ -115,8 +115,7 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   const bool lora = plan.lora.r > 0;
   GpuParamStore store(layout, params, plan.optimizer_state, ParamShard{plan.shard_rank, plan.shard_world},
                       param_units(c, params), plan.gradients, lora,
-                      fp8_stored_base(plan.precision == Precision::Fp8, lora) ? fp8_weight_units(c, layout)
-                                                                              : std::vector<Fp8WeightUnit>{});
+                      fp8_stored_units(c, layout, plan.precision == Precision::Fp8, lora));
   std::optional<GpuAdamW> optimizer;
   std::optional<GpuLora> adapters;
   if (lora) adapters.emplace(c, plan.lora, plan.max_tokens);
@@ -317,7 +316,6 @@ std::string recompute_label(const GpuPlan& plan, int64_t layers) {
   if (plan.recompute == Recompute::Full && m > 0) {
     offload = fmt::format(", {} {} of {} rebuilding only mlp's activations", plan.kept_layers > 0 ? "the next" : "the first",
                           m, layers) + offload;
-    if (!partial) return recompute_name(plan.recompute) + offload;
   }
   if (!partial) return recompute_name(plan.recompute) + offload;
   const int64_t k = std::min(plan.kept_layers, layers);

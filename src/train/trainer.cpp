@@ -133,8 +133,9 @@ void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::stri
     // --precision fp8 where the FP8 GEMMs run, bf16 where the engine's probe finds they do not: the smaller plan of
     // the two is the bound (an FP8 LoRA plan stores its frozen base in 1 byte per weight, model/gpu_fp8.h; a full
     // run's adds the casts' buffers).
-    const Precision given = parse_precision(opt.precision);
-    for (const Precision precision : {given, Precision::Bf16}) {
+    std::vector<Precision> precisions = {Precision::Bf16};
+    if (const Precision given = parse_precision(opt.precision); given != Precision::Bf16) precisions.push_back(given);
+    for (const Precision precision : precisions) {
       plan.precision = precision;
       for (const char* attention : {"cudnn", "simple"}) {
         try {  // a kernel that cannot take these shapes is not one the engine would use: the other decides
