@@ -716,7 +716,7 @@ fi
 if has curves-modes; then
   # Each mode against the exact one on real text (the corpus stage's /tmp/ds_corpus.txt), all runs side by side on
   # the GPU with one seed, data and schedule: CURVE_SPECS, space-separated
-  # MODEL:SEQ:MB:PRECISION:STATE[:GRADIENTS[:ACCUM]] (GRADIENTS: --gradients, fp32 when empty, e.g. bf16;
+  # MODEL:SEQ:MB:PRECISION:STATE[:GRADIENTS[:ACCUM]] (PRECISION: bf16, fp8, or fp8head for fp8 with --fp8-lm-head; GRADIENTS: --gradients, fp32 when empty, e.g. bf16;
   # ACCUM: --grad-accum, 1 when empty; give the reference the same ACCUM) (the first spec of each model is its
   # reference, compared with scripts/compare_curves.py to every other one of that model, within CURVE_BAND, 0.005); CURVE_STEPS (1000), CURVE_TIMEOUT s at most per run (a run stopped
   # early keeps the metrics it wrote); metrics to $OUT/curve_<model>_<precision>_<state>[_<gradients>][_x<accum>].jsonl.
@@ -730,7 +730,8 @@ if has curves-modes; then
     rm -rf /tmp/ds_m_$tag
     timeout ${CURVE_TIMEOUT:-600} $D train --model $model --device cuda --data /tmp/ds_corpus.txt --seq-len $seq \
       --micro-batch $mb --steps ${CURVE_STEPS:-1000} --lr ${CURVE_LR:-3e-4} --warmup 50 --eval-interval 100 \
-      --eval-batches 16 --val-fraction 0.005 --optimizer-state $st --recompute selective --precision $prec \
+      --eval-batches 16 --val-fraction 0.005 --optimizer-state $st --recompute selective \
+      $( [ "$prec" = fp8head ] && echo "--precision fp8 --fp8-lm-head" || echo "--precision $prec") \
       --gradients ${grads:-fp32} --grad-accum ${accum:-1} --out /tmp/ds_m_$tag >/tmp/ds_m_$tag.txt 2>&1 &
   done
   wait

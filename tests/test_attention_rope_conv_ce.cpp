@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/fp8.h"
 #include "core/parallel.h"
 #include "ops/attention/attention.h"
 #include "ops/conv1d/conv1d.h"
@@ -650,6 +652,62 @@ TEST(LinearCeCpu, OutOfRangeLabelIsAnError) {
       EXPECT_NE(std::string(e.what()).find("token 3"), std::string::npos) << e.what();
     }
   }
+}
+
+// --fp8-lm-head (LinearCeOptions::fp8_grads): dh and dW are the float64 products of the casts the GPU's FP8 GEMMs
+// multiply (W and all N rows of h E4M3 at their amax, the dlogits E5M2 at the bound |grad_scale|), the loss is the
+// exact mode's bit for bit, and the gradients are really FP8's (away from the exact ones by the casts' error).
+TEST(LinearCeCpu, Fp8GradsAreTheFloat64ProductsOfTheCasts) {
+  const int64_t N = 37, H = 24, V = 300;
+  const auto h = randn<double>(N * H, 141), W = randn<double>(V * H, 142);
+  std::vector<int32_t> labels(N);
+  for (int64_t n = 0; n < N; ++n) labels[n] = static_cast<int32_t>((n * 13 + 5) % V);
+  labels[2] = labels[30] = -100;
+  LinearCeOptions opt;
+  opt.grad_scale = 1.0 / 35;
+  opt.chunk_tokens = 8;
+  const auto exact = run_ce<float>(h, W, labels, N, H, V, opt);
+  opt.fp8_grads = true;
+  const auto f8 = run_ce<float>(h, W, labels, N, H, V, opt);
+  EXPECT_EQ(f8.res.loss_sum, exact.res.loss_sum);
+
+  auto cast_of = [](std::vector<float> x, ds::Fp8Format f, float amax) {
+    ds::fp8_fake_quantize(x.data(), static_cast<int64_t>(x.size()), f, amax);
+    return std::vector<double>(x.begin(), x.end());
+  };
+  const auto hf = cast<float>(h), Wf = cast<float>(W);
+  const auto hq = cast_of(hf, ds::Fp8Format::E4M3, ds::fp8_amax(hf.data(), N * H));
+  const auto Wq = cast_of(Wf, ds::Fp8Format::E4M3, ds::fp8_amax(Wf.data(), V * H));
+  const NaiveCe ref = naive_ce(to_d(hf), to_d(Wf), labels, N, H, V, 0.0, opt.grad_scale);
+  std::vector<float> g(N * V, 0.0f);  // dlogits in float64, then their E5M2 casts
+  for (int64_t n = 0; n < N; ++n) {
+    if (labels[n] == -100) continue;
+    const double* l = ref.logits.data() + n * V;
+    double m = -INFINITY, sum = 0;
+    for (int64_t v = 0; v < V; ++v) m = std::max(m, l[v]);
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(l[v] - m);
+    for (int64_t v = 0; v < V; ++v)
+      g[n * V + v] = static_cast<float>(opt.grad_scale * (std::exp(l[v] - m) / sum - (v == labels[n] ? 1.0 : 0.0)));
+  }
+  const auto gq = cast_of(g, ds::Fp8Format::E5M2, static_cast<float>(opt.grad_scale));
+  std::vector<double> dh(N * H, 0.0), dW(V * H, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t v = 0; v < V; ++v)
+      for (int64_t i = 0; i < H; ++i) {
+        dh[n * H + i] += gq[n * V + v] * Wq[v * H + i];
+        dW[v * H + i] += gq[n * V + v] * hq[n * H + i];
+      }
+  EXPECT_LE(rel_l2(f8.dh, dh), 1e-4);
+  EXPECT_LE(rel_l2(f8.dW, dW), 1e-4);
+  const double off = rel_l2(exact.dh, dh);
+  EXPECT_GT(off, 2e-3);  // the casts' error: E5M2 keeps 2 mantissa bits
+  EXPECT_LT(off, 0.15);
+  std::printf("[ measured ] fp8 lm head vs exact: dh rel L2 %.3e, dW %.3e\n", off, rel_l2(exact.dW, dW));
+
+  opt.z_loss = 1e-4;  // the z-loss factor breaks the dlogits' bound: refused
+  EXPECT_THROW(run_ce<float>(h, W, labels, N, H, V, opt), ds::Error);
+  opt.z_loss = 0;
+  EXPECT_THROW(run_ce<double>(h, W, labels, N, H, V, opt), ds::Error);  // the emulation is float's
 }
 
 TEST(LinearCeCpu, AllLabelsIgnored) {

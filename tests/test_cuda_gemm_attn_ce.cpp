@@ -178,6 +178,8 @@ TEST(CudaLinearCrossEntropy, MatchesCpu) {
   DS_SKIP_WITHOUT_GPU();
   // 3 chunks, the last one partial; V % 4 == 0 (vector path)
   expect_ok(check_linear_cross_entropy({.N = 1024, .H = 256, .V = 50000, .chunk_tokens = 384}));
+  // --fp8-lm-head: 1000 tokens (the casts of h padded to 1008), chunks of 384, the last one 232 (padded to 240)
+  expect_ok(check_linear_cross_entropy({.N = 1000, .H = 256, .V = 50000, .chunk_tokens = 384, .fp8 = true}));
 }
 
 TEST(CudaLinearCrossEntropy, OddVocab) {

@@ -186,7 +186,13 @@ TEST(Fp8, CpuEngineEmulatesTheCasts) {
     return std::make_pair(loss, m.grads());
   };
   const auto ref = run(ds::Precision::Bf16);
+  m.set_fp8_lm_head(true);  // --fp8-lm-head: the loss unchanged, the gradients FP8's
+  const auto head = run(ds::Precision::Fp8);
+  m.set_fp8_lm_head(false);
   const auto a = run(ds::Precision::Fp8), a2 = run(ds::Precision::Fp8);
+  EXPECT_EQ(head.first, a.first);
+  EXPECT_GT(ds::test::rel_l2(head.second, a.second), 1e-4);
+  EXPECT_LT(ds::test::rel_l2(head.second, a.second), 0.3);
   EXPECT_EQ(a.first, a2.first);
   EXPECT_TRUE(a.second == a2.second);
   EXPECT_NE(a.first, ref.first);
@@ -414,9 +420,26 @@ TEST(CudaFp8, FusedAmaxStepIsBitwiseTheSeparatePasses) {
   }
 }
 
+// The GPU engine's loss and gradients of one forward_backward of `b` (grad_scale `scale`) from `cpu`'s weights.
+std::pair<double, std::vector<float>> gpu_step(const ds::Qwen35Model& cpu, const ds::PackedBatch& b, double scale,
+                                               ds::Precision p, bool fp8_lm_head = false) {
+  ds::GpuPlan plan;
+  plan.max_tokens = b.size();
+  plan.max_seqs = 3;
+  plan.precision = p;
+  plan.fp8_lm_head = fp8_lm_head;
+  ds::GpuModel gpu(cpu, plan);
+  EXPECT_EQ(gpu.precision(), p);
+  const ds::LossResult r = gpu.forward_backward(b, scale);
+  std::vector<float> g;
+  gpu.download_grads(g);
+  return {r.loss_sum, g};
+}
+
 // The GPU engine with --precision fp8 against the CPU engine's emulation of the same casts (bf16 activations on the
 // GPU move some values across an fp8 rounding boundary: a wider band than bf16's), deterministic, and really FP8
-// (not the bf16 engine's result).
+// (not the bf16 engine's result). With --fp8-lm-head too: the loss bitwise the FP8 engine's without it (the logits
+// stay exact), the gradients the CPU's emulation of the head's casts, deterministic, and not those without it.
 TEST(CudaFp8, EngineMatchesCpuEmulation) {
   DS_SKIP_WITHOUT_GPU();
   ds::ModelConfig c = ds::ModelConfig::preset("tiny");
@@ -425,31 +448,32 @@ TEST(CudaFp8, EngineMatchesCpuEmulation) {
   cpu.init_weights(11);
   const ds::PackedBatch b = random_batch({0, 100, 101, 256}, 4096, 4);
   const double scale = 1.0 / static_cast<double>(b.num_targets());
-  cpu.set_precision(ds::Precision::Fp8);
-  cpu.zero_grads();
-  const ds::LossResult ref = cpu.forward_backward(b, scale);
-  const std::vector<float> g_ref = cpu.grads();
-  auto gpu_run = [&](ds::Precision p) {
-    ds::GpuPlan plan;
-    plan.max_tokens = b.size();
-    plan.max_seqs = 3;
-    plan.precision = p;
-    ds::GpuModel gpu(cpu, plan);
-    EXPECT_EQ(gpu.precision(), p);
-    const ds::LossResult r = gpu.forward_backward(b, scale);
-    std::vector<float> g;
-    gpu.download_grads(g);
-    return std::make_pair(r.loss_sum, g);
+  auto cpu_step = [&](bool fp8_lm_head) {
+    cpu.set_precision(ds::Precision::Fp8);
+    cpu.set_fp8_lm_head(fp8_lm_head);
+    cpu.zero_grads();
+    const ds::LossResult r = cpu.forward_backward(b, scale);
+    return std::make_pair(r.loss_sum, cpu.grads());
   };
-  const auto f1 = gpu_run(ds::Precision::Fp8), f2 = gpu_run(ds::Precision::Fp8), bf = gpu_run(ds::Precision::Bf16);
+  const auto ref = cpu_step(false), ref_head = cpu_step(true);
+  const auto f1 = gpu_step(cpu, b, scale, ds::Precision::Fp8), f2 = gpu_step(cpu, b, scale, ds::Precision::Fp8),
+             bf = gpu_step(cpu, b, scale, ds::Precision::Bf16);
   std::printf("[ measured ] fp8 engine: loss rel diff vs CPU emulation %.3e, grads rel L2 %.3e; vs bf16 engine "
-              "loss %.3e grads %.3e\n", std::abs(f1.first - ref.loss_sum) / ref.loss_sum, ds::test::rel_l2(f1.second, g_ref),
+              "loss %.3e grads %.3e\n", std::abs(f1.first - ref.first) / ref.first, ds::test::rel_l2(f1.second, ref.second),
               std::abs(f1.first - bf.first) / bf.first, ds::test::rel_l2(f1.second, bf.second));
-  EXPECT_LE(std::abs(f1.first - ref.loss_sum) / ref.loss_sum, 1e-2);
-  EXPECT_LE(ds::test::rel_l2(f1.second, g_ref), 8e-2);
+  EXPECT_LE(std::abs(f1.first - ref.first) / ref.first, 1e-2);
+  EXPECT_LE(ds::test::rel_l2(f1.second, ref.second), 8e-2);
   EXPECT_EQ(f1.first, f2.first);
   EXPECT_TRUE(f1.second == f2.second);
   EXPECT_NE(f1.first, bf.first);
+
+  const auto h1 = gpu_step(cpu, b, scale, ds::Precision::Fp8, true), h2 = gpu_step(cpu, b, scale, ds::Precision::Fp8, true);
+  std::printf("[ measured ] fp8 lm head: grads rel L2 %.3e vs its CPU emulation, %.3e vs the fp8 engine without it\n",
+              ds::test::rel_l2(h1.second, ref_head.second), ds::test::rel_l2(h1.second, f1.second));
+  EXPECT_EQ(h1.first, f1.first);
+  EXPECT_LE(ds::test::rel_l2(h1.second, ref_head.second), 8e-2);
+  EXPECT_TRUE(h1.second == h2.second);
+  EXPECT_FALSE(h1.second == f1.second);
 }
 #endif
 

@@ -519,6 +519,31 @@ TEST(Plan, AttentionSplitDividesTheWorkspaceByTheKeyValueHeads) {
   EXPECT_NE(ds::test::error_of(workspace).find("DELTASTACK_ATTENTION_SPLIT must be 0 or 1"), std::string::npos);
 }
 
+// --fp8-lm-head: the loss scratch gains the casts of W (vocab x hidden bytes), of h (hidden x tokens) and of one
+// chunk's dlogits transposed (vocab x chunk), nothing without --precision fp8 (the engine's check refuses that);
+// a vocabulary the FP8 GEMMs cannot take is refused naming vocab_size.
+TEST(Plan, Fp8LmHeadAddsItsCastsToTheLossScratch) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  ds::ModelConfig c = ds::ModelConfig::preset("9b");
+  ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
+  plan.precision = ds::Precision::Fp8;
+  const auto scratch = [&] { return static_cast<double>(ds::ce_plan(c, plan).workspace_bytes()); };
+  const double bf16_head = scratch();
+  plan.fp8_lm_head = true;
+  const double V = static_cast<double>(c.vocab_size), H = static_cast<double>(c.hidden_size);
+  EXPECT_NEAR(scratch() - bf16_head, V * H + H * 8192 + V * 2048, 4096);
+  EXPECT_NEAR((scratch() - bf16_head) / kGiB, 1.45, 0.01);  // the number docs/fp8.md gives
+  plan.precision = ds::Precision::Bf16;
+  EXPECT_EQ(scratch(), bf16_head);
+  EXPECT_NE(ds::test::error_of([&] { ds::check_fp8_lm_head(true, ds::Precision::Bf16); }).find("--fp8-lm-head needs "
+            "--precision fp8"), std::string::npos);
+  EXPECT_NE(ds::test::error_of([&] { ds::check_fp8_lm_head(true, ds::Precision::Fp8, 1e-4); }).find("--z-loss"),
+            std::string::npos);
+  plan.precision = ds::Precision::Fp8;
+  c.vocab_size = 151930;
+  EXPECT_NE(ds::test::error_of(scratch).find("vocab_size 151930 is not a multiple of 16"), std::string::npos);
+}
+
 // --offload-activations: the layer inputs full recompute keeps leave the device plan but for a ring of three and
 // the last layer's output (L - 3 inputs of N x hidden bf16 less, that many in pinned host memory); it needs full
 // recompute (auto: full, and the memory it frees keeps more layers), and `plan` names the host memory it takes.

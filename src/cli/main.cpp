@@ -141,6 +141,8 @@ int main(int argc, char** argv) {
     cmd->add_option("--recompute", m.recompute, ds::recompute_choices() + " (docs/memory.md)")->capture_default_str();
     cmd->add_option("--precision", m.precision, "bf16 or fp8 (the decoder's matrix GEMMs; docs/fp8.md)")
         ->capture_default_str();
+    cmd->add_flag("--fp8-lm-head", m.fp8_lm_head, "With --precision fp8: the lm head's gradient GEMMs in FP8 too "
+                  "(lossy; the logits and the loss stay exact; docs/fp8.md)");
     cmd->add_option("--gradients", m.gradients, "auto, fp32, in-backward (the update in the backward, no "
                     "gradient buffer) or bf16 (a bf16 buffer, stochastic rounding; docs/memory.md)")
         ->capture_default_str();

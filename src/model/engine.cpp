@@ -830,6 +830,13 @@ Precision parse_precision(const std::string& s) {
   fail("--precision must be bf16 or fp8, got \"{}\"", s);
 }
 
+void check_fp8_lm_head(bool fp8_lm_head, Precision precision, double z_loss) {
+  DS_CHECK(!fp8_lm_head || precision == Precision::Fp8, "--fp8-lm-head needs --precision fp8 (it puts the lm "
+           "head's gradient GEMMs in FP8 beside the decoder's; docs/fp8.md)");
+  DS_CHECK(!fp8_lm_head || z_loss == 0, "--fp8-lm-head and --z-loss {} contradict each other: the FP8 dlogits' "
+           "scale comes from their bound |dlogit| <= grad_scale, which the z-loss factor 1 + 2 z lse breaks", z_loss);
+}
+
 void check_offload_recompute(bool offload_activations, const std::string& recompute) {
   DS_CHECK(!offload_activations || recompute == "auto" || recompute == "full", "--offload-activations and "
            "--recompute {} contradict each other: it moves the layer inputs that --recompute full keeps to host memory "
@@ -874,6 +881,7 @@ void check_engine_knobs() {
 }
 
 std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host, const GpuPlan& plan) {
+  check_fp8_lm_head(plan.fp8_lm_head, plan.precision);
   const std::string d = resolve_device(device);
   if (d == "cuda") return std::make_unique<CudaEngine>(std::move(host), plan);
   DS_CHECK(!plan.offload_activations, "--offload-activations is a mode of the GPU engine; the CPU engine keeps its "
@@ -882,6 +890,7 @@ std::unique_ptr<Engine> make_engine(const std::string& device, Qwen35Model host,
            "keeps fp32 weights and moments (use --device cuda, or --optimizer-state auto / fp32)",
            optimizer_state_name(plan.optimizer_state));
   host.set_precision(plan.precision);
+  host.set_fp8_lm_head(plan.fp8_lm_head);
   auto cpu = std::make_unique<CpuEngine>(std::move(host));
   cpu->set_gradients(plan.gradients == Gradients::Auto ? Gradients::Fp32 : plan.gradients);  // host memory: no need
   return cpu;

@@ -113,6 +113,8 @@ inline constexpr int64_t kOffloadRing = 3;
 inline int64_t offload_ring(int64_t layers) { return layers < kOffloadRing ? layers : kOffloadRing; }
 // ds::Error naming both flags unless --recompute (its text) is full or auto where --offload-activations is on.
 void check_offload_recompute(bool offload_activations, const std::string& recompute);
+// ds::Error naming --fp8-lm-head unless it comes with precision Fp8 and z_loss 0 (GpuPlan::fp8_lm_head).
+void check_fp8_lm_head(bool fp8_lm_head, Precision precision, double z_loss = 0);
 
 // Sizes a GPU engine plans its memory for (the CPU engine ignores them).
 struct GpuPlan {
@@ -142,6 +144,10 @@ struct GpuPlan {
   // the fit check plan within it as `plan --device-memory` does (bench step --max-memory).
   size_t memory_limit = 0;
   Precision precision = Precision::Bf16;
+  // --fp8-lm-head (with precision Fp8; lossy, opt-in; docs/fp8.md "The lm head's gradient GEMMs"): the fused loss's
+  // dh and dW GEMMs in FP8 (ops/linear_cross_entropy/linear_cross_entropy.h LinearCeOptions::fp8_grads). The logits
+  // and the loss stay exact. check_fp8_lm_head says which runs may have it.
+  bool fp8_lm_head = false;
   Gradients gradients = Gradients::Fp32;
   // Whether a Gradients::InBackward step needs its norm-only pass (--clip > 0 or --nan-policy skip; in_backward_step):
   // what that mode costs, for `auto` (memory_candidates).

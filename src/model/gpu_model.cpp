@@ -1028,6 +1028,7 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     log_warn("gpu: --precision fp8: the FP8 GEMM backend failed its probe (`deltastack probe` shows it); the GEMMs "
              "run in bf16");
     m.plan.precision = Precision::Bf16;
+    m.plan.fp8_lm_head = false;
   }
   if (m.plan.optimizer_state == OptimizerState::Auto || m.plan.recompute == Recompute::Auto ||
       m.plan.gradients == Gradients::Auto) {

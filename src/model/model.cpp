@@ -794,6 +794,7 @@ struct Qwen35Model::Impl {
     ops::LinearCeOptions opt;
     opt.z_loss = z_loss;
     opt.grad_scale = grad_scale;
+    opt.fp8_grads = m.fp8_lm_head_ && m.precision_ == Precision::Fp8;  // as the GPU (ce_plan)
     Buf dhf;
     if (backward) dhf.resize(N * H);
     if (cap && cap->logits) cap->logits_values.resize(N * c.vocab_size);

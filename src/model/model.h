@@ -166,6 +166,10 @@ class Qwen35Model {
   // reference (the name says what the GPU runs).
   void set_precision(Precision p) { precision_ = p; }
   Precision precision() const { return precision_; }
+  // `--fp8-lm-head` (GpuPlan::fp8_lm_head): the loss's dh and dW GEMMs read W, h and the dlogits through the FP8
+  // casts the GPU's FP8 lm head uses (LinearCeOptions::fp8_grads; the logits and the loss stay exact).
+  void set_fp8_lm_head(bool on) { fp8_lm_head_ = on; }
+  bool fp8_lm_head() const { return fp8_lm_head_; }
   // LoRA (model/lora.h, docs/lora.md): with an adapter set, each adapted linear layer adds scaling * (x lora_A^T)
   // lora_B^T to its output in forward_backward, last_logits and decode (in both precisions: the LoRA term itself is
   // fp32); a backward adds d(grad_scale * loss_sum) / d lora_A, lora_B into adapter->grads() (zeroed first when
@@ -215,6 +219,7 @@ class Qwen35Model {
   std::vector<ParamUnit> units_;
   UnitSource* source_ = nullptr;
   Precision precision_ = Precision::Bf16;
+  bool fp8_lm_head_ = false;
   std::shared_ptr<LoraAdapter> adapter_;
   std::function<void(size_t k, float* dst)> deferred_;  // set by defer_init / defer_load until materialize()
   static void init_param(const ModelConfig& cfg, const std::vector<ParamSpec>& params, size_t k, uint64_t seed,

@@ -146,6 +146,9 @@ const std::vector<TrainOption>& train_options() {
           "The decoder's matrix GEMMs: bf16 (exact) or fp8 (E4M3/E5M2 with per-tensor current scaling; the CPU "
           "engine emulates the casts; docs/fp8.md)",
           one_of({"bf16", "fp8"}), kResumable | kNewerKey),
+      opt("fp8-lm-head", &O::fp8_lm_head, false, "With --precision fp8: the lm head's two gradient GEMMs (dh, dW) "
+          "in FP8 too, the dlogits E5M2 (lossy, opt-in; the logits and the loss stay exact; needs --z-loss 0; "
+          "docs/fp8.md)", {}, kResumable | kNewerKey),
       // Checkpoints of earlier versions kept the gradient buffer: their resume keeps it.
       older_reads(opt("gradients", &O::gradients, "auto",
                       "fp32 (one gradient buffer, 4 bytes per parameter), in-backward (each layer's AdamW update "
@@ -226,6 +229,7 @@ void validate(const TrainOptions& o) {
     DS_CHECK(!o.no_save || !o.was_given(f), "--no-save and --{} contradict each other: --no-save writes no "
              "checkpoint", f);
   check_offload_recompute(o.offload_activations, o.recompute);
+  check_fp8_lm_head(o.fp8_lm_head, parse_precision(o.precision), o.z_loss);
   // LoRA: --lora-rank starts an adapter, --adapter continues one (its adapter_config.json sets the rest).
   DS_CHECK(!o.was_given("lora-rank") || o.lora_rank > 0, "--lora-rank 0: a LoRA rank must be at least 1 (leave "
            "--lora-rank out to train every parameter)");

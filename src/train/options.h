@@ -35,6 +35,7 @@ struct TrainOptions {
   std::string optimizer_state, recompute, memory;
   double max_memory;      // GiB of GPU memory the run may use, the CUDA context included (0: all that is free)
   std::string precision;  // bf16 | fp8 (the decoder's matrix GEMMs; docs/fp8.md)
+  bool fp8_lm_head;       // --fp8-lm-head: the lm head's gradient GEMMs in FP8 too (GpuPlan::fp8_lm_head)
   std::string gradients;  // fp32 | in-backward (model/engine.h Gradients)
   std::string shard;  // none | optimizer (several ranks; docs/distributed.md)
   // LoRA (docs/lora.md): --lora-rank R > 0 trains a new adapter (0: every parameter), --adapter DIR continues one.

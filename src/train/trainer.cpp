@@ -137,6 +137,7 @@ void check_fits(const TrainOptions& opt, const ModelConfig& cfg, const std::stri
     if (const Precision given = parse_precision(opt.precision); given != Precision::Bf16) precisions.push_back(given);
     for (const Precision precision : precisions) {
       plan.precision = precision;
+      plan.fp8_lm_head = opt.fp8_lm_head && precision == Precision::Fp8;
       for (const char* attention : {"cudnn", "simple"}) {
         try {  // a kernel that cannot take these shapes is not one the engine would use: the other decides
           const GpuPlan leanest = resolve_memory_modes(
@@ -756,6 +757,7 @@ std::unique_ptr<Engine> make_train_engine(TrainOptions& opt, Qwen35Model&& model
   GpuPlan plan = GpuPlan::windows(opt.micro_batch, opt.seq_len, data.docs_per_window());
   apply_train_memory_flags(plan, opt, comm);
   plan.precision = parse_precision(opt.precision);
+  plan.fp8_lm_head = opt.fp8_lm_head;
   if (opt.shard == "optimizer" && comm.on_device()) {  // the GPU engine plans its memory for this rank's share
     plan.shard_rank = comm.rank();
     plan.shard_world = comm.world();

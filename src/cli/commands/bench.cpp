@@ -427,6 +427,8 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients,
                      memory.offload_activations);
   plan.precision = parse_precision(memory.precision);
+  plan.fp8_lm_head = memory.fp8_lm_head;
+  check_fp8_lm_head(plan.fp8_lm_head, plan.precision);
   plan.norm_pass = memory.clip > 0;
   plan.lora = memory_flags_lora(memory);
   DS_CHECK(memory.clip >= 0 && std::isfinite(memory.clip), "bench step: --clip must be >= 0, got {}", memory.clip);
@@ -514,9 +516,11 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   double attn = 6.0 * 2.0 * cfg.num_attention_heads * cfg.head_dim * (seq_len / 2.0) * n_full;
   double flops = ((plan.lora.r > 0 ? 4.0 : 6.0) * matmul_params + attn) * tokens;
   fmt::print("bench step: preset {} ({:.2f}B params), seq {} x micro-batch {}, {} timed steps on {}; optimizer state "
-             "{}, recompute {}, precision {}, gradients {}{}{}\n", preset, cfg.num_parameters() / 1e9, seq_len, micro_batch,
-             steps, cuda_device_name(), optimizer_state_name(gpu->optimizer_state()), gpu->recompute_label(),
-             precision_name(gpu->precision()), gradients_name(gpu->gradients()),
+             "{}, recompute {}, precision {}{}, gradients {}{}{}\n", preset, cfg.num_parameters() / 1e9, seq_len,
+             micro_batch, steps, cuda_device_name(), optimizer_state_name(gpu->optimizer_state()),
+             gpu->recompute_label(), precision_name(gpu->precision()),
+             plan.fp8_lm_head && gpu->precision() == Precision::Fp8 ? " (lm head's gradient GEMMs too)" : "",
+             gradients_name(gpu->gradients()),
              memory.clip > 0 ? fmt::format(", clip {}", memory.clip) : std::string(),
              plan.lora.r > 0 ? fmt::format(", LoRA rank {} (all-linear; optimizer state = the adapters')", plan.lora.r)
                              : std::string());

@@ -85,6 +85,7 @@ int cmd_export(const std::string& checkpoint, const std::string& out, const std:
 struct MemoryFlags {
   std::string memory = "auto", optimizer_state = "auto", recompute = "auto";
   std::string precision = "bf16";  // --precision: the decoder's GEMMs, bf16 or fp8 (model/engine.h Precision)
+  bool fp8_lm_head = false;        // --fp8-lm-head (GpuPlan::fp8_lm_head)
   std::string gradients = "auto";  // --gradients: auto, fp32 or in-backward (model/engine.h Gradients)
   double clip = 0;                 // bench step --clip: the max grad norm (in-backward: its norm pass); 0 off
   int64_t lora_rank = 0;           // --lora-rank: a LoRA run of that rank (all-linear, PEFT's defaults); 0 off

@@ -62,6 +62,8 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients,
                      memory.offload_activations);
   plan.precision = parse_precision(memory.precision);
+  plan.fp8_lm_head = memory.fp8_lm_head;
+  check_fp8_lm_head(plan.fp8_lm_head, plan.precision);
   DS_CHECK(memory.clip >= 0 && std::isfinite(memory.clip), "plan: --clip must be >= 0, got {}", memory.clip);
   plan.norm_pass = memory.clip > 0;
   plan.lora = memory_flags_lora(memory);
@@ -89,7 +91,11 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
                                                 "their forward rerun"
                                               : "only layer inputs kept, each layer's forward rerun";
   fmt::print("  modes: precision {}{}, optimizer state {} ({}{}), recompute {} ({}{}); gated delta rule {}; attention {}\n",
-             precision_name(plan.precision), plan.precision == Precision::Fp8 ? " (FP8 casts of the GEMM operands in the workspace)" : "",
+             precision_name(plan.precision),
+             plan.precision != Precision::Fp8 ? ""
+             : plan.fp8_lm_head ? " (FP8 casts of the GEMM operands in the workspace; the lm head's gradient GEMMs in "
+                                  "FP8 too, their casts in the loss scratch)"
+                                : " (FP8 casts of the GEMM operands in the workspace)",
              lora ? "lora" : optimizer_state_name(plan.optimizer_state), state_what,
              chosen_state && !lora ? "; chosen by --memory auto" : "",
              recompute_label(plan, cfg.num_hidden_layers), rc_what, chosen_rc ? "; chosen by --memory auto" : "",

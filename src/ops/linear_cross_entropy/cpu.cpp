@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/fp8.h"
 #include "ops/linear_cross_entropy/linear_cross_entropy.h"
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
@@ -178,6 +179,27 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
   if (R == 0) return res;
 
   const bool want_grad = dh != nullptr || dW != nullptr;
+  // --fp8-lm-head (linear_cross_entropy.h): the backward GEMMs read W and h as their E4M3 casts (per-tensor, amax
+  // over all of W and all N rows of h) and each chunk's dlogits as their E5M2 cast at the bound |grad_scale|.
+  const bool fp8 = opt.fp8_grads && want_grad;
+  std::vector<float> Wq, hq;
+  if (fp8) {
+    if constexpr (!std::is_same_v<T, float>) {
+      fail("linear_cross_entropy: fp8_grads emulates the GPU's FP8 casts in float only");
+    } else {
+      DS_CHECK(opt.z_loss == 0, "linear_cross_entropy: the FP8 lm head (--fp8-lm-head) needs z_loss 0, got {} "
+               "(the z-loss factor breaks the dlogits' bound)", opt.z_loss);
+      Wq.assign(W, W + V * H);
+      fp8_fake_quantize(Wq.data(), V * H, Fp8Format::E4M3, fp8_amax(W, V * H));
+      hq.assign(h, h + N * H);
+      fp8_fake_quantize(hq.data(), N * H, Fp8Format::E4M3, fp8_amax(h, N * H));
+    }
+  }
+  const T* Wb = W;  // the backward GEMMs' W and rows of h
+  const T* hb = h;
+  if constexpr (std::is_same_v<T, float>) {
+    if (fp8) Wb = Wq.data(), hb = hq.data();
+  }
   const int64_t C = std::min(opt.chunk_tokens, R);
   const double z = opt.z_loss, gs = opt.grad_scale;
   // Fixed V-groups: the unit of parallel work for the gemms (a constant, not the thread count).
@@ -187,7 +209,7 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
   // The [C, V] scratch is left uninitialised (every entry is written by the logits gemm before it is read).
   Scratch S_buf(static_cast<size_t>(C * V) * sizeof(T));
   T* const S = static_cast<T*>(S_buf.ptr);
-  std::vector<T> hc(static_cast<size_t>(C * H)), dh_part;
+  std::vector<T> hc(static_cast<size_t>(C * H)), hbc(fp8 ? static_cast<size_t>(C * H) : 0), dh_part;
   if (dh) dh_part.resize(static_cast<size_t>(G * C * H));
   std::vector<double> row_loss(static_cast<size_t>(C)), row_z(static_cast<size_t>(C));
 
@@ -195,6 +217,8 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
     const int64_t cn = std::min(C, R - r0);
     const bool par = cn * V * H > 65536;  // small chunks run on one thread (the partition never changes results)
     for (int64_t r = 0; r < cn; ++r) std::memcpy(hc.data() + r * H, h + rows[r0 + r] * H, sizeof(T) * H);
+    if (fp8)
+      for (int64_t r = 0; r < cn; ++r) std::memcpy(hbc.data() + r * H, hb + rows[r0 + r] * H, sizeof(T) * H);
 
     // 1. logits, per V-group: S[:, v0:v1] = hc @ W[v0:v1]^T
 #pragma omp parallel for schedule(dynamic, 1) if (par)
@@ -232,14 +256,18 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
       res.z_loss_sum += row_z[r];
     }
     if (!want_grad) continue;
+    if constexpr (std::is_same_v<T, float>) {
+      if (fp8) fp8_fake_quantize(S, cn * V, Fp8Format::E5M2, static_cast<float>(std::fabs(gs)));
+    }
+    const T* hcb = fp8 ? hbc.data() : hc.data();
 
     // 3. per V-group: dh partial = dS[:, v0:v1] @ W[v0:v1];  dW[v0:v1] += dS[:, v0:v1]^T @ hc
 #pragma omp parallel for schedule(dynamic, 1) if (par)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t v0 = group_begin(g), v1 = group_begin(g + 1);
       if (dh)
-        gemm(false, false, cn, H, v1 - v0, T(1), S + v0, V, W + v0 * H, H, T(0), dh_part.data() + g * C * H, H);
-      if (dW) gemm(true, false, v1 - v0, H, cn, T(1), S + v0, V, hc.data(), H, T(1), dW + v0 * H, H);
+        gemm(false, false, cn, H, v1 - v0, T(1), S + v0, V, Wb + v0 * H, H, T(0), dh_part.data() + g * C * H, H);
+      if (dW) gemm(true, false, v1 - v0, H, cn, T(1), S + v0, V, hcb, H, T(1), dW + v0 * H, H);
     }
     // 4. dh = sum of the group partials in group order.
     if (dh) {

@@ -13,11 +13,23 @@
 //   4. dW += dlogits^T @ h_c (fp32, beta = 1; chunks in ascending order).
 // Finally one block sums the per-token losses in a fixed order into loss_out (double).
 // Scratch: chunk * V fp32 logits + 2 * N doubles. No atomics anywhere: bitwise reproducible.
+//
+// opt.fp8_grads (`--fp8-lm-head`, linear_cross_entropy.h; ops/linear/fp8.h for the casts and the GEMM's TN form):
+// before the chunks, W is cast transposed to E4M3 Wt [H, V] and h to E4M3 ht [H, N16] (amax passes: atomicMax, exact);
+// pass 2 writes each dlogit as its E5M2 code at inv = fp8_inv_scale(|grad_scale|) into the first quarter of its
+// fp32 row (byte e of a row covers fp32 element e / 4 <= e: the same in-place argument as for bf16); then
+// 3'. dh_c = q(dlogits) . Wt^T (FP8 GEMM, lda 4V), 4'. the codes transposed to dlt [V, chunk16], dW += dlt . ht_c^T
+// (FP8 GEMM over the chunk's tokens, zero-padded to 16). Needs V % 16 == 0 and chunk_tokens % 16 == 0.
+// Extra scratch: V H + H N16 + V chunk16 bytes and the scale slots.
+#include <cuda_fp8.h>
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
 #include "ops/linear/cuda.h"
+#include "ops/linear/fp8.h"
 #include "ops/linear_cross_entropy/cuda.h"
 
 namespace ds::ops::cuda {
@@ -34,15 +46,30 @@ size_t align256(size_t b) { return (b + 255) / 256 * 256; }
 struct CeLayout {
   int64_t chunk = 0;
   size_t logits = 0, loss = 0, zloss = 0, total = 0;  // byte offsets (logits at 0) and total size
+  // fp8_grads only: Wt [H, V], ht [H, n16], dlt [V, chunk16] (bytes) and the slots (amax / scale floats)
+  int64_t n16 = 0, chunk16 = 0;
+  size_t wt = 0, ht = 0, dlt = 0, slots = 0;
 };
 
-CeLayout ce_layout(int64_t N, int64_t V, int64_t chunk_tokens) {
+// Slots of the FP8 path's floats, kFp8Slot apart (each on its own 256 bytes, as cuBLASLt's scale pointers want).
+enum CeSlot { kAmaxW = 0, kScaleW, kAmaxH, kScaleH, kScaleDl, kNumSlots };
+
+CeLayout ce_layout(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens, bool fp8) {
   CeLayout l;
   l.chunk = std::max<int64_t>(1, std::min<int64_t>(chunk_tokens, std::max<int64_t>(N, 1)));
   l.logits = 0;
   l.loss = align256(static_cast<size_t>(l.chunk) * static_cast<size_t>(V) * sizeof(float));
   l.zloss = l.loss + align256(static_cast<size_t>(std::max<int64_t>(N, 1)) * sizeof(double));
   l.total = l.zloss + align256(static_cast<size_t>(std::max<int64_t>(N, 1)) * sizeof(double));
+  if (fp8) {
+    l.n16 = fp8_padded(std::max<int64_t>(N, 1));
+    l.chunk16 = fp8_padded(l.chunk);
+    l.wt = l.total;
+    l.ht = l.wt + align256(static_cast<size_t>(H) * static_cast<size_t>(V));
+    l.dlt = l.ht + align256(static_cast<size_t>(H) * static_cast<size_t>(l.n16));
+    l.slots = l.dlt + align256(static_cast<size_t>(V) * static_cast<size_t>(l.chunk16));
+    l.total = l.slots + align256(kNumSlots * kFp8Slot * sizeof(float));
+  }
   return l;
 }
 
@@ -63,18 +90,31 @@ __device__ __forceinline__ void store_bf16x4(bf16* dst, float a, float b, float 
   *reinterpret_cast<uint2*>(dst) = u;
 }
 
-// One block per row of the chunk. kVec: V % 4 == 0 (float4 reads, 4 x bf16 writes).
-template <bool kVec>
+// Four dlogits as E5M2 codes of o * inv (core/fp8.h's cast), packed little-endian.
+__device__ __forceinline__ void store_e5m2x4(uint8_t* dst, float inv, float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a * inv, b * inv), __NV_SATFINITE, __NV_E5M2);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c * inv, d * inv), __NV_SATFINITE, __NV_E5M2);
+  *reinterpret_cast<uint32_t*>(dst) = lo | (hi << 16);
+}
+
+// One block per row of the chunk. kVec: V % 4 == 0 (float4 reads, 4 x bf16 writes). kF8 (needs kVec): the dlogits
+// as E5M2 codes at inv8 (4 bytes per float4) instead of bf16; block 0 writes the GEMMs' scale 1 / inv8 to *scale8.
+template <bool kVec, bool kF8 = false>
 __global__ void __launch_bounds__(kRowThreads)
     ce_rows_kernel(float* S, int64_t V, const int32_t* targets, int64_t r0, int64_t ignore_index, double z, double gs,
-                   bool want_grad, double* loss_tok, double* z_tok) {
+                   bool want_grad, double* loss_tok, double* z_tok, float inv8 = 1.f, float* scale8 = nullptr) {
+  static_assert(kVec || !kF8, "the FP8 dlogits need V % 4 == 0");
   __shared__ float red_m[kRowThreads / 32], red_s[kRowThreads / 32];
   __shared__ float sh_ly, sh_lse, sh_c, sh_cy;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t r = blockIdx.x, n = r0 + r;
   float* row = S + r * V;
   bf16* drow = reinterpret_cast<bf16*>(row);  // the bf16 dlogits of row r: first half of its fp32 row
+  uint8_t* qrow = reinterpret_cast<uint8_t*>(row);  // kF8: its E5M2 codes, first quarter
   const int64_t y = targets[n];
+  if constexpr (kF8) {
+    if (blockIdx.x == 0 && tid == 0) *scale8 = fp8_dequant_scale(inv8);
+  }
 
   if (y == ignore_index || y < 0 || y >= V) {
     if (tid == 0) {
@@ -84,7 +124,9 @@ __global__ void __launch_bounds__(kRowThreads)
       z_tok[n] = v;
     }
     if (want_grad) {
-      if constexpr (kVec) {
+      if constexpr (kF8) {
+        for (int64_t i = tid; i < V / 4; i += kRowThreads) *reinterpret_cast<uint32_t*>(qrow + 4 * i) = 0u;
+      } else if constexpr (kVec) {
         for (int64_t i = tid; i < V / 4; i += kRowThreads) store_bf16x4(drow + 4 * i, 0.f, 0.f, 0.f, 0.f);
       } else {
         for (int64_t i = tid; i < V; i += kRowThreads) drow[i] = __float2bfloat16(0.0f);
@@ -170,7 +212,11 @@ __global__ void __launch_bounds__(kRowThreads)
             o2 = k == 2 ? cy : o2;
             o3 = k == 3 ? cy : o3;
           }
-          store_bf16x4(drow + e, o0, o1, o2, o3);
+          if constexpr (kF8) {
+            store_e5m2x4(qrow + e, inv8, o0, o1, o2, o3);
+          } else {
+            store_bf16x4(drow + e, o0, o1, o2, o3);
+          }
         }
       }
     }
@@ -221,12 +267,19 @@ __global__ void __launch_bounds__(kReduceThreads)
 
 }  // namespace
 
-size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens) {
-  (void)H;
-  DS_CUDA_REQUIRE(N >= 0 && V > 0 && chunk_tokens > 0,
-                  "linear_cross_entropy_scratch_bytes: need N >= 0, V > 0, chunk_tokens > 0 (N=" + std::to_string(N) +
-                      " V=" + std::to_string(V) + " chunk_tokens=" + std::to_string(chunk_tokens) + ")");
-  return ce_layout(N, V, chunk_tokens).total;
+size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens, bool fp8_grads) {
+  DS_CUDA_REQUIRE(N >= 0 && H > 0 && V > 0 && chunk_tokens > 0,
+                  "linear_cross_entropy_scratch_bytes: need N >= 0, H > 0, V > 0, chunk_tokens > 0 (N=" +
+                      std::to_string(N) + " H=" + std::to_string(H) + " V=" + std::to_string(V) +
+                      " chunk_tokens=" + std::to_string(chunk_tokens) + ")");
+  return ce_layout(N, H, V, chunk_tokens, fp8_grads).total;
+}
+
+std::string linear_cross_entropy_fp8_unsupported(int64_t H, int64_t V, int64_t chunk_tokens) {
+  if (V % 16 != 0) return "vocab_size " + std::to_string(V) + " is not a multiple of 16";
+  if (H % 16 != 0) return "hidden_size " + std::to_string(H) + " is not a multiple of 16";
+  if (chunk_tokens % 16 != 0) return "the loss chunk of " + std::to_string(chunk_tokens) + " tokens is not a multiple of 16";
+  return {};
 }
 
 void linear_cross_entropy(const bf16* h, const bf16* W, const int32_t* targets, int64_t N, int64_t H, int64_t V,
@@ -245,26 +298,67 @@ void linear_cross_entropy(const bf16* h, const bf16* W, const int32_t* targets, 
                   "linear_cross_entropy: h, W, targets and scratch must be non-null");
   DS_CUDA_REQUIRE(reinterpret_cast<uintptr_t>(scratch) % 256 == 0,
                   "linear_cross_entropy: scratch must be 256-byte aligned");
-  const CeLayout L = ce_layout(N, V, opt.chunk_tokens);
+  const bool want_grad = dh != nullptr || dW != nullptr;
+  const bool f8 = opt.fp8_grads && want_grad;
+  if (f8) {
+    const std::string why = linear_cross_entropy_fp8_unsupported(H, V, opt.chunk_tokens);
+    DS_CUDA_REQUIRE(why.empty(), "linear_cross_entropy: the FP8 lm head (--fp8-lm-head) needs " + why);
+    DS_CUDA_REQUIRE(opt.z_loss == 0, "linear_cross_entropy: the FP8 lm head (--fp8-lm-head) needs z_loss 0, got " +
+                                         std::to_string(opt.z_loss));
+  }
+  const CeLayout L = ce_layout(N, H, V, opt.chunk_tokens, f8);
   char* base = static_cast<char*>(scratch);
   float* S = reinterpret_cast<float*>(base + L.logits);
   double* loss_tok = reinterpret_cast<double*>(base + L.loss);
   double* z_tok = reinterpret_cast<double*>(base + L.zloss);
-  const bool want_grad = dh != nullptr || dW != nullptr;
   const bool vec = V % 4 == 0;
   const bf16* dl = reinterpret_cast<const bf16*>(S);  // dlogits, bf16 [cn, V] with leading dimension 2V
+  const uint8_t* dq = reinterpret_cast<const uint8_t*>(S);  // f8: their E5M2 codes [cn, V], leading dimension 4V
+  uint8_t* Wt = reinterpret_cast<uint8_t*>(base + L.wt);
+  uint8_t* ht = reinterpret_cast<uint8_t*>(base + L.ht);
+  uint8_t* dlt = reinterpret_cast<uint8_t*>(base + L.dlt);
+  float* slot = reinterpret_cast<float*>(base + L.slots);
+  auto at = [&](CeSlot k) { return slot + k * kFp8Slot; };
+  const float inv8 = f8 ? fp8_inv_scale(static_cast<float>(std::fabs(opt.grad_scale)), Fp8Format::E5M2) : 1.f;
+  if (f8) {
+    if (dh) {
+      fp8_amax(W, V, H, H, at(kAmaxW), stream);
+      fp8_quantize_transpose(W, V, H, H, at(kAmaxW), Fp8Format::E4M3, Wt, V, at(kScaleW), stream);
+    }
+    if (dW) {
+      fp8_amax(h, N, H, H, at(kAmaxH), stream);
+      fp8_quantize_transpose(h, N, H, H, at(kAmaxH), Fp8Format::E4M3, ht, L.n16, at(kScaleH), stream);
+    }
+  }
 
   for (int64_t r0 = 0; r0 < N; r0 += L.chunk) {
     const int64_t cn = std::min(L.chunk, N - r0);
     const bf16* hc = h + r0 * H;
     gemm(false, true, cn, V, H, 1.0f, hc, H, W, H, 0.0f, S, true, V, stream);
-    if (vec)
+    if (f8)
+      ce_rows_kernel<true, true><<<static_cast<unsigned>(cn), kRowThreads, 0, stream>>>(
+          S, V, targets, r0, opt.ignore_index, opt.z_loss, opt.grad_scale, want_grad, loss_tok, z_tok, inv8,
+          at(kScaleDl));
+    else if (vec)
       ce_rows_kernel<true><<<static_cast<unsigned>(cn), kRowThreads, 0, stream>>>(
           S, V, targets, r0, opt.ignore_index, opt.z_loss, opt.grad_scale, want_grad, loss_tok, z_tok);
     else
       ce_rows_kernel<false><<<static_cast<unsigned>(cn), kRowThreads, 0, stream>>>(
           S, V, targets, r0, opt.ignore_index, opt.z_loss, opt.grad_scale, want_grad, loss_tok, z_tok);
     DS_CUDA_LAUNCH_CHECK();
+    if (f8) {
+      // the TN form (ops/linear/fp8.h): dh_c[cn, H] = dq[cn, V] . Wt[H, V]^T; dW[V, H] += dlt[V, c16] . ht_c[H, c16]^T
+      const int64_t c16 = fp8_padded(cn);
+      if (dh)
+        gemm_fp8(Fp8Matrix{dq, cn, V, 4 * V, Fp8Format::E5M2, at(kScaleDl)},
+                 Fp8Matrix{Wt, H, V, V, Fp8Format::E4M3, at(kScaleW)}, dh + r0 * H, false, H, 0.0f, false, stream);
+      if (dW) {
+        fp8_transpose(dq, cn, V, 4 * V, dlt, c16, stream);
+        gemm_fp8(Fp8Matrix{dlt, V, c16, c16, Fp8Format::E5M2, at(kScaleDl)},
+                 Fp8Matrix{ht + r0, H, c16, L.n16, Fp8Format::E4M3, at(kScaleH)}, dW, true, H, 1.0f, false, stream);
+      }
+      continue;
+    }
     if (dh) gemm(false, false, cn, H, V, 1.0f, dl, 2 * V, W, H, 0.0f, dh + r0 * H, false, H, stream);
     if (dW) gemm(true, false, V, H, cn, 1.0f, dl, 2 * V, hc, H, 1.0f, dW, true, H, stream);
   }

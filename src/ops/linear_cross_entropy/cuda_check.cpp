@@ -15,7 +15,7 @@ using namespace check;
 Result check_linear_cross_entropy(const LinearCeCase& c) {
   Result r;
   r.what = "linear_cross_entropy N " + std::to_string(c.N) + " H " + std::to_string(c.H) + " V " + std::to_string(c.V) +
-           " chunk " + std::to_string(c.chunk_tokens);
+           " chunk " + std::to_string(c.chunk_tokens) + (c.fp8 ? " fp8 lm head" : "");
   Ctx ctx(c.seed);
   const int64_t N = c.N, H = c.H, V = c.V;
   const Vec h = ctx.randn_bf16(N * H), W = ctx.randn_bf16(V * H, 2.0 / std::sqrt(static_cast<double>(H)));
@@ -27,8 +27,9 @@ Result check_linear_cross_entropy(const LinearCeCase& c) {
   int64_t valid = 0;
   for (int32_t y : labels) valid += y != -100;
   LinearCeOptions opt;
-  opt.z_loss = 1e-4;
+  opt.z_loss = c.fp8 ? 0.0 : 1e-4;
   opt.grad_scale = 1.0 / static_cast<double>(std::max<int64_t>(valid, 1));
+  opt.fp8_grads = c.fp8;
   Vec dh(N * H), dW(V * H, 0.f);
   LinearCeResult ref;
   timed(&r.cpu_seconds, [&] {
@@ -36,13 +37,20 @@ Result check_linear_cross_entropy(const LinearCeCase& c) {
   });
   const Vec dW0 = ctx.accum_init(dW);
   opt.chunk_tokens = c.chunk_tokens;
+  Vec dh_exact;
+  if (c.fp8) {  // the exact dh, which the FP8 path's must differ from
+    LinearCeOptions exact = opt;
+    exact.fp8_grads = false;
+    dh_exact.resize(static_cast<size_t>(N * H));
+    linear_cross_entropy<float>(h.data(), W.data(), labels.data(), N, H, V, exact, dh_exact.data(), nullptr);
+  }
 
   auto h_d = ctx.up_bf16(h), W_d = ctx.up_bf16(W);
   auto t_d = ctx.up(labels);
   Buf<bf16> dh_d(N * H);
   Buf<float> dW_d(V * H);
   Buf<double> loss_d(2), loss_fwd_d(2);
-  Buf<unsigned char> scratch(cuda::linear_cross_entropy_scratch_bytes(N, H, V, c.chunk_tokens));
+  Buf<unsigned char> scratch(cuda::linear_cross_entropy_scratch_bytes(N, H, V, c.chunk_tokens, c.fp8));
   struct Out {
     std::vector<double> loss, loss_fwd;
     Bits dh;
@@ -64,6 +72,10 @@ Result check_linear_cross_entropy(const LinearCeCase& c) {
   r.exact("forward-only loss equals the loss", same_bits(a.loss_fwd, a.loss));
   r.add("dh", rel_l2(bf16_view(a.dh), dh), kGradient);
   r.add("dW (accumulated)", rel_l2(a.dW_inc, dW), kGradient);
+  if (c.fp8) {
+    const double off = rel_l2(bf16_view(a.dh), dh_exact);
+    r.exact("dh is the FP8 path's: rel. L2 " + std::to_string(off) + " >= 2e-3 from the exact dh", off >= 2e-3);
+  }
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
   return r;
 }

@@ -12,6 +12,13 @@ struct LinearCeOptions {
   double z_loss = 0.0;        // coefficient of lse^2 (0 = off)
   double grad_scale = 1.0;    // gradients are of grad_scale * sum_n loss_n (e.g. 1/num_valid for a mean)
   int64_t chunk_tokens = 1024;  // tokens per chunk: peak extra memory is chunk_tokens * V values
+  // The lm head's two gradient GEMMs in FP8 (`--fp8-lm-head`, lossy, opt-in; docs/fp8.md "The lm head's gradient
+  // GEMMs"): dh = q(dlogits) q(W) and dW += q(dlogits)^T q(h), where q is core/fp8.h's per-tensor cast: W and h
+  // E4M3 at the amax of all of W and of all N rows of h, dlogits E5M2 at the amax bound |grad_scale| (every
+  // dlogit is grad_scale * (p - onehot), so |dlogit| <= |grad_scale|: no amax pass). The logits, the loss and its
+  // softmax stay as in the exact mode, so the loss value is unchanged. Needs z_loss == 0 (ds::Error otherwise:
+  // the z-loss factor 1 + 2 z lse breaks the bound).
+  bool fp8_grads = false;
 };
 
 struct LinearCeResult {
@@ -20,7 +27,8 @@ struct LinearCeResult {
   int64_t num_valid = 0;  // tokens whose label != ignore_index
 };
 
-// h: [N, H]; W: [V, H]; labels: [N] int32 in [0, V) or ignore_index (else ds::Error).
+// h: [N, H]; W: [V, H]; labels: [N] int32 in [0, V) or ignore_index (else ds::Error). opt.fp8_grads: T = float
+// only (ds::Error for double).
 // dh: [N, H] overwritten (null: skip); dW: [V, H] accumulated (null: skip). Deterministic.
 // logits_out: [N, V] (optional, null = not kept): the raw logits, for tools that must write them.
 template <typename T>
