@@ -185,6 +185,8 @@ TEST(CudaLinearCrossEntropy, MatchesCpu) {
 TEST(CudaLinearCrossEntropy, OddVocab) {
   DS_SKIP_WITHOUT_GPU();
   expect_ok(check_linear_cross_entropy({.N = 100, .H = 64, .V = 4999, .chunk_tokens = 64}));  // V % 4 != 0: scalar
+  // V / 4 = 5 float4s over a cluster of 8 blocks: three parts empty, the rest one float4 each
+  expect_ok(check_linear_cross_entropy({.N = 50, .H = 32, .V = 20, .chunk_tokens = 16}));
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   std::vector<std::string> keys;
   for (const auto& [k, v] : j.items()) keys.push_back(k);
   EXPECT_EQ(keys, (std::vector<std::string>{"adam_eps", "adapter", "beta1", "beta2", "clip", "data", "device",
-                                            "eval_batches", "eval_interval", "grad_accum", "gradients", "keep_last", "lora_alpha",
+                                            "eval_batches", "eval_interval", "fp8_lm_head", "grad_accum", "gradients", "keep_last", "lora_alpha",
                                             "lora_dropout", "lora_rank", "lora_targets", "lr", "max_shard_mb",
                                             "micro_batch", "min_lr_ratio", "model", "nan_policy", "optimizer_state",
                                             "precision", "save_interval", "schedule", "seed", "seq_len", "steps", "tokenizer",
@@ -156,6 +156,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(j["seed"], 1234u);
   EXPECT_EQ(j["val_data"], json::array());
   EXPECT_EQ(j["precision"], "bf16");
+  EXPECT_EQ(j["fp8_lm_head"], false);
   EXPECT_EQ(j["gradients"], "auto");
   EXPECT_EQ(d.out, "runs/default");
   EXPECT_EQ(d.threads, 0);
@@ -164,7 +165,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   json old = j;
   for (const char* k : {"keep_last", "max_shard_mb", "device", "val_data", "optimizer_state", "precision", "lora_rank",
                         "lora_alpha", "lora_dropout", "lora_targets", "use_rslora", "adapter",
-                        "gradients"})
+                        "gradients", "fp8_lm_head"})
     old.erase(k);
   old["lr"] = 0.5;
   ds::TrainOptions cli;
@@ -183,6 +184,7 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_EQ(r.optimizer_state, "fp32");  // earlier versions kept fp32 state: not `auto`, which may pick bf16
   EXPECT_EQ(r.precision, "bf16");        // earlier versions ran bf16 GEMMs only
   EXPECT_EQ(r.gradients, "fp32");        // and kept a gradient buffer
+  EXPECT_FALSE(r.fp8_lm_head);           // and the bf16 lm head
   EXPECT_EQ(r.lora_rank, 0);             // earlier versions trained every parameter
   EXPECT_TRUE(r.adapter.empty());
   EXPECT_EQ(r.out, "elsewhere");
