@@ -520,7 +520,8 @@ TEST(Plan, AttentionSplitDividesTheWorkspaceByTheKeyValueHeads) {
 }
 
 // --fp8-lm-head: the loss scratch gains the casts of W (vocab x hidden bytes), of h (hidden x tokens) and of one
-// chunk's dlogits transposed (vocab x chunk), nothing without --precision fp8 (the engine's check refuses that);
+// chunk's dlogits transposed (vocab x chunk; these two not for LoRA's frozen head), nothing without --precision fp8
+// (the engine's check refuses that);
 // a vocabulary the FP8 GEMMs cannot take is refused naming vocab_size.
 TEST(Plan, Fp8LmHeadAddsItsCastsToTheLossScratch) {
   if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
@@ -533,6 +534,9 @@ TEST(Plan, Fp8LmHeadAddsItsCastsToTheLossScratch) {
   const double V = static_cast<double>(c.vocab_size), H = static_cast<double>(c.hidden_size);
   EXPECT_NEAR(scratch() - bf16_head, V * H + H * 8192 + V * 2048, 4096);
   EXPECT_NEAR((scratch() - bf16_head) / kGiB, 1.45, 0.01);  // the number docs/fp8.md gives
+  plan.lora = lora_r16();  // a frozen head (LoRA): the dgrad's cast of W only
+  EXPECT_NEAR(scratch() - bf16_head, V * H, 4096);
+  plan.lora = {};
   plan.precision = ds::Precision::Bf16;
   EXPECT_EQ(scratch(), bf16_head);
   EXPECT_NE(ds::test::error_of([&] { ds::check_fp8_lm_head(true, ds::Precision::Bf16); }).find("--fp8-lm-head needs "

@@ -189,6 +189,22 @@ TEST(Train, OptionTableKeepsTheCheckpointFormat) {
   EXPECT_TRUE(r.adapter.empty());
   EXPECT_EQ(r.out, "elsewhere");
   EXPECT_EQ(r.resume, "ck");
+  {  // a resume switching to --precision bf16 drops the checkpoint's FP8 lm head; to fp8 (or not given) keeps it
+    json f8 = j;
+    f8["precision"] = "fp8";
+    f8["fp8_lm_head"] = true;
+    ds::TrainOptions c2;
+    c2.resume = "ck";
+    c2.out = "elsewhere";
+    c2.precision = "bf16";
+    c2.given = {"resume", "out", "precision"};
+    const ds::TrainOptions to_bf16 = ds::resumed_options(c2, f8, "st.json");
+    EXPECT_EQ(to_bf16.precision, "bf16");
+    EXPECT_FALSE(to_bf16.fp8_lm_head);
+    EXPECT_NO_THROW(ds::validate(to_bf16));
+    c2.given = {"resume", "out"};
+    EXPECT_TRUE(ds::resumed_options(c2, f8, "st.json").fp8_lm_head);
+  }
   cli.given.push_back("lr");
   expect_error([&] { ds::resumed_options(cli, old, "st.json"); }, "--lr cannot change on --resume");
   cli.given.pop_back();

@@ -112,8 +112,12 @@ struct GpuModel::Impl {
   void begin_unit(size_t u) {
     if (!store->slotted()) return;
     const int s = store->slot_of(u);
-    if (slot_busy[s]) DS_CUDA_CHECK(cudaStreamWaitEvent(stream, slot_free[s], 0));
+    if (slot_busy[s]) {  // the step's stream idles here until `side` has updated the slot's previous unit
+      ProfScope ps = scope("optimizer", "slot wait (update on side)");
+      DS_CUDA_CHECK(cudaStreamWaitEvent(stream, slot_free[s], 0));
+    }
     slot_busy[s] = false;
+    ProfScope ps = scope("optimizer", "zero a gradient slot", 0, static_cast<double>(units[u].size()) * sizeof(float));
     DS_CUDA_CHECK(cudaMemsetAsync(store->unit_grads(u), 0, units[u].size() * sizeof(float), stream));
   }
   // The unit's update (an updating pass) and its sum of squares, both on `side`, off the step's stream. The 8-bit

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "model/engine.h"
 #include "model/lora.h"
 
@@ -312,6 +313,12 @@ TrainOptions resumed_options(const TrainOptions& cli, const nlohmann::json& save
              "run (only {} may)", g, resumable_flags());
   for (const TrainOption& e : train_options())
     if (e.has(kResumable) && cli.was_given(e.flag)) std::visit([&](auto m) { r.*m = cli.*m; }, e.member);
+  // A resume that switches to --precision bf16 drops the FP8 lm head the checkpoint's run had (it is a part of the
+  // FP8 mode); given together, the two contradict each other (validate).
+  if (cli.was_given("precision") && r.precision != "fp8" && !cli.was_given("fp8-lm-head") && r.fp8_lm_head) {
+    r.fp8_lm_head = false;
+    log_info("resume: --precision {} turns off the checkpoint's --fp8-lm-head", r.precision);
+  }
   // Not given: continue in the run's own directory ("run/checkpoint-3/" too), the real one (symlinks resolved; also
   // "--resume ." inside it, or a trailing slash).
   if (!cli.was_given("out")) r.out = std::filesystem::canonical(std::filesystem::path(cli.resume)).parent_path().string();

@@ -46,7 +46,7 @@ size_t align256(size_t b) { return (b + 255) / 256 * 256; }
 struct CeLayout {
   int64_t chunk = 0;
   size_t logits = 0, loss = 0, zloss = 0, total = 0;  // byte offsets (logits at 0) and total size
-  // fp8_grads only: Wt [H, V], ht [H, n16], dlt [V, chunk16] (bytes) and the slots (amax / scale floats)
+  // fp8_grads only: Wt [H, V], ht [H, n16], dlt [V, chunk16] (bytes; the last two only with dW) and the slots
   int64_t n16 = 0, chunk16 = 0;
   size_t wt = 0, ht = 0, dlt = 0, slots = 0;
 };
@@ -54,7 +54,7 @@ struct CeLayout {
 // Slots of the FP8 path's floats, kFp8Slot apart (each on its own 256 bytes, as cuBLASLt's scale pointers want).
 enum CeSlot { kAmaxW = 0, kScaleW, kAmaxH, kScaleH, kScaleDl, kNumSlots };
 
-CeLayout ce_layout(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens, bool fp8) {
+CeLayout ce_layout(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens, bool fp8, bool with_dW) {
   CeLayout l;
   l.chunk = std::max<int64_t>(1, std::min<int64_t>(chunk_tokens, std::max<int64_t>(N, 1)));
   l.logits = 0;
@@ -66,8 +66,8 @@ CeLayout ce_layout(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens, bool f
     l.chunk16 = fp8_padded(l.chunk);
     l.wt = l.total;
     l.ht = l.wt + align256(static_cast<size_t>(H) * static_cast<size_t>(V));
-    l.dlt = l.ht + align256(static_cast<size_t>(H) * static_cast<size_t>(l.n16));
-    l.slots = l.dlt + align256(static_cast<size_t>(V) * static_cast<size_t>(l.chunk16));
+    l.dlt = l.ht + (with_dW ? align256(static_cast<size_t>(H) * static_cast<size_t>(l.n16)) : 0);
+    l.slots = l.dlt + (with_dW ? align256(static_cast<size_t>(V) * static_cast<size_t>(l.chunk16)) : 0);
     l.total = l.slots + align256(kNumSlots * kFp8Slot * sizeof(float));
   }
   return l;
@@ -267,12 +267,13 @@ __global__ void __launch_bounds__(kReduceThreads)
 
 }  // namespace
 
-size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens, bool fp8_grads) {
+size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens, bool fp8_grads,
+                                          bool with_dW) {
   DS_CUDA_REQUIRE(N >= 0 && H > 0 && V > 0 && chunk_tokens > 0,
                   "linear_cross_entropy_scratch_bytes: need N >= 0, H > 0, V > 0, chunk_tokens > 0 (N=" +
                       std::to_string(N) + " H=" + std::to_string(H) + " V=" + std::to_string(V) +
                       " chunk_tokens=" + std::to_string(chunk_tokens) + ")");
-  return ce_layout(N, H, V, chunk_tokens, fp8_grads).total;
+  return ce_layout(N, H, V, chunk_tokens, fp8_grads, with_dW).total;
 }
 
 std::string linear_cross_entropy_fp8_unsupported(int64_t H, int64_t V, int64_t chunk_tokens) {
@@ -306,7 +307,7 @@ void linear_cross_entropy(const bf16* h, const bf16* W, const int32_t* targets, 
     DS_CUDA_REQUIRE(opt.z_loss == 0, "linear_cross_entropy: the FP8 lm head (--fp8-lm-head) needs z_loss 0, got " +
                                          std::to_string(opt.z_loss));
   }
-  const CeLayout L = ce_layout(N, H, V, opt.chunk_tokens, f8);
+  const CeLayout L = ce_layout(N, H, V, opt.chunk_tokens, f8, dW != nullptr);
   char* base = static_cast<char*>(scratch);
   float* S = reinterpret_cast<float*>(base + L.logits);
   double* loss_tok = reinterpret_cast<double*>(base + L.loss);

@@ -11,9 +11,10 @@
 
 namespace ds::ops::cuda {
 
-// Scratch bytes for N tokens (fp8_grads: LinearCeOptions::fp8_grads' casts too).
+// Scratch bytes for N tokens (fp8_grads: LinearCeOptions::fp8_grads' casts too; with_dW false: for calls without
+// dW only, a frozen head's, which need no casts of h and the dlogits transposed).
 size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t H, int64_t V, int64_t chunk_tokens,
-                                          bool fp8_grads = false);
+                                          bool fp8_grads = false, bool with_dW = true);
 // Why the FP8 lm head cannot run at these sizes ("" when it can): its GEMMs need V, H and the chunk multiples of 16.
 std::string linear_cross_entropy_fp8_unsupported(int64_t H, int64_t V, int64_t chunk_tokens);
 // h: bf16 [N, H]; W: bf16 [V, H]; targets: int32 [N] (device, -100 = ignore; validated on the host).
