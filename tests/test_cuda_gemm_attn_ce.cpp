@@ -180,6 +180,9 @@ TEST(CudaLinearCrossEntropy, MatchesCpu) {
   expect_ok(check_linear_cross_entropy({.N = 1024, .H = 256, .V = 50000, .chunk_tokens = 384}));
   // --fp8-lm-head: 1000 tokens (the casts of h padded to 1008), chunks of 384, the last one 232 (padded to 240)
   expect_ok(check_linear_cross_entropy({.N = 1000, .H = 256, .V = 50000, .chunk_tokens = 384, .fp8 = true}));
+  // a frozen head (LoRA): dh only, the scratch without the casts for dW; and fewer tokens than one FP8 tile (16)
+  expect_ok(check_linear_cross_entropy({.N = 200, .H = 256, .V = 50000, .chunk_tokens = 64, .fp8 = true, .dW = false}));
+  expect_ok(check_linear_cross_entropy({.N = 7, .H = 64, .V = 4096, .chunk_tokens = 16, .fp8 = true}));
 }
 
 TEST(CudaLinearCrossEntropy, OddVocab) {

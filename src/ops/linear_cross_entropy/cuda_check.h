@@ -21,6 +21,7 @@ struct LinearCeCase {
   uint64_t seed = 1;
   bool twice = true;
   bool fp8 = false;
+  bool dW = true;  // false: the GPU runs without dW (a frozen head, LoRA's), its scratch planned for that
 };
 check::Result check_linear_cross_entropy(const LinearCeCase& c);
 // The start-up probe: N 64, H 128, V 1000, chunks of 24 (three, the last one partial).
