@@ -1103,8 +1103,11 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     m.f8.emplace(m.acts.fp8, recipe, m.stream, m.c.num_hidden_layers, /*frozen_weights=*/m.lora != nullptr);
     // the frozen base's GEMM weights as their casts, if stored so (scales set by the upload below)
     m.f8->use_stored_weights(m.store->fp8_stored_weights());
-    log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({}){}", recipe.describe(),
-             m.acts.fp8.saved_scale ? "; the FP8-only GEMM inputs kept for the backward in FP8" : "");
+    log_info("gpu: --precision fp8: the decoder's matrix GEMMs in FP8 ({}){}{}", recipe.describe(),
+             m.acts.fp8.saved_scale ? "; the FP8-only GEMM inputs kept for the backward in FP8" : "",
+             !m.plan.fp8_lm_head ? ""
+             : m.lora            ? "; --fp8-lm-head: the frozen lm head's dgrad in FP8 (dlogits e5m2 at their bound)"
+                                 : "; --fp8-lm-head: the lm head's dgrad and wgrad in FP8 (dlogits e5m2 at their bound)");
   }
   DS_CHECK(host.deferred() || static_cast<int64_t>(host.weights().size()) == m.P,
            "gpu: the host model holds {} weights, expected {} (released or not loaded)", host.weights().size(), m.P);
