@@ -519,6 +519,30 @@ TEST(Plan, AttentionSplitDividesTheWorkspaceByTheKeyValueHeads) {
   EXPECT_NE(ds::test::error_of(workspace).find("DELTASTACK_ATTENTION_SPLIT must be 0 or 1"), std::string::npos);
 }
 
+// DELTASTACK_LAYER_SLOTS=3 (an A/B knob, docs/gpu.md): the in-backward gradients take one layer's fp32 slot more;
+// another value is refused naming the variable.
+TEST(Plan, ThirdLayerSlotTakesOneLayersGradients) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  const ds::ModelConfig c = ds::ModelConfig::preset("9b");
+  ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
+  plan.optimizer_state = ds::OptimizerState::EightBit;
+  plan.gradients = ds::Gradients::InBackward;
+  const auto grads = [&] { return static_cast<double>(use(ds::plan_gpu_memory(c, plan), ds::MemoryUse::Gradients)); };
+  const double two = grads();
+  double three = 0;
+  {
+    ds::test::EnvSet on("DELTASTACK_LAYER_SLOTS", "3");
+    three = grads();
+  }
+  const ds::Qwen35Model m(c, ds::Qwen35Model::Deferred{});
+  const std::vector<ds::ParamUnit> units = ds::param_units(c, m.params());
+  int64_t layer = 0;  // the largest layer's parameters (units 1 .. L)
+  for (size_t u = 1; u + 1 < units.size(); ++u) layer = std::max(layer, units[u].hi - units[u].lo);
+  EXPECT_NEAR(three - two, 4.0 * static_cast<double>(layer), 4.0 * 256);
+  ds::test::EnvSet bad("DELTASTACK_LAYER_SLOTS", "5");
+  EXPECT_NE(ds::test::error_of(grads).find("DELTASTACK_LAYER_SLOTS must be 2, 3 or 4"), std::string::npos);
+}
+
 // --fp8-lm-head: the loss scratch gains the casts of W (vocab x hidden bytes), of h (hidden x tokens) and of one
 // chunk's dlogits transposed (vocab x chunk; these two not for LoRA's frozen head), nothing without --precision fp8
 // (the engine's check refuses that);

@@ -877,6 +877,7 @@ void check_engine_knobs() {
   engine_knob("DELTASTACK_STREAM_PRIORITY");
   engine_knob(kAttentionSplitKnob, false);
   engine_knob(kFp8FrozenBaseKnob);
+  engine_knob("DELTASTACK_WGRAD_OVERWRITE");
   Fp8Recipe::from_env();  // DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM
 }
 

@@ -228,7 +228,8 @@ Fp8Matrix GpuFp8Linear::input_t(const bf16* x, int64_t M, int64_t K, int64_t lay
 }
 
 void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8Matrix& qxt, int64_t N, bf16* dx,
-                            bool accumulate_dx, float* dW, int64_t layer, int weight, const float* dy_amax) {
+                            bool accumulate_dx, float* dW, int64_t layer, int weight, const float* dy_amax,
+                            bool overwrite_dw) {
   const int64_t Kd = qxt.rows, Mp = qxt.cols;
   DS_CHECK(Mp == K::fp8_padded(M), "fp8 backward: the input was cast over {} rows, the gradient has {}", Mp, M);
   // dy's amax once for both of its casts (or its producer's).
@@ -251,9 +252,9 @@ void GpuFp8Linear::backward(const bf16* dy, int64_t M, const bf16* W, const Fp8M
   const Fp8Matrix qdy{b_.dy, M, N, N, r_.grad, b_.f + 5 * kFp8Slot}, qwt{b_.w, Kd, N, N, Fp8Format::E4M3, wscale};
   K::gemm_fp8(qdy, qwt, dx, false, Kd, accumulate_dx ? 1.0f : 0.0f, r_.fast_accum_backward, s_);
   if (!dW) return;  // a frozen weight (LoRA's base): dgrad only
-  // wgrad: dW[N, K] += q(dy^T)[N, Mp] . qxt[K, Mp]^T (the padding columns are zeros in both)
+  // wgrad: dW[N, K] (+)= q(dy^T)[N, Mp] . qxt[K, Mp]^T (the padding columns are zeros in both)
   const Fp8Matrix qdyt{b_.dyt, N, Mp, Mp, r_.grad, b_.f + 6 * kFp8Slot};
-  K::gemm_fp8(qdyt, qxt, dW, true, Kd, 1.0f, r_.fast_accum_backward, s_);
+  K::gemm_fp8(qdyt, qxt, dW, true, Kd, overwrite_dw ? 0.0f : 1.0f, r_.fast_accum_backward, s_);
 }
 
 }  // namespace ds

@@ -175,8 +175,10 @@ class GpuFp8Linear {
   // dy [M, N] cast once for both layouts (the grad format). qxt from input_t of the layer's input. dW null (a frozen
   // weight): the dgrad only, and qxt gives only its shape (rows K, cols fp8_padded(M); data may be null).
   // dy_amax: dy's amax from its producer (fused_grad_amax), or null (an amax pass here).
+  // overwrite_dw: dW = the wgrad (the GEMM's beta 0) instead of dW += it (GpuModel's wgrad_overwrite).
   void backward(const bf16* dy, int64_t M, const bf16* W, const ops::cuda::Fp8Matrix& qxt, int64_t N, bf16* dx,
-                bool accumulate_dx, float* dW, int64_t layer, int weight, const float* dy_amax);
+                bool accumulate_dx, float* dW, int64_t layer, int weight, const float* dy_amax,
+                bool overwrite_dw = false);
 
  private:
   // The table's slot of an input / a weight; its amax, computed from x [rows, cols] unless this pass has it (or,

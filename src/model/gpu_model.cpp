@@ -107,8 +107,8 @@ struct GpuModel::Impl {
   uint64_t grad_key = 0;
   bool ib_armed = false, ib_update = false;
   ops::AdamWParams ib_params;
-  cudaEvent_t slot_free[4] = {};
-  bool slot_busy[4] = {};
+  cudaEvent_t slot_free[kMaxGradSlots] = {};
+  bool slot_busy[kMaxGradSlots] = {};
   void begin_unit(size_t u) {
     if (!store->slotted()) return;
     const int s = store->slot_of(u);
@@ -117,9 +117,39 @@ struct GpuModel::Impl {
       DS_CUDA_CHECK(cudaStreamWaitEvent(stream, slot_free[s], 0));
     }
     slot_busy[s] = false;
-    ProfScope ps = scope("optimizer", "zero a gradient slot", 0, static_cast<double>(units[u].size()) * sizeof(float));
-    DS_CUDA_CHECK(cudaMemsetAsync(store->unit_grads(u), 0, units[u].size() * sizeof(float), stream));
+    float* g = store->unit_grads(u);
+    if (!wgrad_overwrite || u == 0 || u + 1 >= units.size()) {  // the embedding and the head accumulate
+      ProfScope ps = scope("optimizer", "zero a gradient slot", 0, static_cast<double>(units[u].size()) * sizeof(float));
+      DS_CUDA_CHECK(cudaMemsetAsync(g, 0, units[u].size() * sizeof(float), stream));
+      return;
+    }
+    // A layer: its matrices' wgrad GEMMs write their gradients; only the rest (norms, conv taps, A_log, dt_bias:
+    // kernels that add into their gradients) is zeroed, in runs of adjacent parameters.
+    ensure_units();
+    ProfScope ps = scope("optimizer", "zero a gradient slot");
+    const int64_t lo = units[u].lo;
+    int64_t run_lo = -1, run_hi = -1;
+    auto flush = [&] {
+      if (run_lo >= 0)
+        DS_CUDA_CHECK(cudaMemsetAsync(g + (run_lo - lo), 0, static_cast<size_t>(run_hi - run_lo) * sizeof(float), stream));
+      run_lo = run_hi = -1;
+    };
+    for (size_t k = unit_params[u].first; k < unit_params[u].second; ++k) {
+      const ParamSpec& p = params[k];
+      if (is_matrix(p)) continue;
+      if (p.offset != run_hi) flush();
+      if (run_lo < 0) run_lo = p.offset;
+      run_hi = p.offset + p.numel;
+    }
+    flush();
   }
+  // DELTASTACK_WGRAD_OVERWRITE=1 (an A/B knob, default 0; docs/gpu.md, ninth session): this backward's matrix wgrad
+  // GEMMs write their gradients (beta 0) instead of adding to zeroed ones: in a slotted mode's every backward (each
+  // unit's slot holds one micro-batch; its layers' matrices are then not zeroed) and in the flat buffer's first
+  // backward after zero_grads. Bitwise the same values (CudaEngine.InBackwardUpdateIsTheFp32Step).
+  bool wgrad_overwrite = false;
+  int64_t backwards_since_zero = 0;
+  float wgrad_beta() const { return wgrad_overwrite ? 0.0f : 1.0f; }
   // The unit's update (an updating pass) and its sum of squares, both on `side`, off the step's stream. The 8-bit
   // update writes its parameters' sum-of-squares partials from its own read of the gradients (GpuOptimizer::
   // fuses_sum: bitwise what unit_sum_squares would take), unit_sum_squares takes the others' and adds them;
@@ -430,14 +460,14 @@ struct GpuModel::Impl {
       size_t j = 0;
       for (const LinGrad& g : gs)
         f8->backward(g.dy, N, g.W, qxt, g.n, dx, std::exchange(acc, true), g.dW, cur_layer, fp8_weight(role, j++),
-                     g.dy_amax);
+                     g.dy_amax, wgrad_overwrite);
     } else {
       for (const LinGrad& g : gs) {
         DS_CHECK(!store->holds_fp8(g.W), "internal: a bf16 GEMM on an FP8-stored weight");
         K::linear_backward_data(g.dy, g.W, dx, N, Kd, g.n, std::exchange(acc, true), stream);
       }
       for (const LinGrad& g : gs)
-        if (g.dW) K::linear_backward_weight(g.dy, x, g.dW, N, Kd, g.n, stream);
+        if (g.dW) K::linear_backward_weight(g.dy, x, g.dW, N, Kd, g.n, stream, wgrad_beta());
     }
     for (const LinGrad& g : gs)
       for (const LoraAt& l : lora_at)
@@ -615,7 +645,7 @@ struct GpuModel::Impl {
                      {{d.dmixed, w.in_proj_qkv, CD, gw.in_proj_qkv, dmixed_amax},
                       {d.dz, w.in_proj_z, VD, gw.in_proj_z, dz_amax}});
     K::linear_backward_data(d.dab, w.in_proj_ba, d.dxn, N, H, 2 * Hv, true, stream);  // b|a: bf16 at any precision
-    if (gw.in_proj_ba) K::linear_backward_weight(d.dab, A.xn1, gw.in_proj_ba, N, H, 2 * Hv, stream);
+    if (gw.in_proj_ba) K::linear_backward_weight(d.dab, A.xn1, gw.in_proj_ba, N, H, 2 * Hv, stream, wgrad_beta());
   }
 
   // Gated attention mixer (HF Qwen3_5Attention.forward, docs/model.md §2.5): xn1 -> h_mid = h_in + mixer (the
@@ -854,6 +884,9 @@ struct GpuModel::Impl {
     const double n = static_cast<double>(N);
     const bool backward = grad_scale != 0.0;
     offload_pass = offloads() && backward;
+    wgrad_overwrite = backward && !store->frozen() && engine_knob("DELTASTACK_WGRAD_OVERWRITE", false) &&
+                      (store->slotted() || backwards_since_zero == 0);
+    if (backward) ++backwards_since_zero;
     // As the CPU engine: dropout in a pass with a backward while the adapter has a dropout key (the trainer's).
     lora_dropout = lora && backward && adapter->dropout_key() && adapter->config().lora_dropout > 0;
     trunk_forward(mp);
@@ -1152,6 +1185,7 @@ void GpuModel::begin_step(int64_t step) { impl_->grad_step = step; }
 
 void GpuModel::zero_grads() {
   impl_->grad_micro = 0;
+  impl_->backwards_since_zero = 0;
   if (impl_->grads_zeroed) {  // done on the side stream by the overlapped optimizer step, unit by unit
     impl_->grads_zeroed = false;
     return;

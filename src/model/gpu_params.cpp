@@ -2,6 +2,8 @@
 
 #ifdef DELTASTACK_CUDA
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <tuple>
 
 #include "core/bf16.h"
@@ -143,21 +145,30 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
   const size_t U = units_.size(), head = U - 1;
   DS_CHECK(U >= 2, "gpu: --gradients {} needs the embedding and head units", gradients_name(gradients_));
   const bool tied = layout.model_offsets().lm_head == layout.model_offsets().embed_tokens;
-  int64_t size[4] = {0, 0, 0, 0};
+  int64_t size[kMaxGradSlots] = {};
+  const int n = layer_slots();
   auto need = [&](size_t u, int slot) {
     unit_slot_[u] = slot;
     size[slot] = std::max(size[slot], units_[u].size() + 64);
   };
   need(0, 0);
   need(head, tied ? 1 : 0);
-  for (size_t u = 1; u < head; ++u) need(u, 2 + static_cast<int>((u - 1) % 2));
-  for (int s = 0; s < 4; ++s) {
+  for (size_t u = 1; u < head; ++u) need(u, 2 + static_cast<int>((u - 1) % static_cast<size_t>(n)));
+  for (int s = 0; s < 2 + n; ++s) {
     slot_at_[s] = G_;
     slot_len_[s] = (size[s] + 63) / 64 * 64;
     G_ += slot_len_[s];
   }
   for (size_t u = 0; u < U; ++u) unit_at_[u] = slot_at_[unit_slot_[u]] + units_[u].lo % 64;
   grad_layout_ = layout.remapped([this](int64_t off) { return grad_at(off); });
+}
+
+int layer_slots() {
+  const char* v = std::getenv("DELTASTACK_LAYER_SLOTS");
+  if (!v) return 2;
+  const std::string s(v);
+  DS_CHECK(s == "2" || s == "3" || s == "4", "DELTASTACK_LAYER_SLOTS must be 2, 3 or 4, got \"{}\"", s);
+  return s[0] - '0';
 }
 
 int64_t GpuParamStore::grad_at(int64_t flat) const {

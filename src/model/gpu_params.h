@@ -40,13 +40,20 @@ struct ParamShard {
 // gradients into a slot while its backward runs, and the slot is free again once the unit's update has read it:
 //   slot 0: the embedding, and the untied head (its backward ends before the embedding's begins);
 //   slot 1: the head when tied (it is final while the embedding, which holds lm_head, is still accumulating);
-//   slots 2, 3: the layers, alternating (layer i in 2 + i % 2: one accumulating, the other being updated).
+//   slots 2 .. 2 + n - 1: the layers in turn (layer i in 2 + i % n, n = layer_slots(): one accumulating, the others
+//   being updated; the backward of layer i waits for the update of layer i + n, so n - 1 layers' backwards of slack
+//   for the side stream's update; docs/gpu.md, ninth session).
 // A unit's elements lie contiguous in its slot, starting at the unit's flat offset modulo 64 (so every gradient
 // pointer has the flat buffer's alignment mod 256 bytes, and the GEMMs and sums see the same alignments as in the
 // fp32 mode).
 // Gradients::Bf16: the same slots, where each unit's gradients of one micro-batch are made, and one bf16 buffer
 // [P_pad] of every parameter, flat, into which a final unit's slot is added with stochastic rounding
 // (accumulate_unit); the optimizer and the sums of squares read that buffer.
+// The number of layer slots: DELTASTACK_LAYER_SLOTS, 2 (the default), 3 or 4 (an A/B knob: each slot more holds
+// one layer's fp32 gradients); ds::Error naming the variable for any other value.
+int layer_slots();
+inline constexpr int kMaxGradSlots = 6;  // 2 + the most layer slots
+
 class GpuParamStore {
  public:
   using bf16 = ds::cuda::bf16;
@@ -198,7 +205,7 @@ class GpuParamStore {
   std::vector<int> unit_slot_;        // per unit: its slot (InBackward)
   std::vector<int64_t> unit_at_;      // per unit: where its first element lies in g_
   int64_t G_ = 0;                     // elements of g_
-  int64_t slot_at_[4] = {}, slot_len_[4] = {};  // the slots' ranges in g_ (slotted modes)
+  int64_t slot_at_[kMaxGradSlots] = {}, slot_len_[kMaxGradSlots] = {};  // the slots' ranges in g_ (slotted modes)
   int64_t grad_at(int64_t flat) const;  // where flat element `flat` lies in g_
   float *w_ = nullptr, *g_ = nullptr;
   bf16* wb_ = nullptr;

@@ -209,8 +209,8 @@ void linear_backward_data(const bf16* dy, const bf16* W, bf16* dx, int64_t M, in
 }
 
 void linear_backward_weight(const bf16* dy, const bf16* x, float* dW, int64_t M, int64_t K, int64_t N,
-                            cudaStream_t stream) {
-  gemm(true, false, N, K, M, 1.0f, dy, N, x, K, 1.0f, dW, true, K, stream);
+                            cudaStream_t stream, float beta) {
+  gemm(true, false, N, K, M, 1.0f, dy, N, x, K, beta, dW, true, K, stream);
 }
 
 

@@ -16,8 +16,9 @@ void linear_forward(const ds::cuda::bf16* x, const ds::cuda::bf16* W, ds::cuda::
 void linear_backward_data(const ds::cuda::bf16* dy, const ds::cuda::bf16* W, ds::cuda::bf16* dx, int64_t M,
                           int64_t K, int64_t N, bool accumulate, cudaStream_t stream);
 // dW[N, K] += dy[M, N]^T @ x[M, K] (fp32 accumulate into fp32 dW).
+// dW += dy^T x (beta 1), or dW = dy^T x (beta 0).
 void linear_backward_weight(const ds::cuda::bf16* dy, const ds::cuda::bf16* x, float* dW, int64_t M, int64_t K,
-                            int64_t N, cudaStream_t stream);
+                            int64_t N, cudaStream_t stream, float beta = 1.0f);
 // General row-major GEMM used by the fused loss: C[M,N] (fp32 or bf16 per c_is_f32) = alpha * op(A) op(B) + beta*C,
 // A: [M,K] (or [K,M] if ta), B: [K,N] (or [N,K] if tb), bf16. C_in (K > 0): the beta term reads C_in (C's type and
 // leading dimension) instead of C: C = alpha op(A) op(B) + beta C_in.
