@@ -871,6 +871,14 @@ bool engine_knob(const char* name, bool unset) {
   return v ? std::string(v) == "1" : unset;
 }
 
+int layer_slots() {
+  const char* v = std::getenv("DELTASTACK_LAYER_SLOTS");
+  if (!v) return 2;
+  const std::string s(v);
+  DS_CHECK(s == "2" || s == "3" || s == "4", "DELTASTACK_LAYER_SLOTS must be 2, 3 or 4, got \"{}\"", s);
+  return s[0] - '0';
+}
+
 void check_engine_knobs() {
   engine_knob("DELTASTACK_ASYNC_OPTIMIZER");
   engine_knob("DELTASTACK_DP_OVERLAP");
@@ -878,6 +886,7 @@ void check_engine_knobs() {
   engine_knob(kAttentionSplitKnob, false);
   engine_knob(kFp8FrozenBaseKnob);
   engine_knob("DELTASTACK_WGRAD_OVERWRITE");
+  layer_slots();  // DELTASTACK_LAYER_SLOTS
   Fp8Recipe::from_env();  // DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM
 }
 

@@ -363,6 +363,10 @@ std::string resolve_device(const std::string& device);
 // check_engine_knobs() checks them all, whatever the device: the trainer (with ops::check_knobs, before --out is
 // touched), eval and generate call it first. `unset`: the value when the variable is not set.
 bool engine_knob(const char* name, bool unset = true);
+// The in-backward gradient slots of the layers (model/gpu_params.h): DELTASTACK_LAYER_SLOTS, 2 (the default), 3 or 4
+// (an A/B knob of docs/gpu.md: each slot more holds one layer's fp32 gradients and gives the side stream's update one
+// layer's backward more); ds::Error naming the variable for any other value (check_engine_knobs checks it first).
+int layer_slots();
 inline constexpr const char* kAttentionSplitKnob = "DELTASTACK_ATTENTION_SPLIT";  // the name, for its reader and tests
 void check_engine_knobs();
 

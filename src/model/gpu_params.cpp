@@ -163,14 +163,6 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
   grad_layout_ = layout.remapped([this](int64_t off) { return grad_at(off); });
 }
 
-int layer_slots() {
-  const char* v = std::getenv("DELTASTACK_LAYER_SLOTS");
-  if (!v) return 2;
-  const std::string s(v);
-  DS_CHECK(s == "2" || s == "3" || s == "4", "DELTASTACK_LAYER_SLOTS must be 2, 3 or 4, got \"{}\"", s);
-  return s[0] - '0';
-}
-
 int64_t GpuParamStore::grad_at(int64_t flat) const {
   if (gradients_ == Gradients::Fp32) return flat;
   const auto it = std::upper_bound(units_.begin(), units_.end(), flat, [](int64_t x, const ParamUnit& p) { return x < p.lo; });

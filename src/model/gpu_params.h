@@ -49,9 +49,7 @@ struct ParamShard {
 // Gradients::Bf16: the same slots, where each unit's gradients of one micro-batch are made, and one bf16 buffer
 // [P_pad] of every parameter, flat, into which a final unit's slot is added with stochastic rounding
 // (accumulate_unit); the optimizer and the sums of squares read that buffer.
-// The number of layer slots: DELTASTACK_LAYER_SLOTS, 2 (the default), 3 or 4 (an A/B knob: each slot more holds
-// one layer's fp32 gradients); ds::Error naming the variable for any other value.
-int layer_slots();
+// The layers' slots: layer_slots() (model/engine.h, DELTASTACK_LAYER_SLOTS).
 inline constexpr int kMaxGradSlots = 6;  // 2 + the most layer slots
 
 class GpuParamStore {

@@ -115,13 +115,14 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
                fp8_base ? ", its FP8 GEMM weights stored as their E4M3 casts only (1 byte each; "
                           "DELTASTACK_FP8_FROZEN_BASE=0: bf16)" : "");
   const bool ib = plan.gradients == Gradients::InBackward;
+  const std::string slots = fmt::format("fp32 slots of the embedding, head and {} layers", layer_slots());
   fmt::print("  gradients: {}{}{}\n",
-             ib ? "in-backward (each unit updated in the backward; fp32 slots of the embedding, head and two layers"
+             ib ? "in-backward (each unit updated in the backward; " + slots
              : plan.gradients == Gradients::Bf16
                  ? "bf16 (one buffer of every parameter, 2 bytes each, each micro-batch added with stochastic rounding "
-                   "from fp32 slots of the embedding, head and two layers; lossy)"
-             : lora ? "fp32, the adapters' only (a scratch of one layer's small parameters for the base's ops)"
-                    : "fp32 (one buffer of every parameter)",
+                   "from " + slots + "; lossy)"
+             : lora ? std::string("fp32, the adapters' only (a scratch of one layer's small parameters for the base's ops)")
+                    : std::string("fp32 (one buffer of every parameter)"),
              !ib ? "" : plan.norm_pass ? "; with --clip a norm-only pass first, about 1.85x the step)" : ")",
              chosen_grads && !lora ? "; chosen by --memory auto" : "");
   // Bytes per parameter beside each part: the figure the optimizer-state and gradient modes trade in.
