@@ -109,21 +109,26 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
   partial_at_.assign(params.size() + 1, 0);
   for (size_t k = 0; k < params.size(); ++k)
     partial_at_[k + 1] = partial_at_[k] + K::sum_squares_partials_count(params[k].offset, params[k].numel);
-  for (const ParamUnit& u : units_) {  // the parameters whose first element lies in the unit (units hold whole ones)
-    size_t a = params.size(), b = 0;
-    for (size_t k = 0; k < params.size(); ++k)
-      if (params[k].offset >= u.lo && params[k].offset < u.hi) a = std::min(a, k), b = std::max(b, k + 1);
-    unit_params_.emplace_back(a, std::max(a, b));
+  // The parameters whose first element lies in each unit (units hold whole ones): one sweep, the parameters being
+  // in offset order (param_at's binary search relies on it too); an empty unit gets [size, size).
+  for (size_t k = 1; k < params.size(); ++k)
+    DS_CHECK(params[k].offset > params[k - 1].offset, "internal: parameters out of offset order at {}", params[k].name);
+  size_t next = 0;
+  for (const ParamUnit& u : units_) {
+    while (next < params.size() && params[next].offset < u.lo) ++next;
+    const size_t a = next;
+    while (next < params.size() && params[next].offset < u.hi) ++next;
+    unit_params_.emplace_back(a < next ? a : params.size(), a < next ? next : params.size());
   }
   if (frozen_) {
     DS_CHECK(state == OptimizerState::Bf16 && gradients_ == Gradients::Fp32 && shard.world == 0, "internal: a frozen "
              "base is kept in the bf16 layout, with the fp32 gradient mode and no shard");
     // Per unit, its small parameters compacted from 0 in one scratch.
     std::vector<int64_t> at(params.size(), -1);
-    for (const ParamUnit& u : units_) {
+    for (const auto& [first, last] : unit_params_) {
       int64_t n = 0;
-      for (size_t k = 0; k < params.size(); ++k)
-        if (!is_matrix(params[k]) && params[k].offset >= u.lo && params[k].offset < u.hi) at[k] = n, n += params[k].numel;
+      for (size_t k = first; k < last; ++k)
+        if (!is_matrix(params[k])) at[k] = n, n += params[k].numel;
       G_ = std::max(G_, n);
     }
     G_ = std::max<int64_t>(G_, 1);
