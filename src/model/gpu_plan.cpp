@@ -72,14 +72,14 @@ K::Conv1dPlan conv_plan(const ModelConfig& c, const GpuPlan& plan) {
 }
 
 K::LinearCrossEntropyPlan ce_plan(const ModelConfig& c, const GpuPlan& plan) {
-  if (plan.fp8_lm_head && plan.precision == Precision::Fp8) {
+  const bool fp8_head = plan.fp8_lm_head && plan.precision == Precision::Fp8;
+  if (fp8_head) {
     const std::string why = K::linear_cross_entropy_fp8_unsupported(c.hidden_size, c.vocab_size, plan.ce_chunk_tokens);
     DS_CHECK(why.empty(), "--fp8-lm-head: the FP8 lm head's GEMMs need sizes in multiples of 16, and {} (use the "
              "bf16 lm head: leave --fp8-lm-head out)", why);
   }
   return K::LinearCrossEntropyPlan(plan.max_tokens, c.hidden_size, c.vocab_size, plan.ce_chunk_tokens,
-                                   plan.fp8_lm_head && plan.precision == Precision::Fp8,
-                                   /*head_grads=*/plan.lora.r == 0);  // LoRA freezes the head
+                                   fp8_head, /*head_grads=*/plan.lora.r == 0);  // LoRA freezes the head
 }
 
 void lay_out_gpu_memory(Arena& a, const ModelConfig& c, const GpuPlan& plan, GpuParamStore& store,

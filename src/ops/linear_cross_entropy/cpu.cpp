@@ -209,7 +209,7 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
   // The [C, V] scratch is left uninitialised (every entry is written by the logits gemm before it is read).
   Scratch S_buf(static_cast<size_t>(C * V) * sizeof(T));
   T* const S = static_cast<T*>(S_buf.ptr);
-  std::vector<T> hc(static_cast<size_t>(C * H)), hbc(fp8 ? static_cast<size_t>(C * H) : 0), dh_part;
+  std::vector<T> hc(static_cast<size_t>(C * H)), dh_part;
   if (dh) dh_part.resize(static_cast<size_t>(G * C * H));
   std::vector<double> row_loss(static_cast<size_t>(C)), row_z(static_cast<size_t>(C));
 
@@ -217,8 +217,6 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
     const int64_t cn = std::min(C, R - r0);
     const bool par = cn * V * H > 65536;  // small chunks run on one thread (the partition never changes results)
     for (int64_t r = 0; r < cn; ++r) std::memcpy(hc.data() + r * H, h + rows[r0 + r] * H, sizeof(T) * H);
-    if (fp8)
-      for (int64_t r = 0; r < cn; ++r) std::memcpy(hbc.data() + r * H, hb + rows[r0 + r] * H, sizeof(T) * H);
 
     // 1. logits, per V-group: S[:, v0:v1] = hc @ W[v0:v1]^T
 #pragma omp parallel for schedule(dynamic, 1) if (par)
@@ -259,7 +257,8 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
     if constexpr (std::is_same_v<T, float>) {
       if (fp8) fp8_fake_quantize(S, cn * V, Fp8Format::E5M2, static_cast<float>(std::fabs(gs)));
     }
-    const T* hcb = fp8 ? hbc.data() : hc.data();
+    if (fp8 && dW)  // the logits are made: hc now holds the chunk's rows of the cast of h, for dW
+      for (int64_t r = 0; r < cn; ++r) std::memcpy(hc.data() + r * H, hb + rows[r0 + r] * H, sizeof(T) * H);
 
     // 3. per V-group: dh partial = dS[:, v0:v1] @ W[v0:v1];  dW[v0:v1] += dS[:, v0:v1]^T @ hc
 #pragma omp parallel for schedule(dynamic, 1) if (par)
@@ -267,7 +266,7 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
       const int64_t v0 = group_begin(g), v1 = group_begin(g + 1);
       if (dh)
         gemm(false, false, cn, H, v1 - v0, T(1), S + v0, V, Wb + v0 * H, H, T(0), dh_part.data() + g * C * H, H);
-      if (dW) gemm(true, false, v1 - v0, H, cn, T(1), S + v0, V, hcb, H, T(1), dW + v0 * H, H);
+      if (dW) gemm(true, false, v1 - v0, H, cn, T(1), S + v0, V, hc.data(), H, T(1), dW + v0 * H, H);
     }
     // 4. dh = sum of the group partials in group order.
     if (dh) {
