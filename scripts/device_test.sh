@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build prebuilt test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
+# Stages: env build prebuilt base-modes test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # peer-lora, LoRA steps, ours (bench step --lora-rank) vs transformers + PEFT LoRA: scripts/peer_lora_step.py, LORA_RUNS;
@@ -92,6 +92,38 @@ if has prebuilt; then
   tar -xJf .prebuilt/bin.tar.xz && [ -x build-prebuilt/deltastack_tests ] && ln -sfn build-prebuilt "$BUILD" ||
     { echo "prebuilt: unpacking .prebuilt/bin.tar.xz failed"; exit 1; }
   echo "prebuilt: $(head -1 .prebuilt/commit.txt 2>/dev/null || echo 'unknown commit') unpacked into build-prebuilt/"
+  # An earlier commit's binary packed beside it (scripts/prebuild_device.sh BASE=<commit>): build-base/deltastack,
+  # for the stages that compare against it (train, base-modes).
+  if [ -f .prebuilt/base.tar.xz ]; then
+    rm -rf build-base && tar -xJf .prebuilt/base.tar.xz && echo "prebuilt: base $(cat .prebuilt/base_commit.txt 2>/dev/null) in build-base/"
+  fi
+fi
+if has base-modes && [ -x build-base/deltastack ]; then
+  # Short training runs in the lean modes with this binary and the base binary: metrics (losses, grad norms, evals)
+  # must be bitwise equal where a change claims no change of results (BASE_MODES: one set of train flags a line).
+  D=$BUILD/deltastack
+  while read -r args; do
+    [ -z "$args" ] && continue
+    rm -rf /tmp/ds_bm0 /tmp/ds_bm1
+    build-base/deltastack train --device cuda --steps ${BASE_STEPS:-30} --eval-interval 10 --no-save --out /tmp/ds_bm0 \
+      --data "$PWD/data/tiny_shakespeare.txt" --tokenizer "$PWD/data/qwen3_tokenizer/tokenizer.json" $args \
+      >/tmp/ds_bm0.txt 2>&1 || { tail -3 /tmp/ds_bm0.txt; status=1; }
+    $D train --device cuda --steps ${BASE_STEPS:-30} --eval-interval 10 --no-save --out /tmp/ds_bm1 \
+      --data "$PWD/data/tiny_shakespeare.txt" --tokenizer "$PWD/data/qwen3_tokenizer/tokenizer.json" $args \
+      >/tmp/ds_bm1.txt 2>&1 || { tail -3 /tmp/ds_bm1.txt; status=1; }
+    python3 -c "import json, sys; L=lambda p: [(j['step'], j.get('loss'), j.get('eval_loss'), j.get('grad_norm')) for j in map(json.loads, open(p))]; \
+a, b = L('/tmp/ds_bm0/metrics.jsonl'), L('/tmp/ds_bm1/metrics.jsonl'); print(f'base-modes [{sys.argv[1]}]: {len(b)} lines, ' + ('bitwise identical to the base binary' if a == b and a else 'DIFFERENT')); \
+raise SystemExit(0 if a == b and a else 1)" "$args" 2>&1 | tee -a "$OUT/base_modes.txt" || status=1
+  done <<EOF2
+${BASE_MODES:---precision fp8 --fp8-lm-head --optimizer-state 8bit --gradients in-backward --clip 0 --recompute mlp
+--precision fp8 --recompute none
+--precision fp8 --recompute selective --gradients fp32
+--precision fp8 --recompute full
+--recompute mlp
+--recompute none --optimizer-state 8bit --gradients in-backward
+--lora-rank 8 --precision fp8
+--lora-rank 8 --recompute mlp}
+EOF2
 fi
 if has build; then
   t0=$(date +%s)

@@ -30,5 +30,15 @@ for f in .deps/*.deb; do case $f in *-dev_*|*pkgconf*|*nlohmann*) ;; *) cp "$f" 
 peers=()
 for d in site triton_cache; do [ -d .peers/$d ] && peers+=("$d"); done
 [ ${#peers[@]} -gt 0 ] && tar -cJf .prebuilt/peers.tar.xz -C .peers "${peers[@]}"
+# BASE_PACK=<dir>: a copy of an earlier pack's .prebuilt (its bin.tar.xz and commit.txt) whose deltastack travels
+# too, as .prebuilt/base.tar.xz (build-base/deltastack there), for device_test.sh's comparisons against an earlier
+# binary (base-modes, train). Keep the copy before this script replaces .prebuilt.
+if [ -n "${BASE_PACK:-}" ]; then
+  mkdir -p "$tmp/base" "$tmp/build-base"
+  tar -xJf "$BASE_PACK/bin.tar.xz" -C "$tmp/base" build-prebuilt/deltastack
+  mv "$tmp/base/build-prebuilt/deltastack" "$tmp/build-base/deltastack"
+  tar -cJf .prebuilt/base.tar.xz -C "$tmp" build-base
+  head -1 "$BASE_PACK/commit.txt" > .prebuilt/base_commit.txt
+fi
 { git rev-parse HEAD; git status --short; } > .prebuilt/commit.txt
 echo "packed $(du -sh --apparent-size .prebuilt | cut -f1) into .prebuilt (commit $(head -1 .prebuilt/commit.txt), $(($(wc -l < .prebuilt/commit.txt) - 1)) changed files)"

@@ -202,13 +202,14 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
     std::vector<float> grads;
     size_t bytes;
   };
-  auto run = [&](ds::Recompute rc, int64_t kept_layers = 0, int64_t mlp_layers = 0) {
+  auto run = [&](ds::Recompute rc, int64_t kept_layers = 0, int64_t mlp_layers = 0, int64_t selective_layers = 0) {
     ds::GpuPlan plan;
     plan.max_tokens = b.size();
     plan.max_seqs = 4;
     plan.recompute = rc;
     plan.kept_layers = kept_layers;
     plan.mlp_layers = mlp_layers;
+    plan.selective_layers = selective_layers;
     ds::GpuModel gpu(host, plan);
     EXPECT_EQ(gpu.recompute(), rc);
     Run r{gpu.forward_backward(b, scale).loss_sum, {}, gpu.planned_bytes()};
@@ -247,6 +248,18 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
     if (rc == ds::Recompute::Full && kept == 1) full_kept_1 = part.bytes;
     EXPECT_GT(part.bytes, rc == ds::Recompute::Mlp ? mlp.bytes : rc == ds::Recompute::Full ? full.bytes : sel.bytes)
         << what;
+  }
+  // Mlp with layers keeping their gate|up output (GpuPlan::selective_layers, selective's policy) after the kept ones:
+  // two such layers; one kept and one; all but the last. Bitwise, and the bytes between mlp's and selective's (two
+  // selective layers: one gate|up buffer more than mlp's shared one; all but the last: as many as selective's, whose
+  // last layer keeps its own where mlp's shares one).
+  for (auto [kept, sl] : {std::pair{int64_t{0}, int64_t{2}}, std::pair{int64_t{1}, int64_t{1}}, std::pair{int64_t{0}, L - 1}}) {
+    const Run part = run(ds::Recompute::Mlp, kept, 0, sl);
+    const std::string what = "mlp kept " + std::to_string(kept) + " selective " + std::to_string(sl);
+    EXPECT_EQ(part.loss, sel.loss) << what;
+    EXPECT_TRUE(part.grads == sel.grads) << what;
+    EXPECT_GT(part.bytes, mlp.bytes) << what;
+    if (kept == 0) EXPECT_LE(part.bytes, sel.bytes) << what;
   }
   // Full with layers rebuilding only mlp's activations (GpuPlan::mlp_layers) after the kept ones: one kept and one
   // mlp (both mixer kinds' full layers after them), two mlp, all but the last mlp (the last layer runs full and

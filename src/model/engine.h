@@ -135,6 +135,11 @@ struct GpuPlan {
   // forward again (docs/memory.md "Recompute by layer"). `auto` weighs them against kept layers by the forward time
   // each saves per byte; bitwise the same results.
   int64_t mlp_layers = 0;
+  // With recompute mlp: the selective_layers decoder layers after the kept ones keep their gate|up output and rebuild
+  // only what selective rebuilds; the rest rebuild gate|up too (docs/memory.md "Recompute by layer"). Keeping a
+  // layer's N x 2I gate|up saves more time per byte than keeping all of its activations (a gate|up GEMM against a
+  // few norm and elementwise passes), so `auto` takes these first, before any kept layer; bitwise the same results.
+  int64_t selective_layers = 0;
   // --offload-activations (recompute full, or auto: then only full is considered): the decoder layers' inputs, all
   // that full recompute keeps of a layer, go to pinned host memory during the forward (N x hidden_size bf16 per
   // layer) and come back before each layer's backward, behind the compute on a copy stream; the device keeps a

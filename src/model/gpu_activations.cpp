@@ -75,7 +75,7 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
     return r;
   };
   // Each layer's policy: none for the kept ones, then (full) the mlp layers, then the plan's.
-  auto layer_rc = [&](int64_t i) { return layer_recompute(rc, s.kept_layers, s.mlp_layers, i); };
+  auto layer_rc = [&](int64_t i) { return layer_recompute(rc, s.kept_layers, s.mlp_layers, s.selective_layers, i); };
   auto keeps = [&](int64_t i) { return layer_rc(i) == Recompute::None; };
   bool any_mlp = false;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) any_mlp |= layer_rc(i) == Recompute::Mlp;
@@ -153,13 +153,19 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   hf = a.take<bf16>(N * H);
   rstd_f = a.take<float>(N);
   a.use = MemoryUse::Recomputed;
-  qg = a.take<bf16>(N * Hq * 2 * hd);
   GpuGradBufs& d = grad;
   d.dh = a.take<bf16>(N * H);
   d.dxn = a.take<bf16>(N * H);
-  d.dhf = a.take<bf16>(N * H);
-  d.dact = a.take<bf16>(N * I);
-  d.dgu = a.take<bf16>(N * 2 * I);
+  // The loss's dh (the final norm's output gradient) is read only by the final norm's backward, before any layer's
+  // backward writes dxn: one buffer.
+  d.dhf = d.dxn;
+  // The MLP's activation gradient goes into the act buffer of the layer in its backward (layer_backward): act is
+  // read only by the down projection's wgrad, whose FP8 cast (or bf16 GEMM, run before the dgrad:
+  // linears_backward) is made before the dgrad writes dact. A LoRA run reads act again for the adapter's
+  // gradient after the dgrad: its own buffer then. gate|up's gradient overwrites gate|up in place (swiglu_backward
+  // reads each position's gate and up before writing it; nothing reads gate|up after).
+  d.dact = s.lora ? a.take<bf16>(N * I) : nullptr;
+  d.dgu = nullptr;
   // A layer's backward is a GDN layer's or an attention layer's, and each mixer's gradient buffers are read and
   // written only inside its own backward (model/gpu_model.cpp gdn_backward, attn_backward), in stream order: the two
   // sets share their bytes (the larger of the two).
@@ -190,15 +196,31 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   // One region for both scratches: the fused loss (ce_scratch) runs between the last layer's forward and the final
   // norm's backward, on the step's stream, with no op of a layer in flight, and no op keeps anything in either
   // scratch past its own call (model/gpu_model.cpp), so the two never hold live bytes at once.
-  op_scratch = a.bytes(std::max(s.op_scratch, s.ce_scratch));
+  // The same region holds, at fixed offsets, the buffers live only between a GEMM's operand cast and its last GEMM
+  // (the FP8 casts x, dy and dyt: model/gpu_model.cpp linears_forward / linears_backward, which run no other op in
+  // between) and the q|gate projection's output (qg, from its GEMM to the two copy_rows after it): none of them is
+  // live across an op that uses the scratch or across the loss. The FP8 weight cast (w) stays apart: small, and
+  // the LoRA frozen base's transposed codes are made there.
+  const GpuFp8Bufs::Sizes f = s.fp8 ? GpuFp8Bufs::sizes(c, N) : GpuFp8Bufs::Sizes{};
+  size_t in_scratch = 0;
+  auto place = [&](size_t bytes) {  // the next 256-byte-aligned offset in the region for `bytes`
+    const size_t at = in_scratch;
+    in_scratch = (in_scratch + bytes + 255) / 256 * 256;
+    return at;
+  };
+  const size_t at_x = place(f.x), at_dy = place(f.dy), at_dyt = place(f.dyt);
+  const size_t at_qg = any_attn ? place(static_cast<size_t>(N * Hq * 2 * hd) * sizeof(bf16)) : 0;
+  op_scratch = a.bytes(std::max({s.op_scratch, s.ce_scratch, in_scratch}));
   ce_scratch = op_scratch;
+  char* region = static_cast<char*>(op_scratch);  // (null while sizing)
+  auto at = [&](size_t off) { return region ? region + off : nullptr; };
+  qg = any_attn ? reinterpret_cast<bf16*>(at(at_qg)) : nullptr;
   fp8 = GpuFp8Bufs{};
   if (s.fp8) {
-    const GpuFp8Bufs::Sizes f = GpuFp8Bufs::sizes(c, N);
-    fp8.x = a.take<uint8_t>(f.x);
+    fp8.x = reinterpret_cast<uint8_t*>(at(at_x));
     fp8.w = a.take<uint8_t>(f.w);
-    fp8.dy = a.take<uint8_t>(f.dy);
-    fp8.dyt = a.take<uint8_t>(f.dyt);
+    fp8.dy = reinterpret_cast<uint8_t*>(at(at_dy));
+    fp8.dyt = reinterpret_cast<uint8_t*>(at(at_dyt));
     fp8.f = a.take<float>(8 * ops::cuda::kFp8Slot);
     fp8.amax = a.take<float>(f.amax);
     if (t8) fp8.saved_scale = a.take<float>(f.saved_scale);

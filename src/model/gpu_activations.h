@@ -27,10 +27,13 @@ namespace ds {
 // The policy decoder layer `layer` runs under the plan's rc: none for the first kept_layers layers of selective, mlp
 // or full (GpuPlan::kept_layers: they keep their own copy of what the policy rebuilds; under full all of their
 // activations, and their forward does not run again); under full, mlp for the mlp_layers after them
-// (GpuPlan::mlp_layers); rc otherwise.
-inline Recompute layer_recompute(Recompute rc, int64_t kept_layers, int64_t mlp_layers, int64_t layer) {
+// (GpuPlan::mlp_layers); under mlp, selective for the selective_layers after them (GpuPlan::selective_layers:
+// they keep their gate|up output); rc otherwise.
+inline Recompute layer_recompute(Recompute rc, int64_t kept_layers, int64_t mlp_layers, int64_t selective_layers,
+                                 int64_t layer) {
   if (rebuilds_activations(rc) && layer < kept_layers) return Recompute::None;
   if (rc == Recompute::Full && layer < kept_layers + mlp_layers) return Recompute::Mlp;
+  if (rc == Recompute::Mlp && layer < kept_layers + selective_layers) return Recompute::Selective;
   return rc;
 }
 
@@ -62,7 +65,9 @@ struct GpuBatchBufs {
   void* attn_batch = nullptr;   // the attention plan's per-batch metadata
 };
 
-// Gradients flowing backward through a layer (one set, reused by every layer).
+// Gradients flowing backward through a layer (one set, reused by every layer). dhf is dxn's buffer; dgu is null
+// (gate|up's gradient is made in place of the layer's gu) and so is dact unless a LoRA run (the layer's act buffer
+// holds it): GpuActivations::reserve.
 struct GpuGradBufs {
   using bf16 = ds::cuda::bf16;
   bf16 *dh, *dxn, *dhf, *dact, *dgu, *dmixed, *dconv, *dz, *dab, *dcore, *dy, *dqn, *dkn, *dog, *dao, *dgate,
@@ -92,9 +97,11 @@ struct GpuActivations {
     Recompute recompute = Recompute::Selective;           // resolved (not Auto)
     int64_t kept_layers = 0;                              // selective / mlp / full: layers that keep them (GpuPlan)
     int64_t mlp_layers = 0;                               // full: the layers after them that run mlp (GpuPlan)
+    int64_t selective_layers = 0;                         // mlp: the layers after them that run selective (GpuPlan)
     bool fp8 = false;                                     // --precision fp8: reserve the FP8 casts' buffers
     bool fp8_saved = false;                               // and keep the FP8-only inputs in FP8 (fp8_keeps_inputs)
     bool offload = false;                                 // hs[0..L-1] in a ring (GpuPlan::offload_activations)
+    bool lora = false;                                    // a LoRA run (its adapters read act after dact is made)
   };
   // Lays every buffer out in `a` for config c and the sizes.
   void reserve(Arena& a, const ModelConfig& c, const Sizes& s);

@@ -330,8 +330,11 @@ struct GpuModel::Impl {
   // Whether the backward of layer cur_layer (enter_layer) rebuilds the shared activations: recompute selective, mlp
   // or full, but not the first kept_layers layers of those, which keep their own as none does.
   bool rebuild() const { return layer_rc(cur_layer) != Recompute::None; }
-  // Layer i's policy (model/gpu_activations.h layer_recompute: none for a kept layer, mlp for GpuPlan::mlp_layers).
-  Recompute layer_rc(int64_t i) const { return layer_recompute(plan.recompute, plan.kept_layers, plan.mlp_layers, i); }
+  // Layer i's policy (model/gpu_activations.h layer_recompute: none for a kept layer, mlp for GpuPlan::mlp_layers,
+  // selective for GpuPlan::selective_layers).
+  Recompute layer_rc(int64_t i) const {
+    return layer_recompute(plan.recompute, plan.kept_layers, plan.mlp_layers, plan.selective_layers, i);
+  }
 
   // ---------------------------------------------------------------------------------------------------------
   // Per micro-batch: the inputs on the device and every op plan's batch data, once for all layers.
@@ -462,12 +465,13 @@ struct GpuModel::Impl {
         f8->backward(g.dy, N, g.W, qxt, g.n, dx, std::exchange(acc, true), g.dW, cur_layer, fp8_weight(role, j++),
                      g.dy_amax, wgrad_overwrite);
     } else {
+      // the wgrads first: x may be dx's buffer (the MLP's act holds dact: layer_backward)
+      for (const LinGrad& g : gs)
+        if (g.dW) K::linear_backward_weight(g.dy, x, g.dW, N, Kd, g.n, stream, wgrad_beta());
       for (const LinGrad& g : gs) {
         DS_CHECK(!store->holds_fp8(g.W), "internal: a bf16 GEMM on an FP8-stored weight");
         K::linear_backward_data(g.dy, g.W, dx, N, Kd, g.n, std::exchange(acc, true), stream);
       }
-      for (const LinGrad& g : gs)
-        if (g.dW) K::linear_backward_weight(g.dy, x, g.dW, N, Kd, g.n, stream, wgrad_beta());
     }
     for (const LinGrad& g : gs)
       for (const LoraAt& l : lora_at)
@@ -805,20 +809,24 @@ struct GpuModel::Impl {
       }
       mark_rebuild(false);
     }
+    // dact in the layer's act buffer (read by the down projection's wgrad before the dgrad writes it) unless a
+    // LoRA run, dgu in place of gu (model/gpu_activations.cpp)
+    bf16* dact = d.dact ? d.dact : A.act;
+    bf16* dgu = A.gu;
     {
       ProfScope ps = scope("gemm", "mlp down (bwd)", 4 * n * I * H);
-      linears_backward(A.act, I, Fp8Input::MlpOut, d.dact,
+      linears_backward(A.act, I, Fp8Input::MlpOut, dact,
                        {{d.dh, p.compute.mlp.down, H, p.grad.mlp.down, std::exchange(dh_amax, nullptr)}});
     }
     float* dgu_amax = fp8_grad_amax(kAmaxDgu);
     {
-      ProfScope ps = scope("elementwise", "swiglu (bwd)", 0, 10 * n * I);  // gu, dact -> dgu
-      K::swiglu_backward(A.gu, d.dact, d.dgu, N, I, stream, dgu_amax);
+      ProfScope ps = scope("elementwise", "swiglu (bwd)", 0, 10 * n * I);  // gu, dact -> dgu (over gu)
+      K::swiglu_backward(A.gu, dact, dgu, N, I, stream, dgu_amax);
     }
     {
       ProfScope ps = scope("gemm", "mlp gate_up (bwd)", 4 * n * H * 2 * I);
       linears_backward(A.xn2, H, Fp8Input::MlpIn, d.dxn,
-                       {{d.dgu, p.compute.mlp.gate_up, 2 * I, p.grad.mlp.gate_up, dgu_amax}});
+                       {{dgu, p.compute.mlp.gate_up, 2 * I, p.grad.mlp.gate_up, dgu_amax}});
     }
     {
       // x, dy -> dx, added to the residual stream's gradient dh in the same pass

@@ -83,28 +83,44 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
   const float inv_dim = 1.0f / static_cast<float>(dim);
   const int64_t iters = (r1 - r0 + g.groups - 1) / g.groups;  // uniform over the block
   unsigned m = 0;
-  for (int64_t it = 0; it < iters; ++it) {
+  // A row's x, dy and dres (and rstd) are loaded one iteration ahead, so their DRAM latency overlaps the row before
+  // (its reduction's barriers and its stores): the values, and the arithmetic on them, are the same.
+  uint4 xv[VPT], dv[VPT], rv[VPT];
+  float rs_next = 0.f;
+  auto load_row = [&](int64_t it) {
     const int64_t row = r0 + it * g.groups + g.group;
-    const bool valid = row < r1;
+    const bool valid = it < iters && row < r1;
     const int64_t rr = valid ? row : r0;
     const uint4* xr = reinterpret_cast<const uint4*>(x + rr * dim);
     const uint4* dyr = reinterpret_cast<const uint4*>(dy + rr * dim);
-    const float rs = valid ? rstd[rr] : 0.f;
-    uint4 xv[VPT], dv[VPT];
-    float dot = 0.f;
+    const uint4* rr4 = dres ? reinterpret_cast<const uint4*>(dres + rr * dim) : nullptr;
+    rs_next = valid ? rstd[rr] : 0.f;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int c = g.lane + i * g.stride;
       const bool in = valid && c < nvec;
       xv[i] = in ? xr[c] : make_uint4(0, 0, 0, 0);
       dv[i] = in ? dyr[c] : make_uint4(0, 0, 0, 0);
+      rv[i] = in && rr4 ? rr4[c] : make_uint4(0, 0, 0, 0);
     }
+  };
+  if (iters > 0) load_row(0);
+  for (int64_t it = 0; it < iters; ++it) {
+    const int64_t row = r0 + it * g.groups + g.group;
+    const bool valid = row < r1;
+    const int64_t rr = valid ? row : r0;
+    const float rs = rs_next;
+    uint4 xc[VPT], dc[VPT], rc[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) xc[i] = xv[i], dc[i] = dv[i], rc[i] = rv[i];
+    if (it + 1 < iters) load_row(it + 1);
+    float dot = 0.f;
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
       const int c = g.lane + i * g.stride;
       float xf[8], df[8], gm[8];
-      unpack8(xv[i], xf);
-      unpack8(dv[i], df);
+      unpack8(xc[i], xf);
+      unpack8(dc[i], df);
       load_f8(gam, c < nvec ? c : 0, gm);
 #pragma unroll
       for (int k = 0; k < 8; ++k) dot += (df[k] * gm[k]) * (xf[k] * rs);
@@ -116,8 +132,8 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
     for (int i = 0; i < VPT; ++i) {
       const int c = g.lane + i * g.stride;
       float xf[8], df[8], gm[8], o[8];
-      unpack8(xv[i], xf);
-      unpack8(dv[i], df);
+      unpack8(xc[i], xf);
+      unpack8(dc[i], df);
       load_f8(gam, c < nvec ? c : 0, gm);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -129,7 +145,7 @@ __global__ void __launch_bounds__(LANES > 0 ? kRowGroupBlock : kRowMaxThreads)
         row_acc_add(acc, c, xf);
         if (dres) {
           float rf[8];
-          unpack8(reinterpret_cast<const uint4*>(dres + rr * dim)[c], rf);
+          unpack8(rc[i], rf);
 #pragma unroll
           for (int k = 0; k < 8; ++k) o[k] += rf[k];
         }

@@ -40,11 +40,12 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const bf16* __rest
   amax_commit(m, amax);
 }
 
-// dgate / dup may not alias gate / up (the fused layout writes a separate dgu).
+// dgate / dup may be gate / up (in place, the same strides): each thread loads its gate and up values before it
+// stores the gradients of the same positions, and no other thread touches them.
 template <int V>
 __global__ void __launch_bounds__(kThreads)
-    swiglu_bwd_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up, int64_t ld_in,
-                      const bf16* __restrict__ dh, bf16* __restrict__ dgate, bf16* __restrict__ dup, int64_t ld_out,
+    swiglu_bwd_kernel(const bf16* gate, const bf16* up, int64_t ld_in,  // (not __restrict__: dgate, dup may be them)
+                      const bf16* __restrict__ dh, bf16* dgate, bf16* dup, int64_t ld_out,
                       int64_t N, int64_t I, float* __restrict__ amax) {
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * V;
   if (c >= I) return;

@@ -55,6 +55,11 @@ Result check_swiglu(const SwigluCase& c) {
     r.add("dgate", rel_l2(columns(dgu, 2 * I, 0, I), dgate), kGradient);
     r.add("dup", rel_l2(columns(dgu, 2 * I, I, I), dup), kGradient);
   }
+  if (!c.split) {  // in place (dgu over gu), as the engine runs it: bitwise the out-of-place gradients
+    auto io_d = ctx.up_bf16(gu, c.offset);
+    cuda::swiglu_backward(io_d.get(), dh_d.get(), io_d.get(), N, I, ctx.s);
+    r.exact("in place bitwise the out-of-place", ctx.bits(io_d) == a.dgu);
+  }
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
   return r;
 }
