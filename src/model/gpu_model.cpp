@@ -78,6 +78,7 @@ struct GpuModel::Impl {
   std::optional<GpuFp8Linear> f8;
   // the current micro-batch
   int64_t N = 0, S = 0, num_uniq = 0;
+  std::vector<int32_t> rope_positions;  // the positions whose RoPE tables acts.batch.cos_t / sin_t hold (prepare_batch)
   double attn_pairs = 0;  // causal (query, key) pairs per head: sum over documents of len (len + 1) / 2
   // `bench step --profile` (core/cuda/profile.h): timed scopes around the ops, by family and role, with their
   // FLOPs (GEMMs, gated delta rule, attention, loss) or bytes moved (reads + writes; the memory-bound ops). Null:
@@ -345,29 +346,46 @@ struct GpuModel::Impl {
              "gpu: batch of {} tokens / {} documents exceeds the plan ({} / {})", N, S, plan.max_tokens, plan.max_seqs);
     b.check(batch_limits(c));
     const GpuBatchBufs& d = acts.batch;
-    std::vector<int32_t> ss(static_cast<size_t>(N));
-    for (int64_t s = 0; s < S; ++s)
-      for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) ss[static_cast<size_t>(t)] = b.cu_seqlens[s];
-    // Embedding backward grouping: positions sorted by id (stable), unique ids with offsets.
-    std::vector<int32_t> pos(static_cast<size_t>(N));
-    for (int64_t t = 0; t < N; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(t);
-    std::stable_sort(pos.begin(), pos.end(), [&](int32_t x, int32_t y) { return b.input_ids[x] < b.input_ids[y]; });
-    std::vector<int32_t> uniq, starts;
-    for (int64_t i = 0; i < N; ++i) {
-      if (i == 0 || b.input_ids[pos[i]] != b.input_ids[pos[i - 1]]) {
-        uniq.push_back(b.input_ids[pos[i]]);
-        starts.push_back(static_cast<int32_t>(i));
+    std::vector<int32_t> ss(static_cast<size_t>(N)), pos(static_cast<size_t>(N)), uniq, starts;
+    std::vector<float> ct, st;
+    {
+      // The host's part (the step's stream is idle meanwhile: the scope's time is that idle time)
+      ProfScope host_ps = scope("copy", "batch prep (host)");
+      for (int64_t s = 0; s < S; ++s)
+        for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) ss[static_cast<size_t>(t)] = b.cu_seqlens[s];
+      // Embedding backward grouping: positions sorted by id (stable: by id, then position; one sort of the 64-bit keys
+      // id << 32 | position, which are distinct), unique ids with offsets.
+      std::vector<uint64_t> keys(static_cast<size_t>(N));
+      for (int64_t t = 0; t < N; ++t)
+        keys[static_cast<size_t>(t)] = static_cast<uint64_t>(static_cast<uint32_t>(b.input_ids[t])) << 32 |
+                                       static_cast<uint32_t>(t);
+      std::sort(keys.begin(), keys.end());
+      for (int64_t i = 0; i < N; ++i) {
+        const uint64_t k = keys[static_cast<size_t>(i)];
+        pos[static_cast<size_t>(i)] = static_cast<int32_t>(k & 0xffffffffu);
+        if (i == 0 || (k >> 32) != (keys[static_cast<size_t>(i - 1)] >> 32)) {
+          uniq.push_back(static_cast<int32_t>(k >> 32));
+          starts.push_back(static_cast<int32_t>(i));
+        }
+      }
+      starts.push_back(static_cast<int32_t>(N));
+      num_uniq = static_cast<int64_t>(uniq.size());
+      attn_pairs = 0;
+      for (int64_t s = 0; s < S; ++s) {
+        const double len = b.cu_seqlens[s + 1] - b.cu_seqlens[s];
+        attn_pairs += len * (len + 1) / 2;
+      }
+      // The RoPE tables depend on the positions only: a batch with the positions of the one before (training windows
+      // of one document each: every step) keeps the tables on the device.
+      const bool same_rope = rope_positions.size() == static_cast<size_t>(N) &&
+                             std::equal(rope_positions.begin(), rope_positions.end(), b.positions.begin());
+      if (!same_rope) {
+        ct.resize(static_cast<size_t>(N * c.rotary_dim() / 2));
+        st.resize(ct.size());
+        ops::rope_tables(b.positions.data(), N, c.rotary_dim(), c.rope_theta, ct.data(), st.data());
+        rope_positions.assign(b.positions.begin(), b.positions.begin() + N);
       }
     }
-    starts.push_back(static_cast<int32_t>(N));
-    num_uniq = static_cast<int64_t>(uniq.size());
-    attn_pairs = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      const double len = b.cu_seqlens[s + 1] - b.cu_seqlens[s];
-      attn_pairs += len * (len + 1) / 2;
-    }
-    std::vector<float> ct(static_cast<size_t>(N * c.rotary_dim() / 2)), st(ct.size());
-    ops::rope_tables(b.positions.data(), N, c.rotary_dim(), c.rope_theta, ct.data(), st.data());
     auto up = [&](void* dst, const void* src, size_t bytes) {
       if (bytes) DS_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
     };
