@@ -410,7 +410,7 @@ static void time_shape(const char* name, const std::vector<int>& lens, int Hk, i
   CK(cudaDeviceSynchronize());
   printf("== %s: N=%lld seqs=%lld Hk=%d Hv=%d  saved %.1f MiB workspace %.1f MiB\n", name, (long long)p.N,
          (long long)p.S, Hk, Hv, p.plan.saved_bytes() / 1048576.0, p.plan.workspace_bytes() / 1048576.0);
-  const int cfg[4][2] = {{0, 0}, {32, 3}, {32, 2}, {64, 2}};  // (scan BV, scan cp.async stages); 0 = automatic
+  const int cfg[5][2] = {{0, 0}, {16, 2}, {32, 3}, {32, 2}, {64, 2}};  // (scan BV, cp.async stages); 0 = automatic
   for (const auto& bs : cfg) {
     const int bv = bs[0];
     gdn_chunked_set_scan_bv(bv);

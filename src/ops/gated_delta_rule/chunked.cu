@@ -123,6 +123,13 @@ __device__ __forceinline__ void ldsm4t(uint32_t (&r)[4], const void* p) {
                : "r"(s2u(p))
                : "memory");
 }
+__device__ __forceinline__ void ldsm2(uint32_t& r0, uint32_t& r1, const void* p) {  // lanes 0..15 give the rows
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(s2u(p)) : "memory");
+}
+__device__ __forceinline__ void ldsm2t(uint32_t& r0, uint32_t& r1, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(s2u(p))
+               : "memory");
+}
 __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -173,7 +180,7 @@ __device__ __forceinline__ void wmma(float (&acc)[MT][NT][4], const bf16* A, int
 template <int MT, int NT, bool AT, bool BT, int K>
 __device__ __forceinline__ void wmma_step(float (&acc)[MT][NT][4], const bf16* A, int lda, const bf16* B, int ldb,
                                           int m0, int n0, int k0) {
-  static_assert(NT % 2 == 0, "NT must be even");
+  static_assert(NT == 1 || NT % 2 == 0, "NT must be 1 or even");
   const int l = threadIdx.x & 31;
   {
     uint32_t a[MT][4];
@@ -184,6 +191,16 @@ __device__ __forceinline__ void wmma_step(float (&acc)[MT][NT][4], const bf16* A
       } else {
         ldsm4t(a[mt], A + (k0 + (l & 7) + ((l >> 4) << 3)) * lda + m0 + mt * 16 + (((l >> 3) & 1) << 3));
       }
+    }
+    if constexpr (NT == 1) {  // one 8-column tile: the x2 forms of the loads below (lanes 0..15 address it)
+      uint32_t b0, b1;
+      if constexpr (BT) {
+        ldsm2(b0, b1, B + (n0 + (l & 7)) * ldb + k0 + (((l >> 3) & 1) << 3));
+      } else {
+        ldsm2t(b0, b1, B + (k0 + (l & 7) + (((l >> 3) & 1) << 3)) * ldb + n0);
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mma16816(acc[mt][0], a[mt], b0, b1);
     }
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
@@ -485,7 +502,7 @@ __global__ void __launch_bounds__(128) k_prep(const Args a) {
 
 template <int BV, int NS>
 struct ScanCfg {
-  static_assert(BV == 32 || BV == 64, "scan tile");
+  static_assert(BV == 16 || BV == 32 || BV == 64, "scan tile");
   static_assert(NS == 2 || NS == 3, "scan pipeline depth");
   static constexpr int LV = BV + 8, NT = BV / 8, NT2 = BV / 16;
   // stage: two 64x128 tiles, one 64xBV tile, 64 floats; NS stages in a ring (chunk ci in stage ci % NS)
@@ -1211,15 +1228,25 @@ WsLayout ws_layout(const GdnChunkedPlan& p) {
   return l;
 }
 
-int g_scan_bv = 0;      // 0 = auto; else 32 or 64
+int g_scan_bv = 0;      // 0 = auto; else 16 (the forward scan; the backward's 32), 32 or 64
 int g_scan_stages = 0;  // 0 = auto (2); 3 = a three-stage ring at BV 32 (measured no faster on the H200)
 
 int pick_bv(const GdnChunkedPlan& plan, const GdnDims& d) {
-  if (g_scan_bv) return g_scan_bv;
+  if (g_scan_bv) return g_scan_bv == 16 ? 32 : g_scan_bv;
   (void)plan;
   const int64_t ctas32 = d.num_seqs * d.Hv * (D / 32);
   if (ctas32 >= 4 * 132) return 64;
   return 32;
+}
+// The forward scan's tile: 16 columns where 32 would leave SMs without a block (fewer blocks than SMs: the 2B layer's
+// 2 sequences x 16 heads x 4 = 128), since k_fwd_h<16, 2> fits two blocks on an SM (94 KB of shared memory each), so
+// two chunk chains interleave on one SM; the backward scan's 16-column form would not (135 KB), so it stays at 32.
+int pick_bv_fwd_h(const GdnChunkedPlan& plan, const GdnDims& d) {
+  if (g_scan_bv) return g_scan_bv;
+  const int bv = pick_bv(plan, d);
+  int sms = 132;
+  if (int dev = 0; cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  return bv == 32 && d.num_seqs * d.Hv * (D / 32) < sms ? 16 : bv;
 }
 
 template <typename K>
@@ -1286,8 +1313,14 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
       k_prep<true><<<gchunk, 128, PREP_SMEM, s>>>(a);
       break;
     case GdnPhase::kFwdH: {
-      const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bv));
-      launch_scan<ScanCfg>(bv, g, a, s, k_fwd_h<32, 3>, k_fwd_h<32, 2>, k_fwd_h<64, 2>);
+      const int bvh = pick_bv_fwd_h(plan, d);
+      const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bvh));
+      if (bvh == 16) {
+        set_smem(k_fwd_h<16, 2>, ScanCfg<16, 2>::SMEM);
+        k_fwd_h<16, 2><<<g, 256, ScanCfg<16, 2>::SMEM, s>>>(a);
+      } else {
+        launch_scan<ScanCfg>(bvh, g, a, s, k_fwd_h<32, 3>, k_fwd_h<32, 2>, k_fwd_h<64, 2>);
+      }
       break;
     }
     case GdnPhase::kFwdO:

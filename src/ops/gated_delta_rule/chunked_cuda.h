@@ -71,7 +71,7 @@ void gdn_chunked_run_phase(GdnPhase phase, const GdnChunkedPlan& plan, const ds:
                            int64_t dv_stride, float* dg, float* dbeta, float* dinitial_state, void* workspace,
                            cudaStream_t stream);
 
-// Testing knob: scan kernels' value-column tile (16, 32 or 64; 0 = automatic).
+// Testing knob: scan kernels' value-column tile (16: the forward scan's, the backward's 32; 32 or 64; 0 = automatic).
 void gdn_chunked_set_scan_bv(int bv);
 // Testing knob: the scans' cp.async ring at BV 32 (2 or 3 stages; 0 = automatic: 2).
 void gdn_chunked_set_scan_stages(int stages);
