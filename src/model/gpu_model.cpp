@@ -353,18 +353,31 @@ struct GpuModel::Impl {
       ProfScope host_ps = scope("copy", "batch prep (host)");
       for (int64_t s = 0; s < S; ++s)
         for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) ss[static_cast<size_t>(t)] = b.cu_seqlens[s];
-      // Embedding backward grouping: positions sorted by id (stable: by id, then position; one sort of the 64-bit keys
-      // id << 32 | position, which are distinct), unique ids with offsets.
-      std::vector<uint64_t> keys(static_cast<size_t>(N));
-      for (int64_t t = 0; t < N; ++t)
-        keys[static_cast<size_t>(t)] = static_cast<uint64_t>(static_cast<uint32_t>(b.input_ids[t])) << 32 |
-                                       static_cast<uint32_t>(t);
-      std::sort(keys.begin(), keys.end());
+      // Embedding backward grouping: positions sorted by id, stably (by id, then position), unique ids with offsets.
+      // An LSD radix sort of the positions by their ids' 11-bit digits (ids < vocab_size < 2^31: at most 3 passes,
+      // each a stable counting sort), several times a comparison sort's speed at 16k tokens.
+      {
+        std::vector<int32_t> tmp(static_cast<size_t>(N));
+        for (int64_t t = 0; t < N; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+        constexpr int kBits = 11;
+        std::vector<int32_t> count(size_t{1} << kBits);
+        for (int shift = 0; (static_cast<int64_t>(c.vocab_size) - 1) >> shift > 0; shift += kBits) {
+          std::fill(count.begin(), count.end(), 0);
+          auto digit = [&](int32_t p) { return (static_cast<uint32_t>(b.input_ids[p]) >> shift) & ((1u << kBits) - 1); };
+          for (int64_t i = 0; i < N; ++i) ++count[digit(pos[static_cast<size_t>(i)])];
+          int32_t sum = 0;
+          for (int32_t& x : count) sum += std::exchange(x, sum);
+          for (int64_t i = 0; i < N; ++i) {
+            const int32_t p = pos[static_cast<size_t>(i)];
+            tmp[static_cast<size_t>(count[digit(p)]++)] = p;
+          }
+          pos.swap(tmp);
+        }
+      }
       for (int64_t i = 0; i < N; ++i) {
-        const uint64_t k = keys[static_cast<size_t>(i)];
-        pos[static_cast<size_t>(i)] = static_cast<int32_t>(k & 0xffffffffu);
-        if (i == 0 || (k >> 32) != (keys[static_cast<size_t>(i - 1)] >> 32)) {
-          uniq.push_back(static_cast<int32_t>(k >> 32));
+        const int32_t id = b.input_ids[pos[static_cast<size_t>(i)]];
+        if (i == 0 || id != b.input_ids[pos[static_cast<size_t>(i - 1)]]) {
+          uniq.push_back(id);
           starts.push_back(static_cast<int32_t>(i));
         }
       }

@@ -1238,15 +1238,13 @@ int pick_bv(const GdnChunkedPlan& plan, const GdnDims& d) {
   if (ctas32 >= 4 * 132) return 64;
   return 32;
 }
-// The forward scan's tile: 16 columns where 32 would leave SMs without a block (fewer blocks than SMs: the 2B layer's
-// 2 sequences x 16 heads x 4 = 128), since k_fwd_h<16, 2> fits two blocks on an SM (94 KB of shared memory each), so
-// two chunk chains interleave on one SM; the backward scan's 16-column form would not (135 KB), so it stays at 32.
+// The forward scan's tile: pick_bv's, or 16 columns by the testing knob only. k_fwd_h<16, 2> fits two blocks on an
+// SM (94 KB of shared memory each), so where 32 leaves SMs without a block (the 2B layer's 2 sequences x 16 heads
+// x 4 = 128 blocks) two chunk chains could interleave on one SM; measured in the step on the H200 (tenth session),
+// it was slower: the 2B step's GDN forward 12.67 against 11.44 ms, the 9B's 18.23 against 16.36 (each block's chain
+// is no shorter at half the columns). Kept as a timing variant, like the 3-stage ring.
 int pick_bv_fwd_h(const GdnChunkedPlan& plan, const GdnDims& d) {
-  if (g_scan_bv) return g_scan_bv;
-  const int bv = pick_bv(plan, d);
-  int sms = 132;
-  if (int dev = 0; cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  return bv == 32 && d.num_seqs * d.Hv * (D / 32) < sms ? 16 : bv;
+  return g_scan_bv ? g_scan_bv : pick_bv(plan, d);
 }
 
 template <typename K>
