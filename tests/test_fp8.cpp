@@ -476,9 +476,12 @@ TEST(CudaFp8, EngineMatchesCpuEmulation) {
   EXPECT_FALSE(h1.second == f1.second);
 }
 
-// The FP8 lm head's own gradient, where its casts are the whole difference: an untied head's dW over 1000 tokens
-// (one chunk, the casts of h padded to 1008), against the CPU's emulation of the casts and against the bf16 head's
-// (apart by the E5M2 dlogits' rounding).
+// The FP8 lm head's own gradient in the engine: an untied head's dW over 1000 tokens (one chunk, the casts of h
+// padded to 1008), against the CPU engine's emulation and against the GPU's bf16 head. Its distance to the emulation
+// is mostly the FP8 decoder's (h itself differs between the engines as in EngineMatchesCpuEmulation: 6.8e-2 over all
+// gradients); the head's casts alone match their emulation to 1.2e-4 (dW) and 1.7e-3 (dh) in
+// CudaLinearCrossEntropy.MatchesCpu. Measured on the H200 (tenth session): 4.48e-2 to the emulation, 2.66e-2 to the
+// bf16 head (the E5M2 dlogits' rounding).
 TEST(CudaFp8, LmHeadGradientIsItsEmulation) {
   DS_SKIP_WITHOUT_GPU();
   ds::ModelConfig c = ds::ModelConfig::preset("tiny");
@@ -499,10 +502,9 @@ TEST(CudaFp8, LmHeadGradientIsItsEmulation) {
   const double to_emulation = ds::test::rel_l2(head(on.second), ref), to_bf16 = ds::test::rel_l2(head(on.second), head(off_.second));
   std::printf("[ measured ] fp8 lm head dW: rel L2 %.3e vs its CPU emulation, %.3e vs the bf16 head\n", to_emulation,
               to_bf16);
-  // Bands as the engine test's (written before this test first ran on the H200: its printed values set the
-  // tighter bands next): within the FP8 engine's band of its emulation, and really the FP8 head's.
-  EXPECT_LE(to_emulation, 8e-2);
-  EXPECT_GE(to_bf16, 2e-3);
+  // Within the FP8 engine's distance to its emulation, and really the FP8 head's (apart from the bf16 head's).
+  EXPECT_LE(to_emulation, 6e-2);
+  EXPECT_GE(to_bf16, 1e-2);
 }
 #endif
 
