@@ -101,6 +101,7 @@ fi
 if has base-modes && [ -x build-base/deltastack ]; then
   # Short training runs in the lean modes with this binary and the base binary: metrics (losses, grad norms, evals)
   # must be bitwise equal where a change claims no change of results (BASE_MODES: one set of train flags a line).
+  # The --txt-split file runs pack windows of one document each (cuDNN's full length buckets, as bench step's).
   D=$BUILD/deltastack
   while read -r args; do
     [ -z "$args" ] && continue
@@ -122,7 +123,9 @@ ${BASE_MODES:---precision fp8 --fp8-lm-head --optimizer-state 8bit --gradients i
 --recompute mlp
 --recompute none --optimizer-state 8bit --gradients in-backward
 --lora-rank 8 --precision fp8
---lora-rank 8 --recompute mlp}
+--lora-rank 8 --recompute mlp
+--txt-split file --precision fp8 --recompute mlp
+--txt-split file --recompute none}
 EOF2
 fi
 if has build; then

@@ -396,7 +396,7 @@ struct GpuModel::Impl {
         ct.resize(static_cast<size_t>(N * c.rotary_dim() / 2));
         st.resize(ct.size());
         ops::rope_tables(b.positions.data(), N, c.rotary_dim(), c.rope_theta, ct.data(), st.data());
-        rope_positions.assign(b.positions.begin(), b.positions.begin() + N);
+        rope_positions.clear();  // (set again once the new tables' upload is queued, below)
       }
     }
     auto up = [&](void* dst, const void* src, size_t bytes) {
@@ -413,6 +413,7 @@ struct GpuModel::Impl {
       up(d.emb_pos, pos.data(), N * 4);
       up(d.cos_t, ct.data(), ct.size() * 4);
       up(d.sin_t, st.data(), st.size() * 4);
+      if (!ct.empty()) rope_positions.assign(b.positions.begin(), b.positions.begin() + N);
       if (gdn) gdn->prepare(d.cu, N, S, d.gdn_batch, stream);
       if (attn) attn->prepare(b.cu_seqlens.data(), d.cu, N, S, d.attn_batch, stream);
     }

@@ -59,6 +59,7 @@ Result check_attention(const AttentionCase& c) {
     ctx.poison(o_d), ctx.poison(lse_d), ctx.poison(dq_d), ctx.poison(dk_d), ctx.poison(dv_d), ctx.poison(ws);
     if (att) {
       att->forward(q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), ws.get(), ctx.s);
+      ctx.poison(ws);  // as in the engine, whose other ops use the same scratch between the two calls
       att->backward(q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), dout_d.get(), dq_d.get(), dk_d.get(),
                     dv_d.get(), ws.get(), ctx.s);
     } else {
