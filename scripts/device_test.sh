@@ -98,6 +98,10 @@ if has prebuilt; then
     rm -rf build-base && tar -xJf .prebuilt/base.tar.xz && echo "prebuilt: base $(cat .prebuilt/base_commit.txt 2>/dev/null) in build-base/"
   fi
 fi
+if has base-modes && [ ! -x build-base/deltastack ]; then
+  echo "base-modes: no build-base/deltastack (pack one: scripts/prebuild_device.sh with BASE_PACK, then 'prebuilt')"
+  status=1
+fi
 if has base-modes && [ -x build-base/deltastack ]; then
   # Short training runs in the lean modes with this binary and the base binary: metrics (losses, grad norms, evals)
   # must be bitwise equal where a change claims no change of results (BASE_MODES: one set of train flags a line).
