@@ -165,7 +165,6 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   // gradient after the dgrad: its own buffer then. gate|up's gradient overwrites gate|up in place (swiglu_backward
   // reads each position's gate and up before writing it; nothing reads gate|up after).
   d.dact = s.lora ? a.take<bf16>(N * I) : nullptr;
-  d.dgu = nullptr;
   // A layer's backward is a GDN layer's or an attention layer's, and each mixer's gradient buffers are read and
   // written only inside its own backward (model/gpu_model.cpp gdn_backward, attn_backward), in stream order: the two
   // sets share their bytes (the larger of the two).

@@ -65,12 +65,12 @@ struct GpuBatchBufs {
   void* attn_batch = nullptr;   // the attention plan's per-batch metadata
 };
 
-// Gradients flowing backward through a layer (one set, reused by every layer). dhf is dxn's buffer; dgu is null
-// (gate|up's gradient is made in place of the layer's gu) and so is dact unless a LoRA run (the layer's act buffer
-// holds it): GpuActivations::reserve.
+// Gradients flowing backward through a layer (one set, reused by every layer). dhf is dxn's buffer; dact is null
+// unless a LoRA run (the layer's act buffer holds it), and gate|up's gradient has no buffer (it is made in place of
+// the layer's gu): GpuActivations::reserve.
 struct GpuGradBufs {
   using bf16 = ds::cuda::bf16;
-  bf16 *dh, *dxn, *dhf, *dact, *dgu, *dmixed, *dconv, *dz, *dab, *dcore, *dy, *dqn, *dkn, *dog, *dao, *dgate,
+  bf16 *dh, *dxn, *dhf, *dact, *dmixed, *dconv, *dz, *dab, *dcore, *dy, *dqn, *dkn, *dog, *dao, *dgate,
        *dqr, *dkr, *dvv, *dqg;
   float *dg, *dbeta;
 };

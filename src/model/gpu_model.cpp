@@ -49,6 +49,42 @@ using ds::cuda::bf16;
 using ds::cuda::ProfScope;
 namespace K = ds::ops::cuda;
 
+namespace {
+
+// The embedding backward's grouping of the N token positions by id (ids in [0, vocab)): pos = the positions sorted
+// by id, stably (by id, then position); uniq = the distinct ids in order; starts[j] = the first index in pos of
+// uniq[j], then N. An LSD radix sort by the ids' 11-bit digits (at most 3 stable counting passes for vocab < 2^31),
+// several times a comparison sort's speed at 16k tokens.
+void group_by_id(const int32_t* ids, int64_t N, int64_t vocab, std::vector<int32_t>& pos, std::vector<int32_t>& uniq,
+                 std::vector<int32_t>& starts) {
+  pos.resize(static_cast<size_t>(N));
+  for (int64_t t = 0; t < N; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(t);
+  std::vector<int32_t> tmp(static_cast<size_t>(N));
+  constexpr int kBits = 11;
+  std::vector<int32_t> count(size_t{1} << kBits);
+  for (int shift = 0; (vocab - 1) >> shift > 0; shift += kBits) {
+    std::fill(count.begin(), count.end(), 0);
+    auto digit = [&](int32_t p) { return (static_cast<uint32_t>(ids[p]) >> shift) & ((1u << kBits) - 1); };
+    for (const int32_t p : pos) ++count[digit(p)];
+    int32_t sum = 0;
+    for (int32_t& x : count) sum += std::exchange(x, sum);
+    for (const int32_t p : pos) tmp[static_cast<size_t>(count[digit(p)]++)] = p;
+    pos.swap(tmp);
+  }
+  uniq.clear();
+  starts.clear();
+  for (int64_t i = 0; i < N; ++i) {
+    const int32_t id = ids[pos[static_cast<size_t>(i)]];
+    if (i == 0 || id != ids[pos[static_cast<size_t>(i - 1)]]) {
+      uniq.push_back(id);
+      starts.push_back(static_cast<int32_t>(i));
+    }
+  }
+  starts.push_back(static_cast<int32_t>(N));
+}
+
+}  // namespace
+
 // The decoder: the layer sequence of HF Qwen3_5ForCausalLM (docs/model.md §2) over the parameter store's views,
 // the activation plan and the op plans. All of it runs on one stream.
 struct GpuModel::Impl {
@@ -346,42 +382,14 @@ struct GpuModel::Impl {
              "gpu: batch of {} tokens / {} documents exceeds the plan ({} / {})", N, S, plan.max_tokens, plan.max_seqs);
     b.check(batch_limits(c));
     const GpuBatchBufs& d = acts.batch;
-    std::vector<int32_t> ss(static_cast<size_t>(N)), pos(static_cast<size_t>(N)), uniq, starts;
+    std::vector<int32_t> ss(static_cast<size_t>(N)), pos, uniq, starts;
     std::vector<float> ct, st;
     {
       // The host's part (the step's stream is idle meanwhile: the scope's time is that idle time)
       ProfScope host_ps = scope("copy", "batch prep (host)");
       for (int64_t s = 0; s < S; ++s)
         for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) ss[static_cast<size_t>(t)] = b.cu_seqlens[s];
-      // Embedding backward grouping: positions sorted by id, stably (by id, then position), unique ids with offsets.
-      // An LSD radix sort of the positions by their ids' 11-bit digits (ids < vocab_size < 2^31: at most 3 passes,
-      // each a stable counting sort), several times a comparison sort's speed at 16k tokens.
-      {
-        std::vector<int32_t> tmp(static_cast<size_t>(N));
-        for (int64_t t = 0; t < N; ++t) pos[static_cast<size_t>(t)] = static_cast<int32_t>(t);
-        constexpr int kBits = 11;
-        std::vector<int32_t> count(size_t{1} << kBits);
-        for (int shift = 0; (static_cast<int64_t>(c.vocab_size) - 1) >> shift > 0; shift += kBits) {
-          std::fill(count.begin(), count.end(), 0);
-          auto digit = [&](int32_t p) { return (static_cast<uint32_t>(b.input_ids[p]) >> shift) & ((1u << kBits) - 1); };
-          for (int64_t i = 0; i < N; ++i) ++count[digit(pos[static_cast<size_t>(i)])];
-          int32_t sum = 0;
-          for (int32_t& x : count) sum += std::exchange(x, sum);
-          for (int64_t i = 0; i < N; ++i) {
-            const int32_t p = pos[static_cast<size_t>(i)];
-            tmp[static_cast<size_t>(count[digit(p)]++)] = p;
-          }
-          pos.swap(tmp);
-        }
-      }
-      for (int64_t i = 0; i < N; ++i) {
-        const int32_t id = b.input_ids[pos[static_cast<size_t>(i)]];
-        if (i == 0 || id != b.input_ids[pos[static_cast<size_t>(i - 1)]]) {
-          uniq.push_back(id);
-          starts.push_back(static_cast<int32_t>(i));
-        }
-      }
-      starts.push_back(static_cast<int32_t>(N));
+      group_by_id(b.input_ids.data(), N, c.vocab_size, pos, uniq, starts);
       num_uniq = static_cast<int64_t>(uniq.size());
       attn_pairs = 0;
       for (int64_t s = 0; s < S; ++s) {

@@ -1231,20 +1231,18 @@ WsLayout ws_layout(const GdnChunkedPlan& p) {
 int g_scan_bv = 0;      // 0 = auto; else 16 (the forward scan; the backward's 32), 32 or 64
 int g_scan_stages = 0;  // 0 = auto (2); 3 = a three-stage ring at BV 32 (measured no faster on the H200)
 
-int pick_bv(const GdnChunkedPlan& plan, const GdnDims& d) {
-  if (g_scan_bv) return g_scan_bv == 16 ? 32 : g_scan_bv;
+// The scans' value-column tile: 64 where there are blocks enough for four per SM, else 32. The testing knob may
+// ask for 16, which only the forward scan has (forward_scan false: 32 then). k_fwd_h<16, 2> fits two blocks on an
+// SM (94 KB of shared memory each), so where 32 leaves SMs without a block (the 2B layer's 2 sequences x 16 heads x
+// 4 = 128 blocks) two chunk chains could interleave on one SM; measured in the step on the H200 (tenth session), it
+// was slower: the 2B step's GDN forward 12.67 against 11.44 ms, the 9B's 18.23 against 16.36 (each block's chain is
+// no shorter at half the columns). Kept as a timing variant, like the 3-stage ring.
+int pick_bv(const GdnChunkedPlan& plan, const GdnDims& d, bool forward_scan = false) {
+  if (g_scan_bv) return g_scan_bv == 16 && !forward_scan ? 32 : g_scan_bv;
   (void)plan;
   const int64_t ctas32 = d.num_seqs * d.Hv * (D / 32);
   if (ctas32 >= 4 * 132) return 64;
   return 32;
-}
-// The forward scan's tile: pick_bv's, or 16 columns by the testing knob only. k_fwd_h<16, 2> fits two blocks on an
-// SM (94 KB of shared memory each), so where 32 leaves SMs without a block (the 2B layer's 2 sequences x 16 heads
-// x 4 = 128 blocks) two chunk chains could interleave on one SM; measured in the step on the H200 (tenth session),
-// it was slower: the 2B step's GDN forward 12.67 against 11.44 ms, the 9B's 18.23 against 16.36 (each block's chain
-// is no shorter at half the columns). Kept as a timing variant, like the 3-stage ring.
-int pick_bv_fwd_h(const GdnChunkedPlan& plan, const GdnDims& d) {
-  return g_scan_bv ? g_scan_bv : pick_bv(plan, d);
 }
 
 template <typename K>
@@ -1311,7 +1309,7 @@ void launch(GdnPhase ph, const GdnChunkedPlan& plan, const GdnDims& d, const Arg
       k_prep<true><<<gchunk, 128, PREP_SMEM, s>>>(a);
       break;
     case GdnPhase::kFwdH: {
-      const int bvh = pick_bv_fwd_h(plan, d);
+      const int bvh = pick_bv(plan, d, /*forward_scan=*/true);
       const dim3 g(static_cast<unsigned>(d.num_seqs), static_cast<unsigned>(d.Hv), static_cast<unsigned>(D / bvh));
       if (bvh == 16) {
         set_smem(k_fwd_h<16, 2>, ScanCfg<16, 2>::SMEM);
