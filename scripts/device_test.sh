@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build prebuilt base-modes test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
+# Stages: env build prebuilt base-modes base-bench test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # peer-lora, LoRA steps, ours (bench step --lora-rank) vs transformers + PEFT LoRA: scripts/peer_lora_step.py, LORA_RUNS;
@@ -130,6 +130,20 @@ ${BASE_MODES:---precision fp8 --fp8-lm-head --optimizer-state 8bit --gradients i
 --lora-rank 8 --recompute mlp
 --txt-split file --precision fp8 --recompute mlp
 --txt-split file --recompute none}
+EOF2
+fi
+if has base-bench && [ -x build-base/deltastack ]; then
+  # bench step with this binary and the base binary, one line of flags at a time (BASE_BENCH): their step lines
+  # (time, peak, loss, grad_norm) one above the other, "[base ARGS]" and "[ours ARGS]".
+  while read -r args; do
+    [ -z "$args" ] && continue
+    for who in base ours; do
+      bin=$BUILD/deltastack; [ $who = base ] && bin=build-base/deltastack
+      timeout ${MEMORY_TIMEOUT:-300} $bin bench step $args 2>&1 | grep -E "bench step|step .* ms|rror" |
+        sed "s|^|[$who $args] |" | tee -a "$OUT/base_bench.txt"
+    done
+  done <<EOF2
+${BASE_BENCH:---preset 2b --seq-len 8192 --micro-batch 2 --steps 5 --recompute none}
 EOF2
 fi
 if has build; then

@@ -70,6 +70,9 @@ Result check_attention(const AttentionCase& c) {
     return Out{ctx.bits(o_d), ctx.bits(dq_d), ctx.bits(dk_d), ctx.bits(dv_d), ctx.down(lse_d)};
   };
   const Out a = run();
+  if (att && c.full_buckets >= 0)
+    r.exact(c.full_buckets ? "full buckets: no workspace zeroed" : "a bucket not full: workspace zeroed",
+            (att->zeroed_bytes() == 0) == (c.full_buckets == 1));
   const Vec o_gpu = to_f32(a.o);
   Vec dq(nq), dk(nk), dv(nk);
   timed(&r.cpu_seconds, [&] {

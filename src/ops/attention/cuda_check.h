@@ -21,6 +21,9 @@ struct AttentionCase {
   bool cudnn = false;
   int64_t max_seqs = 0, max_seqlen = 0, max_tokens = 0;  // cuDNN bounds; 0: the batch's own
   int64_t head_groups = 1;                                 // cuDNN's backward by head groups (AttnBounds)
+  // cuDNN: 1 = every bucket in use is full, so the calls zero none of the (NaN-poisoned) workspace, checked
+  // (Attention::zeroed_bytes); 0 = some is not, so they zero some; -1 = not checked.
+  int full_buckets = -1;
   uint64_t seed = 1;
   bool twice = true;
 };

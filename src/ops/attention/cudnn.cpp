@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -128,6 +129,7 @@ struct Bucket {
   // array starts on 16 bytes (the frontend's default alignment for tensors).
   size_t o_seq = 0, o_q = 0, o_kv = 0, o_st = 0;
   int64_t count = 0;    // documents of the current batch
+  bool full = false;    // every one of the bmax entries holds a document of exactly S tokens (set_batch)
   std::shared_ptr<fe::graph::Graph> fwd, bwd;
   int64_t ws_fwd = 0, ws_bwd = 0;  // each graph's workspace (bytes)
 };
@@ -141,6 +143,13 @@ struct Attention::Impl {
   size_t meta_ints = 0;
   int64_t workspace = 0;
   int32_t* meta = nullptr;        // device, from set_batch
+  size_t zeroed = 0;              // bytes the last run() zeroed
+  // DELTASTACK_CUDNN_ZERO_WORKSPACE=1: zero the workspace before every call, full buckets too (run; the A/B and a way
+  // back should a cuDNN read a full bucket's workspace before writing it).
+  bool zero_always = [] {
+    const char* v = std::getenv("DELTASTACK_CUDNN_ZERO_WORKSPACE");
+    return v && std::string(v) == "1";
+  }();
   std::vector<int32_t> staging;   // host copy of meta, alive until the next set_batch
 
   ~Impl() {
@@ -251,6 +260,7 @@ struct Attention::Impl {
     DS_CHECK(meta, "cuDNN attention: {} before set_batch", which);
     auto st = fe::detail::set_stream(handle, s);
     DS_CHECK(st == CUDNN_STATUS_SUCCESS, "cuDNN attention: cudnnSetStream failed (status {})", static_cast<int>(st));
+    zeroed = 0;
     for (const Bucket& bk : buckets) {
       if (bk.count == 0) continue;
       pack[kSeqQ] = meta + bk.o_seq;
@@ -258,12 +268,16 @@ struct Attention::Impl {
       pack[kOffQ] = meta + bk.o_q;
       pack[kOffKV] = meta + bk.o_kv;
       pack[kOffSt] = meta + bk.o_st;
-      // The workspace is zeroed before every call: with it holding NaN bit patterns (the GPU engine shares it with
+      // The workspace is zeroed before a call: with it holding NaN bit patterns (the GPU engine shares it with
       // other ops' scratch), the deterministic backward returned NaN gradients on the H200 (cuDNN 9.19) for a
-      // packed batch of documents 1..600 tokens long: parts of it are read before they are written.
-      const int64_t bytes = backward ? bk.ws_bwd : bk.ws_fwd;
+      // packed batch of documents 1..600 tokens long: parts of it are read before they are written (the padding of
+      // entries shorter than S, or empty ones). A full bucket (every entry S tokens: the trainer's windows of one
+      // document each) has no such part: its graphs write every tile they read, so its calls skip the memset
+      // (0.55 ms per backward at the 2B shape; tests poison the workspace with NaN: CudnnAttention.FullBuckets*).
+      const int64_t bytes = (bk.full && !zero_always) ? 0 : backward ? bk.ws_bwd : bk.ws_fwd;
       if (!backward || b.head_groups == 1) {
         if (bytes > 0) DS_CUDA_CHECK(cudaMemsetAsync(ws, 0, static_cast<size_t>(bytes), s));
+        zeroed += static_cast<size_t>(bytes);
         check((backward ? bk.bwd : bk.fwd)->execute(handle, pack, ws), bk, which, "execute");
         continue;
       }
@@ -275,6 +289,7 @@ struct Attention::Impl {
         for (int64_t uid : {kK, kV, kdK, kdV}) part[uid] = static_cast<ds::cuda::bf16*>(pack[uid]) + g * hkv * D;
         part[kStats] = static_cast<float*>(pack[kStats]) + g * hq;
         if (bytes > 0) DS_CUDA_CHECK(cudaMemsetAsync(ws, 0, static_cast<size_t>(bytes), s));
+        zeroed += static_cast<size_t>(bytes);
         check(bk.bwd->execute(handle, part, ws), bk, which, "execute");
       }
     }
@@ -333,6 +348,7 @@ Attention::~Attention() = default;
 
 size_t Attention::workspace_bytes() const { return static_cast<size_t>(impl_->workspace); }
 size_t Attention::meta_bytes() const { return impl_->meta_ints * sizeof(int32_t); }
+size_t Attention::zeroed_bytes() const { return impl_->zeroed; }
 
 bool Attention::set_batch(const int32_t* cu, int64_t num_seqs, void* meta, cudaStream_t stream) {
   Impl& m = *impl_;
@@ -358,6 +374,8 @@ bool Attention::set_batch(const int32_t* cu, int64_t num_seqs, void* meta, cudaS
   for (size_t k = 0; k < docs.size(); ++k) {
     Bucket& bk = m.buckets[k];
     bk.count = static_cast<int64_t>(docs[k].size());
+    bk.full = bk.count == bk.bmax;
+    for (int64_t d : docs[k]) bk.full = bk.full && cu[d + 1] - cu[d] == bk.S;
     int32_t *seq = m.staging.data() + bk.o_seq, *oq = m.staging.data() + bk.o_q, *okv = m.staging.data() + bk.o_kv,
             *ost = m.staging.data() + bk.o_st;
     // Entries past the count have length 0 and start where the bucket's last document ends.
@@ -414,6 +432,7 @@ Attention::Attention(const AttnBounds&) { fail("cuDNN attention: {}", attention_
 Attention::~Attention() = default;
 size_t Attention::workspace_bytes() const { return 0; }
 size_t Attention::meta_bytes() const { return 0; }
+size_t Attention::zeroed_bytes() const { return 0; }
 bool Attention::set_batch(const int32_t*, int64_t, void*, cudaStream_t) { return false; }
 void Attention::forward(const ds::cuda::bf16*, const ds::cuda::bf16*, const ds::cuda::bf16*, ds::cuda::bf16*, float*,
                         void*, cudaStream_t) {}

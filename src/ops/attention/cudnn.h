@@ -64,6 +64,9 @@ class Attention {
 
   size_t workspace_bytes() const;  // largest cuDNN workspace over all graphs (bytes)
   size_t meta_bytes() const;       // device metadata (lengths and ragged offsets) for set_batch
+  // Bytes of the workspace the last forward() or backward() zeroed before cuDNN's calls: 0 when every bucket in use
+  // was full (each of its entries a document of exactly its S tokens; DELTASTACK_CUDNN_ZERO_WORKSPACE=1: never 0).
+  size_t zeroed_bytes() const;
   // Sorts the documents of cu_seqlens (host, int32 [num_seqs + 1], cu_seqlens[0] == 0) into buckets and copies
   // the lengths and offsets into `meta` (device, meta_bytes()) on `stream`; the host staging stays alive until
   // the next call. Returns false (nothing uploaded) when the batch has more short documents than the smallest
