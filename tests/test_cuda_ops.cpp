@@ -187,18 +187,6 @@ TEST(CudaOps, Conv1dPacked) {
   expect_ok(check_conv1d({.lens = {}, .N = 5, .max_doc = 100, .C = 16, .K = 4}));
 }
 
-// Every form of the kernels (ops/conv1d/cuda.h conv1d_set_forms: the forward's rows per thread, the backward's
-// shared-memory stages) gives bitwise the same y, dx and dw: at the 2B layer's conv_dim with documents across the
-// slots and stages, with a channel block only partly inside C (C 1000: 16-byte rows, 488 channels in the last
-// block), with K 3, and at N below one stage.
-TEST(CudaOps, Conv1dFormsAreBitwiseEqual) {
-  DS_SKIP_WITHOUT_GPU();
-  expect_ok(check_conv1d({.lens = {}, .N = 3000, .max_doc = 700, .C = 6144, .K = 4, .forms = true}));
-  expect_ok(check_conv1d({.lens = {}, .N = 777, .max_doc = 90, .C = 1000, .K = 4, .forms = true}));
-  expect_ok(check_conv1d({.lens = {}, .N = 300, .max_doc = 40, .C = 256, .K = 3, .forms = true}));
-  expect_ok(check_conv1d({.lens = {5, 0, 2}, .C = 64, .K = 4, .forms = true}));
-}
-
 // ------------------------------------------------------------------------------------------------ rope
 
 // Random documents of up to 400 tokens (positions restart at each).

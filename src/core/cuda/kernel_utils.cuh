@@ -5,7 +5,7 @@
 //
 //   host:    aligned / aligned16, grid_1d, grid_cols_rows, Slots / make_slots, next_pow2
 //   device:  bf16x8 <-> fp32 (unpack8, pack2, pack8, load_bf<V>, store_bf<V>), fp32x8 access (load_f8, ldg_f8,
-//            store_f8), cp.async (s2u, cp16, cp_commit, cp_wait), sigmoid_fast, fused FP8 amax (amax_bits, amax_bits8, amax_commit), row_sum<LANES> (warp-slice or block sum in a fixed order)
+//            store_f8), sigmoid_fast, fused FP8 amax (amax_bits, amax_bits8, amax_commit), row_sum<LANES> (warp-slice or block sum in a fixed order)
 //   kernels: sum_partials_kernel + launch_sum_partials (fixed-order sum of per-slot partial rows)
 //   row-norm family (rmsnorm, gated_rmsnorm, l2norm): RowGeo<LANES>, row_slots, row_load_sumsq, row_acc_zero /
 //            _add / _reduce (backward dw accumulators), RowPlan / row_plan, row_dispatch, row_scalar_threads
@@ -160,23 +160,6 @@ template <typename I>
 __device__ __forceinline__ void store_f8(float* p, I c, const float f[8]) {
   reinterpret_cast<float4*>(p)[2 * c] = make_float4(f[0], f[1], f[2], f[3]);
   reinterpret_cast<float4*>(p)[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// Device: asynchronous global -> shared copies (sm80+ cp.async; PTX ISA "cp.async").
-
-__device__ __forceinline__ uint32_t s2u(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-// 16 bytes from global g (16-byte aligned) into shared s (16-byte aligned), bypassing L1; zero-filled (no global
-// read) when !valid, g then only needs to be a mapped address.
-__device__ __forceinline__ void cp16(void* s, const void* g, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s2u(s)), "l"(g), "r"(valid ? 16 : 0)
-               : "memory");
-}
-// Closes the thread's current group of copies; cp_wait<N> waits until at most N of its groups are in flight.
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // sigmoid through the fast exponential (__expf), as the SiLU / gate kernels use it.

@@ -3,8 +3,6 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <utility>
-
 #include "core/cuda/cuda_utils.h"
 
 namespace ds::ops::cuda {
@@ -18,13 +16,5 @@ size_t conv1d_scratch_bytes(int64_t N, int64_t C, int64_t K);
 void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cuda::bf16* dy, const int32_t* seq_start,
                           ds::cuda::bf16* dx, float* dw, int64_t N, int64_t C, int64_t K, void* scratch,
                           cudaStream_t stream, float* amax = nullptr);
-
-// Testing knob (bench ops; DELTASTACK_CONV_FWD_ROWS / DELTASTACK_CONV_BWD_STAGE at the first call, another value an error): the kernels' forms,
-// all bitwise the same outputs (cuda.cu). fwd_rows: tokens per thread of the forward's rows form (4, 8 or 16; 0:
-// the tile form); bwd_stage: rows per shared-memory stage of the backward's staged form (8 or 16; 0: each thread
-// loads its own rows). Default 8 and 16. Throws ds::cuda::CudaError on other values.
-void conv1d_set_forms(int fwd_rows, int bwd_stage);
-// The forms in use: {fwd_rows, bwd_stage}.
-std::pair<int, int> conv1d_forms();
 
 }  // namespace ds::ops::cuda

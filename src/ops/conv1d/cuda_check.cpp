@@ -51,19 +51,6 @@ Result check_conv1d(const Conv1dCase& c) {
   r.add("dx", rel_l2(bf16_view(a.dx), dx), kGradient);
   r.add("dw (accumulated)", rel_l2(minus(a.dw, dw0), dw), kGradient);
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
-  if (c.forms) {
-    // Every form of the kernels (cuda::conv1d_set_forms) gives bitwise what the one in use gave.
-    const auto [fwd0, bwd0] = cuda::conv1d_forms();
-    struct Restore {
-      int f, b;
-      ~Restore() { cuda::conv1d_set_forms(f, b); }
-    } restore{fwd0, bwd0};
-    for (const auto& [f, b] : std::vector<std::pair<int, int>>{{0, 0}, {4, 8}, {8, 16}, {16, 0}}) {
-      cuda::conv1d_set_forms(f, b);
-      r.exact("forward rows " + std::to_string(f) + ", backward stage " + std::to_string(b) + ": bitwise the same",
-              same_runs(a, run()));
-    }
-  }
   return r;
 }
 

@@ -12,8 +12,7 @@ namespace ds::ops {
 
 // Packed documents (explicit lengths, or random lengths filling N tokens: a quarter of them 1..3 tokens, the
 // rest up to max_doc); x, dy: [N, C] bf16; w: [C, K] fp32 (std 0.5). Values: y (forward band); dx, dw (gradient
-// band; dw accumulated onto a random start); with twice, two runs bitwise equal; with forms, every form of the
-// kernels bitwise equal too.
+// band; dw accumulated onto a random start); with twice, two runs bitwise equal.
 struct Conv1dCase {
   std::vector<int> lens;       // document lengths (a length may be 0); empty: random, see N and max_doc
   int64_t N = 0, max_doc = 0;  // with lens empty
@@ -21,7 +20,6 @@ struct Conv1dCase {
   size_t offset = 0;  // bf16 pointer shift in elements (1: unaligned, the scalar path)
   uint64_t seed = 1;
   bool twice = true;
-  bool forms = false;  // also every form of the kernels (cuda::conv1d_set_forms), each bitwise equal to the first run
 };
 check::Result check_conv1d(const Conv1dCase& c);
 // The start-up probe: packed {1, 70, 0, 130} (a one-token document, an empty one), C 96, K 4.

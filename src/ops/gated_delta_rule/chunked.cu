@@ -65,8 +65,6 @@
 // grid y = Hv (or Hk) <= 65535. Sequences of any length (0 included) and tails of any length.
 #include "ops/gated_delta_rule/chunked_cuda.h"
 
-#include "core/cuda/kernel_utils.cuh"
-
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -111,11 +109,7 @@ __device__ __forceinline__ const int32_t* tab_of(const Args& a) { return a.idx +
 // ---------------------------------------------------------------------------------------------------------
 // PTX helpers.
 
-// s2u, cp16 (16-byte cp.async, zero-filled when not valid), cp_commit, cp_wait<N>: core/cuda/kernel_utils.cuh.
-using ds::cuda::cp16;
-using ds::cuda::cp_commit;
-using ds::cuda::cp_wait;
-using ds::cuda::s2u;
+__device__ __forceinline__ uint32_t s2u(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -143,11 +137,21 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+__device__ __forceinline__ void cp16(void* s, const void* g, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s2u(s)), "l"(g), "r"(valid ? 16 : 0)
+               : "memory");
+}
 // 4-byte copy (a strided gather such as γ[t, h]); zero-filled when !valid.
 __device__ __forceinline__ void cp4(void* s, const void* g, bool valid) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s2u(s)), "l"(g), "r"(valid ? 4 : 0)
                : "memory");
 }
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 __device__ __forceinline__ uint32_t pack2(float a, float b) {
   return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(a))) |
          (static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(b))) << 16);
