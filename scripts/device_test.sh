@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build prebuilt base-modes base-bench test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
+# Stages: env build prebuilt base-modes base-bench ncu-conv test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # peer-lora, LoRA steps, ours (bench step --lora-rank) vs transformers + PEFT LoRA: scripts/peer_lora_step.py, LORA_RUNS;
@@ -132,13 +132,15 @@ ${BASE_MODES:---precision fp8 --fp8-lm-head --optimizer-state 8bit --gradients i
 --txt-split file --recompute none}
 EOF2
 fi
-if has base-bench && [ -x build-base/deltastack ]; then
-  # bench step with this binary and the base binary, one line of flags at a time (BASE_BENCH): their step lines
-  # (time, peak, loss, grad_norm) one above the other, "[base ARGS]" and "[ours ARGS]".
+if has base-bench; then
+  # bench step with earlier binaries (BASE_BENCH_BINS, default the base binary build-base/deltastack) and this one,
+  # one line of flags at a time (BASE_BENCH): their step lines (time, peak, loss, grad_norm) one above the other,
+  # "[BINARY ARGS]", this binary's as "[ours ARGS]".
   while read -r args; do
     [ -z "$args" ] && continue
-    for who in base ours; do
-      bin=$BUILD/deltastack; [ $who = base ] && bin=build-base/deltastack
+    for bin in ${BASE_BENCH_BINS:-build-base/deltastack} $BUILD/deltastack; do
+      who=$(basename "$(dirname "$bin")")/$(basename "$bin"); [ "$bin" = $BUILD/deltastack ] && who=ours
+      [ -x "$bin" ] || { echo "base-bench: no $bin" | tee -a "$OUT/base_bench.txt"; status=1; continue; }
       timeout ${MEMORY_TIMEOUT:-300} $bin bench step $args 2>&1 | grep -E "bench step|step .* ms|rror" |
         sed "s|^|[$who $args] |" | tee -a "$OUT/base_bench.txt"
     done
@@ -215,6 +217,14 @@ if has ncu-gdn; then
     --section LaunchStats -k regex:'k_(prep|fwd_h|fwd_o|dvlocal|bwd_dh|bwd_chunk)' /tmp/gdn_h profile \
     >"$OUT/ncu_gdn.txt" 2>&1; echo "ncu rc=$?"
   grep -E "k_(prep|fwd_h|fwd_o|dvlocal|bwd_dh|bwd_chunk)|Duration|Memory Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Stall" "$OUT/ncu_gdn.txt" | head -80
+fi
+if has ncu-conv; then
+  # Hardware counters of the conv1d + SiLU kernels at bench ops' T32768 x C8192 (the 13th forward launch, after its
+  # warm-up, and the first backward): ncu, clocks left alone (METHOD.md).
+  timeout 300 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis \
+    -k regex:'conv_(fwd|bwd)_kernel' --launch-skip 12 -c 2 $BUILD/deltastack bench ops >"$OUT/ncu_conv.txt" 2>&1
+  echo "ncu-conv rc=$?"
 fi
 if has peer; then
   # The peer's kernels at bench ops' shapes, in this same call (fla from .peers/site, carried; see peer_bench.py).

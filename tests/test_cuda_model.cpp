@@ -569,12 +569,12 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
         // With full recompute, also the layer inputs offloaded to the host (four layers: the first fetched back)
         // through the norm-only pass and the updating pass of each in-backward step.
         const Run off = rc == ds::Recompute::Full ? run(ds::Gradients::InBackward, 0.5, false, true) : one;
-        // DELTASTACK_WGRAD_OVERWRITE=1: the matrices' wgrad GEMMs write their gradients in the first backward after
-        // zero_grads and in every in-backward one: bitwise the steps of every gradient zeroed, then added to.
-        // DELTASTACK_LAYER_SLOTS=3: the in-backward layers in three gradient slots.
+        // DELTASTACK_WGRAD_OVERWRITE=0: every gradient zeroed, then added to, where by default the matrices' wgrad
+        // GEMMs write their gradients in the first backward after zero_grads and in every in-backward one: bitwise
+        // the same steps. DELTASTACK_LAYER_SLOTS=2 and 3: the in-backward layers in two and three gradient slots.
         Run wf, wi, s3;
         {
-          ds::test::EnvSet written("DELTASTACK_WGRAD_OVERWRITE", "1");
+          ds::test::EnvSet added("DELTASTACK_WGRAD_OVERWRITE", "0");
           wf = run(ds::Gradients::Fp32, 0.5, false);
           wi = run(ds::Gradients::InBackward, 0.5, false);
         }
@@ -582,7 +582,9 @@ TEST(CudaEngine, InBackwardUpdateIsTheFp32Step) {
           ds::test::EnvSet three("DELTASTACK_LAYER_SLOTS", "3");
           s3 = run(ds::Gradients::InBackward, 0.5, false);
         }
-        for (const Run* x : std::initializer_list<const Run*>{&one, &two, &off, &wf, &wi, &s3}) {
+        ds::test::EnvSet two_slots("DELTASTACK_LAYER_SLOTS", "2");
+        const Run s2 = run(ds::Gradients::InBackward, 0.5, false);
+        for (const Run* x : std::initializer_list<const Run*>{&one, &two, &off, &wf, &wi, &s3, &s2}) {
           EXPECT_EQ(ref.values, x->values);
           EXPECT_TRUE(ref.weights == x->weights);
           EXPECT_TRUE(ref.m == x->m);

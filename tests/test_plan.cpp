@@ -402,7 +402,7 @@ TEST(Plan, AutoPicksExactModesBeforeLossyAndCheapRecomputeBeforeFull) {
   std::string out;
   ASSERT_EQ(ds::test::run("plan --model 27b --seq-len 8192 --micro-batch 1", &out), 0) << out;
   EXPECT_NE(out.find("gradients: in-backward (each unit updated in the backward; fp32 slots of the embedding, head and "
-                     "two layers; with --clip a norm-only pass first"), std::string::npos) << out;
+                     "three layers; with --clip a norm-only pass first"), std::string::npos) << out;
   EXPECT_NE(out.find("chosen by --memory auto"), std::string::npos) << out;
   EXPECT_NE(out.find("GiB of 140.40 GiB: fits\n"), std::string::npos) << out;
   // the 9B shape of the issue fits an H200 only with the bf16 state
@@ -507,6 +507,7 @@ TEST(Plan, AutoKeepsGateUpOutputsBeforeLayers) {
   plan.precision = ds::Precision::Fp8;
   plan.optimizer_state = ds::OptimizerState::EightBit;
   plan.gradients = ds::Gradients::InBackward;
+  plan.layer_slots = 2;  // (the slots' own choice: Plan.InBackwardTakesAThirdLayerSlotWhereTheModesStay)
   auto total = [&](ds::Recompute r, int64_t sel, int64_t kept = 0) {
     ds::GpuPlan p = plan;
     p.recompute = r;
@@ -588,6 +589,51 @@ TEST(Plan, ThirdLayerSlotTakesOneLayersGradients) {
   EXPECT_NEAR(three - two, 4.0 * static_cast<double>(layer), 4.0 * 256);
   ds::test::EnvSet bad("DELTASTACK_LAYER_SLOTS", "5");
   EXPECT_NE(ds::test::error_of(grads).find("DELTASTACK_LAYER_SLOTS must be 2, 3 or 4"), std::string::npos);
+}
+
+// GpuPlan::layer_slots 0 (the default): in-backward, resolve_memory_modes takes a third layer slot where the modes it
+// resolves stay those of two slots (the 9B goal's shape with --recompute auto within 76 GiB: selective either way,
+// fewer kept layers with three), and two where three would change them (a budget between selective with two slots
+// and with three: full recompute then). Given slots (the field, or DELTASTACK_LAYER_SLOTS) stay; the fp32 gradient
+// buffer has no slots to choose (2, unused).
+TEST(Plan, InBackwardTakesAThirdLayerSlotWhereTheModesStay) {
+  if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
+  const ds::ModelConfig c = ds::ModelConfig::preset("9b");
+  ds::GpuPlan plan = ds::GpuPlan::windows(1, 8192, 1);
+  plan.precision = ds::Precision::Fp8;
+  plan.optimizer_state = ds::OptimizerState::EightBit;
+  plan.gradients = ds::Gradients::InBackward;
+  plan.recompute = ds::Recompute::Auto;
+  const double GiB = 1073741824.0;
+  const auto within = [](double bytes) {
+    return [bytes](const ds::GpuMemoryPlan& p) { return static_cast<double>(p.total) <= bytes; };
+  };
+  const ds::GpuPlan r = ds::resolve_memory_modes(c, plan, within(76 * GiB));
+  EXPECT_EQ(r.layer_slots, 3);
+  EXPECT_EQ(r.recompute, ds::Recompute::Selective);
+  ds::GpuPlan given = plan;
+  given.layer_slots = 2;
+  const ds::GpuPlan r2 = ds::resolve_memory_modes(c, given, within(76 * GiB));
+  EXPECT_EQ(r2.layer_slots, 2);
+  EXPECT_EQ(r2.recompute, ds::Recompute::Selective);
+  EXPECT_GE(r2.kept_layers, r.kept_layers);
+  // selective with no kept layer: its total with two slots and with three
+  ds::GpuPlan sel = given;
+  sel.recompute = ds::Recompute::Selective;
+  const double sel2 = static_cast<double>(ds::plan_gpu_memory(c, sel).total);
+  sel.layer_slots = 3;
+  const double sel3 = static_cast<double>(ds::plan_gpu_memory(c, sel).total);
+  ASSERT_GT(sel3, sel2);
+  const ds::GpuPlan tight = ds::resolve_memory_modes(c, plan, within((sel2 + sel3) / 2));
+  EXPECT_EQ(tight.layer_slots, 2);
+  EXPECT_EQ(tight.recompute, ds::Recompute::Selective);
+  {
+    ds::test::EnvSet knob("DELTASTACK_LAYER_SLOTS", "2");
+    EXPECT_EQ(ds::resolve_memory_modes(c, plan, within(76 * GiB)).layer_slots, 2);
+  }
+  plan.gradients = ds::Gradients::Fp32;
+  plan.optimizer_state = ds::OptimizerState::EightBit;
+  EXPECT_EQ(ds::resolve_memory_modes(c, plan, within(140 * GiB)).layer_slots, 2);
 }
 
 // --fp8-lm-head: the loss scratch gains the casts of W (vocab x hidden bytes), of h (hidden x tokens) and of one

@@ -873,10 +873,16 @@ bool engine_knob(const char* name, bool unset) {
 
 int layer_slots() {
   const char* v = std::getenv("DELTASTACK_LAYER_SLOTS");
-  if (!v) return 2;
+  if (!v) return 0;
   const std::string s(v);
   DS_CHECK(s == "2" || s == "3" || s == "4", "DELTASTACK_LAYER_SLOTS must be 2, 3 or 4, got \"{}\"", s);
   return s[0] - '0';
+}
+
+int gpu_layer_slots(const GpuPlan& plan) {
+  if (plan.layer_slots > 0) return plan.layer_slots;
+  const int knob = layer_slots();
+  return knob > 0 ? knob : 2;
 }
 
 void check_engine_knobs() {

@@ -157,6 +157,10 @@ struct GpuPlan {
   // Whether a Gradients::InBackward step needs its norm-only pass (--clip > 0 or --nan-policy skip; in_backward_step):
   // what that mode costs, for `auto` (memory_candidates).
   bool norm_pass = true;
+  // The layers' gradient slots of the slotted gradient modes (in-backward, bf16; model/gpu_params.h): 2, 3 or 4; 0:
+  // resolve_memory_modes chooses (DELTASTACK_LAYER_SLOTS when set; else, in-backward, 3 where the modes it resolves
+  // stay those of 2 slots, else 2). gpu_layer_slots(plan): the count a plan's store uses.
+  int layer_slots = 0;
   // --shard optimizer on the GPU engine (ZeRO-1; docs/distributed.md): this rank of shard_world keeps and
   // updates only its even share of the flat parameters' AdamW state (model/gpu_params.h ParamShard);
   // shard_world 0: the whole state (no sharding).
@@ -368,10 +372,13 @@ std::string resolve_device(const std::string& device);
 // check_engine_knobs() checks them all, whatever the device: the trainer (with ops::check_knobs, before --out is
 // touched), eval and generate call it first. `unset`: the value when the variable is not set.
 bool engine_knob(const char* name, bool unset = true);
-// The in-backward gradient slots of the layers (model/gpu_params.h): DELTASTACK_LAYER_SLOTS, 2 (the default), 3 or 4
-// (an A/B knob of docs/gpu.md: each slot more holds one layer's fp32 gradients and gives the side stream's update one
-// layer's backward more); ds::Error naming the variable for any other value (check_engine_knobs checks it first).
+// The in-backward gradient slots of the layers (model/gpu_params.h) asked for by DELTASTACK_LAYER_SLOTS: 2, 3 or 4
+// (each slot more holds one layer's fp32 gradients and gives the side stream's update one layer's backward more), 0
+// when unset (GpuPlan::layer_slots then chooses); ds::Error naming the variable for any other value
+// (check_engine_knobs checks it first).
 int layer_slots();
+// The layer slots a resolved plan's store uses: plan.layer_slots, else DELTASTACK_LAYER_SLOTS, else 2.
+int gpu_layer_slots(const GpuPlan& plan);
 inline constexpr const char* kAttentionSplitKnob = "DELTASTACK_ATTENTION_SPLIT";  // the name, for its reader and tests
 void check_engine_knobs();
 

@@ -180,10 +180,10 @@ struct GpuModel::Impl {
     }
     flush();
   }
-  // DELTASTACK_WGRAD_OVERWRITE=1 (an A/B knob, default 0; docs/gpu.md, ninth session): this backward's matrix wgrad
-  // GEMMs write their gradients (beta 0) instead of adding to zeroed ones: in a slotted mode's every backward (each
-  // unit's slot holds one micro-batch; its layers' matrices are then not zeroed) and in the flat buffer's first
-  // backward after zero_grads. Bitwise the same values (CudaEngine.InBackwardUpdateIsTheFp32Step).
+  // This backward's matrix wgrad GEMMs write their gradients (beta 0) instead of adding to zeroed ones: in a slotted
+  // mode's every backward (each unit's slot holds one micro-batch; its layers' matrices are then not zeroed) and in
+  // the flat buffer's first backward after zero_grads. Bitwise the same values (CudaEngine.InBackwardUpdateIsTheFp32Step).
+  // DELTASTACK_WGRAD_OVERWRITE=0 (an A/B knob; docs/gpu.md, ninth and eleventh sessions): zero, then add.
   bool wgrad_overwrite = false;
   int64_t backwards_since_zero = 0;
   float wgrad_beta() const { return wgrad_overwrite ? 0.0f : 1.0f; }
@@ -932,7 +932,7 @@ struct GpuModel::Impl {
     const double n = static_cast<double>(N);
     const bool backward = grad_scale != 0.0;
     offload_pass = offloads() && backward;
-    wgrad_overwrite = backward && !store->frozen() && engine_knob("DELTASTACK_WGRAD_OVERWRITE", false) &&
+    wgrad_overwrite = backward && !store->frozen() && engine_knob("DELTASTACK_WGRAD_OVERWRITE") &&
                       (store->slotted() || backwards_since_zero == 0);
     if (backward) ++backwards_since_zero;
     // As the CPU engine: dropout in a pass with a backward while the adapter has a dropout key (the trainer's).
@@ -1115,16 +1115,15 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
     m.plan.precision = Precision::Bf16;
     m.plan.fp8_lm_head = false;
   }
-  if (m.plan.optimizer_state == OptimizerState::Auto || m.plan.recompute == Recompute::Auto ||
-      m.plan.gradients == Gradients::Auto) {
-    // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h).
-    m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + kAllocationSlack < free_b; });
-  }
+  // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h), and the layer
+  // gradient slots (given modes stay as given).
+  m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + kAllocationSlack < free_b; });
   m.units = param_units(m.c, m.params);
   m.store = std::make_unique<GpuParamStore>(
       *m.layout, m.params, m.plan.optimizer_state, ParamShard{m.plan.shard_rank, m.plan.shard_world}, m.units,
       m.plan.gradients, /*frozen=*/m.adapter != nullptr,
-      fp8_stored_units(m.c, *m.layout, m.plan.precision == Precision::Fp8, m.adapter != nullptr));
+      fp8_stored_units(m.c, *m.layout, m.plan.precision == Precision::Fp8, m.adapter != nullptr),
+      gpu_layer_slots(m.plan));
   if (m.adapter) m.lora = std::make_unique<GpuLora>(m.c, m.plan.lora, m.plan.max_tokens);
   else m.optimizer = std::make_unique<GpuAdamW>(*m.store);
   bool has_attention = false, has_gdn = false;

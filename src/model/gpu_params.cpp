@@ -34,7 +34,7 @@ std::vector<int64_t> fp32_offsets(const std::vector<ParamSpec>& params, Optimize
 
 GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
                              ParamShard shard, std::vector<ParamUnit> units, Gradients gradients, bool frozen,
-                             std::vector<Fp8WeightUnit> fp8_units)
+                             std::vector<Fp8WeightUnit> fp8_units, int layer_slots)
     : layout_(layout),
       params_(params),
       f8units_(std::move(fp8_units)),
@@ -151,7 +151,8 @@ GpuParamStore::GpuParamStore(const ParamLayout& layout, const std::vector<ParamS
   DS_CHECK(U >= 2, "gpu: --gradients {} needs the embedding and head units", gradients_name(gradients_));
   const bool tied = layout.model_offsets().lm_head == layout.model_offsets().embed_tokens;
   int64_t size[kMaxGradSlots] = {};
-  const int n = layer_slots();
+  const int n = layer_slots;
+  DS_CHECK(n >= 2 && 2 + n <= kMaxGradSlots, "gpu: {} layer gradient slots (2 .. {})", n, kMaxGradSlots - 2);
   auto need = [&](size_t u, int slot) {
     unit_slot_[u] = slot;
     size[slot] = std::max(size[slot], units_[u].size() + 64);

@@ -40,7 +40,7 @@ struct ParamShard {
 // gradients into a slot while its backward runs, and the slot is free again once the unit's update has read it:
 //   slot 0: the embedding, and the untied head (its backward ends before the embedding's begins);
 //   slot 1: the head when tied (it is final while the embedding, which holds lm_head, is still accumulating);
-//   slots 2 .. 2 + n - 1: the layers in turn (layer i in 2 + i % n, n = layer_slots(): one accumulating, the others
+//   slots 2 .. 2 + n - 1: the layers in turn (layer i in 2 + i % n, n = the constructor's layer_slots: one accumulating, the others
 //   being updated; the backward of layer i waits for the update of layer i + n, so n - 1 layers' backwards of slack
 //   for the side stream's update; docs/gpu.md, ninth session).
 // A unit's elements lie contiguous in its slot, starting at the unit's flat offset modulo 64 (so every gradient
@@ -49,7 +49,7 @@ struct ParamShard {
 // Gradients::Bf16: the same slots, where each unit's gradients of one micro-batch are made, and one bf16 buffer
 // [P_pad] of every parameter, flat, into which a final unit's slot is added with stochastic rounding
 // (accumulate_unit); the optimizer and the sums of squares read that buffer.
-// The layers' slots: layer_slots() (model/engine.h, DELTASTACK_LAYER_SLOTS).
+// The layers' slots: the constructor's layer_slots (GpuPlan::layer_slots, model/engine.h gpu_layer_slots).
 inline constexpr int kMaxGradSlots = 6;  // 2 + the most layer slots
 
 class GpuParamStore {
@@ -71,7 +71,7 @@ class GpuParamStore {
   // without frozen.
   GpuParamStore(const ParamLayout& layout, const std::vector<ParamSpec>& params, OptimizerState state,
                 ParamShard shard = {}, std::vector<ParamUnit> units = {}, Gradients gradients = Gradients::Fp32,
-                bool frozen = false, std::vector<Fp8WeightUnit> fp8_units = {});
+                bool frozen = false, std::vector<Fp8WeightUnit> fp8_units = {}, int layer_slots = 2);
 
   // The buffers above and the grad-norm reduction scratch.
   void reserve(Arena& a);

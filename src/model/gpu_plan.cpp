@@ -124,7 +124,7 @@ GpuMemoryPlan plan_gpu_memory(const ModelConfig& c, const GpuPlan& plan_in, cons
   const bool lora = plan.lora.r > 0;
   GpuParamStore store(layout, params, plan.optimizer_state, ParamShard{plan.shard_rank, plan.shard_world},
                       param_units(c, params), plan.gradients, lora,
-                      fp8_stored_units(c, layout, plan.precision == Precision::Fp8, lora));
+                      fp8_stored_units(c, layout, plan.precision == Precision::Fp8, lora), gpu_layer_slots(plan));
   std::optional<GpuAdamW> optimizer;
   std::optional<GpuLora> adapters;
   if (lora) adapters.emplace(c, plan.lora, plan.max_tokens);
@@ -291,15 +291,32 @@ GpuPlan resolve_modes(const ModelConfig& c, GpuPlan plan, const std::function<bo
 
 GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::function<bool(const GpuMemoryPlan&)>& fits,
                              const std::string& attention) {
-  const GpuPlan chosen = resolve_modes(c, plan, fits, attention);
-  // --recompute auto's last resort before "does not fit": full recompute with the layer inputs offloaded to the
-  // host (bitwise the same steps; the copies run beside the compute), and its kept layers. When that does not fit
-  // either, it is still the leanest plan, the one the caller reports.
-  if (plan.recompute == Recompute::Auto && !plan.offload_activations && !fits(plan_gpu_memory(c, chosen, attention))) {
-    plan.offload_activations = true;
-    return resolve_modes(c, plan, fits, attention);
-  }
-  return chosen;
+  auto resolve = [&](GpuPlan p) {
+    const GpuPlan chosen = resolve_modes(c, p, fits, attention);
+    // --recompute auto's last resort before "does not fit": full recompute with the layer inputs offloaded to the
+    // host (bitwise the same steps; the copies run beside the compute), and its kept layers. When that does not
+    // fit either, it is still the leanest plan, the one the caller reports.
+    if (p.recompute == Recompute::Auto && !p.offload_activations && !fits(plan_gpu_memory(c, chosen, attention))) {
+      p.offload_activations = true;
+      return resolve_modes(c, p, fits, attention);
+    }
+    return chosen;
+  };
+  if (plan.layer_slots == 0) plan.layer_slots = layer_slots();  // DELTASTACK_LAYER_SLOTS, or 0
+  if (plan.layer_slots != 0) return resolve(plan);
+  // The layer slots (GpuPlan::layer_slots). In-backward, a third slot gives the side stream's update of a layer one
+  // layer's backward more before the step waits for its slot, at one layer's fp32 gradients. Measured on the H200
+  // (docs/memory.md, eleventh session; with the wgrad GEMMs writing the slots): 9B x 1 within 76 GiB 624.9 -> 617.4
+  // ms although two kept layers fewer fit (6 -> 4), 2B x 2 within 36 GiB 358.6 -> 355.6 ms. So three, unless the
+  // modes chosen with three (state, gradients, recompute policy, offload) differ from those with two.
+  plan.layer_slots = 2;
+  const GpuPlan two = resolve(plan);
+  if (two.gradients != Gradients::InBackward) return two;
+  plan.layer_slots = 3;
+  const GpuPlan three = resolve(plan);
+  const bool same_modes = three.gradients == two.gradients && three.optimizer_state == two.optimizer_state &&
+                          three.recompute == two.recompute && three.offload_activations == two.offload_activations;
+  return same_modes && fits(plan_gpu_memory(c, three, attention)) ? three : two;
 }
 
 }  // namespace ds

@@ -100,7 +100,10 @@ std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradie
 // does: the caller reports what it needs). Modes already given are kept. With --recompute auto, a selective, mlp or
 // full candidate first takes the most kept_layers (1 .. layers - 1) that fit: those layers run at none's speed; and
 // when no candidate fits, full recompute with offload_activations (the layer inputs in pinned host memory) is tried
-// last, with its own kept layers (returned even when it does not fit either: the leanest plan).
+// last, with its own kept layers (returned even when it does not fit either: the leanest plan). GpuPlan::layer_slots
+// 0 is resolved too: DELTASTACK_LAYER_SLOTS when set; else, when the modes come out in-backward, 3 if the plan with
+// three slots resolves to the same modes (state, gradients, recompute policy, offload; kept or gate|up layers may be
+// fewer) and fits, else 2.
 // The recompute policy as logs and `plan` name it: "selective", or "selective, the first 21 of 32 layers keeping
 // their activations" (GpuPlan::kept_layers).
 std::string recompute_label(const GpuPlan& plan, int64_t layers);

@@ -115,8 +115,8 @@ int cmd_plan(const std::string& model, int64_t seq_len, int64_t micro_batch, int
                fp8_base ? ", its FP8 GEMM weights stored as their E4M3 casts only (1 byte each; "
                           "DELTASTACK_FP8_FROZEN_BASE=0: bf16)" : "");
   const bool ib = plan.gradients == Gradients::InBackward;
-  const char* const counts[] = {"two", "three", "four"};  // layer_slots(): 2, 3 or 4
-  const std::string slots = fmt::format("fp32 slots of the embedding, head and {} layers", counts[layer_slots() - 2]);
+  const char* const counts[] = {"two", "three", "four"};  // gpu_layer_slots(): 2, 3 or 4
+  const std::string slots = fmt::format("fp32 slots of the embedding, head and {} layers", counts[gpu_layer_slots(plan) - 2]);
   fmt::print("  gradients: {}{}{}\n",
              ib ? "in-backward (each unit updated in the backward; " + slots
              : plan.gradients == Gradients::Bf16
