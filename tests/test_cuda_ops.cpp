@@ -187,6 +187,17 @@ TEST(CudaOps, Conv1dPacked) {
   expect_ok(check_conv1d({.lens = {}, .N = 5, .max_doc = 100, .C = 16, .K = 4}));
 }
 
+// The kernels' sigmoid (core/cuda/kernel_utils.cuh sigmoid_fast_v: the division's fast path for a thread's values,
+// one branch to the division for those outside it) gives bitwise what one IEEE division per value gives: y, dx, dw,
+// at the 2B layer's conv_dim (16-byte forward, 8-byte backward) and on the scalar path, with x of std 1 and of std 60
+// (pre-activations far below -87, where 1 + e^-p >= 2^126 takes the division, and far above).
+TEST(CudaOps, Conv1dSigmoidFormsAreBitwiseEqual) {
+  DS_SKIP_WITHOUT_GPU();
+  expect_ok(check_conv1d({.lens = {}, .N = 3000, .max_doc = 700, .C = 6144, .K = 4, .division = true}));
+  expect_ok(check_conv1d({.lens = {}, .N = 2000, .max_doc = 300, .C = 512, .K = 4, .x_std = 60, .division = true}));
+  expect_ok(check_conv1d({.lens = {}, .N = 300, .max_doc = 40, .C = 34, .K = 3, .x_std = 60, .division = true}));
+}
+
 // ------------------------------------------------------------------------------------------------ rope
 
 // Random documents of up to 400 tokens (positions restart at each).

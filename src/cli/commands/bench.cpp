@@ -162,9 +162,11 @@ int cmd_bench_ops() {
                     fmt::format("{:.2f} / {:.2f} TB/s", 6.0 * N * I / f / 1e9, 10.0 * N * I / b / 1e9),
                     16.0 * N * I / ((f + b) * 1e-3) / kCopyBw});
   }
-  {  // conv1d + SiLU, T 32768, C 8192, K 4
+  // conv1d + SiLU at T 32768, C 8192 and at the 2B layer's 16384 x 6144, K 4; "(division sigmoid)": the kernels with
+  // one IEEE division per sigmoid (ops/conv1d/cuda.h conv1d_set_division_sigmoid; bitwise the same outputs).
+  for (const auto& [N, C] : std::vector<std::pair<int64_t, int64_t>>{{32768, 8192}, {16384, 6144}}) {
     DevBuf d;
-    const int64_t N = 32768, C = 8192, Kw = 4;
+    const int64_t Kw = 4;
     bf16 *x = d.get<bf16>(N * C), *y = d.get<bf16>(N * C), *dx = d.get<bf16>(N * C);
     float *w = d.get<float>(C * Kw), *dw = d.get<float>(C * Kw);
     int32_t* ss = d.get<int32_t>(N);
@@ -172,11 +174,15 @@ int cmd_bench_ops() {
     void* scratch = d.get<char>(K::conv1d_scratch_bytes(N, C, Kw));
     K::fill_uniform(x, N * C, 4, -2, 2, s);
     K::fill_uniform(w, C * Kw, 5, -0.5, 0.5, s);
-    double f = time_ms([&] { K::conv1d_silu_forward(x, w, ss, y, N, C, Kw, s); });
-    double b = time_ms([&] { K::conv1d_silu_backward(x, w, y, ss, dx, dw, N, C, Kw, scratch, s); });
-    rows.push_back({"conv1d+silu", fmt::format("T{} C{} K{}", N, C, Kw), f, f + b,
-                    fmt::format("{:.2f} / {:.2f} TB/s", 4.0 * N * C / f / 1e9, 6.0 * N * C / b / 1e9),
-                    10.0 * N * C / ((f + b) * 1e-3) / kCopyBw});
+    for (const bool division : {false, true}) {
+      K::conv1d_set_division_sigmoid(division);
+      double f = time_ms([&] { K::conv1d_silu_forward(x, w, ss, y, N, C, Kw, s); });
+      double b = time_ms([&] { K::conv1d_silu_backward(x, w, y, ss, dx, dw, N, C, Kw, scratch, s); });
+      rows.push_back({division ? "conv1d+silu (division)" : "conv1d+silu", fmt::format("T{} C{} K{}", N, C, Kw), f,
+                      f + b, fmt::format("{:.2f} / {:.2f} TB/s", 4.0 * N * C / f / 1e9, 6.0 * N * C / b / 1e9),
+                      10.0 * N * C / ((f + b) * 1e-3) / kCopyBw});
+    }
+    K::conv1d_set_division_sigmoid(false);
   }
   // gated delta rule through the plan the registry selects (DELTASTACK_GATED_DELTA_RULE picks another): one
   // 32768-token sequence at Hk16 / Hv32, the 2B / 0.8B layer (2 x 8192 tokens, Hk16 / Hv16), and 8 documents of

@@ -17,6 +17,8 @@
 // 8-byte aligned, else V = 1. A step's rows are loaded while the step before computes. Deterministic, no atomics.
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "core/cuda/kernel_utils.cuh"
 #include "ops/conv1d/cuda.h"
@@ -99,11 +101,26 @@ __device__ __forceinline__ void load_taps(const float* __restrict__ w, bool w16,
   }
 }
 
+// p <- p * sigmoid(p): FS, by sigmoid_fast_v (core/cuda/kernel_utils.cuh: the division's fast path for the V values,
+// one rarely taken branch); else by V calls of sigmoid_fast. Bitwise the same (CudaOps.Conv1dSigmoidFormsAreBitwiseEqual).
+template <int V, bool FS>
+__device__ __forceinline__ void silu_in_place(float (&p)[V]) {
+  if constexpr (FS) {
+    float s[V];
+    sigmoid_fast_v<V>(p, s);
+#pragma unroll
+    for (int v = 0; v < V; ++v) p[v] = p[v] * s[v];
+  } else {
+#pragma unroll
+    for (int v = 0; v < V; ++v) p[v] = p[v] * sigmoid_fast(p[v]);
+  }
+}
+
 // A thread owns V channels of a tile of TT tokens: the taps once (vector loads), then TT / G groups of G tokens,
 // each loading its G rows while the K-1 rows before them are carried in registers (a tile reads TT + K-1 rows).
 // Per output the same arithmetic as ever: p += w[j] x[t-(K-1)+j] for j ascending over the document's taps, then
 // p * sigmoid(p).
-template <int V, int K>
+template <int V, int K, bool FS>
 __global__ void __launch_bounds__(kThreads)
     conv_fwd_kernel(const bf16* __restrict__ x, const float* __restrict__ w, const int32_t* __restrict__ seq_start,
                     bf16* __restrict__ y, int64_t N, int64_t C) {
@@ -144,8 +161,7 @@ __global__ void __launch_bounds__(kThreads)
               for (int v = 0; v < V; ++v) p[v] += wr[j][v] * raw_get<V>(xw[i + j], v);
             }
           }
-#pragma unroll
-          for (int v = 0; v < V; ++v) p[v] = p[v] * sigmoid_fast(p[v]);
+          silu_in_place<V, FS>(p);
           store_bf<V>(y + t * C + c0, p);
         }
       }
@@ -155,7 +171,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int V, int K>
+template <int V, int K, bool FS>
 __global__ void __launch_bounds__(kThreads)
     conv_bwd_kernel(const bf16* __restrict__ x, const float* __restrict__ w, const bf16* __restrict__ dy,
                     const int32_t* __restrict__ seq_start, bf16* __restrict__ dx, float* __restrict__ partial,
@@ -225,10 +241,20 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
           for (int v = 0; v < V; ++v) p[v] += wr[j][v] * raw_get<V>(xw[i + j], v);
         }
+      if constexpr (FS) {
+        float sgv[V];
+        sigmoid_fast_v<V>(p, sgv);
 #pragma unroll
-      for (int v = 0; v < V; ++v) {
-        const float sg = sigmoid_fast(p[v]);
-        dpw[W + i][v] = raw_get<V>(dyt[i], v) * sg * (1.0f + p[v] * (1.0f - sg));
+        for (int v = 0; v < V; ++v) {
+          const float sg = sgv[v];
+          dpw[W + i][v] = raw_get<V>(dyt[i], v) * sg * (1.0f + p[v] * (1.0f - sg));
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const float sg = sigmoid_fast(p[v]);
+          dpw[W + i][v] = raw_get<V>(dyt[i], v) * sg * (1.0f + p[v] * (1.0f - sg));
+        }
       }
       if (u < s1) {
 #pragma unroll
@@ -274,46 +300,53 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < K; ++j) prow[v * K + j] = dwa[j][v];
 }
 
-template <int V>
+template <int V, bool FS>
 void launch_fwd(const bf16* x, const float* w, const int32_t* ss, bf16* y, int64_t N, int64_t C, int64_t K,
                 cudaStream_t stream) {
   const int64_t tiles = (N + kFwdTile - 1) / kFwdTile;
   const dim3 grid = grid_cols_rows(C, V, kThreads, tiles);
   switch (K) {
     case 1:
-      conv_fwd_kernel<V, 1><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
+      conv_fwd_kernel<V, 1, FS><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
       break;
     case 2:
-      conv_fwd_kernel<V, 2><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
+      conv_fwd_kernel<V, 2, FS><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
       break;
     case 3:
-      conv_fwd_kernel<V, 3><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
+      conv_fwd_kernel<V, 3, FS><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
       break;
     default:
-      conv_fwd_kernel<V, 4><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
+      conv_fwd_kernel<V, 4, FS><<<grid, kThreads, 0, stream>>>(x, w, ss, y, N, C);
       break;
   }
 }
 
-template <int V>
+template <int V, bool FS>
 void launch_bwd(const bf16* x, const float* w, const bf16* dy, const int32_t* ss, bf16* dx, float* partial, int64_t N,
                 int64_t C, int64_t K, const Slots& s, float* amax, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((C / V + kThreads - 1) / kThreads), static_cast<unsigned>(s.count));
   switch (K) {
     case 1:
-      conv_bwd_kernel<V, 1><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
+      conv_bwd_kernel<V, 1, FS><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
       break;
     case 2:
-      conv_bwd_kernel<V, 2><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
+      conv_bwd_kernel<V, 2, FS><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
       break;
     case 3:
-      conv_bwd_kernel<V, 3><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
+      conv_bwd_kernel<V, 3, FS><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
       break;
     default:
-      conv_bwd_kernel<V, 4><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
+      conv_bwd_kernel<V, 4, FS><<<grid, kThreads, 0, stream>>>(x, w, dy, ss, dx, partial, N, C, s.per, amax);
       break;
   }
 }
+
+// The kernels' sigmoid (conv1d_set_division_sigmoid; DELTASTACK_CONV_DIVISION=1 at start-up, for A/Bs in a step):
+// false, sigmoid_fast_v; true, sigmoid_fast's division per value. Bitwise the same outputs.
+bool g_division_sigmoid = [] {
+  const char* v = std::getenv("DELTASTACK_CONV_DIVISION");
+  return v && std::string(v) == "1";
+}();
 
 void check_shape(const char* fn, int64_t N, int64_t C, int64_t K) {
   DS_CUDA_REQUIRE(N >= 0 && C > 0 && K >= 1 && K <= 4,
@@ -323,15 +356,18 @@ void check_shape(const char* fn, int64_t N, int64_t C, int64_t K) {
 
 }  // namespace
 
+void conv1d_set_division_sigmoid(bool on) { g_division_sigmoid = on; }
+
 void conv1d_silu_forward(const ds::cuda::bf16* x, const float* w, const int32_t* seq_start, ds::cuda::bf16* y,
                          int64_t N, int64_t C, int64_t K, cudaStream_t stream) {
   check_shape("conv1d_silu_forward", N, C, K);
   if (N == 0) return;
   DS_CUDA_REQUIRE(x && w && seq_start && y, "conv1d_silu_forward: null pointer argument");
-  if (C % 8 == 0 && aligned(x, 16) && aligned(y, 16))
-    launch_fwd<8>(x, w, seq_start, y, N, C, K, stream);
+  const bool v8 = C % 8 == 0 && aligned(x, 16) && aligned(y, 16);
+  if (g_division_sigmoid)
+    v8 ? launch_fwd<8, false>(x, w, seq_start, y, N, C, K, stream) : launch_fwd<1, false>(x, w, seq_start, y, N, C, K, stream);
   else
-    launch_fwd<1>(x, w, seq_start, y, N, C, K, stream);
+    v8 ? launch_fwd<8, true>(x, w, seq_start, y, N, C, K, stream) : launch_fwd<1, true>(x, w, seq_start, y, N, C, K, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -349,10 +385,13 @@ void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cud
   DS_CUDA_REQUIRE(scratch != nullptr, "conv1d_silu_backward: scratch is null (need conv1d_scratch_bytes)");
   const Slots s = slots_for(N);
   float* partial = static_cast<float*>(scratch);
-  if (C % 4 == 0 && aligned(x, 8) && aligned(dy, 8) && aligned(dx, 8))
-    launch_bwd<4>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
+  const bool v4 = C % 4 == 0 && aligned(x, 8) && aligned(dy, 8) && aligned(dx, 8);
+  if (g_division_sigmoid)
+    v4 ? launch_bwd<4, false>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream)
+       : launch_bwd<1, false>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
   else
-    launch_bwd<1>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
+    v4 ? launch_bwd<4, true>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream)
+       : launch_bwd<1, true>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
   DS_CUDA_LAUNCH_CHECK();
   launch_sum_partials(partial, s.count, C * K, C * K, dw, stream);
   DS_CUDA_LAUNCH_CHECK();

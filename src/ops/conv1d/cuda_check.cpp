@@ -19,7 +19,7 @@ Result check_conv1d(const Conv1dCase& c) {
   Result r;
   r.what = "conv1d [" + shape({N, C, K}) + "] documents " + lengths_str(lens) +
            (c.offset ? " offset " + std::to_string(c.offset) : "");
-  const Vec x = ctx.randn_bf16(N * C), dy = ctx.randn_bf16(N * C), w = ctx.randn(C * K, 0.5);
+  const Vec x = ctx.randn_bf16(N * C, c.x_std), dy = ctx.randn_bf16(N * C), w = ctx.randn(C * K, 0.5);
   Vec y(N * C), dx(N * C), dw(C * K, 0.f);
   timed(&r.cpu_seconds, [&] {
     conv1d_silu_forward<float>(x.data(), w.data(), cu.data(), S, N, C, K, y.data());
@@ -51,6 +51,13 @@ Result check_conv1d(const Conv1dCase& c) {
   r.add("dx", rel_l2(bf16_view(a.dx), dx), kGradient);
   r.add("dw (accumulated)", rel_l2(minus(a.dw, dw0), dw), kGradient);
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
+  if (c.division) {
+    struct Restore {
+      ~Restore() { cuda::conv1d_set_division_sigmoid(false); }
+    } restore;
+    cuda::conv1d_set_division_sigmoid(true);
+    r.exact("the division sigmoid's run bitwise equal", same_runs(a, run()));
+  }
   return r;
 }
 

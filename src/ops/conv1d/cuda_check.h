@@ -12,7 +12,8 @@ namespace ds::ops {
 
 // Packed documents (explicit lengths, or random lengths filling N tokens: a quarter of them 1..3 tokens, the
 // rest up to max_doc); x, dy: [N, C] bf16; w: [C, K] fp32 (std 0.5). Values: y (forward band); dx, dw (gradient
-// band; dw accumulated onto a random start); with twice, two runs bitwise equal.
+// band; dw accumulated onto a random start); with twice, two runs bitwise equal; with division, a run with the
+// kernels' division sigmoid bitwise equal to the default's.
 struct Conv1dCase {
   std::vector<int> lens;       // document lengths (a length may be 0); empty: random, see N and max_doc
   int64_t N = 0, max_doc = 0;  // with lens empty
@@ -20,6 +21,8 @@ struct Conv1dCase {
   size_t offset = 0;  // bf16 pointer shift in elements (1: unaligned, the scalar path)
   uint64_t seed = 1;
   bool twice = true;
+  double x_std = 1.0;     // x's standard deviation (60: pre-activations far past the sigmoid's fast range, |p| > 87)
+  bool division = false;  // also with the kernels' division sigmoid (cuda::conv1d_set_division_sigmoid): bitwise equal
 };
 check::Result check_conv1d(const Conv1dCase& c);
 // The start-up probe: packed {1, 70, 0, 130} (a one-token document, an empty one), C 96, K 4.
