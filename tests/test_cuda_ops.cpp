@@ -147,6 +147,16 @@ TEST(CudaOps, SwiGlu) {
   expect_ok(check_swiglu({.N = 64, .I = 256, .offset = 1, .split = true}));  // split, unaligned
 }
 
+// The kernels' sigmoid (core/cuda/kernel_utils.cuh sigmoid_fast_v) gives bitwise what one IEEE division per value
+// gives: h and the gradients, vector and scalar paths, with gates of std 2 and of std 60 (far below -87, where
+// 1 + e^-g >= 2^126 takes the division).
+TEST(CudaOps, SwigluSigmoidFormsAreBitwiseEqual) {
+  DS_SKIP_WITHOUT_GPU();
+  expect_ok(check_swiglu({.N = 512, .I = 6144, .division = true}));
+  expect_ok(check_swiglu({.N = 256, .I = 2048, .gate_std = 60, .division = true}));
+  expect_ok(check_swiglu({.N = 33, .I = 100, .gate_std = 60, .division = true}));
+}
+
 // ------------------------------------------------------------------------------------------------ gdn gates
 
 TEST(CudaOps, GdnGate) {

@@ -163,7 +163,7 @@ int cmd_bench_ops() {
                     16.0 * N * I / ((f + b) * 1e-3) / kCopyBw});
   }
   // conv1d + SiLU at T 32768, C 8192 and at the 2B layer's 16384 x 6144, K 4; "(division sigmoid)": the kernels with
-  // one IEEE division per sigmoid (ops/conv1d/cuda.h conv1d_set_division_sigmoid; bitwise the same outputs).
+  // one IEEE division per sigmoid (core/cuda/cuda_utils.h division_sigmoid; bitwise the same outputs).
   for (const auto& [N, C] : std::vector<std::pair<int64_t, int64_t>>{{32768, 8192}, {16384, 6144}}) {
     DevBuf d;
     const int64_t Kw = 4;
@@ -175,14 +175,14 @@ int cmd_bench_ops() {
     K::fill_uniform(x, N * C, 4, -2, 2, s);
     K::fill_uniform(w, C * Kw, 5, -0.5, 0.5, s);
     for (const bool division : {false, true}) {
-      K::conv1d_set_division_sigmoid(division);
+      cuda::division_sigmoid() = division;
       double f = time_ms([&] { K::conv1d_silu_forward(x, w, ss, y, N, C, Kw, s); });
       double b = time_ms([&] { K::conv1d_silu_backward(x, w, y, ss, dx, dw, N, C, Kw, scratch, s); });
       rows.push_back({division ? "conv1d+silu (division)" : "conv1d+silu", fmt::format("T{} C{} K{}", N, C, Kw), f,
                       f + b, fmt::format("{:.2f} / {:.2f} TB/s", 4.0 * N * C / f / 1e9, 6.0 * N * C / b / 1e9),
                       10.0 * N * C / ((f + b) * 1e-3) / kCopyBw});
     }
-    K::conv1d_set_division_sigmoid(false);
+    cuda::division_sigmoid() = false;
   }
   // gated delta rule through the plan the registry selects (DELTASTACK_GATED_DELTA_RULE picks another): one
   // 32768-token sequence at Hk16 / Hv32, the 2B / 0.8B layer (2 x 8192 tokens, Hk16 / Hv16), and 8 documents of

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 namespace ds::cuda {
@@ -22,6 +23,18 @@ inline void check(cudaError_t e, const char* expr, const char* file, int line) {
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Testing knob: true makes the kernels that take their sigmoids by sigmoid_fast_v (core/cuda/kernel_utils.cuh:
+// conv1d + SiLU, SwiGLU) use one IEEE division per value instead; the outputs are bitwise the same either way (the
+// CudaOps *SigmoidForms* tests and bench ops compare the two). At start: DELTASTACK_DIVISION_SIGMOID=1 sets it, for
+// A/Bs of whole steps. One flag per process (host code; set it between launches).
+inline bool& division_sigmoid() {
+  static bool on = [] {
+    const char* v = std::getenv("DELTASTACK_DIVISION_SIGMOID");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
 
 }  // namespace ds::cuda
 

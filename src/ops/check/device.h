@@ -197,6 +197,16 @@ I32 positions_in_docs(const I32& cu);
 I32 chunk_offsets(const I32& cu, int64_t chunk);
 std::string lengths_str(const std::vector<int>& lens);  // "{1,70,0,130}", long lists shortened
 
+// Turns ds::cuda::division_sigmoid() on (the kernels' sigmoids as one IEEE division each) for its lifetime, then
+// back to what it was: the *SigmoidForms* checks run once with it.
+struct DivisionSigmoid {
+  bool was = ds::cuda::division_sigmoid();
+  DivisionSigmoid() { ds::cuda::division_sigmoid() = true; }
+  ~DivisionSigmoid() { ds::cuda::division_sigmoid() = was; }
+  DivisionSigmoid(const DivisionSigmoid&) = delete;
+  DivisionSigmoid& operator=(const DivisionSigmoid&) = delete;
+};
+
 // Host grouping for embedding_backward (as the GPU model builds it): positions sorted by id (stable), the unique
 // ids, and starts[uniq.size() + 1] offsets into positions.
 struct IdGroups {

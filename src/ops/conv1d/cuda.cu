@@ -17,8 +17,6 @@
 // 8-byte aligned, else V = 1. A step's rows are loaded while the step before computes. Deterministic, no atomics.
 #include <climits>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "core/cuda/kernel_utils.cuh"
 #include "ops/conv1d/cuda.h"
@@ -341,13 +339,6 @@ void launch_bwd(const bf16* x, const float* w, const bf16* dy, const int32_t* ss
   }
 }
 
-// The kernels' sigmoid (conv1d_set_division_sigmoid; DELTASTACK_CONV_DIVISION=1 at start-up, for A/Bs in a step):
-// false, sigmoid_fast_v; true, sigmoid_fast's division per value. Bitwise the same outputs.
-bool g_division_sigmoid = [] {
-  const char* v = std::getenv("DELTASTACK_CONV_DIVISION");
-  return v && std::string(v) == "1";
-}();
-
 void check_shape(const char* fn, int64_t N, int64_t C, int64_t K) {
   DS_CUDA_REQUIRE(N >= 0 && C > 0 && K >= 1 && K <= 4,
                   std::string(fn) + ": need N >= 0, C > 0 and 1 <= K <= 4 (kernels are built for K up to 4), got N=" +
@@ -356,15 +347,13 @@ void check_shape(const char* fn, int64_t N, int64_t C, int64_t K) {
 
 }  // namespace
 
-void conv1d_set_division_sigmoid(bool on) { g_division_sigmoid = on; }
-
 void conv1d_silu_forward(const ds::cuda::bf16* x, const float* w, const int32_t* seq_start, ds::cuda::bf16* y,
                          int64_t N, int64_t C, int64_t K, cudaStream_t stream) {
   check_shape("conv1d_silu_forward", N, C, K);
   if (N == 0) return;
   DS_CUDA_REQUIRE(x && w && seq_start && y, "conv1d_silu_forward: null pointer argument");
   const bool v8 = C % 8 == 0 && aligned(x, 16) && aligned(y, 16);
-  if (g_division_sigmoid)
+  if (ds::cuda::division_sigmoid())
     v8 ? launch_fwd<8, false>(x, w, seq_start, y, N, C, K, stream) : launch_fwd<1, false>(x, w, seq_start, y, N, C, K, stream);
   else
     v8 ? launch_fwd<8, true>(x, w, seq_start, y, N, C, K, stream) : launch_fwd<1, true>(x, w, seq_start, y, N, C, K, stream);
@@ -386,7 +375,7 @@ void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cud
   const Slots s = slots_for(N);
   float* partial = static_cast<float*>(scratch);
   const bool v4 = C % 4 == 0 && aligned(x, 8) && aligned(dy, 8) && aligned(dx, 8);
-  if (g_division_sigmoid)
+  if (ds::cuda::division_sigmoid())
     v4 ? launch_bwd<4, false>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream)
        : launch_bwd<1, false>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
   else

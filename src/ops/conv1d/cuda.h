@@ -17,9 +17,4 @@ void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cud
                           ds::cuda::bf16* dx, float* dw, int64_t N, int64_t C, int64_t K, void* scratch,
                           cudaStream_t stream, float* amax = nullptr);
 
-// Testing knob (tests, bench ops; DELTASTACK_CONV_DIVISION=1 at start-up): the kernels' sigmoid as one IEEE division
-// per value (sigmoid_fast) instead of the division's fast path for a thread's values and one rarely taken branch
-// (sigmoid_fast_v, core/cuda/kernel_utils.cuh, the default). Bitwise the same outputs either way.
-void conv1d_set_division_sigmoid(bool on);
-
 }  // namespace ds::ops::cuda

@@ -52,10 +52,7 @@ Result check_conv1d(const Conv1dCase& c) {
   r.add("dw (accumulated)", rel_l2(minus(a.dw, dw0), dw), kGradient);
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
   if (c.division) {
-    struct Restore {
-      ~Restore() { cuda::conv1d_set_division_sigmoid(false); }
-    } restore;
-    cuda::conv1d_set_division_sigmoid(true);
+    DivisionSigmoid on;
     r.exact("the division sigmoid's run bitwise equal", same_runs(a, run()));
   }
   return r;

@@ -22,7 +22,7 @@ struct Conv1dCase {
   uint64_t seed = 1;
   bool twice = true;
   double x_std = 1.0;     // x's standard deviation (60: pre-activations far past the sigmoid's fast range, |p| > 87)
-  bool division = false;  // also with the kernels' division sigmoid (cuda::conv1d_set_division_sigmoid): bitwise equal
+  bool division = false;  // also with the kernels' division sigmoid (ds::cuda::division_sigmoid): bitwise equal
 };
 check::Result check_conv1d(const Conv1dCase& c);
 // The start-up probe: packed {1, 70, 0, 130} (a one-token document, an empty one), C 96, K 4.

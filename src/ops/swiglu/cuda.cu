@@ -21,7 +21,8 @@ constexpr int kThreads = 256;
 
 
 // Row t of gate / up starts at t * ld_in, of dgate / dup at t * ld_out; h and dh are dense [N, I].
-template <int V>
+// FS: the sigmoids by sigmoid_fast_v (core/cuda/kernel_utils.cuh), else one division each: bitwise the same.
+template <int V, bool FS>
 __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const bf16* __restrict__ gate, const bf16* __restrict__ up,
                                                               int64_t ld_in, bf16* __restrict__ h, int64_t N, int64_t I,
                                                               float* __restrict__ amax) {
@@ -32,8 +33,15 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const bf16* __rest
     float g[V], u[V];
     load_bf<V>(gate + t * ld_in + c, g);
     load_bf<V>(up + t * ld_in + c, u);
+    if constexpr (FS) {
+      float s[V];
+      sigmoid_fast_v<V>(g, s);
 #pragma unroll
-    for (int k = 0; k < V; ++k) g[k] = g[k] * sigmoid_fast(g[k]) * u[k];
+      for (int k = 0; k < V; ++k) g[k] = g[k] * s[k] * u[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) g[k] = g[k] * sigmoid_fast(g[k]) * u[k];
+    }
     store_bf<V>(h + t * I + c, g);
     if (amax) m = max(m, amax_bits_of<V>(g));
   }
@@ -42,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_fwd_kernel(const bf16* __rest
 
 // dgate / dup may be gate / up (in place, the same strides): each thread loads its gate and up values before it
 // stores the gradients of the same positions, and no other thread touches them.
-template <int V>
+template <int V, bool FS>
 __global__ void __launch_bounds__(kThreads)
     swiglu_bwd_kernel(const bf16* gate, const bf16* up, int64_t ld_in,  // (not __restrict__: dgate, dup may be them)
                       const bf16* __restrict__ dh, bf16* dgate, bf16* dup, int64_t ld_out,
@@ -55,9 +63,16 @@ __global__ void __launch_bounds__(kThreads)
     load_bf<V>(gate + t * ld_in + c, g);
     load_bf<V>(up + t * ld_in + c, u);
     load_bf<V>(dh + t * I + c, d);
+    float sv[V];
+    if constexpr (FS) {
+      sigmoid_fast_v<V>(g, sv);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) sv[k] = sigmoid_fast(g[k]);
+    }
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const float s = sigmoid_fast(g[k]);
+      const float s = sv[k];
       const float dg = d[k] * u[k] * s * (1.0f + g[k] * (1.0f - s));
       u[k] = d[k] * g[k] * s;  // du
       g[k] = dg;
@@ -70,6 +85,26 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 dim3 grid_for(int64_t N, int64_t I, int V) { return grid_cols_rows(I, V, kThreads, N); }
+
+template <int V>
+void launch_fwd(const bf16* gate, const bf16* up, int64_t ld_in, bf16* h, int64_t N, int64_t I, float* amax,
+                cudaStream_t stream) {
+  if (ds::cuda::division_sigmoid())
+    swiglu_fwd_kernel<V, false><<<grid_for(N, I, V), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I, amax);
+  else
+    swiglu_fwd_kernel<V, true><<<grid_for(N, I, V), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I, amax);
+}
+
+template <int V>
+void launch_bwd(const bf16* gate, const bf16* up, int64_t ld_in, const bf16* dh, bf16* dgate, bf16* dup,
+                int64_t ld_out, int64_t N, int64_t I, float* amax, cudaStream_t stream) {
+  if (ds::cuda::division_sigmoid())
+    swiglu_bwd_kernel<V, false><<<grid_for(N, I, V), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out,
+                                                                            N, I, amax);
+  else
+    swiglu_bwd_kernel<V, true><<<grid_for(N, I, V), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out,
+                                                                           N, I, amax);
+}
 
 void check_shape(const char* fn, int64_t N, int64_t I) {
   DS_CUDA_REQUIRE(N >= 0 && I > 0 && I <= (int64_t(1) << 34), std::string(fn) + ": N must be >= 0 and I > 0, got N=" +
@@ -85,9 +120,9 @@ void swiglu_forward_rows(const bf16* gate, const bf16* up, int64_t ld_in, bf16* 
   DS_CUDA_REQUIRE(gate && up && h, "swiglu_forward_rows: null pointer argument");
   DS_CUDA_REQUIRE(ld_in >= I, "swiglu_forward_rows: row stride " + std::to_string(ld_in) + " < I = " + std::to_string(I));
   if (I % 8 == 0 && ld_in % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(h))
-    swiglu_fwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I, amax);
+    launch_fwd<8>(gate, up, ld_in, h, N, I, amax, stream);
   else
-    swiglu_fwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gate, up, ld_in, h, N, I, amax);
+    launch_fwd<1>(gate, up, ld_in, h, N, I, amax, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -100,9 +135,9 @@ void swiglu_backward_rows(const bf16* gate, const bf16* up, int64_t ld_in, const
                                                  std::to_string(ld_out) + " must be >= I = " + std::to_string(I));
   if (I % 8 == 0 && ld_in % 8 == 0 && ld_out % 8 == 0 && aligned16(gate) && aligned16(up) && aligned16(dh) &&
       aligned16(dgate) && aligned16(dup))
-    swiglu_bwd_kernel<8><<<grid_for(N, I, 8), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I, amax);
+    launch_bwd<8>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I, amax, stream);
   else
-    swiglu_bwd_kernel<1><<<grid_for(N, I, 1), kThreads, 0, stream>>>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I, amax);
+    launch_bwd<1>(gate, up, ld_in, dh, dgate, dup, ld_out, N, I, amax, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 

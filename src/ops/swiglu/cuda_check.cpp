@@ -16,7 +16,7 @@ Result check_swiglu(const SwigluCase& c) {
            (c.split ? " split" : "");
   Ctx ctx(c.seed);
   const int64_t N = c.N, I = c.I, n = N * I;
-  const Vec gate = ctx.randn_bf16(n, 2.0), up = ctx.randn_bf16(n), dh = ctx.randn_bf16(n);
+  const Vec gate = ctx.randn_bf16(n, c.gate_std), up = ctx.randn_bf16(n), dh = ctx.randn_bf16(n);
   Vec gu = widen(gate, I, 2 * I, 0, 0.f);  // [gate | up] per row
   for (int64_t t = 0; t < N; ++t) std::copy_n(up.begin() + t * I, I, gu.begin() + t * 2 * I + I);
   Vec h(n), dgate(n), dup(n);
@@ -61,6 +61,10 @@ Result check_swiglu(const SwigluCase& c) {
     r.exact("in place bitwise the out-of-place", ctx.bits(io_d) == a.dgu);
   }
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
+  if (c.division) {
+    DivisionSigmoid on;
+    r.exact("the division sigmoid's run bitwise equal", same_runs(a, run()));
+  }
   return r;
 }
 

@@ -19,6 +19,8 @@ struct SwigluCase {
   uint64_t seed = 1;
   bool twice = true;
   bool split = false;  // gate and up as two dense [N, I] arrays (swiglu_*_rows with stride I; deltastack.torch)
+  double gate_std = 2.0;  // the gate's standard deviation (60: values far past the sigmoid's fast range, |g| > 87)
+  bool division = false;  // also with the kernels' division sigmoid (ds::cuda::division_sigmoid): bitwise equal
 };
 check::Result check_swiglu(const SwigluCase& c);
 // The start-up probe: N 64, I 256.
