@@ -745,7 +745,8 @@ TEST(Train, BadEngineSwitchFailsBeforeTouchingOut) {
   const std::string dir = ds::test::fresh_tmpdir("bad_engine_knob");
   const std::string args = ds::test::small_setup(dir);
   for (const char* knob : {"DELTASTACK_ASYNC_OPTIMIZER", "DELTASTACK_DP_OVERLAP", "DELTASTACK_STREAM_PRIORITY",
-                           "DELTASTACK_ATTENTION_SPLIT"}) {
+                           "DELTASTACK_ATTENTION_SPLIT", "DELTASTACK_WGRAD_OVERWRITE", "DELTASTACK_CUDNN_ZERO_WORKSPACE",
+                           "DELTASTACK_DIVISION_SIGMOID"}) {
     SCOPED_TRACE(knob);
     std::filesystem::remove_all(dir + "/run");
     std::filesystem::create_directories(dir + "/run");

@@ -892,6 +892,8 @@ void check_engine_knobs() {
   engine_knob(kAttentionSplitKnob, false);
   engine_knob(kFp8FrozenBaseKnob);
   engine_knob("DELTASTACK_WGRAD_OVERWRITE");
+  engine_knob("DELTASTACK_CUDNN_ZERO_WORKSPACE", false);  // read by ops/attention/cudnn.cpp
+  engine_knob("DELTASTACK_DIVISION_SIGMOID", false);      // read by core/cuda/cuda_utils.h division_sigmoid
   layer_slots();  // DELTASTACK_LAYER_SLOTS
   Fp8Recipe::from_env();  // DELTASTACK_FP8_GRAD, DELTASTACK_FP8_FAST_ACCUM
 }
