@@ -135,14 +135,19 @@ fi
 if has base-bench; then
   # bench step with earlier binaries (BASE_BENCH_BINS, default the base binary build-base/deltastack) and this one,
   # one line of flags at a time (BASE_BENCH): their step lines (time, peak, loss, grad_norm) one above the other,
-  # "[BINARY ARGS]", this binary's as "[ours ARGS]".
+  # "[BINARY ARGS]", this binary's as "[ours ARGS]". Runs before `build` in this script: use it with `prebuilt`, or
+  # in a second invocation after a build.
   while read -r args; do
     [ -z "$args" ] && continue
     for bin in ${BASE_BENCH_BINS:-build-base/deltastack} $BUILD/deltastack; do
       who=$(basename "$(dirname "$bin")")/$(basename "$bin"); [ "$bin" = $BUILD/deltastack ] && who=ours
       [ -x "$bin" ] || { echo "base-bench: no $bin" | tee -a "$OUT/base_bench.txt"; status=1; continue; }
-      timeout ${MEMORY_TIMEOUT:-300} $bin bench step $args 2>&1 | grep -E "bench step|step .* ms|rror" |
-        sed "s|^|[$who $args] |" | tee -a "$OUT/base_bench.txt"
+      tag="[$who $args] "
+      timeout ${MEMORY_TIMEOUT:-300} $bin bench step $args </dev/null >/tmp/ds_bb.txt 2>&1
+      rc=$?
+      grep -E "bench step|step .* ms|rror" /tmp/ds_bb.txt | while IFS= read -r line; do printf '%s%s\n' "$tag" "$line"; done |
+        tee -a "$OUT/base_bench.txt"
+      [ "$rc" = 0 ] || { echo "${tag}exit status $rc" | tee -a "$OUT/base_bench.txt"; status=1; }
     done
   done <<EOF2
 ${BASE_BENCH:---preset 2b --seq-len 8192 --micro-batch 2 --steps 5 --recompute none}
@@ -224,7 +229,9 @@ if has ncu-conv; then
   timeout 300 ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis \
     -k regex:'conv_(fwd|bwd)_kernel' --launch-skip 12 -c 2 $BUILD/deltastack bench ops >"$OUT/ncu_conv.txt" 2>&1
-  echo "ncu-conv rc=$?"
+  rc=$?
+  echo "ncu-conv rc=$rc"
+  [ "$rc" = 0 ] || status=1
 fi
 if has peer; then
   # The peer's kernels at bench ops' shapes, in this same call (fla from .peers/site, carried; see peer_bench.py).

@@ -280,13 +280,18 @@ TEST(CudnnAttention, HeadGroupsShrinkTheWorkspace) {
 }
 // Full buckets (every entry a document of exactly the bucket's S tokens: the trainer's windows of one document) skip
 // the workspace memset before cuDNN's calls (ops/attention/cudnn.cpp run): with the workspace poisoned with NaN, the
-// forward and backward are still right and bitwise repeatable, at the 2B layer's heads (Hq 8, Hkv 2, head_dim 256)
-// in two documents of one bucket, and in four of a smaller bucket (the one below unused); a bucket not full (a
-// shorter document, an empty entry) still zeroes.
+// forward and backward are still right and bitwise repeatable, and with finite garbage in it bitwise what an Attention
+// zeroing it before every call gives (check_attention), at the 2B layer's heads (Hq 8, Hkv 2, head_dim 256) in two
+// documents of one bucket, at 1024 tokens, in head groups (DELTASTACK_ATTENTION_SPLIT's calls), and in four of a
+// smaller bucket (the one below unused); a bucket not full (a shorter document, an empty entry) still zeroes.
 TEST(CudnnAttention, FullBucketsSkipTheWorkspaceZeroing) {
   DS_SKIP_WITHOUT_CUDNN();
   expect_ok(check_attention({.lens = {256, 256}, .Hq = 8, .Hkv = 2, .head_dim = 256, .cudnn = true, .max_seqs = 2,
                              .max_seqlen = 256, .full_buckets = 1}));
+  expect_ok(check_attention({.lens = {1024, 1024}, .Hq = 8, .Hkv = 2, .head_dim = 256, .cudnn = true, .max_seqs = 2,
+                             .max_seqlen = 1024, .full_buckets = 1}));
+  expect_ok(check_attention({.lens = {256, 256}, .Hq = 8, .Hkv = 2, .head_dim = 256, .cudnn = true, .max_seqs = 2,
+                             .max_seqlen = 256, .head_groups = 2, .full_buckets = 1}));
   expect_ok(check_attention({.lens = {128, 128, 128, 128}, .Hq = 4, .Hkv = 1, .head_dim = 128, .cudnn = true,
                              .max_seqs = 4, .max_seqlen = 128, .max_tokens = 512, .full_buckets = 1}));
   expect_ok(check_attention({.lens = {200, 256}, .Hq = 8, .Hkv = 2, .head_dim = 256, .cudnn = true, .max_seqs = 2,

@@ -592,10 +592,11 @@ TEST(Plan, ThirdLayerSlotTakesOneLayersGradients) {
 }
 
 // GpuPlan::layer_slots 0 (the default): in-backward, resolve_memory_modes takes a third layer slot where the modes it
-// resolves stay those of two slots (the 9B goal's shape with --recompute auto within 76 GiB: selective either way,
-// fewer kept layers with three), and two where three would change them (a budget between selective with two slots
-// and with three: full recompute then). Given slots (the field, or DELTASTACK_LAYER_SLOTS) stay; the fp32 gradient
-// buffer has no slots to choose (2, unused).
+// resolves stay those of two slots with at most two layers fewer kept (the 9B goal's shape with --recompute auto
+// within 76 GiB: selective either way, two kept layers fewer with three), and two where three would change them (a
+// budget between selective with two slots and with three: a cheaper recompute policy then) or would cost more layers
+// (9B at seq 4096 within 60 GiB: selective, 8 kept layers with two slots, 4 with three). Given slots (the field, or
+// DELTASTACK_LAYER_SLOTS) stay; the fp32 gradient buffer has no slots to choose (2, unused).
 TEST(Plan, InBackwardTakesAThirdLayerSlotWhereTheModesStay) {
   if (!ds::cuda_compiled()) GTEST_SKIP() << "plan needs a CUDA build";
   const ds::ModelConfig c = ds::ModelConfig::preset("9b");
@@ -611,12 +612,22 @@ TEST(Plan, InBackwardTakesAThirdLayerSlotWhereTheModesStay) {
   const ds::GpuPlan r = ds::resolve_memory_modes(c, plan, within(76 * GiB));
   EXPECT_EQ(r.layer_slots, 3);
   EXPECT_EQ(r.recompute, ds::Recompute::Selective);
+  {
+    ds::GpuPlan half = plan;
+    half.max_tokens = half.max_seqlen = 4096;
+    const ds::GpuPlan h = ds::resolve_memory_modes(c, half, within(60 * GiB));
+    EXPECT_EQ(h.layer_slots, 2);
+    EXPECT_EQ(h.recompute, ds::Recompute::Selective);
+    half.layer_slots = 3;
+    EXPECT_LT(ds::resolve_memory_modes(c, half, within(60 * GiB)).kept_layers + 2, h.kept_layers);
+  }
   ds::GpuPlan given = plan;
   given.layer_slots = 2;
   const ds::GpuPlan r2 = ds::resolve_memory_modes(c, given, within(76 * GiB));
   EXPECT_EQ(r2.layer_slots, 2);
   EXPECT_EQ(r2.recompute, ds::Recompute::Selective);
   EXPECT_GE(r2.kept_layers, r.kept_layers);
+  EXPECT_LE(r2.kept_layers, r.kept_layers + 2);
   // selective with no kept layer: its total with two slots and with three
   ds::GpuPlan sel = given;
   sel.recompute = ds::Recompute::Selective;

@@ -159,7 +159,8 @@ struct GpuPlan {
   bool norm_pass = true;
   // The layers' gradient slots of the slotted gradient modes (in-backward, bf16; model/gpu_params.h): 2, 3 or 4; 0:
   // resolve_memory_modes chooses (DELTASTACK_LAYER_SLOTS when set; else, in-backward, 3 where the modes it resolves
-  // stay those of 2 slots, else 2). gpu_layer_slots(plan): the count a plan's store uses.
+  // stay those of 2 slots at most two kept / gate|up / mlp layers fewer, else 2). gpu_layer_slots(plan): the count a
+  // plan's store uses.
   int layer_slots = 0;
   // --shard optimizer on the GPU engine (ZeRO-1; docs/distributed.md): this rank of shard_world keeps and
   // updates only its even share of the flat parameters' AdamW state (model/gpu_params.h ParamShard);

@@ -1118,14 +1118,21 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   // The least recompute and the leanest state that fit, by the planner's estimate (model/gpu_plan.h), and the layer
   // gradient slots (given modes stay as given).
   m.plan = resolve_memory_modes(m.c, m.plan, [&](const GpuMemoryPlan& p) { return p.allocation + kAllocationSlack < free_b; });
+  // Whether the planner chose the layer slots (GpuPlan::layer_slots): a third one is then given back before the
+  // attention falls back to the simple kernel below.
+  const bool slots_chosen = plan.layer_slots == 0 && layer_slots() == 0 && m.plan.layer_slots == 3;
   m.units = param_units(m.c, m.params);
-  m.store = std::make_unique<GpuParamStore>(
-      *m.layout, m.params, m.plan.optimizer_state, ParamShard{m.plan.shard_rank, m.plan.shard_world}, m.units,
-      m.plan.gradients, /*frozen=*/m.adapter != nullptr,
-      fp8_stored_units(m.c, *m.layout, m.plan.precision == Precision::Fp8, m.adapter != nullptr),
-      gpu_layer_slots(m.plan));
+  auto make_store = [&] {
+    m.optimizer.reset();
+    m.store = std::make_unique<GpuParamStore>(
+        *m.layout, m.params, m.plan.optimizer_state, ParamShard{m.plan.shard_rank, m.plan.shard_world}, m.units,
+        m.plan.gradients, /*frozen=*/m.adapter != nullptr,
+        fp8_stored_units(m.c, *m.layout, m.plan.precision == Precision::Fp8, m.adapter != nullptr),
+        gpu_layer_slots(m.plan));
+    if (!m.adapter) m.optimizer = std::make_unique<GpuAdamW>(*m.store);
+  };
+  make_store();
   if (m.adapter) m.lora = std::make_unique<GpuLora>(m.c, m.plan.lora, m.plan.max_tokens);
-  else m.optimizer = std::make_unique<GpuAdamW>(*m.store);
   bool has_attention = false, has_gdn = false;
   for (int64_t i = 0; i < m.c.num_hidden_layers; ++i) (m.c.is_full_attention(i) ? has_attention : has_gdn) = true;
   if (has_gdn) m.gdn = K::make_gated_delta_rule_plan(gdn_limits(m.c, m.plan));
@@ -1135,6 +1142,13 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
   Arena sizing;
   m.layout_memory(sizing);
   m.arena_bytes = sizing.off;
+  if (slots_chosen && m.arena_bytes + kAllocationSlack >= free_b) {  // the estimate was short: two slots
+    m.plan.layer_slots = 2;
+    make_store();
+    sizing = Arena{};
+    m.layout_memory(sizing);
+    m.arena_bytes = sizing.off;
+  }
   if (m.attn && m.arena_bytes + kAllocationSlack >= free_b && m.attn->name() != "cuda-simple") {
     // cuDNN's deterministic backward keeps an S^2 workspace; when that is what does not fit, drop to the simple
     // kernel (no workspace) rather than fail (ds::Error instead when DELTASTACK_ATTENTION names cuDNN).
@@ -1201,11 +1215,12 @@ GpuModel::GpuModel(const Qwen35Model& host, const GpuPlan& plan) : impl_(std::ma
                  m.store->fp8_bytes() / 1073741824.0));
   }
   m.note_peak();
-  log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}, gradients {}), one allocation of {:.2f} GiB for "
-           "{} tokens x {} documents per micro-batch; gated delta rule: {}, attention: {}", cuda_device_name(),
+  log_info("gpu: {} (bf16 compute; optimizer state {}, recompute {}, gradients {}{}), one allocation of {:.2f} GiB "
+           "for {} tokens x {} documents per micro-batch; gated delta rule: {}, attention: {}", cuda_device_name(),
            m.lora ? "fp32 (the adapters'; the base frozen)" : ds::optimizer_state_name(m.plan.optimizer_state),
-           ds::recompute_label(m.plan, m.c.num_hidden_layers),
-           ds::gradients_name(m.plan.gradients), m.arena_bytes / 1073741824.0, plan.max_tokens, plan.max_seqs,
+           ds::recompute_label(m.plan, m.c.num_hidden_layers), ds::gradients_name(m.plan.gradients),
+           m.store->slotted() ? fmt::format(", {} layer gradient slots", gpu_layer_slots(m.plan)) : std::string(),
+           m.arena_bytes / 1073741824.0, plan.max_tokens, plan.max_seqs,
            m.gdn ? m.gdn->name() : "-", m.attn ? m.attn->name() : "-");
 }
 

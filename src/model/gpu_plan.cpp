@@ -306,9 +306,12 @@ GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::func
   if (plan.layer_slots != 0) return resolve(plan);
   // The layer slots (GpuPlan::layer_slots). In-backward, a third slot gives the side stream's update of a layer one
   // layer's backward more before the step waits for its slot, at one layer's fp32 gradients. Measured on the H200
-  // (docs/memory.md, eleventh session; with the wgrad GEMMs writing the slots): 9B x 1 within 76 GiB 624.9 -> 617.4
-  // ms although two kept layers fewer fit (6 -> 4), 2B x 2 within 36 GiB 358.6 -> 355.6 ms. So three, unless the
-  // modes chosen with three (state, gradients, recompute policy, offload) differ from those with two.
+  // (docs/gpu.md, tenth and eleventh sessions): 9B x 1 within 76 GiB, the slot alone 622.9 -> 620.4 ms and with the
+  // wgrad GEMMs writing the slots 614.5 ms (its slot waits were 14 ms), although two kept layers fewer fit (6 -> 4);
+  // 2B x 2 within 36 GiB, where the waits were 0.05 ms, no gain either way (358.6 -> 355.6, 349.4 -> 350.7 ms on
+  // two machines). So three where it costs at most two of the layers the plan keeps more of (kept, gate|up or mlp
+  // layers; those are each worth about what the slot gave at 9B) and the modes (state, gradients, recompute policy,
+  // offload) stay those of two; else two.
   plan.layer_slots = 2;
   const GpuPlan two = resolve(plan);
   if (two.gradients != Gradients::InBackward) return two;
@@ -316,7 +319,9 @@ GpuPlan resolve_memory_modes(const ModelConfig& c, GpuPlan plan, const std::func
   const GpuPlan three = resolve(plan);
   const bool same_modes = three.gradients == two.gradients && three.optimizer_state == two.optimizer_state &&
                           three.recompute == two.recompute && three.offload_activations == two.offload_activations;
-  return same_modes && fits(plan_gpu_memory(c, three, attention)) ? three : two;
+  const int64_t layers_lost = (two.kept_layers - three.kept_layers) + (two.selective_layers - three.selective_layers) +
+                              (two.mlp_layers - three.mlp_layers);
+  return same_modes && layers_lost <= 2 && fits(plan_gpu_memory(c, three, attention)) ? three : two;
 }
 
 }  // namespace ds

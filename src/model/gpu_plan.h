@@ -102,8 +102,8 @@ std::vector<MemoryModes> memory_candidates(OptimizerState s, Recompute r, Gradie
 // when no candidate fits, full recompute with offload_activations (the layer inputs in pinned host memory) is tried
 // last, with its own kept layers (returned even when it does not fit either: the leanest plan). GpuPlan::layer_slots
 // 0 is resolved too: DELTASTACK_LAYER_SLOTS when set; else, when the modes come out in-backward, 3 if the plan with
-// three slots resolves to the same modes (state, gradients, recompute policy, offload; kept or gate|up layers may be
-// fewer) and fits, else 2.
+// three slots resolves to the same modes (state, gradients, recompute policy, offload), with at most two kept, gate|up
+// or mlp layers fewer, and fits; else 2.
 // The recompute policy as logs and `plan` name it: "selective", or "selective, the first 21 of 32 layers keeping
 // their activations" (GpuPlan::kept_layers).
 std::string recompute_label(const GpuPlan& plan, int64_t layers);

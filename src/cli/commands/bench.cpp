@@ -174,6 +174,7 @@ int cmd_bench_ops() {
     void* scratch = d.get<char>(K::conv1d_scratch_bytes(N, C, Kw));
     K::fill_uniform(x, N * C, 4, -2, 2, s);
     K::fill_uniform(w, C * Kw, 5, -0.5, 0.5, s);
+    const bool division0 = cuda::division_sigmoid();
     for (const bool division : {false, true}) {
       cuda::division_sigmoid() = division;
       double f = time_ms([&] { K::conv1d_silu_forward(x, w, ss, y, N, C, Kw, s); });
@@ -182,7 +183,7 @@ int cmd_bench_ops() {
                       f + b, fmt::format("{:.2f} / {:.2f} TB/s", 4.0 * N * C / f / 1e9, 6.0 * N * C / b / 1e9),
                       10.0 * N * C / ((f + b) * 1e-3) / kCopyBw});
     }
-    cuda::division_sigmoid() = false;
+    cuda::division_sigmoid() = division0;
   }
   // gated delta rule through the plan the registry selects (DELTASTACK_GATED_DELTA_RULE picks another): one
   // 32768-token sequence at Hk16 / Hv32, the 2B / 0.8B layer (2 x 8192 tokens, Hk16 / Hv16), and 8 documents of

@@ -37,11 +37,10 @@ Result check_attention(const AttentionCase& c) {
         [&] { attention_forward<float>(d, q.data(), k.data(), v.data(), cu.data(), o.data(), lse.data()); });
 
   std::unique_ptr<cudnn::Attention> att;
-  if (c.cudnn)
-    att = std::make_unique<cudnn::Attention>(
-        cudnn::AttnBounds{c.max_tokens ? c.max_tokens : N, c.max_seqs ? c.max_seqs : d.num_seqs,
-                          c.max_seqlen ? c.max_seqlen : max_len, d.Hq, d.Hkv, d.head_dim, d.scale, 0,
-                          c.head_groups});
+  const cudnn::AttnBounds bounds{c.max_tokens ? c.max_tokens : N, c.max_seqs ? c.max_seqs : d.num_seqs,
+                                 c.max_seqlen ? c.max_seqlen : max_len, d.Hq, d.Hkv, d.head_dim, d.scale, 0,
+                                 c.head_groups};
+  if (c.cudnn) att = std::make_unique<cudnn::Attention>(bounds);
   auto q_d = ctx.up_bf16(q), k_d = ctx.up_bf16(k), v_d = ctx.up_bf16(v), dout_d = ctx.up_bf16(dout);
   auto cu_d = ctx.up(cu);
   Buf<bf16> o_d(nq), dq_d(nq), dk_d(nk), dv_d(nk);
@@ -55,11 +54,13 @@ Result check_attention(const AttentionCase& c) {
     Vec lse;
     auto tie() const { return std::tie(o, dq, dk, dv, lse); }
   };
-  auto run = [&] {
-    ctx.poison(o_d), ctx.poison(lse_d), ctx.poison(dq_d), ctx.poison(dk_d), ctx.poison(dv_d), ctx.poison(ws);
+  // ws_byte: what the workspace holds before each call (0xFF: NaN; 0x3C: finite values, which a read of unwritten
+  // workspace would turn into a different result instead of NaN).
+  auto run = [&](int ws_byte = 0xFF) {
+    ctx.poison(o_d), ctx.poison(lse_d), ctx.poison(dq_d), ctx.poison(dk_d), ctx.poison(dv_d), ctx.poison(ws, ws_byte);
     if (att) {
       att->forward(q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), ws.get(), ctx.s);
-      ctx.poison(ws);  // as in the engine, whose other ops use the same scratch between the two calls
+      ctx.poison(ws, ws_byte);  // as in the engine, whose other ops use the same scratch between the two calls
       att->backward(q_d.get(), k_d.get(), v_d.get(), o_d.get(), lse_d.get(), dout_d.get(), dq_d.get(), dk_d.get(),
                     dv_d.get(), ws.get(), ctx.s);
     } else {
@@ -73,6 +74,30 @@ Result check_attention(const AttentionCase& c) {
   if (att && c.full_buckets >= 0)
     r.exact(c.full_buckets ? "full buckets: no workspace zeroed" : "a bucket not full: workspace zeroed",
             (att->zeroed_bytes() == 0) == (c.full_buckets == 1));
+  if (att && c.full_buckets == 1) {
+    // The skip against the zeroing: with finite garbage in the workspace, bitwise what an Attention that zeroes it
+    // before every call (DELTASTACK_CUDNN_ZERO_WORKSPACE=1) gives.
+    const Out skipped = run(0x3C);
+    const char* old = std::getenv("DELTASTACK_CUDNN_ZERO_WORKSPACE");
+    const std::string saved = old ? old : "";
+    setenv("DELTASTACK_CUDNN_ZERO_WORKSPACE", "1", 1);
+    std::unique_ptr<cudnn::Attention> zeroing;
+    try {
+      zeroing = std::make_unique<cudnn::Attention>(bounds);
+    } catch (...) {
+      old ? setenv("DELTASTACK_CUDNN_ZERO_WORKSPACE", saved.c_str(), 1) : unsetenv("DELTASTACK_CUDNN_ZERO_WORKSPACE");
+      throw;
+    }
+    old ? setenv("DELTASTACK_CUDNN_ZERO_WORKSPACE", saved.c_str(), 1) : unsetenv("DELTASTACK_CUDNN_ZERO_WORKSPACE");
+    std::swap(att, zeroing);
+    if (!att->set_batch(cu.data(), d.num_seqs, meta.get(), ctx.s)) throw Error("cuDNN attention refused the batch");
+    const Out zeroed = run(0x3C);
+    r.exact("zeroing always: workspace zeroed", att->zeroed_bytes() > 0);
+    r.exact("full buckets: bitwise the zeroing attention's, finite garbage in the workspace", same_runs(skipped, zeroed));
+    r.exact("full buckets: bitwise the NaN-poisoned run's", same_runs(a, zeroed));
+    std::swap(att, zeroing);
+    if (!att->set_batch(cu.data(), d.num_seqs, meta.get(), ctx.s)) throw Error("cuDNN attention refused the batch");
+  }
   const Vec o_gpu = to_f32(a.o);
   Vec dq(nq), dk(nk), dv(nk);
   timed(&r.cpu_seconds, [&] {

@@ -110,8 +110,8 @@ class Ctx {
   }
   // All-ones bytes: NaN in bf16, fp32 and fp64, so an element a kernel never wrote fails rel_l2.
   template <typename T>
-  void poison(Buf<T>& d) {
-    DS_CUDA_CHECK(cudaMemsetAsync(d.get(), 0xFF, d.bytes(), s));
+  void poison(Buf<T>& d, int byte = 0xFF) {  // 0xFF: NaN in every float type; another byte: finite garbage
+    DS_CUDA_CHECK(cudaMemsetAsync(d.get(), byte, d.bytes(), s));
   }
   template <typename T>
   Buf<T> poisoned(size_t n, size_t offset = 0) {
