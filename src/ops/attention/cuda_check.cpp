@@ -76,19 +76,11 @@ Result check_attention(const AttentionCase& c) {
             (att->zeroed_bytes() == 0) == (c.full_buckets == 1));
   if (att && c.full_buckets == 1) {
     // The skip against the zeroing: with finite garbage in the workspace, bitwise what an Attention that zeroes it
-    // before every call (DELTASTACK_CUDNN_ZERO_WORKSPACE=1) gives.
+    // before every call (AttnBounds::zero_workspace) gives.
     const Out skipped = run(0x3C);
-    const char* old = std::getenv("DELTASTACK_CUDNN_ZERO_WORKSPACE");
-    const std::string saved = old ? old : "";
-    setenv("DELTASTACK_CUDNN_ZERO_WORKSPACE", "1", 1);
-    std::unique_ptr<cudnn::Attention> zeroing;
-    try {
-      zeroing = std::make_unique<cudnn::Attention>(bounds);
-    } catch (...) {
-      old ? setenv("DELTASTACK_CUDNN_ZERO_WORKSPACE", saved.c_str(), 1) : unsetenv("DELTASTACK_CUDNN_ZERO_WORKSPACE");
-      throw;
-    }
-    old ? setenv("DELTASTACK_CUDNN_ZERO_WORKSPACE", saved.c_str(), 1) : unsetenv("DELTASTACK_CUDNN_ZERO_WORKSPACE");
+    cudnn::AttnBounds zb = bounds;
+    zb.zero_workspace = true;
+    std::unique_ptr<cudnn::Attention> zeroing = std::make_unique<cudnn::Attention>(zb);
     std::swap(att, zeroing);
     if (!att->set_batch(cu.data(), d.num_seqs, meta.get(), ctx.s)) throw Error("cuDNN attention refused the batch");
     const Out zeroed = run(0x3C);

@@ -144,12 +144,9 @@ struct Attention::Impl {
   int64_t workspace = 0;
   int32_t* meta = nullptr;        // device, from set_batch
   size_t zeroed = 0;              // bytes the last run() zeroed
-  // DELTASTACK_CUDNN_ZERO_WORKSPACE=1: zero the workspace before every call, full buckets too (run; the A/B and a way
-  // back should a cuDNN read a full bucket's workspace before writing it).
-  bool zero_always = [] {
-    const char* v = std::getenv("DELTASTACK_CUDNN_ZERO_WORKSPACE");
-    return v && std::string(v) == "1";
-  }();
+  // AttnBounds::zero_workspace or DELTASTACK_CUDNN_ZERO_WORKSPACE=1: zero the workspace before every call, full
+  // buckets too (run; the A/B and a way back should a cuDNN read a full bucket's workspace before writing it).
+  bool zero_always = false;
   std::vector<int32_t> staging;   // host copy of meta, alive until the next set_batch
 
   ~Impl() {
@@ -301,6 +298,8 @@ Attention::Attention(const AttnBounds& bounds) : impl_(std::make_unique<Impl>())
   DS_CHECK(why.empty(), "cuDNN attention: {}", why);
   Impl& m = *impl_;
   m.b = bounds;
+  const char* zero_env = std::getenv("DELTASTACK_CUDNN_ZERO_WORKSPACE");
+  m.zero_always = bounds.zero_workspace || (zero_env && std::string(zero_env) == "1");
   const AttnBounds& b = m.b;
   DS_CHECK(b.max_tokens > 0 && b.max_seqs > 0 && b.max_seqlen > 0 && b.max_seqlen <= b.max_tokens,
            "cuDNN attention: bad bounds (max_tokens {}, max_seqs {}, max_seqlen {})", b.max_tokens, b.max_seqs,

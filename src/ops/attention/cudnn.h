@@ -41,6 +41,8 @@ struct AttnBounds {
                             // their query heads (Hkv % head_groups == 0): the dP workspace shrinks by that factor.
                             // Heads never mix in attention, so each call computes its heads' dq, dk, dv as the one
                             // call does (same math, cuDNN's deterministic algorithm on fewer heads).
+  bool zero_workspace = false;  // zero the workspace before every call, full buckets too (else those skip it);
+                                // DELTASTACK_CUDNN_ZERO_WORKSPACE=1 sets it for every Attention
 };
 
 // One length bucket: documents of lo..S tokens run as up to bmax entries of graphs of shape [bmax, H, S, D].

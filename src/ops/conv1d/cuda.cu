@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <int V, bool FS>
-void launch_fwd(const bf16* x, const float* w, const int32_t* ss, bf16* y, int64_t N, int64_t C, int64_t K,
+void launch_fwd_as(const bf16* x, const float* w, const int32_t* ss, bf16* y, int64_t N, int64_t C, int64_t K,
                 cudaStream_t stream) {
   const int64_t tiles = (N + kFwdTile - 1) / kFwdTile;
   const dim3 grid = grid_cols_rows(C, V, kThreads, tiles);
@@ -320,7 +320,7 @@ void launch_fwd(const bf16* x, const float* w, const int32_t* ss, bf16* y, int64
 }
 
 template <int V, bool FS>
-void launch_bwd(const bf16* x, const float* w, const bf16* dy, const int32_t* ss, bf16* dx, float* partial, int64_t N,
+void launch_bwd_as(const bf16* x, const float* w, const bf16* dy, const int32_t* ss, bf16* dx, float* partial, int64_t N,
                 int64_t C, int64_t K, const Slots& s, float* amax, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((C / V + kThreads - 1) / kThreads), static_cast<unsigned>(s.count));
   switch (K) {
@@ -339,6 +339,20 @@ void launch_bwd(const bf16* x, const float* w, const bf16* dy, const int32_t* ss
   }
 }
 
+// The kernels in the sigmoids' form of ds::cuda::division_sigmoid() (bitwise the same outputs either way).
+template <int V>
+void launch_fwd(const bf16* x, const float* w, const int32_t* ss, bf16* y, int64_t N, int64_t C, int64_t K,
+                cudaStream_t stream) {
+  if (ds::cuda::division_sigmoid()) launch_fwd_as<V, false>(x, w, ss, y, N, C, K, stream);
+  else launch_fwd_as<V, true>(x, w, ss, y, N, C, K, stream);
+}
+template <int V>
+void launch_bwd(const bf16* x, const float* w, const bf16* dy, const int32_t* ss, bf16* dx, float* partial, int64_t N,
+                int64_t C, int64_t K, const Slots& s, float* amax, cudaStream_t stream) {
+  if (ds::cuda::division_sigmoid()) launch_bwd_as<V, false>(x, w, dy, ss, dx, partial, N, C, K, s, amax, stream);
+  else launch_bwd_as<V, true>(x, w, dy, ss, dx, partial, N, C, K, s, amax, stream);
+}
+
 void check_shape(const char* fn, int64_t N, int64_t C, int64_t K) {
   DS_CUDA_REQUIRE(N >= 0 && C > 0 && K >= 1 && K <= 4,
                   std::string(fn) + ": need N >= 0, C > 0 and 1 <= K <= 4 (kernels are built for K up to 4), got N=" +
@@ -352,11 +366,10 @@ void conv1d_silu_forward(const ds::cuda::bf16* x, const float* w, const int32_t*
   check_shape("conv1d_silu_forward", N, C, K);
   if (N == 0) return;
   DS_CUDA_REQUIRE(x && w && seq_start && y, "conv1d_silu_forward: null pointer argument");
-  const bool v8 = C % 8 == 0 && aligned(x, 16) && aligned(y, 16);
-  if (ds::cuda::division_sigmoid())
-    v8 ? launch_fwd<8, false>(x, w, seq_start, y, N, C, K, stream) : launch_fwd<1, false>(x, w, seq_start, y, N, C, K, stream);
+  if (C % 8 == 0 && aligned(x, 16) && aligned(y, 16))
+    launch_fwd<8>(x, w, seq_start, y, N, C, K, stream);
   else
-    v8 ? launch_fwd<8, true>(x, w, seq_start, y, N, C, K, stream) : launch_fwd<1, true>(x, w, seq_start, y, N, C, K, stream);
+    launch_fwd<1>(x, w, seq_start, y, N, C, K, stream);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -374,13 +387,10 @@ void conv1d_silu_backward(const ds::cuda::bf16* x, const float* w, const ds::cud
   DS_CUDA_REQUIRE(scratch != nullptr, "conv1d_silu_backward: scratch is null (need conv1d_scratch_bytes)");
   const Slots s = slots_for(N);
   float* partial = static_cast<float*>(scratch);
-  const bool v4 = C % 4 == 0 && aligned(x, 8) && aligned(dy, 8) && aligned(dx, 8);
-  if (ds::cuda::division_sigmoid())
-    v4 ? launch_bwd<4, false>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream)
-       : launch_bwd<1, false>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
+  if (C % 4 == 0 && aligned(x, 8) && aligned(dy, 8) && aligned(dx, 8))
+    launch_bwd<4>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
   else
-    v4 ? launch_bwd<4, true>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream)
-       : launch_bwd<1, true>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
+    launch_bwd<1>(x, w, dy, seq_start, dx, partial, N, C, K, s, amax, stream);
   DS_CUDA_LAUNCH_CHECK();
   launch_sum_partials(partial, s.count, C * K, C * K, dw, stream);
   DS_CUDA_LAUNCH_CHECK();
