@@ -2,7 +2,7 @@
 # Builds deltastack on the H200 device machine and runs every test there, GPU tests included, then
 # compute-sanitizer on the small GPU tests, the op probe, GPU forward parity, and the benchmarks.
 # Usage (device tool, from the repo root, with `.deps` and `third_party/cudnn_frontend` carried): scripts/device_test.sh [stage ...]
-# Stages: env build prebuilt base-modes base-bench ncu-conv test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
+# Stages: env build prebuilt base-modes base-bench ncu-conv ab test test-gpu sanitize probe parity train peft-load nccl real-shapes bench-ops peer peer-step peer-lora torch cpu-blas bench-step memory curves fp8 fp8-ab curves-fp8 curves-modes train-27b
 # (default: all but test-gpu, which runs only the CUDA tests; peer, which times fla's kernels: scripts/peer_bench.py;
 # peer-step, full training steps, ours vs the strongest PyTorch peer: scripts/peer_step.py, PEER_RUNS;
 # peer-lora, LoRA steps, ours (bench step --lora-rank) vs transformers + PEFT LoRA: scripts/peer_lora_step.py, LORA_RUNS;
@@ -12,6 +12,7 @@
 # memory, bench step at the memory modes' shapes (MEMORY_RUNS); curves, 0.8B fp32 vs bf16 state loss curves
 # (CURVE_DATA); fp8, bench step in bf16 and fp8 (FP8_RUNS); fp8-ab, FP8 with the amax fused vs an amax pass per cast (FP8_AB_RUNS); curves-fp8, FP8 vs bf16 loss curves on the corpus (CURVE_RUNS); curves-modes, each mode's curve against the exact one (CURVE_SPECS); bench-ops-base, the .base binary's bench ops (A/B); harness, the chunked GDN harness (tests,
 # per-phase timings); ncu-gdn, hardware counters of its kernels; ncu-step, every kernel's time in a 2B step;
+# ab, bench step under several environment settings, alternating (AB_ARGS, AB_ENVS, AB_ROUNDS);
 # profile-step, `bench step --profile` (ms per op family / role, gaps) beside the plain bench step (its overhead);
 # corpus, a real-text corpus in /tmp/ds_corpus.txt; train-9b, 9B 20 steps + resume on it; train-27b, 27B 20 steps,
 # its checkpoint in /dev/shm, a bitwise resume, an export;
@@ -203,7 +204,7 @@ if has real-shapes; then
   grep -E "^\[  (PASSED|FAILED)|Failure" "$OUT/realshapes.log" | head -20
 fi
 if has bench-ops; then
-  $BUILD/deltastack bench ops 2>&1 | tee "$OUT/bench_ops.txt"
+  $BUILD/deltastack bench ops ${BENCH_OPS_ONLY:+--only $BENCH_OPS_ONLY} 2>&1 | tee "$OUT/bench_ops.txt"
 fi
 if has bench-ops-base && [ -x build-base/deltastack ]; then
   # The earlier commit's binary (.base) in the same call: an A/B for kernels changed since.
@@ -473,6 +474,20 @@ ${MEMORY_RUNS:---preset 9b --seq-len 8192 --micro-batch 1
 --preset 0.8b --seq-len 8192 --micro-batch 2 --optimizer-state fp32 --recompute full
 --preset 2b --seq-len 32768 --micro-batch 1 --optimizer-state bf16 --recompute full}
 EOF2
+fi
+if has ab; then
+  # A/B of environment settings on one bench step: AB_ARGS (its flags), AB_ENVS (settings separated by ";", each
+  # "VAR=VALUE ..."; "-" for none), AB_ROUNDS rounds of all of them in turn (alternating, so drift falls on each),
+  # AB_STEPS timed steps each. Lines "[round R: SETTING] step ... ms ..." in $OUT/ab.txt.
+  D=$BUILD/deltastack
+  IFS=';' read -ra ab_envs <<<"${AB_ENVS:--}"
+  for round in $(seq "${AB_ROUNDS:-1}"); do
+    for e in "${ab_envs[@]}"; do
+      vars=(); [ "$e" != "-" ] && read -ra vars <<<"$e"
+      env "${vars[@]}" timeout ${MEMORY_TIMEOUT:-300} $D bench step ${AB_ARGS:---preset 2b} --steps ${AB_STEPS:-5} 2>&1 |
+        grep -E "step .* ms|error|Error" | sed "s|^|[round $round: $e] |" | tee -a "$OUT/ab.txt"
+    done
+  done
 fi
 if has curves; then
   # The lean state's loss curve against fp32's: 0.8B on the bundled text, the two runs side by side on the GPU.

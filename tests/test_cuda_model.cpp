@@ -819,7 +819,8 @@ TEST(CudaEngine, ThreeShardsTakeThePlainSteps) {
 // `bench step --profile` (core/cuda/profile.h): the timed scopes change no result (two training steps bitwise equal
 // with and without them, in the selective and the full recompute), every family of the model shows up, the
 // backward's rebuilds are labelled, the same scopes run every step (the event pool is reused), and their sum is
-// within the step's wall time.
+// within the step's wall time; the gaps between them are one per scope but the first, each named after the scope
+// it precedes.
 TEST(CudaEngine, ProfilerChangesNoResult) {
   DS_SKIP_WITHOUT_GPU();
   ds::ModelConfig c = ds::ModelConfig::preset("tiny");
@@ -830,6 +831,7 @@ TEST(CudaEngine, ProfilerChangesNoResult) {
   const double scale = 1.0 / static_cast<double>(b.num_targets());
   for (ds::Recompute rc : {ds::Recompute::Selective, ds::Recompute::Full}) {
     SCOPED_TRACE(ds::recompute_name(rc));
+    ds::ProfileTable gaps;
     auto run = [&](bool profile, ds::ProfileTable& table) {
       ds::GpuPlan plan;
       plan.max_tokens = b.size();
@@ -851,8 +853,9 @@ TEST(CudaEngine, ProfilerChangesNoResult) {
         gpu.adamw_step(ap, ap.weight_decay);
         const double wall = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (profile) {
-          prof.collect(table);
+          prof.collect(table, &gaps);
           table.end_step(wall);
+          gaps.end_step(wall);
         }
       }
       std::vector<float> g;
@@ -878,6 +881,14 @@ TEST(CudaEngine, ProfilerChangesNoResult) {
     EXPECT_TRUE(rebuilt);
     EXPECT_GT(table.scope_ms(), 0);
     EXPECT_LE(table.scope_ms(), table.wall_ms());
+    double scopes = 0, gap_scopes = 0;
+    for (const ds::ProfileTable::Row& r : table.rows()) scopes += r.calls;
+    for (const ds::ProfileTable::Row& r : gaps.rows()) {
+      gap_scopes += r.calls;
+      EXPECT_EQ(r.family, "gap before");
+      EXPECT_NE(r.role.find(" / "), std::string::npos) << r.role;
+    }
+    EXPECT_EQ(gap_scopes, scopes - 1);  // per step
     std::printf("[ measured ] %s recompute:\n%s", ds::recompute_name(rc), table.format(699e12, 4.23e12).c_str());
   }
 }

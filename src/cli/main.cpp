@@ -121,6 +121,9 @@ int main(int argc, char** argv) {
   auto* bench = app.add_subcommand("bench", "Benchmarks: `bench ops`, `bench step --preset 2b` (GPU), `bench tokenizer` (CPU)");
   bench->require_subcommand(1);
   auto* bench_ops = bench->add_subcommand("ops", "Per-op timings, rates and roofline fractions");
+  std::string bench_ops_only;
+  bench_ops->add_option("--only", bench_ops_only, "Only these rows: loss (the fused loss at the 2B shape with the FP8 head)")
+      ->check(CLI::IsMember({"loss"}));
   auto* bench_step = bench->add_subcommand("step", "Full training steps: tokens/s, MFU, peak memory");
   std::string bench_preset = "2b";
   int64_t bench_seq = 8192, bench_mb = 2, bench_steps = 5;
@@ -278,7 +281,7 @@ int main(int argc, char** argv) {
     if (*probe) return ds::cli::cmd_probe();
     if (*plan && !plan_hf_config.empty()) return ds::cli::cmd_plan_hf_config(plan_model, plan_hf_config, overwrite);
     if (*plan) return ds::cli::cmd_plan(plan_model, plan_seq, plan_mb, plan_docs, plan_mem, plan_attention, plan_memory);
-    if (*bench_ops) return ds::cli::cmd_bench_ops();
+    if (*bench_ops) return ds::cli::cmd_bench_ops(bench_ops_only);
     if (*bench_tok) return ds::cli::cmd_bench_tokenizer(bench_tokenizer, bench_text, bench_repeats);
     if (*bench_step) return ds::cli::cmd_bench_step(bench_preset, bench_seq, bench_mb, bench_steps, bench_memory,
                                                     bench_profile);

@@ -126,14 +126,49 @@ void print_rows(const std::vector<Row>& rows) {
                100 * r.frac);
 }
 
+// The loss at the 2B step's shape with the FP8 head (`--fp8-lm-head`), 16384 tokens x 2048 x 248320, in chunks of
+// 2048 (the step's) and of 4096: fwd = the logits GEMMs + the rows' loss pass. The larger chunk halves the FP8
+// wgrad GEMMs' read-modify-write of the fp32 dW (2 GB per chunk) and doubles the fp32 logits scratch.
+void bench_loss(std::vector<Row>& rows, cudaStream_t s) {
+  DevBuf d;
+  const int64_t N = 16384, H = 2048, V = 248320;
+  bf16 *h = d.get<bf16>(N * H), *W = d.get<bf16>(V * H), *dh = d.get<bf16>(N * H);
+  float* dW = d.get<float>(V * H);
+  int32_t* tg = d.get<int32_t>(N);
+  double* loss = d.get<double>(2);
+  ops::LinearCeOptions opt;
+  opt.grad_scale = 1.0 / N;
+  opt.fp8_grads = true;
+  void* scratch = d.get<char>(K::linear_cross_entropy_scratch_bytes(N, H, V, 4096, true));
+  K::fill_uniform(h, N * H, 16, -1, 1, s);
+  K::fill_uniform(W, V * H, 17, -0.02f, 0.02f, s);
+  K::fill_uniform_int(tg, N, 18, static_cast<int32_t>(V), s);
+  const double fl = 6.0 * N * H * V;
+  for (int64_t chunk : {2048, 4096}) {
+    opt.chunk_tokens = chunk;
+    const double f =
+        time_ms([&] { K::linear_cross_entropy(h, W, tg, N, H, V, opt, loss, nullptr, nullptr, scratch, s); }, 1, 3);
+    const double fb = time_ms([&] { K::linear_cross_entropy(h, W, tg, N, H, V, opt, loss, dh, dW, scratch, s); }, 1, 3);
+    rows.push_back({fmt::format("lce fp8 head c{}", chunk), fmt::format("2b {}x{}x{}", N, H, V), f, fb,
+                    fmt::format("{:.0f} TFLOP/s; scratch {:.2f} GiB", fl / (fb * 1e-3) / 1e12,
+                                K::linear_cross_entropy_scratch_bytes(N, H, V, chunk, true) / 1073741824.0),
+                    fl / (fb * 1e-3) / kGemmRate});
+  }
+}
+
 }  // namespace
 
-int cmd_bench_ops() {
+int cmd_bench_ops(const std::string& only) {
   DS_CHECK(cuda_device_count() > 0, "bench ops: no CUDA device");
   fmt::print("device: {}; ceilings: copy {:.2f} TB/s, bf16 GEMM {:.0f} TFLOP/s\n", cuda_device_name(), kCopyBw / 1e12,
              kGemmRate / 1e12);
   std::vector<Row> rows;
   cudaStream_t s = nullptr;
+  if (only == "loss") {
+    bench_loss(rows, s);
+    print_rows(rows);
+    return 0;
+  }
   // RMSNorm (zero-centered): fwd reads x, writes y; bwd reads x, dy, writes dx (2 B each).
   for (int64_t H : {2560, 4096, 5120}) {
     DevBuf d;
@@ -379,6 +414,7 @@ int cmd_bench_ops() {
                                 K::linear_cross_entropy_scratch_bytes(N, H, V, opt.chunk_tokens) / 1073741824.0),
                     fl / (fb * 1e-3) / kGemmRate});
   }
+  bench_loss(rows, s);
   {  // AdamW, one 9B decoder layer's worth (218M parameters), fp32 gradients, each --optimizer-state's kernel. Bytes
      // read + written per parameter: fp32 30 (p, m, v in and out, g in, the bf16 copy out), bf16 16, 8bit 12 (the
      // block scales: 8 B per 256 parameters).
@@ -489,7 +525,7 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
   // --profile: every step runs with timed scopes (the warm-up too, so that it creates the event pool); after each
   // timed step, outside its wall time, the scopes' event pairs are read into the table (the warm-up's dropped).
   std::unique_ptr<cuda::StepProfiler> prof;
-  ProfileTable table;
+  ProfileTable table, gaps;
   if (profile) {
     prof = std::make_unique<cuda::StepProfiler>();
     gpu->set_profiler(prof.get());
@@ -506,8 +542,9 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
     std::tie(loss, gn) = step(i);
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (prof) {
-      prof->collect(table);
+      prof->collect(table, &gaps);
       table.end_step(1e3 * times.back());
+      gaps.end_step(1e3 * times.back());
     }
   }
   if (prof) gpu->set_profiler(nullptr);
@@ -540,13 +577,23 @@ int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_bat
                "stream); roofline: GEMM-like work against {:.0f} TFLOP/s, memory-bound work (bytes read + written) "
                "against {:.2f} TB/s\n", steps, kGemmRate / 1e12, kCopyBw / 1e12);
     fmt::print("{}", table.format(kGemmRate, kCopyBw, 1e3 * t));
+    // Where the gaps fall: the time between consecutive scopes, by the scope that follows (the 16 largest).
+    std::vector<ProfileTable::Row> g = gaps.rows();
+    double between = 0;
+    for (const auto& r : g) between += r.ms;
+    std::sort(g.begin(), g.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });
+    fmt::print("gaps between scopes: {:.3f} ms per step of the {:.3f} ms gaps (the rest: before the first scope and "
+               "after the last); by the scope that follows, largest first:\n", between, table.gaps_ms());
+    for (size_t i = 0; i < g.size() && i < 16; ++i)
+      fmt::print("  {:<58} {:>8.3f} ms {:>6.0f} per step {:>8.2f} us each\n", g[i].role, g[i].ms, g[i].calls,
+                 g[i].calls > 0 ? 1e3 * g[i].ms / g[i].calls : 0.0);
   }
   return 0;
 }
 
 #else
 
-int cmd_bench_ops() { fail("bench ops: this build has no CUDA support"); }
+int cmd_bench_ops(const std::string&) { fail("bench ops: this build has no CUDA support"); }
 int cmd_bench_step(const std::string&, int64_t, int64_t, int64_t, const MemoryFlags&, bool) {
   fail("bench step: this build has no CUDA support");
 }

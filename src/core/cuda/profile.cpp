@@ -42,7 +42,7 @@ void StepProfiler::end(int i, cudaStream_t stream) noexcept {
   if (e != cudaSuccess && error_ == cudaSuccess) error_ = e;
 }
 
-void StepProfiler::collect(ProfileTable& table) {
+void StepProfiler::collect(ProfileTable& table, ProfileTable* gaps) {
   const cudaError_t e = error_;
   error_ = cudaSuccess;
   const size_t n = used_;
@@ -56,7 +56,13 @@ void StepProfiler::collect(ProfileTable& table) {
     const Scope& s = scopes_[i];
     float ms = 0;
     DS_CUDA_CHECK(cudaEventElapsedTime(&ms, s.start, s.end));
-    table.add(s.family, s.rebuild ? std::string(s.role) + " (rebuild)" : std::string(s.role), ms, s.flops, s.bytes);
+    const std::string role = s.rebuild ? std::string(s.role) + " (rebuild)" : std::string(s.role);
+    table.add(s.family, role, ms, s.flops, s.bytes);
+    if (gaps && i > 0) {
+      float g = 0;
+      DS_CUDA_CHECK(cudaEventElapsedTime(&g, scopes_[i - 1].end, s.start));
+      gaps->add("gap before", std::string(s.family) + " / " + role, g);
+    }
   }
 }
 

@@ -34,8 +34,11 @@ class StepProfiler {
   void set_rebuild(bool on) { rebuild_ = on; }
 
   // After the step: waits for the last event, adds each scope of the step to `table` (ms from the event pair) and
-  // starts the next step; the caller closes the table's step (ProfileTable::end_step with the wall time).
-  void collect(ProfileTable& table);
+  // starts the next step; the caller closes the table's step (ProfileTable::end_step with the wall time). gaps (null:
+  // none): each scope after the first adds the time from the previous scope's end to its own start, as family
+  // "gap before" and role "<family> / <role>" (where the step's stream idled, or ran work no scope covers, ahead of
+  // that op; negative where the two scopes ran on different streams and overlapped).
+  void collect(ProfileTable& table, ProfileTable* gaps = nullptr);
 
  private:
   struct Scope {
