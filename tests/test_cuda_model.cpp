@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -890,6 +891,51 @@ TEST(CudaEngine, ProfilerChangesNoResult) {
     }
     EXPECT_EQ(gap_scopes, scopes - 1);  // per step
     std::printf("[ measured ] %s recompute:\n%s", ds::recompute_name(rc), table.format(699e12, 4.23e12).c_str());
+  }
+}
+
+// The embedding's in-backward 8-bit update in two parts (model/gpu_model.cpp split_embed): the chunks that hold no
+// row of the batch's ids right after the loss, the rest at the embedding's end. Against DELTASTACK_EMBED_SPLIT=0
+// (one update at the end), bitwise: losses, gradient norms, weights and the 8-bit state, over three steps (the
+// second with clipping: a norm-only pass first), with tied embeddings (the early chunks read lm_head's gradients)
+// and untied ones (the early chunks' gradients are zero, not read). A vocabulary of 65536 rows of 64: 512 chunks of
+// 128 rows, of which the batch's ~290 distinct ids touch about 40 %.
+TEST(CudaEngine, EmbeddingUpdateSplitIsBitwise) {
+  DS_SKIP_WITHOUT_GPU();
+  for (bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    ds::ModelConfig c = ds::ModelConfig::preset("tiny");
+    c.vocab_size = 65536;
+    c.tie_word_embeddings = tied;
+    ds::Qwen35Model host(c);
+    host.init_weights(13);
+    const ds::PackedBatch b = make_batch({100, 1, 155, 39}, c.vocab_size, 47);
+    const double scale = 1.0 / static_cast<double>(b.num_targets());
+    auto run = [&](const char* split) {
+      ds::test::EnvSet env("DELTASTACK_EMBED_SPLIT", split);
+      ds::GpuPlan plan = ds::GpuPlan::windows(1, b.size(), 4);
+      plan.optimizer_state = ds::OptimizerState::EightBit;
+      plan.gradients = ds::Gradients::InBackward;
+      std::unique_ptr<ds::Engine> gpu = ds::make_engine("cuda", host, plan);
+      ds::ops::AdamWParams ap;
+      ap.lr = 3e-3;
+      ap.weight_decay = 0.1;
+      std::vector<double> values;
+      for (int64_t t = 1; t <= 3; ++t) {
+        ap.step = t;
+        const ds::InBackwardStep st = ds::in_backward_step(*gpu, b, scale, 0.0, ap, t == 2 ? 0.5 : 0.0, false);
+        EXPECT_TRUE(st.updated);
+        values.push_back(st.result.loss_sum);
+        values.push_back(st.grad_sum_squares);
+      }
+      return std::tuple{values, ds::test::tensor_values(gpu->weight_tensors(ds::DType::F32)),
+                        ds::test::tensor_values(gpu->optimizer_tensors())};
+    };
+    const auto one = run("0"), two = run("1");
+    EXPECT_TRUE(std::get<0>(one) == std::get<0>(two));
+    EXPECT_TRUE(std::get<1>(one) == std::get<1>(two));
+    EXPECT_TRUE(std::get<2>(one) == std::get<2>(two));
+    EXPECT_GT(std::sqrt(std::get<0>(one)[3]), 0.5) << "step 2 should clip";
   }
 }
 

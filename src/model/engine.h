@@ -363,7 +363,8 @@ InBackwardStep in_backward_step(Engine& e, const PackedBatch& b, double grad_sca
 // "cuda" when device is "cuda", or "auto" and a CUDA device is present; else "cpu".
 std::string resolve_device(const std::string& device);
 
-// The GPU engine's on/off environment switches, "0" or "1" (unset: 1): DELTASTACK_ASYNC_OPTIMIZER (the optimizer
+// The GPU engine's on/off environment switches, "0" or "1" (unset: 1): DELTASTACK_EMBED_SPLIT (the in-backward
+// 8-bit update of the embedding in two parts, model/gpu_model.cpp), DELTASTACK_ASYNC_OPTIMIZER (the optimizer
 // step overlapped with the next step), DELTASTACK_DP_OVERLAP (the data-parallel all-reduce overlapped with the
 // last backward) and DELTASTACK_STREAM_PRIORITY (the step's stream at the device's greatest priority and the side
 // stream of the overlapped updates at the least; 0: both at the default, for A/B timing); and, unset 0,

@@ -61,6 +61,7 @@ struct GpuBatchBufs {
           *emb_starts = nullptr, *emb_pos = nullptr;
   float *cos_t = nullptr, *sin_t = nullptr;
   double* loss = nullptr;       // [2]: loss sum, z-loss sum
+  uint8_t* emb_chunks = nullptr;  // the embedding's update split (model/gpu_model.cpp split_embed): a byte per chunk
   void* gdn_batch = nullptr;    // the GDN plan's per-batch indices
   void* attn_batch = nullptr;   // the attention plan's per-batch metadata
 };

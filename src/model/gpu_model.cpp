@@ -27,6 +27,7 @@
 #include "model/params.h"
 #include "ops/adamw/bf16_state.h"
 #include "ops/adamw/cuda.h"
+#include "ops/adamw/q8_state.h"
 #include "ops/attention/plan.h"
 #include "ops/conv1d/plan.h"
 #include "ops/elementwise/cuda.h"
@@ -196,8 +197,11 @@ struct GpuModel::Impl {
     DS_CUDA_CHECK(cudaEventRecord(ready, stream));
     DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
     if (ib_update) {
+      const ChunkSelect rest{acts.batch.emb_chunks, 1, false};
+      const bool split = u == 0 && embed_rest_pending;
+      if (u == 0) embed_rest_pending = false;
       optimizer->step_params(*store, ib_params, unit_params[u].first, unit_params[u].second, side,
-                             /*fuse_sums=*/true);
+                             /*fuse_sums=*/true, split ? &rest : nullptr);
       DS_CUDA_CHECK(cudaEventRecord(updated[u], side));
       waits_pending = true;
       store->unit_sum_squares(u, side, [this](size_t k) { return optimizer->fuses_sum(k); });
@@ -213,6 +217,44 @@ struct GpuModel::Impl {
     slot_busy[s] = true;
   }
   cudaEvent_t sums_done = nullptr;  // recorded on `side` after each in-backward unit's sum of squares
+  // The embedding's in-backward update in two parts (docs/memory.md, "The embedding's update, split"). Its update
+  // partition's chunks (ops/adamw/cuda.h: kPartialBlocks quantization blocks, 8192 elements) that hold no row of the
+  // batch's token ids have their final gradients once the loss's backward is done: lm_head's when tied, none (zero,
+  // not read) when untied. They are updated on `side` right after the loss, overlapping the rest of the backward;
+  // the chunks that hold a row of an id wait for the embedding's backward and run at the unit's end, where the whole
+  // update ran before. Each chunk runs the same kernel code on the same values: bitwise the unsplit update
+  // (CudaEngine.EmbeddingUpdateSplitIsBitwise). On where the 8-bit state's kernel fuses the embedding's sum (an
+  // unsharded run, fp32 gradients: GpuOptimizer::selects), the embedding a unit of its own, DELTASTACK_EMBED_SPLIT
+  // unset or 1.
+  int embed_split = -1;                  // -1: not decided yet (split_embed)
+  size_t embed_k = 0;                    // the embedding's ParamSpec index
+  std::vector<uint8_t> embed_mask_host;  // per chunk: 1 where a row of the batch's ids lies (prepare_batch)
+  bool embed_rest_pending = false;       // this backward updated the early chunks: unit 0's update runs the rest
+  bool split_embed() {
+    if (embed_split < 0) {
+      embed_split = 0;
+      if (in_backward() && optimizer && !lora && engine_knob("DELTASTACK_EMBED_SPLIT")) {
+        ensure_units();
+        const auto [first, last] = unit_params[0];
+        if (last == first + 1 && params[first].name.find("embed_tokens") != std::string::npos &&
+            optimizer->selects(first)) {
+          embed_k = first;
+          embed_split = 1;
+        }
+      }
+    }
+    return embed_split == 1;
+  }
+  // The chunks without a row of `uniq` (the batch's distinct ids), on `side` after the loss's backward.
+  void update_embedding_early() {
+    ensure_units();
+    DS_CUDA_CHECK(cudaEventRecord(ready, stream));
+    DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
+    const ChunkSelect early{acts.batch.emb_chunks, 0, /*zero_grads=*/!c.tie_word_embeddings};
+    optimizer->step_params(*store, ib_params, unit_params[0].first, unit_params[0].second, side, /*fuse_sums=*/true,
+                           &early);
+    side_unjoined = embed_rest_pending = true;
+  }
   bool sums_pending = false;        // grad_sum_squares() has not waited for sums_done yet
   void unit_final(size_t u) {
     if (in_backward()) return update_in_backward(u);
@@ -391,6 +433,18 @@ struct GpuModel::Impl {
         for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) ss[static_cast<size_t>(t)] = b.cu_seqlens[s];
       group_by_id(b.input_ids.data(), N, c.vocab_size, pos, uniq, starts);
       num_uniq = static_cast<int64_t>(uniq.size());
+      if (split_embed()) {  // the chunks of the embedding's update that hold a row of an id (split_embed)
+        // Element e of the embedding (flat offset) is in quantization block e / kBlock - c0 of its update, in chunk
+        // that block / kPartialBlocks (ops/adamw/cuda.h sum_squares_partials).
+        constexpr int64_t kB = ops::q8_state::kBlock;
+        const int64_t a = params[embed_k].offset, H = c.hidden_size, c0 = a / kB;
+        embed_mask_host.assign(static_cast<size_t>(K::sum_squares_partials_count(a, params[embed_k].numel)), 0);
+        for (const int32_t id : uniq) {
+          const int64_t e0 = a + id * H, e1 = e0 + H - 1;
+          for (int64_t j = (e0 / kB - c0) / K::kPartialBlocks; j <= (e1 / kB - c0) / K::kPartialBlocks; ++j)
+            embed_mask_host[static_cast<size_t>(j)] = 1;
+        }
+      }
       attn_pairs = 0;
       for (int64_t s = 0; s < S; ++s) {
         const double len = b.cu_seqlens[s + 1] - b.cu_seqlens[s];
@@ -419,6 +473,10 @@ struct GpuModel::Impl {
       up(d.emb_uniq, uniq.data(), uniq.size() * 4);
       up(d.emb_starts, starts.data(), starts.size() * 4);
       up(d.emb_pos, pos.data(), N * 4);
+      if (split_embed()) {  // the last step's rest of the embedding's update (on `side`) read the mask before
+        DS_CUDA_CHECK(cudaStreamWaitEvent(stream, updated[0], 0));
+        up(d.emb_chunks, embed_mask_host.data(), embed_mask_host.size());
+      }
       up(d.cos_t, ct.data(), ct.size() * 4);
       up(d.sin_t, st.data(), st.size() * 4);
       if (!ct.empty()) rope_positions.assign(b.positions.begin(), b.positions.begin() + N);
@@ -959,6 +1017,8 @@ struct GpuModel::Impl {
       ce->run(acts.hf, mp.compute.lm_head, B.targets, N, opt, B.loss, backward ? d.dhf : nullptr,
               backward ? mp.grad.lm_head : nullptr, acts.ce_scratch, stream);
     }
+    embed_rest_pending = false;
+    if (backward && in_backward() && ib_update && split_embed()) update_embedding_early();
     double loss[2];
     {
       ProfScope ps = scope("copy", "loss download (D2H)");

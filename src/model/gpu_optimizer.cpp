@@ -76,7 +76,7 @@ void GpuAdamW::step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_
 }
 
 void GpuAdamW::step_params(GpuParamStore& store, const ops::AdamWParams& p, size_t first, size_t last,
-                           cudaStream_t stream, bool fuse_sums) {
+                           cudaStream_t stream, bool fuse_sums, const ChunkSelect* select) {
   const std::vector<ParamSpec>& params = store.params();
   const int64_t lo = store.share_lo(), hi = store.share_hi();
   for (size_t k = first; k < last && k < params.size(); ++k) {
@@ -86,6 +86,8 @@ void GpuAdamW::step_params(GpuParamStore& store, const ops::AdamWParams& p, size
     ops::AdamWParams q = p;
     q.weight_decay = s.weight_decay ? p.weight_decay : 0.0;
     const int64_t o = store.fp32_offset(k), in = a - s.offset;
+    DS_CHECK(!select || (selects(k) && fuse_sums), "internal: adamw: a chunk selection for {}, whose update does not "
+             "fuse its sum", s.name);
     // The gradients: fp32 (the flat buffer, or the unit's slot with Gradients::InBackward) or bf16 (Gradients::Bf16,
     // the kernels widen them exactly).
     auto update = [&](const auto* g) {
@@ -93,8 +95,10 @@ void GpuAdamW::step_params(GpuParamStore& store, const ops::AdamWParams& p, size
         K::adamw_update(store.master(k) + in, g, m_ + (o + in - f0_), v_ + (o + in - f0_), store.compute(k) + in,
                         b - a, q, stream);
       else if (mq_)
-        K::adamw_update_8bit(store.compute(k) + in, g, mq_ + (a - lo), vq_ + (a - lo), ma_ + q0_[k], va_ + q0_[k],
-                             b - a, q, a, stream, fuse_sums && fuses_sum(k) ? store.param_partials(k) : nullptr);
+        K::adamw_update_8bit(store.compute(k) + in, select && select->zero_grads ? nullptr : g, mq_ + (a - lo),
+                             vq_ + (a - lo), ma_ + q0_[k], va_ + q0_[k], b - a, q, a, stream,
+                             fuse_sums && fuses_sum(k) ? store.param_partials(k) : nullptr,
+                             select ? select->mask : nullptr, select ? select->want : uint8_t{0});
       else
         K::adamw_update_bf16(store.compute(k) + in, g, mb_ + (a - lo), vb_ + (a - lo), b - a, q, a, stream);
     };

@@ -22,6 +22,15 @@
 
 namespace ds {
 
+// A part of one parameter's update (GpuOptimizer::step_params): the chunks of the 8-bit update's partition
+// (ops/adamw/cuda.h adamw_update_8bit's chunk_mask: 32 quantization blocks each, the partials' partition) whose byte
+// in `mask` (device, one per chunk) equals `want`; zero_grads: the gradients taken as zero, not read.
+struct ChunkSelect {
+  const uint8_t* mask = nullptr;
+  uint8_t want = 0;
+  bool zero_grads = false;
+};
+
 class GpuOptimizer {
  public:
   virtual ~GpuOptimizer() = default;
@@ -34,10 +43,14 @@ class GpuOptimizer {
   // The same update of parameters [first, last) (ParamSpec indices) only, enqueued on `stream` without waiting
   // for it: step() is step_params over all of them, then a synchronisation. fuse_sums: where fuses_sum(k), the
   // update also writes parameter k's gradient sum-of-squares partials (GpuParamStore::param_partials, bitwise
-  // what unit_sum_squares computes), read from the same pass over the gradients.
+  // what unit_sum_squares computes), read from the same pass over the gradients. select (not null): only those
+  // chunks of each parameter (where selects(k); ds::Error otherwise), the rest left for another call: the two calls
+  // of a split (want 0, then 1) give the one call's results bitwise.
   virtual void step_params(GpuParamStore& store, const ops::AdamWParams& p, size_t first, size_t last,
-                           cudaStream_t stream, bool fuse_sums = false) = 0;
+                           cudaStream_t stream, bool fuse_sums = false, const ChunkSelect* select = nullptr) = 0;
   virtual bool fuses_sum(size_t /*k*/) const { return false; }
+  // Whether parameter k's update can run by ChunkSelect parts: where it fuses its sum (the 8-bit state's kernel).
+  virtual bool selects(size_t k) const { return fuses_sum(k); }
   // The state as checkpoint tensors: names (one per state tensor and parameter) and fp32 slab access; a slab
   // [first, first + count) of flat offsets lies inside one parameter.
   virtual int num_state_tensors() const = 0;                     // per parameter
@@ -67,7 +80,7 @@ class GpuAdamW final : public GpuOptimizer {
   void zero_state(cudaStream_t stream) override;
   void step(GpuParamStore& store, const ops::AdamWParams& p, cudaStream_t stream) override;
   void step_params(GpuParamStore& store, const ops::AdamWParams& p, size_t first, size_t last,
-                   cudaStream_t stream, bool fuse_sums = false) override;
+                   cudaStream_t stream, bool fuse_sums = false, const ChunkSelect* select = nullptr) override;
   // The 8-bit update of a whole, unsharded GEMM weight with fp32 gradients (adamw_update_8bit's partials).
   bool fuses_sum(size_t k) const override {
     return mq_ && !store_.sharded() && store_.fp32_offset(k) < 0 && store_.grads_bf16() == nullptr;

@@ -130,6 +130,7 @@ __global__ void __launch_bounds__(kThreads)
 static_assert(q8_state::kBlock == 32 * 8, "a quantization block is one warp of 8 elements per lane");
 constexpr int kQ8WarpsPerCta = kThreads / 32;
 constexpr int64_t kQ8BlocksPerCta = 4 * kQ8WarpsPerCta;  // each warp takes 4 quantization blocks
+static_assert(kQ8BlocksPerCta == kPartialBlocks, "a partial (and a chunk_mask byte) is one CUDA block's work");
 __constant__ float c_q8_m_mag[128] = {DS_Q8_M_MAGNITUDES};
 __constant__ float c_q8_m_thr[127] = {DS_Q8_M_THRESHOLDS};
 __constant__ float c_q8_r_val[256] = {DS_Q8_R_VALUES};
@@ -211,8 +212,10 @@ template <typename G>
 __global__ void __launch_bounds__(kThreads)
     adamw_8bit_kernel(uint16_t* __restrict__ param, const G* __restrict__ grad, uint8_t* __restrict__ m_code,
                       uint8_t* __restrict__ v_code, float* __restrict__ m_absmax, float* __restrict__ v_absmax,
-                      int64_t n, int64_t index0, int64_t nblocks, bf16_state::Consts k, double* __restrict__ partials) {
+                      int64_t n, int64_t index0, int64_t nblocks, bf16_state::Consts k, double* __restrict__ partials,
+                      const uint8_t* __restrict__ chunk_mask, uint8_t mask_want) {
   namespace Q = q8_state;
+  const bool zero_grads = grad == nullptr;  // the gradients taken as zero, not read
   __shared__ float m_mag[128], m_thr[127], r_val[256], r_thr[255];
   const int t = threadIdx.x, lane = t & 31;
   if (t < 128) m_mag[t] = c_q8_m_mag[t];
@@ -226,17 +229,23 @@ __global__ void __launch_bounds__(kThreads)
   // grid's cap: 2^31 - 1 CUDA blocks).
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kQ8BlocksPerCta; base < nblocks;
        base += static_cast<int64_t>(gridDim.x) * kQ8BlocksPerCta) {
+    if (chunk_mask && chunk_mask[base / kQ8BlocksPerCta] != mask_want) continue;  // uniform over the CUDA block
     double s = 0.0;  // the gradients' sum of squares (partials given): sum_squares_partials_kernel's operations
     for (int64_t b = base + (t >> 5); b < base + kQ8BlocksPerCta && b < nblocks; b += kQ8WarpsPerCta) {
       const int64_t i0 = (c0 + b) * Q::kBlock + 8 * lane - index0;  // this lane's first element of the range
       const float scale_m = m_absmax[b], scale_r = v_absmax[b];
       float mm[8], rr[8];
       const bool vec = i0 >= 0 && i0 + 8 <= n && dev_aligned(param + i0, 16) &&
-                       dev_aligned(grad + i0, 16) &&
+                       (zero_grads || dev_aligned(grad + i0, 16)) &&
                        dev_aligned(m_code + i0, 8) && dev_aligned(v_code + i0, 8);
       if (vec) {
         float g[8];
-        load8_grad(grad + i0, g);
+        if (zero_grads) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) g[j] = 0.0f;
+        } else {
+          load8_grad(grad + i0, g);
+        }
         if (partials) {
 #pragma unroll
           for (int j = 0; j < 8; ++j) sq_add(s, g[j]);
@@ -262,7 +271,7 @@ __global__ void __launch_bounds__(kThreads)
           const int64_t i = i0 + j;
           mm[j] = 0.0f, rr[j] = 0.0f;
           if (i >= 0 && i < n) {
-            const float g = grad1(grad, i);
+            const float g = zero_grads ? 0.0f : grad1(grad, i);
             if (partials) sq_add(s, g);
             Q::update_element(param[i], g, Q::dequantize_m(m_code[i], scale_m, tab),
                               Q::dequantize_r(v_code[i], scale_r, tab), k, static_cast<uint64_t>(index0 + i), mm[j],
@@ -444,15 +453,16 @@ void adamw_update_bf16_t(ds::cuda::bf16* param, const G* grad, ds::cuda::bf16* m
 template <typename G>
 void adamw_update_8bit_t(ds::cuda::bf16* param, const G* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
                          float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream,
-                         double* partials) {
+                         double* partials, const uint8_t* chunk_mask, uint8_t mask_want) {
   DS_CUDA_REQUIRE(n >= 0 && index0 >= 0, "adamw_update_8bit: n and index0 must be >= 0");
   DS_CUDA_REQUIRE(p.step >= 1, "adamw_update_8bit: step must be >= 1 (1-based), got " + std::to_string(p.step));
   if (n == 0) return;
-  DS_CUDA_REQUIRE(param && grad && m_code && v_code && m_absmax && v_absmax, "adamw_update_8bit: null pointer argument");
+  DS_CUDA_REQUIRE(param && m_code && v_code && m_absmax && v_absmax, "adamw_update_8bit: null pointer argument");
   const int64_t nb = q8_state::num_blocks(index0, n);
   const unsigned grid = grid_1d(nb, static_cast<int>(kQ8BlocksPerCta), 0x7fffffff);
   adamw_8bit_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(param), grad, m_code, v_code, m_absmax,
-                                                   v_absmax, n, index0, nb, bf16_state::consts(p), partials);
+                                                   v_absmax, n, index0, nb, bf16_state::consts(p), partials,
+                                                   chunk_mask, mask_want);
   DS_CUDA_LAUNCH_CHECK();
 }
 
@@ -508,13 +518,15 @@ void adamw_update_bf16(ds::cuda::bf16* param, const ds::cuda::bf16* grad, ds::cu
 }
 void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
                        float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream,
-                       double* partials) {
-  adamw_update_8bit_t(param, grad, m_code, v_code, m_absmax, v_absmax, n, p, index0, stream, partials);
+                       double* partials, const uint8_t* chunk_mask, uint8_t mask_want) {
+  adamw_update_8bit_t(param, grad, m_code, v_code, m_absmax, v_absmax, n, p, index0, stream, partials, chunk_mask,
+                      mask_want);
 }
 void adamw_update_8bit(ds::cuda::bf16* param, const ds::cuda::bf16* grad, uint8_t* m_code, uint8_t* v_code,
                        float* m_absmax, float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0,
-                       cudaStream_t stream, double* partials) {
-  adamw_update_8bit_t(param, bits(grad), m_code, v_code, m_absmax, v_absmax, n, p, index0, stream, partials);
+                       cudaStream_t stream, double* partials, const uint8_t* chunk_mask, uint8_t mask_want) {
+  adamw_update_8bit_t(param, bits(grad), m_code, v_code, m_absmax, v_absmax, n, p, index0, stream, partials,
+                      chunk_mask, mask_want);
 }
 
 int64_t sum_squares_partials_count(int64_t index0, int64_t n) {

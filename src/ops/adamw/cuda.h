@@ -19,9 +19,14 @@ void adamw_update_bf16(ds::cuda::bf16* param, const float* grad, ds::cuda::bf16*
 // param bf16 [n] in place, grad fp32 [n], m_code / v_code uint8 [n], m_absmax / v_absmax fp32 [num_blocks].
 // partials (may be null): also the gradients' sums of squares, sum_squares_partials(grad, n, index0, partials)'s
 // values bitwise, from the same read of the gradients (--gradients in-backward: no second pass over them).
+// chunk_mask (may be null): one byte per chunk of the partials' partition (32 quantization blocks; chunk j is
+// partials[j], sum_squares_partials_count(index0, n) of them); only the chunks whose byte equals mask_want are
+// updated (and their partials written), the others left as they are. Updating a range in two calls, one per mask
+// value, gives the one call's results bitwise (each chunk runs the same operations). grad null: the gradients all
+// zero, not read (the same results as a zero buffer).
 void adamw_update_8bit(ds::cuda::bf16* param, const float* grad, uint8_t* m_code, uint8_t* v_code, float* m_absmax,
                        float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream,
-                       double* partials = nullptr);
+                       double* partials = nullptr, const uint8_t* chunk_mask = nullptr, uint8_t mask_want = 0);
 // The same three updates reading bf16 gradients (`--gradients bf16`: the whole-model gradient buffer in bf16),
 // each widened exactly to fp32 where the fp32 overloads read the fp32 value: the same results as the fp32 overloads
 // given the widened gradients, bitwise. grad: bf16 [n].
@@ -31,7 +36,8 @@ void adamw_update_bf16(ds::cuda::bf16* param, const ds::cuda::bf16* grad, ds::cu
                        int64_t n, const ds::ops::AdamWParams& p, int64_t index0, cudaStream_t stream);
 void adamw_update_8bit(ds::cuda::bf16* param, const ds::cuda::bf16* grad, uint8_t* m_code, uint8_t* v_code,
                        float* m_absmax, float* v_absmax, int64_t n, const ds::ops::AdamWParams& p, int64_t index0,
-                       cudaStream_t stream, double* partials = nullptr);
+                       cudaStream_t stream, double* partials = nullptr, const uint8_t* chunk_mask = nullptr,
+                       uint8_t mask_want = 0);
 // The bf16 gradient buffer's stochastic-rounded accumulation (bitwise ops::accumulate_grad_bf16): acc bf16 [n] in
 // place, acc[i] = SR(float(acc[i]) + g[i]), g fp32 [n] (a unit's gradient slot), key = bf16_state::grad_key(step,
 // micro-batch), index0 = the flat parameter index of element 0.
@@ -48,6 +54,7 @@ void to_bf16(const float* x, ds::cuda::bf16* y, int64_t n, cudaStream_t stream);
 // fixed order (the same for fp32 and widened bf16 values of the same numbers). sum_partials adds `count`
 // consecutive partials in a fixed order (a function of count) into *out. A unit's gradient norm is its
 // parameters' partials, in parameter order, added by one sum_partials (model/gpu_params.h unit_sum_squares).
+inline constexpr int64_t kPartialBlocks = 32;  // quantization blocks (q8_state::kBlock elements) per partial
 int64_t sum_squares_partials_count(int64_t index0, int64_t n);
 void sum_squares_partials(const float* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream);
 void sum_squares_partials(const ds::cuda::bf16* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream);

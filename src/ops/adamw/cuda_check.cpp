@@ -193,6 +193,34 @@ Result check_adamw_8bit(const AdamwCase& c) {
     cuda::sum_squares_partials(gh.get(), n, index0, alone.get(), ctx.s);
     r.exact("partials of bf16 gradients bitwise those of their fp32 values", same_bits(ctx.down(fused), ctx.down(alone)));
   }
+  {  // The update in two calls by a chunk mask (every third chunk, the last one too, in the first call), with the
+     // fused partials: bitwise the one call's results and partials. And null gradients: bitwise a zero buffer.
+    std::vector<uint8_t> mask(static_cast<size_t>(np));
+    for (int64_t j = 0; j < np; ++j) mask[static_cast<size_t>(j)] = (j % 3 == 1 || j == np - 1) ? 0 : 1;
+    Buf<uint8_t> mask_d = ctx.up(mask);
+    Buf<float> zeros = ctx.up(Vec(static_cast<size_t>(n), 0.f), c.offset);
+    auto steps = [&](bool split, bool null_grads) {
+      DS_CUDA_CHECK(cudaMemcpyAsync(p_d.get(), p0.data(), p_d.bytes(), cudaMemcpyHostToDevice, ctx.s));
+      ctx.upload(mq_d, mq0), ctx.upload(vq_d, vq0), ctx.upload(ma_d, ma0), ctx.upload(va_d, va0);
+      DS_CUDA_CHECK(cudaMemsetAsync(fused.get(), 0xFF, fused.bytes(), ctx.s));
+      for (int s = 0; s < kSteps; ++s) {
+        hp.step = c.hp.step + s;
+        const float* g = s == 1 ? (null_grads ? nullptr : zeros.get()) : g_d[static_cast<size_t>(s)].get();
+        for (uint8_t want : {uint8_t{0}, uint8_t{1}}) {
+          if (!split && want == 1) break;
+          cuda::adamw_update_8bit(p_d.get(), g, mq_d.get(), vq_d.get(), ma_d.get(), va_d.get(), n, hp, index0, ctx.s,
+                                  fused.get(), split ? mask_d.get() : nullptr, want);
+        }
+      }
+      return std::pair{Out{ctx.bits(p_d), ctx.down(mq_d), ctx.down(vq_d), ctx.down(ma_d), ctx.down(va_d)},
+                       ctx.down(fused)};
+    };
+    const auto one = steps(false, false), two = steps(true, false), null = steps(false, true);
+    r.exact("the update in two calls by a chunk mask bitwise the one call (and its partials)",
+            same_runs(one.first, two.first) && same_bits(one.second, two.second));
+    r.exact("null gradients bitwise a zero buffer (and the partials)",
+            same_runs(one.first, null.first) && same_bits(one.second, null.second));
+  }
   return r;
 }
 
