@@ -6,9 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <iterator>
 #include <vector>
 
 #include "core/bf16.h"
@@ -306,4 +308,43 @@ TEST(AdamW8bitState, ASplitAtABlockBoundaryTakesTheSameSteps) {
   ops::adamw_update_8bit(pa.data(), g.data(), mq.data(), vq.data(), ma.data(), va.data(), n, a, index0);
   ops::adamw_update_bf16(pb.data(), g.data(), mb.data(), vb.data(), n, a, index0);
   EXPECT_TRUE(pa == pb);
+}
+
+// The CUDA kernel's bucketed count (q8_state.h count_below_bucketed) against the binary search (count_below) the
+// CPU reference runs: at every bucket edge and every threshold (and 3 floats either side), the special values, and
+// a million random floats in (0, 1] (uniform bits: every binade alike) and above.
+TEST(AdamW8bitState, BucketedCountIsTheBinarySearch) {
+  namespace Q = ds::ops::q8_state;
+  float m_thr[127 + Q::kBucketSpan], r_thr[255 + Q::kBucketSpan];
+  std::copy(std::begin(Q::kMThresholds), std::end(Q::kMThresholds), m_thr);
+  std::copy(std::begin(Q::kRThresholds), std::end(Q::kRThresholds), r_thr);
+  for (int j = 0; j < Q::kBucketSpan; ++j) m_thr[127 + j] = r_thr[255 + j] = INFINITY;
+  const Q::Tables t{Q::kMMagnitudes, m_thr, Q::kRValues, r_thr};
+  const Q::BucketTables bt{Q::kMBucketLo.data(), Q::kRBucketLo.data()};
+  int64_t checked = 0;
+  auto same = [&](float x) {
+    ++checked;
+    EXPECT_EQ(Q::encode_m(x, t), Q::encode_m(x, t, bt)) << x;
+    EXPECT_EQ(Q::encode_m(-x, t), Q::encode_m(-x, t, bt)) << x;
+    EXPECT_EQ(Q::encode_r(x, t), Q::encode_r(x, t, bt)) << x;
+  };
+  auto around = [&](float x) {
+    uint32_t u = std::bit_cast<uint32_t>(x);
+    for (uint32_t d = 0; d <= 6; ++d)
+      if (u + d >= 3) same(std::bit_cast<float>(u + d - 3));
+  };
+  for (uint32_t b = 0; b < static_cast<uint32_t>(Q::kMBuckets) + 2; ++b)
+    around(std::bit_cast<float>((Q::kMBucketBase + b) << Q::kBucketShift));
+  for (uint32_t b = 0; b < static_cast<uint32_t>(Q::kRBuckets) + 2; ++b)
+    around(std::bit_cast<float>((Q::kRBucketBase + b) << Q::kBucketShift));
+  for (float x : Q::kMThresholds) around(x);
+  for (float x : Q::kRThresholds) around(x);
+  for (float x : {0.0f, -0.0f, NAN, -NAN, INFINITY, -INFINITY, 1.0f, 2.0f, 1e-45f, 1e-38f, 1e30f}) same(x);
+  Rng rng(11);
+  for (int k = 0; k < 1000000; ++k) {
+    const uint32_t u = static_cast<uint32_t>(rng.below(std::bit_cast<uint32_t>(1.0f))) + 1;  // (0, 1]
+    same(std::bit_cast<float>(u));
+  }
+  for (int k = 0; k < 1000; ++k) same(static_cast<float>(1.0 + 1e3 * rng.uniform()));
+  EXPECT_GT(checked, 1000000);
 }

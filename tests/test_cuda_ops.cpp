@@ -242,18 +242,26 @@ TEST(CudaOps, AdamWBf16State) {
   expect_ok(check_adamw_bf16({.n = 3}));                  // shorter than a vector
 }
 
-// The 8-bit state: kernel bitwise the CPU reference over three steps (ops/adamw/q8_state.h).
+// The 8-bit state: kernel bitwise the CPU reference over three steps (ops/adamw/q8_state.h), with both of the
+// kernel's code searches (ops/adamw/cuda.h q8_binary_search: the bucketed count by default, the binary search the
+// CPU reference runs).
 TEST(CudaOps, AdamW8bitState) {
   DS_SKIP_WITHOUT_GPU();
-  expect_ok(check_adamw_8bit({.n = 1000003}));              // many blocks, partial first and last (index0 1001: lanes element by element)
-  expect_ok(check_adamw_8bit({.n = 1000003, .seed = 8}));   // index0 1008: the 8-element vector path, partial ends
-  // index0 1004: every lane's fp32 gradients 16-byte aligned, its bf16 weights and codes not: the update goes element
-  // by element where the standalone sum of squares (and its fp32 read of bf16 gradients) loads 8 at once
-  expect_ok(check_adamw_8bit({.n = 1000003, .seed = 4}));
-  expect_ok(check_adamw_8bit({.n = 9000011, .seed = 2}));   // many CUDA blocks
-  expect_ok(check_adamw_8bit({.n = 1001, .offset = 1}));    // unaligned pointers (element by element)
-  expect_ok(check_adamw_8bit({.n = 3}));                    // one short block
-  expect_ok(check_adamw_8bit({.n = 256, .seed = 24}));      // index0 1024: exactly one whole block
+  const bool saved = ds::ops::cuda::q8_binary_search();
+  for (bool search : {false, true}) {
+    SCOPED_TRACE(search ? "binary search" : "bucketed");
+    ds::ops::cuda::q8_binary_search() = search;
+    expect_ok(check_adamw_8bit({.n = 1000003}));              // many blocks, partial first and last (index0 1001: lanes element by element)
+    expect_ok(check_adamw_8bit({.n = 1000003, .seed = 8}));   // index0 1008: the 8-element vector path, partial ends
+    // index0 1004: every lane's fp32 gradients 16-byte aligned, its bf16 weights and codes not: the update goes element
+    // by element where the standalone sum of squares (and its fp32 read of bf16 gradients) loads 8 at once
+    expect_ok(check_adamw_8bit({.n = 1000003, .seed = 4}));
+    expect_ok(check_adamw_8bit({.n = 9000011, .seed = 2}));   // many CUDA blocks
+    expect_ok(check_adamw_8bit({.n = 1001, .offset = 1}));    // unaligned pointers (element by element)
+    expect_ok(check_adamw_8bit({.n = 3}));                    // one short block
+    expect_ok(check_adamw_8bit({.n = 256, .seed = 24}));      // index0 1024: exactly one whole block
+  }
+  ds::ops::cuda::q8_binary_search() = saved;
 }
 
 // --gradients bf16's kernels (ops/adamw/cuda.h): the stochastic-rounded accumulation is bitwise the host's

@@ -746,7 +746,8 @@ TEST(Train, BadEngineSwitchFailsBeforeTouchingOut) {
   const std::string args = ds::test::small_setup(dir);
   for (const char* knob : {"DELTASTACK_ASYNC_OPTIMIZER", "DELTASTACK_DP_OVERLAP", "DELTASTACK_STREAM_PRIORITY",
                            "DELTASTACK_ATTENTION_SPLIT", "DELTASTACK_WGRAD_OVERWRITE", "DELTASTACK_CUDNN_ZERO_WORKSPACE",
-                           "DELTASTACK_DIVISION_SIGMOID", "DELTASTACK_EMBED_SPLIT"}) {
+                           "DELTASTACK_DIVISION_SIGMOID", "DELTASTACK_EMBED_SPLIT",
+                           "DELTASTACK_Q8_BINARY_SEARCH"}) {
     SCOPED_TRACE(knob);
     std::filesystem::remove_all(dir + "/run");
     std::filesystem::create_directories(dir + "/run");

@@ -893,6 +893,7 @@ void check_engine_knobs() {
   engine_knob(kFp8FrozenBaseKnob);
   engine_knob("DELTASTACK_WGRAD_OVERWRITE");
   engine_knob("DELTASTACK_EMBED_SPLIT");  // read by model/gpu_model.cpp split_embed
+  engine_knob("DELTASTACK_Q8_BINARY_SEARCH", false);  // read by ops/adamw/cuda.h q8_binary_search
   engine_knob("DELTASTACK_CUDNN_ZERO_WORKSPACE", false);  // read by ops/attention/cudnn.cpp
   engine_knob("DELTASTACK_DIVISION_SIGMOID", false);      // read by core/cuda/cuda_utils.h division_sigmoid
   layer_slots();  // DELTASTACK_LAYER_SLOTS

@@ -156,6 +156,57 @@ void bench_loss(std::vector<Row>& rows, cudaStream_t s) {
   }
 }
 
+// AdamW, one 9B decoder layer's worth (218M parameters), fp32 gradients, each --optimizer-state's kernel. Bytes
+// read + written per parameter: fp32 30 (p, m, v in and out, g in, the bf16 copy out), bf16 16, 8bit 12 (the
+// block scales: 8 B per 256 parameters).
+void bench_adamw(std::vector<Row>& rows, cudaStream_t s) {
+  DevBuf d;
+  const int64_t n = 218103808;
+  float* g = d.get<float>(n);
+  K::fill_uniform(g, n, 19, -1e-3f, 1e-3f, s);
+  ops::AdamWParams hp;
+  hp.lr = 1e-4;
+  hp.step = 10;
+  std::vector<std::pair<std::string, double>> t;
+  {
+    float *p = d.get<float>(n), *m = d.get<float>(n), *v = d.get<float>(n);
+    bf16* pb = d.get<bf16>(n);
+    DS_CUDA_CHECK(cudaMemset(p, 0, n * 4));
+    DS_CUDA_CHECK(cudaMemset(m, 0, n * 4));
+    DS_CUDA_CHECK(cudaMemset(v, 0, n * 4));
+    t.emplace_back("fp32", time_ms([&] { K::adamw_update(p, g, m, v, pb, n, hp, s); }));
+  }
+  {
+    bf16 *p = d.get<bf16>(n), *m = d.get<bf16>(n), *v = d.get<bf16>(n);
+    DS_CUDA_CHECK(cudaMemset(p, 0, n * 2));
+    DS_CUDA_CHECK(cudaMemset(m, 0, n * 2));
+    DS_CUDA_CHECK(cudaMemset(v, 0, n * 2));
+    t.emplace_back("bf16", time_ms([&] { K::adamw_update_bf16(p, g, m, v, n, hp, 0, s); }));
+  }
+  {
+    const int64_t nb = ops::q8_state::num_blocks(0, n);
+    bf16* p = d.get<bf16>(n);
+    uint8_t *mc = d.get<uint8_t>(n), *vc = d.get<uint8_t>(n);
+    float *ma = d.get<float>(nb), *va = d.get<float>(nb);
+    DS_CUDA_CHECK(cudaMemset(p, 0, n * 2));
+    DS_CUDA_CHECK(cudaMemset(mc, 0, n));
+    DS_CUDA_CHECK(cudaMemset(vc, 0, n));
+    DS_CUDA_CHECK(cudaMemset(ma, 0, nb * 4));
+    DS_CUDA_CHECK(cudaMemset(va, 0, nb * 4));
+    t.emplace_back("8bit", time_ms([&] { K::adamw_update_8bit(p, g, mc, vc, ma, va, n, hp, 0, s); }));
+    // The codes by the binary search (ops/adamw/cuda.h q8_binary_search) instead of the bucketed count.
+    const bool saved = K::q8_binary_search();
+    K::q8_binary_search() = true;
+    t.emplace_back("8bit (binary search)", time_ms([&] { K::adamw_update_8bit(p, g, mc, vc, ma, va, n, hp, 0, s); }));
+    K::q8_binary_search() = saved;
+  }
+  for (const auto& [name, ms] : t) {
+    const double bytes = (name == "fp32" ? 30.0 : name == "bf16" ? 16.0 : 12.0 + 8.0 / 256) * n;  // 8bit: both
+    rows.push_back({"adamw " + name + " state", fmt::format("{:.0f}M params", n / 1e6), ms, ms,
+                    fmt::format("{:.2f} TB/s", bytes / (ms * 1e-3) / 1e12), bytes / (ms * 1e-3) / kCopyBw});
+  }
+}
+
 }  // namespace
 
 int cmd_bench_ops(const std::string& only) {
@@ -164,8 +215,9 @@ int cmd_bench_ops(const std::string& only) {
              kGemmRate / 1e12);
   std::vector<Row> rows;
   cudaStream_t s = nullptr;
-  if (only == "loss") {
-    bench_loss(rows, s);
+  if (!only.empty()) {
+    if (only == "loss") bench_loss(rows, s);
+    if (only == "adamw") bench_adamw(rows, s);
     print_rows(rows);
     return 0;
   }
@@ -415,50 +467,7 @@ int cmd_bench_ops(const std::string& only) {
                     fl / (fb * 1e-3) / kGemmRate});
   }
   bench_loss(rows, s);
-  {  // AdamW, one 9B decoder layer's worth (218M parameters), fp32 gradients, each --optimizer-state's kernel. Bytes
-     // read + written per parameter: fp32 30 (p, m, v in and out, g in, the bf16 copy out), bf16 16, 8bit 12 (the
-     // block scales: 8 B per 256 parameters).
-    DevBuf d;
-    const int64_t n = 218103808;
-    float* g = d.get<float>(n);
-    K::fill_uniform(g, n, 19, -1e-3f, 1e-3f, s);
-    ops::AdamWParams hp;
-    hp.lr = 1e-4;
-    hp.step = 10;
-    std::vector<std::pair<std::string, double>> t;
-    {
-      float *p = d.get<float>(n), *m = d.get<float>(n), *v = d.get<float>(n);
-      bf16* pb = d.get<bf16>(n);
-      DS_CUDA_CHECK(cudaMemset(p, 0, n * 4));
-      DS_CUDA_CHECK(cudaMemset(m, 0, n * 4));
-      DS_CUDA_CHECK(cudaMemset(v, 0, n * 4));
-      t.emplace_back("fp32", time_ms([&] { K::adamw_update(p, g, m, v, pb, n, hp, s); }));
-    }
-    {
-      bf16 *p = d.get<bf16>(n), *m = d.get<bf16>(n), *v = d.get<bf16>(n);
-      DS_CUDA_CHECK(cudaMemset(p, 0, n * 2));
-      DS_CUDA_CHECK(cudaMemset(m, 0, n * 2));
-      DS_CUDA_CHECK(cudaMemset(v, 0, n * 2));
-      t.emplace_back("bf16", time_ms([&] { K::adamw_update_bf16(p, g, m, v, n, hp, 0, s); }));
-    }
-    {
-      const int64_t nb = ops::q8_state::num_blocks(0, n);
-      bf16* p = d.get<bf16>(n);
-      uint8_t *mc = d.get<uint8_t>(n), *vc = d.get<uint8_t>(n);
-      float *ma = d.get<float>(nb), *va = d.get<float>(nb);
-      DS_CUDA_CHECK(cudaMemset(p, 0, n * 2));
-      DS_CUDA_CHECK(cudaMemset(mc, 0, n));
-      DS_CUDA_CHECK(cudaMemset(vc, 0, n));
-      DS_CUDA_CHECK(cudaMemset(ma, 0, nb * 4));
-      DS_CUDA_CHECK(cudaMemset(va, 0, nb * 4));
-      t.emplace_back("8bit", time_ms([&] { K::adamw_update_8bit(p, g, mc, vc, ma, va, n, hp, 0, s); }));
-    }
-    for (const auto& [name, ms] : t) {
-      const double bytes = (name == "fp32" ? 30.0 : name == "bf16" ? 16.0 : 12.0 + 8.0 / 256) * n;
-      rows.push_back({"adamw " + name + " state", fmt::format("{:.0f}M params", n / 1e6), ms, ms,
-                      fmt::format("{:.2f} TB/s", bytes / (ms * 1e-3) / 1e12), bytes / (ms * 1e-3) / kCopyBw});
-    }
-  }
+  bench_adamw(rows, s);
   print_rows(rows);
   return 0;
 }

@@ -98,7 +98,8 @@ struct MemoryFlags {
 LoraConfig memory_flags_lora(const MemoryFlags& m);
 
 // `deltastack bench ops`: per op and shape, forward and forward+backward ms, rate and roofline fraction (GPU).
-// only "loss": the fused loss at the 2B shape with the FP8 head alone; "": every row.
+// only "loss" (the fused loss at the 2B shape with the FP8 head) or "adamw" (the optimizer updates): those rows
+// alone; "": every row.
 int cmd_bench_ops(const std::string& only = "");
 // `deltastack bench step`: tokens/s, MFU and peak memory of full training steps of a preset (GPU). profile: also
 // ms per step by op family and role from CUDA events, their sum against the wall time, and each one's roofline

@@ -7,7 +7,9 @@
 // every pointer allows it, else scalar. sum_squares: a fixed grid (a function of n only) in which each block
 // sums a fixed contiguous chunk of elements in double (thread-strided, then a fixed shuffle/shared-memory tree)
 // into scratch[block]; a single block then sums the partials in a fixed order and writes *out.
+#include <array>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 
 #include "core/cuda/kernel_utils.cuh"
@@ -135,6 +137,13 @@ __constant__ float c_q8_m_mag[128] = {DS_Q8_M_MAGNITUDES};
 __constant__ float c_q8_m_thr[127] = {DS_Q8_M_THRESHOLDS};
 __constant__ float c_q8_r_val[256] = {DS_Q8_R_VALUES};
 __constant__ float c_q8_r_thr[255] = {DS_Q8_R_THRESHOLDS};
+// The codes' bucket tables (q8_state.h count_below_bucketed), copied to shared memory by 32-bit words.
+struct alignas(16) Q8Buckets {
+  std::array<uint8_t, q8_state::kMBuckets> m;
+  std::array<uint8_t, q8_state::kRBuckets> r;
+};
+static_assert(q8_state::kMBuckets % 4 == 0 && q8_state::kRBuckets % 4 == 0, "the bucket tables copy by words");
+__device__ const Q8Buckets g_q8_buckets = {q8_state::kMBucketLo, q8_state::kRBucketLo};
 
 __device__ __forceinline__ bool dev_aligned(const void* p, unsigned bytes) {
   return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
@@ -208,7 +217,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename G>
+// kSearch: the codes by q8_state.h's binary search (q8_binary_search(), cuda.h), else by the bucketed count.
+template <typename G, bool kSearch>
 __global__ void __launch_bounds__(kThreads)
     adamw_8bit_kernel(uint16_t* __restrict__ param, const G* __restrict__ grad, uint8_t* __restrict__ m_code,
                       uint8_t* __restrict__ v_code, float* __restrict__ m_absmax, float* __restrict__ v_absmax,
@@ -216,14 +226,20 @@ __global__ void __launch_bounds__(kThreads)
                       const uint8_t* __restrict__ chunk_mask, uint8_t mask_want) {
   namespace Q = q8_state;
   const bool zero_grads = grad == nullptr;  // the gradients taken as zero, not read
-  __shared__ float m_mag[128], m_thr[127], r_val[256], r_thr[255];
+  // The thresholds padded with kBucketSpan x +infinity for the bucketed count.
+  __shared__ float m_mag[128], m_thr[127 + Q::kBucketSpan], r_val[256], r_thr[255 + Q::kBucketSpan];
+  __shared__ __align__(16) uint8_t lo_s[sizeof(Q8Buckets)];
   const int t = threadIdx.x, lane = t & 31;
   if (t < 128) m_mag[t] = c_q8_m_mag[t];
   if (t < 127) m_thr[t] = c_q8_m_thr[t];
   r_val[t] = c_q8_r_val[t];
   if (t < 255) r_thr[t] = c_q8_r_thr[t];
+  if (t < Q::kBucketSpan) m_thr[127 + t] = r_thr[255 + t] = INFINITY;
+  for (int i = t; i < static_cast<int>(sizeof(Q8Buckets) / 4); i += kThreads)
+    reinterpret_cast<uint32_t*>(lo_s)[i] = reinterpret_cast<const uint32_t*>(&g_q8_buckets)[i];
   __syncthreads();
   const Q::Tables tab{m_mag, m_thr, r_val, r_thr};
+  const Q::BucketTables bt{lo_s + offsetof(Q8Buckets, m), lo_s + offsetof(Q8Buckets, r)};
   const int64_t c0 = index0 / Q::kBlock;
   // Quantization blocks b, b + warps, ... of this CUDA block's kQ8BlocksPerCta (a grid-stride loop beyond the
   // grid's cap: 2^31 - 1 CUDA blocks).
@@ -292,8 +308,11 @@ __global__ void __launch_bounds__(kThreads)
         uint32_t cm[2] = {0, 0}, cv[2] = {0, 0};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          cm[j >> 2] |= static_cast<uint32_t>(Q::encode_m(Q::normalized(mm[j], am), tab)) << (8 * (j & 3));
-          cv[j >> 2] |= static_cast<uint32_t>(Q::encode_r(Q::normalized(rr[j], ar), tab)) << (8 * (j & 3));
+          const float xm = Q::normalized(mm[j], am), xr = Q::normalized(rr[j], ar);
+          const uint8_t em = kSearch ? Q::encode_m(xm, tab) : Q::encode_m(xm, tab, bt);
+          const uint8_t er = kSearch ? Q::encode_r(xr, tab) : Q::encode_r(xr, tab, bt);
+          cm[j >> 2] |= static_cast<uint32_t>(em) << (8 * (j & 3));
+          cv[j >> 2] |= static_cast<uint32_t>(er) << (8 * (j & 3));
         }
         *reinterpret_cast<uint2*>(m_code + i0) = make_uint2(cm[0], cm[1]);
         *reinterpret_cast<uint2*>(v_code + i0) = make_uint2(cv[0], cv[1]);
@@ -302,8 +321,9 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < 8; ++j) {
           const int64_t i = i0 + j;
           if (i >= 0 && i < n) {
-            m_code[i] = Q::encode_m(Q::normalized(mm[j], am), tab);
-            v_code[i] = Q::encode_r(Q::normalized(rr[j], ar), tab);
+            const float xm = Q::normalized(mm[j], am), xr = Q::normalized(rr[j], ar);
+            m_code[i] = kSearch ? Q::encode_m(xm, tab) : Q::encode_m(xm, tab, bt);
+            v_code[i] = kSearch ? Q::encode_r(xr, tab) : Q::encode_r(xr, tab, bt);
           }
         }
       }
@@ -460,9 +480,9 @@ void adamw_update_8bit_t(ds::cuda::bf16* param, const G* grad, uint8_t* m_code, 
   DS_CUDA_REQUIRE(param && m_code && v_code && m_absmax && v_absmax, "adamw_update_8bit: null pointer argument");
   const int64_t nb = q8_state::num_blocks(index0, n);
   const unsigned grid = grid_1d(nb, static_cast<int>(kQ8BlocksPerCta), 0x7fffffff);
-  adamw_8bit_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(param), grad, m_code, v_code, m_absmax,
-                                                   v_absmax, n, index0, nb, bf16_state::consts(p), partials,
-                                                   chunk_mask, mask_want);
+  auto* kernel = q8_binary_search() ? adamw_8bit_kernel<G, true> : adamw_8bit_kernel<G, false>;
+  kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<uint16_t*>(param), grad, m_code, v_code, m_absmax, v_absmax, n,
+                                        index0, nb, bf16_state::consts(p), partials, chunk_mask, mask_want);
   DS_CUDA_LAUNCH_CHECK();
 }
 

@@ -3,10 +3,26 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "core/cuda/cuda_utils.h"
 #include "ops/adamw/adamw.h"
 
 namespace ds::ops::cuda {
+
+// Testing knob: true makes the 8-bit update (adamw_update_8bit) find its codes by q8_state.h's binary search
+// (count_below, as the CPU reference) instead of the bucketed count (count_below_bucketed, the default); the same
+// codes either way (AdamW8bitState.BucketedCountIsTheBinarySearch on the CPU, CudaOps.AdamW8bitState on the GPU
+// with both). At start: DELTASTACK_Q8_BINARY_SEARCH=1 sets it, for A/Bs (model/engine.cpp checks the value). One
+// flag per process (host code; set it between launches).
+inline bool& q8_binary_search() {
+  static bool on = [] {
+    const char* v = std::getenv("DELTASTACK_Q8_BINARY_SEARCH");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
 
 // param, m, v: fp32 [n] in place; grad: fp32 [n]; param_bf16: bf16 [n] copy of the updated param (may be null).
 void adamw_update(float* param, const float* grad, float* m, float* v, ds::cuda::bf16* param_bf16, int64_t n,

@@ -38,6 +38,8 @@
 // other dequantized value d = fl(t * absmax) re-quantizes as fl(d / absmax) = t (1 + e), |e| <= 2^-23, far inside
 // t's rounding interval; sqrt(fl(r * r)) = r for normal r (Boldo). Tests: AdamW8bitState.*.
 #pragma once
+#include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 
@@ -201,6 +203,90 @@ DS_ADAM_HD uint8_t encode_m(float x, const Tables& t) {
 }
 // x = r / absmax in [0, 1] (NaN: 0; any x > 0: at least 1).
 DS_ADAM_HD uint8_t encode_r(float x, const Tables& t) { return static_cast<uint8_t>(count_below<8>(t.r_thr, x)); }
+
+// The same counts in O(1), for the CUDA kernel (a binary search costs it `bits` dependent shared-memory loads per
+// code): the positive floats are cut into buckets by their top bits, bits(x) >> kBucketShift (the exponent and 6
+// mantissa bits: 64 buckets per binade), counted from the bucket of the table's first positive threshold (bucket 0,
+// which also takes every smaller positive x) up to the bucket of 1.0 (which also takes anything larger). lo[b] is the
+// number of thresholds below bucket b's smallest value (below every positive float for b = 0); at most
+// kBucketSpan thresholds lie inside any bucket (static_assert below), so count_below(x) = lo[b] + the number of
+// t[lo[b] + j], j < kBucketSpan, below x (t padded with +inf). The same count for every x: 0 for NaN and x <= 0 as
+// count_below (tests/test_adamw_8bit.cpp checks both ways at every bucket edge and threshold, and at random x).
+inline constexpr int kBucketShift = 17;
+inline constexpr int kBucketSpan = 2;
+template <int NT>
+constexpr uint32_t bucket_base(const float (&t)[NT]) {
+  for (int i = 0; i < NT; ++i)
+    if (t[i] > 0.0f) return std::bit_cast<uint32_t>(t[i]) >> kBucketShift;
+  return 0;
+}
+template <int NT>
+constexpr int bucket_count(const float (&t)[NT]) {
+  return static_cast<int>((std::bit_cast<uint32_t>(1.0f) >> kBucketShift) - bucket_base(t)) + 1;
+}
+// The bucket of a positive x, and per bucket the number of the table's positive thresholds in it.
+template <int NT>
+constexpr int bucket_of(const float (&t)[NT], float x) {
+  const int b = static_cast<int>(std::bit_cast<uint32_t>(x) >> kBucketShift) - static_cast<int>(bucket_base(t));
+  return b < 0 ? 0 : (b >= bucket_count(t) ? bucket_count(t) - 1 : b);
+}
+template <int NT, int NB>
+constexpr std::array<int, NB> bucket_sizes(const float (&t)[NT]) {
+  std::array<int, NB> n{};
+  for (int i = 0; i < NT; ++i)
+    if (t[i] > 0.0f) ++n[static_cast<size_t>(bucket_of(t, t[i]))];
+  return n;
+}
+// lo[b]: the thresholds <= 0 and those in the buckets before b (= the thresholds below every x of bucket b).
+template <int NT, int NB>
+constexpr std::array<uint8_t, NB> bucket_lo(const float (&t)[NT]) {
+  const std::array<int, NB> n = bucket_sizes<NT, NB>(t);
+  int below = 0;
+  for (int i = 0; i < NT; ++i) below += !(t[i] > 0.0f);
+  std::array<uint8_t, NB> lo{};
+  for (int b = 0; b < NB; ++b) {
+    lo[static_cast<size_t>(b)] = static_cast<uint8_t>(below);
+    below += n[static_cast<size_t>(b)];
+  }
+  return lo;
+}
+template <int NT, int NB>
+constexpr int bucket_span(const float (&t)[NT]) {
+  int most = 0;
+  for (int x : bucket_sizes<NT, NB>(t)) most = x > most ? x : most;
+  return most;
+}
+inline constexpr int kMBuckets = bucket_count(kMThresholds), kRBuckets = bucket_count(kRThresholds);
+inline constexpr uint32_t kMBucketBase = bucket_base(kMThresholds), kRBucketBase = bucket_base(kRThresholds);
+inline constexpr std::array<uint8_t, kMBuckets> kMBucketLo = bucket_lo<127, kMBuckets>(kMThresholds);
+inline constexpr std::array<uint8_t, kRBuckets> kRBucketLo = bucket_lo<255, kRBuckets>(kRThresholds);
+static_assert(bucket_span<127, kMBuckets>(kMThresholds) <= kBucketSpan &&
+                  bucket_span<255, kRBuckets>(kRThresholds) <= kBucketSpan,
+              "a bucket holds more thresholds than the bucketed count compares");
+
+// count_below(t, x) by the buckets: lo [nb] (kMBucketLo / kRBucketLo, where the caller keeps them), base, t padded
+// with kBucketSpan values of +infinity.
+DS_ADAM_HD int count_below_bucketed(const uint8_t* lo, int nb, uint32_t base, const float* t_padded, float x) {
+  // Branch-free: NaN and negative x (their bits are large) land in the last bucket, and the select gives them 0.
+  int b = static_cast<int>(bf16_state::f32_bits(x) >> kBucketShift) - static_cast<int>(base);
+  b = b < 0 ? 0 : (b >= nb ? nb - 1 : b);
+  const int i = lo[b];
+  const int n = i + (t_padded[i] < x) + (t_padded[i + 1] < x);
+  return x > 0.0f ? n : 0;
+}
+static_assert(kBucketSpan == 2, "count_below_bucketed compares two thresholds");
+
+// encode_m / encode_r by the buckets (Tables' thresholds padded with kBucketSpan x +infinity).
+struct BucketTables {
+  const uint8_t *m_lo, *r_lo;
+};
+DS_ADAM_HD uint8_t encode_m(float x, const Tables& t, const BucketTables& bt) {
+  const int j = count_below_bucketed(bt.m_lo, kMBuckets, kMBucketBase, t.m_thr, fabsf(x));
+  return static_cast<uint8_t>(j == 0 ? 0 : (x < 0.0f ? 0x80 | j : j));
+}
+DS_ADAM_HD uint8_t encode_r(float x, const Tables& t, const BucketTables& bt) {
+  return static_cast<uint8_t>(count_below_bucketed(bt.r_lo, kRBuckets, kRBucketBase, t.r_thr, x));
+}
 
 // The scale stored for a block whose largest |value| is absmax (0: the block is zero) and the value a code
 // stands for.
