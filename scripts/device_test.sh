@@ -477,15 +477,25 @@ EOF2
 fi
 if has ab; then
   # A/B of environment settings on one bench step: AB_ARGS (its flags), AB_ENVS (settings separated by ";", each
-  # "VAR=VALUE ..."; "-" for none), AB_ROUNDS rounds of all of them in turn (alternating, so drift falls on each),
-  # AB_STEPS timed steps each. Lines "[round R: SETTING] step ... ms ..." in $OUT/ab.txt.
+  # "VAR=VALUE ..."; "-" or an empty item for none), AB_ROUNDS rounds of all of them in turn (alternating, so drift
+  # falls on each), AB_STEPS timed steps each. Lines "[round R: SETTING] step ... ms ..." and each run's exit status
+  # in $OUT/ab.txt.
   D=$BUILD/deltastack
   IFS=';' read -ra ab_envs <<<"${AB_ENVS:--}"
   for round in $(seq "${AB_ROUNDS:-1}"); do
     for e in "${ab_envs[@]}"; do
-      vars=(); [ "$e" != "-" ] && read -ra vars <<<"$e"
-      env "${vars[@]}" timeout ${MEMORY_TIMEOUT:-300} $D bench step ${AB_ARGS:---preset 2b} --steps ${AB_STEPS:-5} 2>&1 |
-        grep -E "step .* ms|error|Error" | sed "s|^|[round $round: $e] |" | tee -a "$OUT/ab.txt"
+      read -ra vars <<<"$e"  # (splits on blanks, so " -" and "" are no settings too)
+      [ "${vars[*]:-}" = "-" ] && vars=()
+      for v in ${vars[@]+"${vars[@]}"}; do
+        case $v in *=*) ;; *) echo "ab: AB_ENVS item \"$e\": \"$v\" is not VAR=VALUE" | tee -a "$OUT/ab.txt"; status=1; continue 2 ;; esac
+      done
+      label=${vars[*]:-default}
+      env ${vars[@]+"${vars[@]}"} timeout ${MEMORY_TIMEOUT:-300} $D bench step ${AB_ARGS:---preset 2b} \
+        --steps ${AB_STEPS:-5} >/tmp/ds_ab.txt 2>&1
+      rc=$?
+      grep -E "step .* ms|error|Error" /tmp/ds_ab.txt | sed "s|^|[round $round: $label] |" | tee -a "$OUT/ab.txt"
+      echo "[round $round: $label] rc=$rc" | tee -a "$OUT/ab.txt"
+      [ "$rc" = 0 ] || status=1
     done
   done
 fi

@@ -348,3 +348,28 @@ TEST(AdamW8bitState, BucketedCountIsTheBinarySearch) {
   for (int k = 0; k < 1000; ++k) same(static_cast<float>(1.0 + 1e3 * rng.uniform()));
   EXPECT_GT(checked, 1000000);
 }
+
+// The embedding's update split marks the chunks of its update that hold a row of the batch's ids
+// (q8_state.h row_chunk_mask): against marking every element's chunk one by one, for rows that divide a chunk
+// (2048: 4 rows per chunk), that span two (2560, 5120, 1000), and a parameter that starts mid-block and mid-chunk.
+TEST(AdamW8bitState, RowChunkMaskMarksEveryChunkOfARow) {
+  Rng rng(13);
+  for (const int64_t row : {int64_t{2048}, int64_t{2560}, int64_t{5120}, int64_t{1000}}) {
+    for (const int64_t index0 : {int64_t{0}, int64_t{1000}, int64_t{8192 * 3 + 77}}) {
+      SCOPED_TRACE(std::to_string(row) + " from " + std::to_string(index0));
+      const int64_t rows = 700, n = rows * row;
+      std::vector<int32_t> ids;
+      for (int k = 0; k < 60; ++k) ids.push_back(static_cast<int32_t>(rng.below(rows)));
+      ids.push_back(0);
+      ids.push_back(static_cast<int32_t>(rows - 1));
+      std::vector<uint8_t> want(static_cast<size_t>(Q::num_chunks(index0, n)), 0);
+      const int64_t c0 = index0 / Q::kBlock;
+      for (const int32_t r : ids)
+        for (int64_t e = index0 + r * row; e < index0 + (r + 1) * row; ++e)
+          want[static_cast<size_t>((e / Q::kBlock - c0) / Q::kPartialBlocks)] = 1;
+      const std::vector<uint8_t> got = Q::row_chunk_mask(index0, n, row, ids);
+      EXPECT_EQ(got, want);
+      EXPECT_GT(std::count(got.begin(), got.end(), 0), 0);  // some chunks are left for the early part
+    }
+  }
+}

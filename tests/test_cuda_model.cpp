@@ -898,8 +898,9 @@ TEST(CudaEngine, ProfilerChangesNoResult) {
 // row of the batch's ids right after the loss, the rest at the embedding's end. Against DELTASTACK_EMBED_SPLIT=0
 // (one update at the end), bitwise: losses, gradient norms, weights and the 8-bit state, over three steps (the
 // second with clipping: a norm-only pass first), with tied embeddings (the early chunks read lm_head's gradients)
-// and untied ones (the early chunks' gradients are zero, not read). A vocabulary of 65536 rows of 64: 512 chunks of
-// 128 rows, of which the batch's ~290 distinct ids touch about 40 %.
+// and untied ones (the early chunks' gradients are zero, not read), and the split counted as run. A vocabulary of
+// 65536 rows of 64: 512 chunks of 128 rows, of which the batch's ~290 distinct ids touch about 40 %. (Rows that span
+// two chunks: AdamW8bitState.RowChunkMaskMarksEveryChunkOfARow on the CPU.)
 TEST(CudaEngine, EmbeddingUpdateSplitIsBitwise) {
   DS_SKIP_WITHOUT_GPU();
   for (bool tied : {true, false}) {
@@ -931,7 +932,11 @@ TEST(CudaEngine, EmbeddingUpdateSplitIsBitwise) {
       return std::tuple{values, ds::test::tensor_values(gpu->weight_tensors(ds::DType::F32)),
                         ds::test::tensor_values(gpu->optimizer_tensors())};
     };
-    const auto one = run("0"), two = run("1");
+    const int64_t before = ds::embedding_update_splits();
+    const auto one = run("0");
+    EXPECT_EQ(ds::embedding_update_splits(), before);
+    const auto two = run("1");
+    EXPECT_EQ(ds::embedding_update_splits(), before + 3);  // the split ran in each of the three updating passes
     EXPECT_TRUE(std::get<0>(one) == std::get<0>(two));
     EXPECT_TRUE(std::get<1>(one) == std::get<1>(two));
     EXPECT_TRUE(std::get<2>(one) == std::get<2>(two));

@@ -371,7 +371,8 @@ std::string resolve_device(const std::string& device);
 // DELTASTACK_ATTENTION_SPLIT (cuDNN's attention backward as one call per key/value head, its dP workspace divided by
 // num_key_value_heads, which the memory plan counts; measured on the H200: +0.3 % at 9B, +0.9 % at 2B per step,
 // docs/memory.md), DELTASTACK_CUDNN_ZERO_WORKSPACE (ops/attention/cudnn.cpp), DELTASTACK_DIVISION_SIGMOID
-// (core/cuda/cuda_utils.h) and DELTASTACK_Q8_BINARY_SEARCH (ops/adamw/cuda.h), read where they act. ds::Error naming the variable for any other value.
+// (core/cuda/cuda_utils.h) and DELTASTACK_Q8_BINARY_SEARCH (ops/adamw/cuda.h), read where they act. ds::Error
+// naming the variable for any other value.
 // check_engine_knobs() checks them all, whatever the device: the trainer (with ops::check_knobs, before --out is
 // touched), eval and generate call it first. `unset`: the value when the variable is not set.
 bool engine_knob(const char* name, bool unset = true);

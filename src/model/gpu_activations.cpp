@@ -23,8 +23,8 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   b.cos_t = a.take<float>(N * c.rotary_dim() / 2);
   b.sin_t = a.take<float>(N * c.rotary_dim() / 2);
   b.loss = a.take<double>(2);
-  // One byte per 8192 elements of the embedding (ops/adamw/cuda.h kPartialBlocks quantization blocks), and one more
-  // for a start that is not a multiple of 256.
+  // The embedding's update split (model/gpu_model.cpp): a byte per chunk of 8192 elements (q8_state.h num_chunks):
+  // V H / 8192 whole ones, one for a partial last chunk and one for a start that is not a multiple of 256.
   b.emb_chunks = a.take<uint8_t>(static_cast<size_t>(c.vocab_size * c.hidden_size / 8192 + 2));
   a.use = MemoryUse::Workspace;
   b.gdn_batch = s.gdn_batch ? a.bytes(s.gdn_batch) : nullptr;

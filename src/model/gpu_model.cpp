@@ -6,6 +6,7 @@
 
 #ifdef DELTASTACK_CUDA
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <initializer_list>
 #include <memory>
@@ -49,6 +50,8 @@ namespace ds {
 using ds::cuda::bf16;
 using ds::cuda::ProfScope;
 namespace K = ds::ops::cuda;
+
+std::atomic<int64_t> g_embedding_update_splits{0};  // embedding_update_splits()
 
 namespace {
 
@@ -247,6 +250,7 @@ struct GpuModel::Impl {
   }
   // The chunks without a row of `uniq` (the batch's distinct ids), on `side` after the loss's backward.
   void update_embedding_early() {
+    g_embedding_update_splits.fetch_add(1);
     ensure_units();
     DS_CUDA_CHECK(cudaEventRecord(ready, stream));
     DS_CUDA_CHECK(cudaStreamWaitEvent(side, ready, 0));
@@ -433,18 +437,9 @@ struct GpuModel::Impl {
         for (int32_t t = b.cu_seqlens[s]; t < b.cu_seqlens[s + 1]; ++t) ss[static_cast<size_t>(t)] = b.cu_seqlens[s];
       group_by_id(b.input_ids.data(), N, c.vocab_size, pos, uniq, starts);
       num_uniq = static_cast<int64_t>(uniq.size());
-      if (split_embed()) {  // the chunks of the embedding's update that hold a row of an id (split_embed)
-        // Element e of the embedding (flat offset) is in quantization block e / kBlock - c0 of its update, in chunk
-        // that block / kPartialBlocks (ops/adamw/cuda.h sum_squares_partials).
-        constexpr int64_t kB = ops::q8_state::kBlock;
-        const int64_t a = params[embed_k].offset, H = c.hidden_size, c0 = a / kB;
-        embed_mask_host.assign(static_cast<size_t>(K::sum_squares_partials_count(a, params[embed_k].numel)), 0);
-        for (const int32_t id : uniq) {
-          const int64_t e0 = a + id * H, e1 = e0 + H - 1;
-          for (int64_t j = (e0 / kB - c0) / K::kPartialBlocks; j <= (e1 / kB - c0) / K::kPartialBlocks; ++j)
-            embed_mask_host[static_cast<size_t>(j)] = 1;
-        }
-      }
+      if (split_embed())  // the chunks of the embedding's update that hold a row of an id (split_embed)
+        embed_mask_host = ops::q8_state::row_chunk_mask(params[embed_k].offset, params[embed_k].numel, c.hidden_size,
+                                                        uniq);
       attn_pairs = 0;
       for (int64_t s = 0; s < S; ++s) {
         const double len = b.cu_seqlens[s + 1] - b.cu_seqlens[s];
@@ -1551,11 +1546,14 @@ std::string GpuModel::recompute_label() const { return ds::recompute_label(impl_
 Precision GpuModel::precision() const { return impl_->f8 ? Precision::Fp8 : Precision::Bf16; }
 size_t GpuModel::peak_bytes() const { return impl_->peak; }
 
+int64_t embedding_update_splits() { return g_embedding_update_splits.load(); }
+
 }  // namespace ds
 
 #else  // !DELTASTACK_CUDA
 
 namespace ds {
+int64_t embedding_update_splits() { return 0; }
 struct GpuModel::Impl {};
 GpuModel::GpuModel(const Qwen35Model&, const GpuPlan&) {
   fail("--device cuda: this build has no CUDA support (configure with -DDELTASTACK_CUDA=ON and nvcc on PATH)");

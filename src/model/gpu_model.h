@@ -26,6 +26,10 @@ namespace cuda {
 class StepProfiler;
 }
 
+// How many times, in this process, a GPU engine updated the embedding's early chunks (the in-backward update split,
+// model/gpu_model.cpp split_embed): for tests, which check the split ran. 0 without CUDA.
+int64_t embedding_update_splits();
+
 class GpuModel {
  public:
   // Allocates the whole plan and uploads the host model's weights one parameter at a time (host.fill_param: a

@@ -210,6 +210,7 @@ void bench_adamw(std::vector<Row>& rows, cudaStream_t s) {
 }  // namespace
 
 int cmd_bench_ops(const std::string& only) {
+  check_engine_knobs();  // the kernels' knobs (DELTASTACK_Q8_BINARY_SEARCH, ...): 0 or 1, else an error
   DS_CHECK(cuda_device_count() > 0, "bench ops: no CUDA device");
   fmt::print("device: {}; ceilings: copy {:.2f} TB/s, bf16 GEMM {:.0f} TFLOP/s\n", cuda_device_name(), kCopyBw / 1e12,
              kGemmRate / 1e12);
@@ -475,6 +476,7 @@ int cmd_bench_ops(const std::string& only) {
 int cmd_bench_step(const std::string& preset, int64_t seq_len, int64_t micro_batch, int64_t steps,
                    const MemoryFlags& memory, bool profile) {
   // The flags first: a typo is an error at once, not after the model's weights are made (a minute at 9B).
+  check_engine_knobs();
   GpuPlan plan = GpuPlan::windows(micro_batch, seq_len, 1);
   apply_memory_flags(plan, memory.memory, memory.optimizer_state, memory.recompute, memory.gradients,
                      memory.offload_activations);

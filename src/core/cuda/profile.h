@@ -37,7 +37,7 @@ class StepProfiler {
   // starts the next step; the caller closes the table's step (ProfileTable::end_step with the wall time). gaps (null:
   // none): each scope after the first adds the time from the previous scope's end to its own start, as family
   // "gap before" and role "<family> / <role>" (where the step's stream idled, or ran work no scope covers, ahead of
-  // that op; negative where the two scopes ran on different streams and overlapped).
+  // that op).
   void collect(ProfileTable& table, ProfileTable* gaps = nullptr);
 
  private:

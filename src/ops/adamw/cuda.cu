@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads)
 // any order), so no block-wide barrier inside the work. Each CUDA block takes kQ8BlocksPerCta consecutive
 // quantization blocks and exits: short-lived blocks let a kernel on a higher-priority stream take the SMs as they
 // free up (the update runs on the engine's low-priority side stream, model/gpu_model.cpp). The tables are copied
-// to shared memory once per CUDA block (766 floats).
+// to shared memory once per CUDA block (770 floats, and the codes' bucket tables: 2736 bytes).
 static_assert(q8_state::kBlock == 32 * 8, "a quantization block is one warp of 8 elements per lane");
 constexpr int kQ8WarpsPerCta = kThreads / 32;
 constexpr int64_t kQ8BlocksPerCta = 4 * kQ8WarpsPerCta;  // each warp takes 4 quantization blocks
@@ -549,9 +549,7 @@ void adamw_update_8bit(ds::cuda::bf16* param, const ds::cuda::bf16* grad, uint8_
                       chunk_mask, mask_want);
 }
 
-int64_t sum_squares_partials_count(int64_t index0, int64_t n) {
-  return (q8_state::num_blocks(index0, n) + kQ8BlocksPerCta - 1) / kQ8BlocksPerCta;
-}
+int64_t sum_squares_partials_count(int64_t index0, int64_t n) { return q8_state::num_chunks(index0, n); }
 void sum_squares_partials(const float* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream) {
   sum_squares_partials_t(x, n, index0, partials, stream);
 }

@@ -205,7 +205,8 @@ Result check_adamw_8bit(const AdamwCase& c) {
       DS_CUDA_CHECK(cudaMemsetAsync(fused.get(), 0xFF, fused.bytes(), ctx.s));
       for (int s = 0; s < kSteps; ++s) {
         hp.step = c.hp.step + s;
-        const float* g = s == 1 ? (null_grads ? nullptr : zeros.get()) : g_d[static_cast<size_t>(s)].get();
+        // the last step's gradients zero (null or a zero buffer), so the partials compared below are that step's
+        const float* g = s == kSteps - 1 ? (null_grads ? nullptr : zeros.get()) : g_d[static_cast<size_t>(s)].get();
         for (uint8_t want : {uint8_t{0}, uint8_t{1}}) {
           if (!split && want == 1) break;
           cuda::adamw_update_8bit(p_d.get(), g, mq_d.get(), vq_d.get(), ma_d.get(), va_d.get(), n, hp, index0, ctx.s,

@@ -42,6 +42,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "ops/adamw/bf16_state.h"
 
@@ -313,6 +314,26 @@ DS_ADAM_HD void update_element(uint16_t& p, float g, float m_old, float r_old, c
 // [max(index0, 256 c), min(index0 + n, 256 c + 256)).
 DS_ADAM_HD int64_t num_blocks(int64_t index0, int64_t n) {
   return n <= 0 ? 0 : (index0 + n + kBlock - 1) / kBlock - index0 / kBlock;
+}
+
+// The update's chunks: runs of kPartialBlocks blocks of the range from its first block (ops/adamw/cuda.h: one
+// gradient sum-of-squares partial, one CUDA block of the kernel, one byte of its chunk_mask each).
+inline constexpr int64_t kPartialBlocks = 32;
+inline int64_t num_chunks(int64_t index0, int64_t n) {
+  return (num_blocks(index0, n) + kPartialBlocks - 1) / kPartialBlocks;
+}
+// For a parameter of n elements from flat index index0, cut into rows of `row` elements (the embedding's rows):
+// mask[j] = 1 where chunk j holds an element of one of `rows` (ids in [0, n / row)), else 0; num_chunks(index0, n)
+// bytes. The embedding's in-backward update split (model/gpu_model.cpp split_embed) updates the 0 chunks early.
+inline std::vector<uint8_t> row_chunk_mask(int64_t index0, int64_t n, int64_t row, const std::vector<int32_t>& rows) {
+  std::vector<uint8_t> mask(static_cast<size_t>(num_chunks(index0, n)), 0);
+  const int64_t c0 = index0 / kBlock;
+  for (const int32_t r : rows) {
+    const int64_t e0 = index0 + r * row, e1 = e0 + row - 1;  // the row's first and last flat index
+    for (int64_t j = (e0 / kBlock - c0) / kPartialBlocks; j <= (e1 / kBlock - c0) / kPartialBlocks; ++j)
+      mask[static_cast<size_t>(j)] = 1;
+  }
+  return mask;
 }
 
 }  // namespace ds::ops::q8_state
