@@ -4,6 +4,7 @@
 
 #ifdef DELTASTACK_CUDA
 #include "core/error.h"
+#include "ops/adamw/q8_state.h"
 
 namespace ds {
 
@@ -25,7 +26,8 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   b.loss = a.take<double>(2);
   // The embedding's update split (model/gpu_model.cpp): a byte per chunk of 8192 elements (q8_state.h num_chunks):
   // V H / 8192 whole ones, one for a partial last chunk and one for a start that is not a multiple of 256.
-  b.emb_chunks = a.take<uint8_t>(static_cast<size_t>(c.vocab_size * c.hidden_size / 8192 + 2));
+  constexpr int64_t kChunk = ops::q8_state::kBlock * ops::q8_state::kPartialBlocks;
+  b.emb_chunks = a.take<uint8_t>(static_cast<size_t>(c.vocab_size * c.hidden_size / kChunk + 2));
   a.use = MemoryUse::Workspace;
   b.gdn_batch = s.gdn_batch ? a.bytes(s.gdn_batch) : nullptr;
   b.attn_batch = s.attn_batch ? a.bytes(s.attn_batch) : nullptr;

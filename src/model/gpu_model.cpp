@@ -221,7 +221,7 @@ struct GpuModel::Impl {
   }
   cudaEvent_t sums_done = nullptr;  // recorded on `side` after each in-backward unit's sum of squares
   // The embedding's in-backward update in two parts (docs/memory.md, "The embedding's update, split"). Its update
-  // partition's chunks (ops/adamw/cuda.h: kPartialBlocks quantization blocks, 8192 elements) that hold no row of the
+  // partition's chunks (q8_state.h: kPartialBlocks quantization blocks, 8192 elements) that hold no row of the
   // batch's token ids have their final gradients once the loss's backward is done: lm_head's when tied, none (zero,
   // not read) when untied. They are updated on `side` right after the loss, overlapping the rest of the backward;
   // the chunks that hold a row of an id wait for the embedding's backward and run at the unit's end, where the whole

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
@@ -126,34 +127,40 @@ void print_rows(const std::vector<Row>& rows) {
                100 * r.frac);
 }
 
-// The loss at the 2B step's shape with the FP8 head (`--fp8-lm-head`), 16384 tokens x 2048 x 248320, in chunks of
-// 2048 (the step's) and of 4096: fwd = the logits GEMMs + the rows' loss pass. The larger chunk halves the FP8
-// wgrad GEMMs' read-modify-write of the fp32 dW (2 GB per chunk) and doubles the fp32 logits scratch.
-void bench_loss(std::vector<Row>& rows, cudaStream_t s) {
+// The fused linear + cross-entropy over 16384 tokens x H x the 248320-token vocabulary, one row per chunk size
+// (fp8: the FP8 head, `--fp8-lm-head`): fwd = the logits GEMMs + the rows' loss pass, fwd+bwd with dh and dW. `name`
+// gives a row's name from its chunk size.
+void bench_loss(std::vector<Row>& rows, cudaStream_t s, int64_t H, bool fp8, std::initializer_list<int64_t> chunks,
+                const std::function<std::string(int64_t)>& name, const std::string& shape) {
   DevBuf d;
-  const int64_t N = 16384, H = 2048, V = 248320;
+  const int64_t N = 16384, V = 248320;
   bf16 *h = d.get<bf16>(N * H), *W = d.get<bf16>(V * H), *dh = d.get<bf16>(N * H);
   float* dW = d.get<float>(V * H);
   int32_t* tg = d.get<int32_t>(N);
   double* loss = d.get<double>(2);
   ops::LinearCeOptions opt;
   opt.grad_scale = 1.0 / N;
-  opt.fp8_grads = true;
-  void* scratch = d.get<char>(K::linear_cross_entropy_scratch_bytes(N, H, V, 4096, true));
+  opt.fp8_grads = fp8;
+  void* scratch = d.get<char>(K::linear_cross_entropy_scratch_bytes(N, H, V, std::max(chunks), fp8));
   K::fill_uniform(h, N * H, 16, -1, 1, s);
   K::fill_uniform(W, V * H, 17, -0.02f, 0.02f, s);
   K::fill_uniform_int(tg, N, 18, static_cast<int32_t>(V), s);
   const double fl = 6.0 * N * H * V;
-  for (int64_t chunk : {2048, 4096}) {
+  for (int64_t chunk : chunks) {
     opt.chunk_tokens = chunk;
     const double f =
         time_ms([&] { K::linear_cross_entropy(h, W, tg, N, H, V, opt, loss, nullptr, nullptr, scratch, s); }, 1, 3);
     const double fb = time_ms([&] { K::linear_cross_entropy(h, W, tg, N, H, V, opt, loss, dh, dW, scratch, s); }, 1, 3);
-    rows.push_back({fmt::format("lce fp8 head c{}", chunk), fmt::format("2b {}x{}x{}", N, H, V), f, fb,
+    rows.push_back({name(chunk), fmt::format("{}{}x{}x{}", shape, N, H, V), f, fb,
                     fmt::format("{:.0f} TFLOP/s; scratch {:.2f} GiB", fl / (fb * 1e-3) / 1e12,
-                                K::linear_cross_entropy_scratch_bytes(N, H, V, chunk, true) / 1073741824.0),
+                                K::linear_cross_entropy_scratch_bytes(N, H, V, chunk, fp8) / 1073741824.0),
                     fl / (fb * 1e-3) / kGemmRate});
   }
+}
+// The loss at the 2B step's shape with the FP8 head, in chunks of 2048 (the step's) and of 4096: the larger chunk
+// halves the FP8 wgrad GEMMs' read-modify-write of the fp32 dW (2 GB per chunk) and doubles the fp32 logits scratch.
+void bench_loss_2b(std::vector<Row>& rows, cudaStream_t s) {
+  bench_loss(rows, s, 2048, true, {2048, 4096}, [](int64_t c) { return fmt::format("lce fp8 head c{}", c); }, "2b ");
 }
 
 // AdamW, one 9B decoder layer's worth (218M parameters), fp32 gradients, each --optimizer-state's kernel. Bytes
@@ -217,7 +224,7 @@ int cmd_bench_ops(const std::string& only) {
   std::vector<Row> rows;
   cudaStream_t s = nullptr;
   if (!only.empty()) {
-    if (only == "loss") bench_loss(rows, s);
+    if (only == "loss") bench_loss_2b(rows, s);
     if (only == "adamw") bench_adamw(rows, s);
     print_rows(rows);
     return 0;
@@ -443,31 +450,9 @@ int cmd_bench_ops(const std::string& only) {
                       cast_bytes / (c2 * 1e-3) / kCopyBw});
     }
   }
-  {  // fused linear + cross-entropy, 16384 tokens x 4096 x 248320 vocab
-    DevBuf d;
-    const int64_t N = 16384, H = 4096, V = 248320;
-    bf16 *h = d.get<bf16>(N * H), *W = d.get<bf16>(V * H), *dh = d.get<bf16>(N * H);
-    float* dW = d.get<float>(V * H);
-    int32_t* tg = d.get<int32_t>(N);
-    double* loss = d.get<double>(2);
-    ops::LinearCeOptions opt;
-    opt.chunk_tokens = 2048;
-    opt.grad_scale = 1.0 / N;
-    void* scratch = d.get<char>(K::linear_cross_entropy_scratch_bytes(N, H, V, opt.chunk_tokens));
-    K::fill_uniform(h, N * H, 16, -1, 1, s);
-    K::fill_uniform(W, V * H, 17, -0.02f, 0.02f, s);
-    K::fill_uniform_int(tg, N, 18, static_cast<int32_t>(V), s);
-    size_t free0 = 0, total = 0;
-    DS_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
-    double f = time_ms([&] { K::linear_cross_entropy(h, W, tg, N, H, V, opt, loss, nullptr, nullptr, scratch, s); }, 1, 3);
-    double fb = time_ms([&] { K::linear_cross_entropy(h, W, tg, N, H, V, opt, loss, dh, dW, scratch, s); }, 1, 3);
-    double fl = 6.0 * N * H * V;
-    rows.push_back({"linear_cross_entropy", fmt::format("{}x{}x{}", N, H, V), f, fb,
-                    fmt::format("{:.0f} TFLOP/s; scratch {:.2f} GiB", fl / (fb * 1e-3) / 1e12,
-                                K::linear_cross_entropy_scratch_bytes(N, H, V, opt.chunk_tokens) / 1073741824.0),
-                    fl / (fb * 1e-3) / kGemmRate});
-  }
-  bench_loss(rows, s);
+  // fused linear + cross-entropy, 16384 tokens x 4096 x 248320 vocab, chunks of 2048
+  bench_loss(rows, s, 4096, false, {2048}, [](int64_t) { return std::string("linear_cross_entropy"); }, "");
+  bench_loss_2b(rows, s);
   bench_adamw(rows, s);
   print_rows(rows);
   return 0;

@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
 static_assert(q8_state::kBlock == 32 * 8, "a quantization block is one warp of 8 elements per lane");
 constexpr int kQ8WarpsPerCta = kThreads / 32;
 constexpr int64_t kQ8BlocksPerCta = 4 * kQ8WarpsPerCta;  // each warp takes 4 quantization blocks
-static_assert(kQ8BlocksPerCta == kPartialBlocks, "a partial (and a chunk_mask byte) is one CUDA block's work");
+static_assert(kQ8BlocksPerCta == q8_state::kPartialBlocks, "a partial (and a chunk_mask byte) is one CUDA block's work");
 __constant__ float c_q8_m_mag[128] = {DS_Q8_M_MAGNITUDES};
 __constant__ float c_q8_m_thr[127] = {DS_Q8_M_THRESHOLDS};
 __constant__ float c_q8_r_val[256] = {DS_Q8_R_VALUES};

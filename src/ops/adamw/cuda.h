@@ -71,7 +71,6 @@ void to_bf16(const float* x, ds::cuda::bf16* y, int64_t n, cudaStream_t stream);
 // fixed order (the same for fp32 and widened bf16 values of the same numbers). sum_partials adds `count`
 // consecutive partials in a fixed order (a function of count) into *out. A unit's gradient norm is its
 // parameters' partials, in parameter order, added by one sum_partials (model/gpu_params.h unit_sum_squares).
-inline constexpr int64_t kPartialBlocks = q8_state::kPartialBlocks;  // quantization blocks per partial
 int64_t sum_squares_partials_count(int64_t index0, int64_t n);
 void sum_squares_partials(const float* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream);
 void sum_squares_partials(const ds::cuda::bf16* x, int64_t n, int64_t index0, double* partials, cudaStream_t stream);

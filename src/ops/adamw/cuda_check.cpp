@@ -140,9 +140,12 @@ Result check_adamw_8bit(const AdamwCase& c) {
     Vec ma, va;
     auto tie() const { return std::tie(p, mq, vq, ma, va); }
   };
-  auto run = [&] {
+  auto reset = [&] {  // the weights and the state as they start
     DS_CUDA_CHECK(cudaMemcpyAsync(p_d.get(), p0.data(), p_d.bytes(), cudaMemcpyHostToDevice, ctx.s));
     ctx.upload(mq_d, mq0), ctx.upload(vq_d, vq0), ctx.upload(ma_d, ma0), ctx.upload(va_d, va0);
+  };
+  auto run = [&] {
+    reset();
     for (int s = 0; s < kSteps; ++s) {
       hp.step = c.hp.step + s;
       cuda::adamw_update_8bit(p_d.get(), g_d[static_cast<size_t>(s)].get(), mq_d.get(), vq_d.get(), ma_d.get(),
@@ -166,8 +169,7 @@ Result check_adamw_8bit(const AdamwCase& c) {
   DS_CUDA_CHECK(cudaMemsetAsync(fused.get(), 0xFF, fused.bytes(), ctx.s));  // NaN: a partial the update skips shows
   bool same_partials = true;
   double worst = 0;
-  DS_CUDA_CHECK(cudaMemcpyAsync(p_d.get(), p0.data(), p_d.bytes(), cudaMemcpyHostToDevice, ctx.s));
-  ctx.upload(mq_d, mq0), ctx.upload(vq_d, vq0), ctx.upload(ma_d, ma0), ctx.upload(va_d, va0);
+  reset();
   for (int s = 0; s < kSteps; ++s) {
     hp.step = c.hp.step + s;
     cuda::adamw_update_8bit(p_d.get(), g_d[static_cast<size_t>(s)].get(), mq_d.get(), vq_d.get(), ma_d.get(),
@@ -200,8 +202,7 @@ Result check_adamw_8bit(const AdamwCase& c) {
     Buf<uint8_t> mask_d = ctx.up(mask);
     Buf<float> zeros = ctx.up(Vec(static_cast<size_t>(n), 0.f), c.offset);
     auto steps = [&](bool split, bool null_grads) {
-      DS_CUDA_CHECK(cudaMemcpyAsync(p_d.get(), p0.data(), p_d.bytes(), cudaMemcpyHostToDevice, ctx.s));
-      ctx.upload(mq_d, mq0), ctx.upload(vq_d, vq0), ctx.upload(ma_d, ma0), ctx.upload(va_d, va0);
+      reset();
       DS_CUDA_CHECK(cudaMemsetAsync(fused.get(), 0xFF, fused.bytes(), ctx.s));
       for (int s = 0; s < kSteps; ++s) {
         hp.step = c.hp.step + s;
