@@ -601,6 +601,27 @@ TEST(LinearCeCpu, ChunkSizeDoesNotChangeResults) {
   EXPECT_LE(rel_l2(ra.dW, rb.dW), 1e-12);
 }
 
+// LinearCeOptions::dW_overwrite: dW (here full of 7s) becomes the gradient itself, bitwise what adding into zeros
+// gives; with no valid label it becomes zero (the GPU's own check: CudaOps.LinearCrossEntropy).
+TEST(LinearCeCpu, OverwriteIsTheGradientAddedIntoZeros) {
+  const int64_t N = 29, H = 8, V = 53;
+  const auto h = randn<double>(N * H, 91), W = randn<double>(V * H, 92);
+  std::vector<int32_t> labels(N);
+  for (int64_t n = 0; n < N; ++n) labels[n] = n % 5 == 2 ? -100 : static_cast<int32_t>((n * 7) % V);
+  LinearCeOptions opt;
+  opt.chunk_tokens = 4;
+  const auto added = run_ce<float>(h, W, labels, N, H, V, opt);
+  std::vector<float> dh(N * H), dW(V * H, 7.0f);
+  const auto hf = cast<float>(h), Wf = cast<float>(W);
+  opt.dW_overwrite = true;
+  linear_cross_entropy<float>(hf.data(), Wf.data(), labels.data(), N, H, V, opt, dh.data(), dW.data());
+  EXPECT_EQ(dW, added.dW);
+  std::vector<int32_t> none(N, -100);
+  std::fill(dW.begin(), dW.end(), 7.0f);
+  linear_cross_entropy<float>(hf.data(), Wf.data(), none.data(), N, H, V, opt, dh.data(), dW.data());
+  EXPECT_EQ(dW, std::vector<float>(V * H, 0.0f));
+}
+
 TEST(LinearCeCpu, FloatLargeVocabMatchesDouble) {
   // Exercises the vectorised exp and the blocked sums over a wide row, with a wide logit range.
   const int64_t N = 37, H = 16, V = 5003;

@@ -159,13 +159,16 @@ struct GpuModel::Impl {
     }
     slot_busy[s] = false;
     float* g = store->unit_grads(u);
-    if (!wgrad_overwrite || u == 0 || u + 1 >= units.size()) {  // the embedding and the head accumulate
+    // The embedding's rows are added into (embedding_backward); with wgrad_overwrite the loss writes lm_head's
+    // gradient (LinearCeOptions::dW_overwrite), tied (unit 0, begun before the loss) or not (the head unit).
+    if (!wgrad_overwrite || (u == 0 && !c.tie_word_embeddings)) {
       ProfScope ps = scope("optimizer", "zero a gradient slot", 0, static_cast<double>(units[u].size()) * sizeof(float));
       DS_CUDA_CHECK(cudaMemsetAsync(g, 0, units[u].size() * sizeof(float), stream));
       return;
     }
     // A layer: its matrices' wgrad GEMMs write their gradients; only the rest (norms, conv taps, A_log, dt_bias:
-    // kernels that add into their gradients) is zeroed, in runs of adjacent parameters.
+    // kernels that add into their gradients) is zeroed, in runs of adjacent parameters. The head: the final norm
+    // (lm_head, a matrix, written by the loss); a tied embedding's unit: nothing.
     ensure_units();
     ProfScope ps = scope("optimizer", "zero a gradient slot");
     const int64_t lo = units[u].lo;
@@ -1004,6 +1007,7 @@ struct GpuModel::Impl {
     ops::LinearCeOptions opt;
     opt.z_loss = z_loss;
     opt.grad_scale = grad_scale;
+    opt.dW_overwrite = wgrad_overwrite;  // lm_head's gradient written by the loss (begin_unit did not zero it)
     if (cap) capture(cap, mp);
     {
       // logits, and for the backward dh and dW: one GEMM of 2 N H V FLOPs each

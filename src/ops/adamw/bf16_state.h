@@ -76,11 +76,12 @@ DS_ADAM_HD float mul_rn(float a, float b) {
 DS_ADAM_HD float widen(uint16_t b) { return bits_f32(static_cast<uint32_t>(b) << 16); }
 
 // x rounded to bf16 bits, up with probability (x - down(x)) / spacing, given 16 uniform random bits r16.
+// Written as selects, so that the CUDA kernels keep no branch (and no reconvergence barrier) around it.
 DS_ADAM_HD uint16_t round_stochastic(float x, uint32_t r16) {
   const uint32_t u = f32_bits(x);
-  if ((u & 0x7f800000u) == 0x7f800000u)  // NaN (kept quiet) or infinity
-    return static_cast<uint16_t>((u & 0x007fffffu) ? ((u >> 16) | 0x0040u) : (u >> 16));
-  return static_cast<uint16_t>((u + (r16 & 0xffffu)) >> 16);
+  const uint32_t rounded = (u + (r16 & 0xffffu)) >> 16;  // no carry out of 32 bits: u <= 0xff7fffff when finite
+  const uint32_t special = (u & 0x007fffffu) ? ((u >> 16) | 0x0040u) : (u >> 16);  // NaN (kept quiet) or infinity
+  return static_cast<uint16_t>((u & 0x7f800000u) == 0x7f800000u ? special : rounded);
 }
 
 // The step's constants in fp32, computed on the host in double (as the fp32 AdamW).

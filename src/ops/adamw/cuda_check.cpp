@@ -2,6 +2,8 @@
 #include "ops/adamw/cuda_check.h"
 
 #ifdef DELTASTACK_CUDA
+#include <cmath>
+
 #include "core/bf16.h"
 #include "ops/adamw/cuda.h"
 #include "ops/adamw/q8_state.h"
@@ -102,22 +104,37 @@ Result check_adamw_8bit(const AdamwCase& c) {
   Result r;
   const int64_t n = c.n, index0 = 1000 + static_cast<int64_t>(c.seed);  // a partial first block
   r.what = "adamw 8-bit state n " + std::to_string(n) + " from flat index " + std::to_string(index0) +
-           (c.offset ? " offset " + std::to_string(c.offset) : "");
+           (c.offset ? " offset " + std::to_string(c.offset) : "") + (c.wide ? " wide" : "");
   Ctx ctx(c.seed);
   const int64_t nb = q8_state::num_blocks(index0, n);
   Bits p0(static_cast<size_t>(n));
   const Vec w = ctx.randn(n, 0.02);
   for (int64_t i = 0; i < n; ++i) p0[static_cast<size_t>(i)] = f32_to_bf16_bits(w[static_cast<size_t>(i)]);
   // The starting state: random moments quantized (the scales span decades), then `steps` updates with new gradients.
-  const Vec m_init = ctx.randn(n, 1e-3), v_init = ctx.uniform(n, 0, 1e-6);
+  Vec m_init = ctx.randn(n, 1e-3), v_init = ctx.uniform(n, 0, 1e-6);
+  std::vector<Vec> grads;
+  constexpr int kSteps = 3;
+  for (int s = 0; s < kSteps; ++s) grads.push_back(ctx.randn(n, s == 1 ? 1e-5 : 1e-3));
+  if (c.wide) {
+    Rng rng = ctx.rng();
+    std::vector<double> block_scale(static_cast<size_t>(nb));
+    for (double& x : block_scale) x = std::pow(10.0, -30.0 + 40.0 * rng.uniform());
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t e = static_cast<size_t>(i);
+      const int64_t blk = (index0 + i) / q8_state::kBlock - index0 / q8_state::kBlock;
+      const double sc = block_scale[static_cast<size_t>(blk)];
+      m_init[e] = blk % 7 == 3 ? 0.0f : static_cast<float>(m_init[e] * sc);
+      v_init[e] = blk % 7 == 3 ? 0.0f : static_cast<float>(v_init[e] * sc * sc);
+      for (Vec& g : grads)
+        g[e] = blk % 5 == 1 || rng.below(50) == 0 ? 0.0f
+                                                   : static_cast<float>(g[e] * std::pow(10.0, -25.0 + 35.0 * rng.uniform()));
+    }
+  }
   using U8 = std::vector<uint8_t>;
   U8 mq0(static_cast<size_t>(n)), vq0(mq0.size());
   Vec ma0(static_cast<size_t>(nb)), va0(ma0.size());
   quantize_moment_8bit(0, m_init.data(), n, index0, mq0.data(), ma0.data());
   quantize_moment_8bit(1, v_init.data(), n, index0, vq0.data(), va0.data());
-  constexpr int kSteps = 3;
-  std::vector<Vec> grads;
-  for (int s = 0; s < kSteps; ++s) grads.push_back(ctx.randn(n, s == 1 ? 1e-5 : 1e-3));
   Bits p = p0;
   U8 mq = mq0, vq = vq0;
   Vec ma = ma0, va = va0;

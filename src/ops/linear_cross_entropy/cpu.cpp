@@ -176,6 +176,7 @@ LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* label
   for (int64_t n = 0; n < N; ++n)
     if (logits_out || labels[n] != opt.ignore_index) rows.push_back(n);
   const int64_t R = static_cast<int64_t>(rows.size());
+  if (dW && opt.dW_overwrite) std::fill(dW, dW + V * H, T(0));  // then added into, as without the flag
   if (R == 0) return res;
 
   const bool want_grad = dh != nullptr || dW != nullptr;

@@ -10,7 +10,7 @@
 //      order; each tile is read into registers, the block synchronises, then writes: the bf16 bytes of tile t
 //      cover only fp32 elements of tiles <= t, which every thread has already read.
 //   3. dh_c = dlogits @ W (bf16 out, fp32 accumulation over V).
-//   4. dW += dlogits^T @ h_c (fp32, beta = 1; chunks in ascending order).
+//   4. dW += dlogits^T @ h_c (fp32, beta = 1; chunks in ascending order; the first at beta 0 with dW_overwrite).
 // Finally one block sums the per-token losses in a fixed order into loss_out (double).
 // Scratch: chunk * V fp32 logits + 2 * N doubles. No atomics anywhere: bitwise reproducible.
 //
@@ -293,6 +293,7 @@ void linear_cross_entropy(const bf16* h, const bf16* W, const int32_t* targets, 
   DS_CUDA_REQUIRE(loss_out != nullptr, "linear_cross_entropy: loss_out is null");
   if (N == 0) {
     DS_CUDA_CHECK(cudaMemsetAsync(loss_out, 0, 2 * sizeof(double), stream));
+    if (dW && opt.dW_overwrite) DS_CUDA_CHECK(cudaMemsetAsync(dW, 0, static_cast<size_t>(V * H) * sizeof(float), stream));
     return;
   }
   DS_CUDA_REQUIRE(h != nullptr && W != nullptr && targets != nullptr && scratch != nullptr,
@@ -335,6 +336,7 @@ void linear_cross_entropy(const bf16* h, const bf16* W, const int32_t* targets, 
   for (int64_t r0 = 0; r0 < N; r0 += L.chunk) {
     const int64_t cn = std::min(L.chunk, N - r0);
     const bf16* hc = h + r0 * H;
+    const float dW_beta = r0 == 0 && opt.dW_overwrite ? 0.0f : 1.0f;  // opt.dW_overwrite: the first chunk writes dW
     gemm(false, true, cn, V, H, 1.0f, hc, H, W, H, 0.0f, S, true, V, stream);
     if (f8)
       ce_rows_kernel<true, true><<<static_cast<unsigned>(cn), kRowThreads, 0, stream>>>(
@@ -356,12 +358,13 @@ void linear_cross_entropy(const bf16* h, const bf16* W, const int32_t* targets, 
       if (dW) {
         fp8_transpose(dq, cn, V, 4 * V, dlt, c16, stream);
         gemm_fp8(Fp8Matrix{dlt, V, c16, c16, Fp8Format::E5M2, at(kScaleDl)},
-                 Fp8Matrix{ht + r0, H, c16, L.n16, Fp8Format::E4M3, at(kScaleH)}, dW, true, H, 1.0f, false, stream);
+                 Fp8Matrix{ht + r0, H, c16, L.n16, Fp8Format::E4M3, at(kScaleH)}, dW, true, H, dW_beta, false,
+                 stream);
       }
       continue;
     }
     if (dh) gemm(false, false, cn, H, V, 1.0f, dl, 2 * V, W, H, 0.0f, dh + r0 * H, false, H, stream);
-    if (dW) gemm(true, false, V, H, cn, 1.0f, dl, 2 * V, hc, H, 1.0f, dW, true, H, stream);
+    if (dW) gemm(true, false, V, H, cn, 1.0f, dl, 2 * V, hc, H, dW_beta, dW, true, H, stream);
   }
   ce_reduce_kernel<<<1, kReduceThreads, 0, stream>>>(loss_tok, z_tok, N, loss_out);
   DS_CUDA_LAUNCH_CHECK();

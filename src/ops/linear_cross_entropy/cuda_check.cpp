@@ -77,6 +77,18 @@ Result check_linear_cross_entropy(const LinearCeCase& c) {
     r.exact("dh is the FP8 path's: rel. L2 " + std::to_string(off) + " >= 2e-3 from the exact dh", off >= 2e-3);
   }
   if (c.twice) r.exact("two runs bitwise equal", same_runs(a, run()));
+  if (c.dW) {  // LinearCeOptions::dW_overwrite: into a NaN-poisoned dW, bitwise the gradient added into zeros
+    auto dW_of = [&](bool overwrite) {
+      LinearCeOptions o = opt;
+      o.dW_overwrite = overwrite;
+      if (overwrite) ctx.poison(dW_d);
+      else ctx.upload(dW_d, Vec(static_cast<size_t>(V * H), 0.f));
+      cuda::linear_cross_entropy(h_d.get(), W_d.get(), t_d.get(), N, H, V, o, loss_d.get(), dh_d.get(), dW_d.get(),
+                                 scratch.get(), ctx.s);
+      return ctx.down(dW_d);
+    };
+    r.exact("dW overwritten (dW_overwrite) bitwise dW added into zeros", same_bits(dW_of(true), dW_of(false)));
+  }
   return r;
 }
 

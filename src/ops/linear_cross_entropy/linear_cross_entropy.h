@@ -19,6 +19,10 @@ struct LinearCeOptions {
   // softmax stay as in the exact mode, so the loss value is unchanged. Needs z_loss == 0 (ds::Error otherwise:
   // the z-loss factor 1 + 2 z lse breaks the bound).
   bool fp8_grads = false;
+  // dW = the weight gradient instead of dW += it (the first chunk's GEMM writes, beta 0; every element is written,
+  // also when no label is valid): the caller need not zero dW first (the GPU model's in-backward slots,
+  // model/gpu_model.cpp wgrad_overwrite). The same values as zeroing dW and adding.
+  bool dW_overwrite = false;
 };
 
 struct LinearCeResult {
@@ -29,7 +33,8 @@ struct LinearCeResult {
 
 // h: [N, H]; W: [V, H]; labels: [N] int32 in [0, V) or ignore_index (else ds::Error). opt.fp8_grads: T = float
 // only (ds::Error for double).
-// dh: [N, H] overwritten (null: skip); dW: [V, H] accumulated (null: skip). Deterministic.
+// dh: [N, H] overwritten (null: skip); dW: [V, H] accumulated, or overwritten with opt.dW_overwrite (null: skip).
+// Deterministic.
 // logits_out: [N, V] (optional, null = not kept): the raw logits, for tools that must write them.
 template <typename T>
 LinearCeResult linear_cross_entropy(const T* h, const T* W, const int32_t* labels, int64_t N, int64_t H, int64_t V,
