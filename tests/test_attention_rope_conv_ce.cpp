@@ -602,7 +602,8 @@ TEST(LinearCeCpu, ChunkSizeDoesNotChangeResults) {
 }
 
 // LinearCeOptions::dW_overwrite: dW (here full of 7s) becomes the gradient itself, bitwise what adding into zeros
-// gives; with no valid label it becomes zero (the GPU's own check: CudaOps.LinearCrossEntropy).
+// gives; with no valid label it becomes zero (the GPU's check of the first: ops/linear_cross_entropy/cuda_check.cpp,
+// run by CudaLinearCrossEntropy.* and the probe).
 TEST(LinearCeCpu, OverwriteIsTheGradientAddedIntoZeros) {
   const int64_t N = 29, H = 8, V = 53;
   const auto h = randn<double>(N * H, 91), W = randn<double>(V * H, 92);

@@ -135,8 +135,9 @@ struct GpuModel::Impl {
   bool side_unjoined = false;  // work issued on `side` (reduces, an update) that `stream` has not joined yet
   bool reduce_issued = false;  // the armed backward handed its units to `reduce` (join_reduce reports it)
   // Gradients::InBackward (model/gpu_params.h: the slots): the armed pass (arm_in_backward) and, for an updating
-  // one, its AdamW parameters. begin_unit(u) readies unit u's slot before the unit's first gradient is added (the
-  // update that last read the slot done, the slot zeroed); unit_final(u) takes the unit's sum of squares and
+  // one, its AdamW parameters. begin_unit(u) readies unit u's slot before the unit's first gradient is made (the
+  // update that last read the slot done, the parts that kernels add into zeroed: all of it without
+  // wgrad_overwrite); unit_final(u) takes the unit's sum of squares and
   // enqueues its update on `side`, recording `updated[u]` (the next forward waits for it there) and
   // `slot_free[slot]` (the slot's next unit waits for it in begin_unit).
   bool in_backward() const { return store->gradients() == Gradients::InBackward; }
@@ -170,6 +171,9 @@ struct GpuModel::Impl {
     // kernels that add into their gradients) is zeroed, in runs of adjacent parameters. The head: the final norm
     // (lm_head, a matrix, written by the loss); a tied embedding's unit: nothing.
     ensure_units();
+    bool any = false;
+    for (size_t k = unit_params[u].first; k < unit_params[u].second; ++k) any = any || !is_matrix(params[k]);
+    if (!any) return;  // nothing to zero: no empty profiler scope
     ProfScope ps = scope("optimizer", "zero a gradient slot");
     const int64_t lo = units[u].lo;
     int64_t run_lo = -1, run_hi = -1;
@@ -187,9 +191,10 @@ struct GpuModel::Impl {
     }
     flush();
   }
-  // This backward's matrix wgrad GEMMs write their gradients (beta 0) instead of adding to zeroed ones: in a slotted
-  // mode's every backward (each unit's slot holds one micro-batch; its layers' matrices are then not zeroed) and in
-  // the flat buffer's first backward after zero_grads. Bitwise the same values (CudaEngine.InBackwardUpdateIsTheFp32Step).
+  // This backward's matrix wgrad GEMMs write their gradients (beta 0) instead of adding to zeroed ones, and so does
+  // the loss for lm_head's (tied or not; LinearCeOptions::dW_overwrite): in a slotted mode's every backward (each
+  // unit's slot holds one micro-batch; its matrices are then not zeroed) and in the flat buffer's first backward
+  // after zero_grads. Bitwise the same values (CudaEngine.InBackwardUpdateIsTheFp32Step).
   // DELTASTACK_WGRAD_OVERWRITE=0 (an A/B knob; docs/gpu.md, ninth and eleventh sessions): zero, then add.
   bool wgrad_overwrite = false;
   int64_t backwards_since_zero = 0;

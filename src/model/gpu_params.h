@@ -79,7 +79,7 @@ class GpuParamStore {
   struct Layer {
     LayerParams<const bf16*> compute;  // GEMM operands
     LayerParams<const float*> master;  // norm weights, conv taps, A_log, dt_bias (read in fp32)
-    LayerParams<float*> grad;          // accumulated (+=) by the backward
+    LayerParams<float*> grad;          // made by the backward (model/gpu_model.cpp wgrad_overwrite: written or added)
   };
   struct Model {
     ModelParams<const bf16*> compute;
@@ -120,7 +120,8 @@ class GpuParamStore {
   // buffer's range and slot 0 in Fp32).
   float* unit_grads(size_t u) const { return g_ + grad_at(units_[u].lo); }
   int slot_of(size_t u) const { return unit_slot_[u]; }
-  // Whether the backward makes each unit's gradients in a slot (InBackward, Bf16): zeroed before its first kernel.
+  // Whether the backward makes each unit's gradients in a slot (InBackward, Bf16), readied before its first kernel
+  // (model/gpu_model.cpp begin_unit).
   bool slotted() const { return gradients_ != Gradients::Fp32; }
   // Gradients::Bf16: the bf16 gradient buffer [P_pad] (flat; null in the other modes), parameter k's part of it,
   // and unit u's slot added into its range with stochastic rounding (ops/adamw/cuda.h accumulate_grad_bf16; key:

@@ -22,9 +22,10 @@ struct AdamwCase {
   AdamWParams hp{3e-4, 0.9, 0.95, 1e-8, 0.1, 17, 0.7};
   uint64_t seed = 1;
   bool twice = true;
-  // check_adamw_8bit only: moments and gradients scaled per block and element over 40 decades (1e-30 .. 1e10 of
-  // their std), every 7th block's starting state zero, every 5th block's gradients zero in every step, 1 in 50
-  // gradients exactly zero: zero, tiny and huge operands of the update's square root and divisions.
+  // check_adamw_8bit only: the starting moments scaled per block by 1e-30 .. 1e10 (v by its square, so the
+  // smallest underflow to 0 while m does not), the gradients per element by 1e-25 .. 1e10, every 7th block's
+  // starting state zero, every 5th block's gradients zero in every step, 1 in 50 gradients exactly zero: zero,
+  // tiny and huge operands of the update's square root and divisions.
   bool wide = false;
 };
 check::Result check_adamw(const AdamwCase& c);

@@ -1,6 +1,7 @@
 // Fused linear + cross-entropy on the GPU (math of linear_cross_entropy.h): walks the tokens in chunks, each
 // chunk's logits [chunk, V] computed by cuBLASLt in fp32, turned in place into grad_scale * dlogits (bf16), then
-// dh = dlogits @ W and dW += dlogits^T @ h. The [N, V] logits never exist. Deterministic.
+// dh = dlogits @ W and dW += dlogits^T @ h (the first chunk's dW = with LinearCeOptions::dW_overwrite). The [N, V]
+// logits never exist. Deterministic.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -19,7 +20,7 @@ size_t linear_cross_entropy_scratch_bytes(int64_t N, int64_t H, int64_t V, int64
 std::string linear_cross_entropy_fp8_unsupported(int64_t H, int64_t V, int64_t chunk_tokens);
 // h: bf16 [N, H]; W: bf16 [V, H]; targets: int32 [N] (device, -100 = ignore; validated on the host).
 // loss_out: fp64 device [2] = {sum of per-token losses, sum of z-loss parts}. dh: bf16 [N, H] (null: forward
-// only); dW: fp32 [V, H] accumulated (null: skip). opt.grad_scale multiplies the gradients. opt.fp8_grads: dh and dW
+// only); dW: fp32 [V, H] accumulated, or overwritten with opt.dW_overwrite (null: skip). opt.grad_scale multiplies the gradients. opt.fp8_grads: dh and dW
 // by FP8 GEMMs (cuda.cu; ds::cuda error where linear_cross_entropy_fp8_unsupported or z_loss != 0); the scratch
 // must then be linear_cross_entropy_scratch_bytes(..., true).
 void linear_cross_entropy(const ds::cuda::bf16* h, const ds::cuda::bf16* W, const int32_t* targets, int64_t N,

@@ -13,7 +13,8 @@ namespace ds::ops {
 // first token always), the last token the last vocabulary row; z-loss 1e-4, mean reduction (grad_scale
 // 1 / valid tokens), chunks of chunk_tokens. Values: loss sum, z-loss sum (band 1e-4), the forward-only call
 // (no dh / dW) giving the same loss bitwise, dh (gradient band), dW (fp32, accumulated onto a random start;
-// gradient band); with twice, two runs bitwise equal. fp8: the FP8 lm head (LinearCeOptions::fp8_grads; z-loss
+// gradient band); with twice, two runs bitwise equal; with dW, LinearCeOptions::dW_overwrite into a NaN-poisoned dW
+// bitwise the gradient added into zeros. fp8: the FP8 lm head (LinearCeOptions::fp8_grads; z-loss
 // 0) against the CPU's emulation of its casts, and its dh at least 2e-3 (rel. L2) away from the exact dh, so a run
 // that ignored the option fails; H, V and chunk_tokens multiples of 16.
 struct LinearCeCase {

@@ -1,6 +1,7 @@
 // The fused linear + cross-entropy on CUDA (ops/linear_cross_entropy/cuda.h) as an op plan: its scratch is sized
 // once for the largest micro-batch, and the chunk size is the plan's. h: bf16 [N, H]; W: bf16 [V, H]; targets:
-// int32 [N] (-100 = ignore); loss: fp64 device [2]; dh: bf16 [N, H] or null; dW: fp32 [V, H] accumulated or null.
+// int32 [N] (-100 = ignore); loss: fp64 device [2]; dh: bf16 [N, H] or null; dW: fp32 [V, H] accumulated (or
+// overwritten: LinearCeOptions::dW_overwrite) or null.
 #pragma once
 #include <cuda_runtime.h>
 
