@@ -203,7 +203,7 @@ TEST(Chat, ErrorsNameFileLineAndField) {
 
 // encode_with_offsets gives encode's ids and byte ranges that tile the text, also where NFC changes it.
 TEST(Chat, TokenizerOffsets) {
-  for (const std::string text : {std::string("Hello, world!\n\n  x"), std::string("梯度🙂 ok"),
+  for (const std::string& text : {std::string("Hello, world!\n\n  x"), std::string("梯度🙂 ok"),
                                  std::string("<|im_start|>user\nhi<|im_end|>\n"),
                                  std::string("cafe\xCC\x81\nnext line\ne\xCC\x81")}) {  // decomposed é: NFC changes it
     SCOPED_TRACE(text);

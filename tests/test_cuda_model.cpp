@@ -260,7 +260,9 @@ TEST(CudaEngine, RecomputePoliciesAreBitwiseEqual) {
     EXPECT_EQ(part.loss, sel.loss) << what;
     EXPECT_TRUE(part.grads == sel.grads) << what;
     EXPECT_GT(part.bytes, mlp.bytes) << what;
-    if (kept == 0) EXPECT_LE(part.bytes, sel.bytes) << what;
+    if (kept == 0) {
+      EXPECT_LE(part.bytes, sel.bytes) << what;
+    }
   }
   // Full with layers rebuilding only mlp's activations (GpuPlan::mlp_layers) after the kept ones: one kept and one
   // mlp (both mixer kinds' full layers after them), two mlp, all but the last mlp (the last layer runs full and

@@ -209,7 +209,9 @@ TEST(Plot, OnePolylinePerRunPerPanel) {
         EXPECT_LE(pts[k].first, x1 + 1e-9);
         EXPECT_GE(pts[k].second, y0 - 1e-9);
         EXPECT_LE(pts[k].second, y1 + 1e-9);
-        if (k) EXPECT_GT(pts[k].first, pts[k - 1].first);  // steps ascend
+        if (k) {
+          EXPECT_GT(pts[k].first, pts[k - 1].first);  // steps ascend
+        }
       }
     }
     if (metrics[m] == "loss") {

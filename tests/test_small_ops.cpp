@@ -228,9 +228,10 @@ TEST(CpuBlas, OverrideOnlyAnOlderLibraryChoiceAndNeverTheUsers) {
   __builtin_cpu_init();
   const std::string want = ds::blas_coretype_for_cpu();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512vl"))
+      __builtin_cpu_supports("avx512vl")) {
     EXPECT_EQ(want, "SkylakeX");
-  else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
     EXPECT_EQ(want, "Haswell");
+  }
   EXPECT_FALSE(ds::blas_corename().empty());
 }

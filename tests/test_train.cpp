@@ -119,7 +119,9 @@ TEST(Data, ReadersAndErrors) {
       ADD_FAILURE() << f;
     } catch (const ds::Error& e) {
       EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
-      if (f == "blank.jsonl") EXPECT_NE(std::string(e.what()).find("blank.jsonl:2: empty line"), std::string::npos);
+      if (f == "blank.jsonl") {
+        EXPECT_NE(std::string(e.what()).find("blank.jsonl:2: empty line"), std::string::npos);
+      }
     }
   }
   fs::remove_all(dir);
@@ -318,7 +320,9 @@ TEST(Train, GradientsInBackwardIsTheFp32Step) {
     ASSERT_EQ(la.size(), 4u);
     EXPECT_EQ(la, lb);
     EXPECT_EQ(na, nb);
-    if (std::string(extra).find("0.05") != std::string::npos) EXPECT_GT(na[1], 0.05);  // clipping was active
+    if (std::string(extra).find("0.05") != std::string::npos) {
+      EXPECT_GT(na[1], 0.05);  // clipping was active
+    }
     EXPECT_EQ(ds::read_file(dir + "/a/checkpoint-4/model.safetensors"),
               ds::read_file(dir + "/b/checkpoint-4/model.safetensors"));
     EXPECT_EQ(ds::read_file(dir + "/a/checkpoint-4/optimizer.safetensors"),
@@ -383,8 +387,11 @@ TEST(Train, GradientsInBackwardStepWithoutTargets) {
     const auto no_targets = std::count_if(sa.begin(), sa.end(), [](auto& s) { return s.first == 0.0; });
     ASSERT_GE(no_targets, 2) << "the data should give steps without targets";
     ASSERT_LT(no_targets, 9) << "and steps with targets";
-    for (const auto& s : sa)
-      if (s.first == 0.0) EXPECT_EQ(s.second, 0.0);
+    for (const auto& s : sa) {
+      if (s.first == 0.0) {
+        EXPECT_EQ(s.second, 0.0);
+      }
+    }
     EXPECT_EQ(sa, sb);
     for (const char* f : {"/checkpoint-10/model.safetensors", "/checkpoint-10/optimizer.safetensors"})
       EXPECT_TRUE(ds::read_file(dir + "/a" + f) == ds::read_file(dir + "/b" + f)) << f;
