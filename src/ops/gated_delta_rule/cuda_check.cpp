@@ -131,7 +131,8 @@ Result check_gated_delta_rule(const GatedDeltaRuleCase& c) {
 // Each size is its own kernel instantiation.
 std::vector<GatedDeltaRuleCase> gated_delta_rule_probe_cases() {
   auto case_of = [](int64_t Hk, int64_t dim) {  // v and dv inside [N, q | k | v] rows: column 2 Hk dk
-    GatedDeltaRuleCase c{.lens = {1, 70, 0, 130}, .Hk = Hk, .ratio = 2, .dk = dim, .dv = dim, .twice = false};
+    GatedDeltaRuleCase c;  // the defaults (ops/gated_delta_rule/cuda_check.h), then:
+    c.lens = {1, 70, 0, 130}, c.Hk = Hk, c.ratio = 2, c.dk = c.dv = dim, c.twice = false;
     c.v_col = c.dv_col = 2 * Hk * dim, c.v_pad = c.dv_pad = 0;
     return c;
   };
@@ -144,7 +145,8 @@ double probe_cuda_gated_delta_rule() {
 
 std::vector<GatedDeltaRuleCase> gated_delta_rule_chunked_probe_cases() {
   auto case_of = [](std::vector<int> lens, int64_t ratio, double g_lo) {
-    GatedDeltaRuleCase c{.lens = std::move(lens), .Hk = 1, .ratio = ratio, .dk = 128, .dv = 128, .g_lo = g_lo};
+    GatedDeltaRuleCase c;  // the defaults (ops/gated_delta_rule/cuda_check.h), then:
+    c.lens = std::move(lens), c.Hk = 1, c.ratio = ratio, c.dk = c.dv = 128, c.g_lo = g_lo;
     c.v_col = c.dv_col = 2 * 128, c.v_pad = c.dv_pad = 0;  // v, dv inside [N, q | k | v] rows, as in the model
     c.twice = false;
     c.backend = "cuda-chunked";
