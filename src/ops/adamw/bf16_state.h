@@ -76,7 +76,7 @@ DS_ADAM_HD float mul_rn(float a, float b) {
 DS_ADAM_HD float widen(uint16_t b) { return bits_f32(static_cast<uint32_t>(b) << 16); }
 
 // x rounded to bf16 bits, up with probability (x - down(x)) / spacing, given 16 uniform random bits r16.
-// Written as selects, so that the CUDA kernels keep no branch (and no reconvergence barrier) around it.
+// Written as selects (an early return for NaN and infinity before; the same values for every x and r16).
 DS_ADAM_HD uint16_t round_stochastic(float x, uint32_t r16) {
   const uint32_t u = f32_bits(x);
   const uint32_t rounded = (u + (r16 & 0xffffu)) >> 16;  // no carry out of 32 bits: u <= 0xff7fffff when finite
