@@ -24,10 +24,10 @@ void GpuActivations::reserve(Arena& a, const ModelConfig& c, const Sizes& s) {
   b.cos_t = a.take<float>(N * c.rotary_dim() / 2);
   b.sin_t = a.take<float>(N * c.rotary_dim() / 2);
   b.loss = a.take<double>(2);
-  // The embedding's update split (model/gpu_model.cpp): a byte per chunk of 8192 elements (q8_state.h num_chunks):
-  // V H / 8192 whole ones, one for a partial last chunk and one for a start that is not a multiple of 256.
-  constexpr int64_t kChunk = ops::q8_state::kBlock * ops::q8_state::kPartialBlocks;
-  b.emb_chunks = a.take<uint8_t>(static_cast<size_t>(c.vocab_size * c.hidden_size / kChunk + 2));
+  // The embedding's update split (model/gpu_model.cpp): a byte per chunk of its update (q8_state.h num_chunks), at
+  // the most chunks any start can give (a start one element short of a 256-element block boundary).
+  b.emb_chunks = a.take<uint8_t>(
+      static_cast<size_t>(ops::q8_state::num_chunks(ops::q8_state::kBlock - 1, c.vocab_size * c.hidden_size)));
   a.use = MemoryUse::Workspace;
   b.gdn_batch = s.gdn_batch ? a.bytes(s.gdn_batch) : nullptr;
   b.attn_batch = s.attn_batch ? a.bytes(s.attn_batch) : nullptr;

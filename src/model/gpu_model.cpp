@@ -171,25 +171,17 @@ struct GpuModel::Impl {
     // kernels that add into their gradients) is zeroed, in runs of adjacent parameters. The head: the final norm
     // (lm_head, a matrix, written by the loss); a tied embedding's unit: nothing.
     ensure_units();
-    bool any = false;
-    for (size_t k = unit_params[u].first; k < unit_params[u].second; ++k) any = any || !is_matrix(params[k]);
-    if (!any) return;  // nothing to zero: no empty profiler scope
-    ProfScope ps = scope("optimizer", "zero a gradient slot");
-    const int64_t lo = units[u].lo;
-    int64_t run_lo = -1, run_hi = -1;
-    auto flush = [&] {
-      if (run_lo >= 0)
-        DS_CUDA_CHECK(cudaMemsetAsync(g + (run_lo - lo), 0, static_cast<size_t>(run_hi - run_lo) * sizeof(float), stream));
-      run_lo = run_hi = -1;
-    };
+    std::vector<std::pair<int64_t, int64_t>> runs;  // [first, end) flat offsets of adjacent non-matrix parameters
     for (size_t k = unit_params[u].first; k < unit_params[u].second; ++k) {
       const ParamSpec& p = params[k];
       if (is_matrix(p)) continue;
-      if (p.offset != run_hi) flush();
-      if (run_lo < 0) run_lo = p.offset;
-      run_hi = p.offset + p.numel;
+      if (!runs.empty() && runs.back().second == p.offset) runs.back().second += p.numel;
+      else runs.emplace_back(p.offset, p.offset + p.numel);
     }
-    flush();
+    if (runs.empty()) return;  // nothing to zero: no empty profiler scope
+    ProfScope ps = scope("optimizer", "zero a gradient slot");
+    for (const auto& [first, end] : runs)
+      DS_CUDA_CHECK(cudaMemsetAsync(g + (first - units[u].lo), 0, static_cast<size_t>(end - first) * sizeof(float), stream));
   }
   // This backward's matrix wgrad GEMMs write their gradients (beta 0) instead of adding to zeroed ones, and so does
   // the loss for lm_head's (tied or not; LinearCeOptions::dW_overwrite): in a slotted mode's every backward (each

@@ -304,15 +304,16 @@ __global__ void __launch_bounds__(kThreads)
       }
       am = Q::block_scale(am);
       ar = Q::block_scale(ar);
+      auto encode_m = [&](float m) { return kSearch ? Q::encode_m(Q::normalized(m, am), tab)
+                                                    : Q::encode_m(Q::normalized(m, am), tab, bt); };
+      auto encode_r = [&](float r) { return kSearch ? Q::encode_r(Q::normalized(r, ar), tab)
+                                                    : Q::encode_r(Q::normalized(r, ar), tab, bt); };
       if (vec) {
         uint32_t cm[2] = {0, 0}, cv[2] = {0, 0};
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          const float xm = Q::normalized(mm[j], am), xr = Q::normalized(rr[j], ar);
-          const uint8_t em = kSearch ? Q::encode_m(xm, tab) : Q::encode_m(xm, tab, bt);
-          const uint8_t er = kSearch ? Q::encode_r(xr, tab) : Q::encode_r(xr, tab, bt);
-          cm[j >> 2] |= static_cast<uint32_t>(em) << (8 * (j & 3));
-          cv[j >> 2] |= static_cast<uint32_t>(er) << (8 * (j & 3));
+          cm[j >> 2] |= static_cast<uint32_t>(encode_m(mm[j])) << (8 * (j & 3));
+          cv[j >> 2] |= static_cast<uint32_t>(encode_r(rr[j])) << (8 * (j & 3));
         }
         *reinterpret_cast<uint2*>(m_code + i0) = make_uint2(cm[0], cm[1]);
         *reinterpret_cast<uint2*>(v_code + i0) = make_uint2(cv[0], cv[1]);
@@ -320,11 +321,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const int64_t i = i0 + j;
-          if (i >= 0 && i < n) {
-            const float xm = Q::normalized(mm[j], am), xr = Q::normalized(rr[j], ar);
-            m_code[i] = kSearch ? Q::encode_m(xm, tab) : Q::encode_m(xm, tab, bt);
-            v_code[i] = kSearch ? Q::encode_r(xr, tab) : Q::encode_r(xr, tab, bt);
-          }
+          if (i >= 0 && i < n) m_code[i] = encode_m(mm[j]), v_code[i] = encode_r(rr[j]);
         }
       }
       if (lane == 0) m_absmax[b] = am, v_absmax[b] = ar;
